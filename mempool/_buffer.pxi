@@ -1,0 +1,1 @@
+# The DLPack bridge: mempool.Buffer (see docs/architecture.md).

@@ -1,0 +1,11 @@
+# cython: language_level=3
+"""The compiled core of mempool: the Pool class over the C data plane, and its devices.
+
+Split by concern into include files: _pool.pxi (the Pool), _devices.pxi (the simulated and
+host devices' test controls), _buffer.pxi (the DLPack bridge), _torch.pxi (the PyTorch
+pluggable allocator's registry).
+"""
+include "_pool.pxi"
+include "_devices.pxi"
+include "_buffer.pxi"
+include "_torch.pxi"

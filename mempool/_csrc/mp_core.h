@@ -1,0 +1,175 @@
+/* The allocator core: the C data plane behind mempool.Pool.
+ *
+ * Vocabulary: an upstream gives segments; a segment is split into blocks; free blocks live in
+ * per-stream free lists. Sizes are bytes. Every function returns an MP_* code from
+ * mp_upstream.h and never needs the GIL; each takes the pool's own lock (the caller must not
+ * hold it). See docs/architecture.md for the policies and the stream contract.
+ */
+#ifndef MP_CORE_H
+#define MP_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "mp_upstream.h"
+
+#define MP_MIN_BLOCK ((size_t)512)
+#define MP_SMALL_SIZE ((size_t)1 << 20)          /* requests up to this use the small lists */
+#define MP_SMALL_SEGMENT ((size_t)2 << 20)       /* segment size for small requests */
+#define MP_LARGE_SEGMENT ((size_t)20 << 20)      /* segment size for requests < 10 MiB */
+#define MP_MIN_LARGE_ALLOC ((size_t)10 << 20)
+#define MP_LARGE_ROUND ((size_t)2 << 20)         /* larger requests round to this */
+#define MP_LARGE_BUFFER ((size_t)20 << 20)       /* oversize blocks may serve up to this much
+                                                    beyond a request (PyTorch's kLargeBuffer) */
+#define MP_MAX_ALLOC ((size_t)1 << 62)           /* larger requests are refused outright */
+#define MP_UNLIMITED SIZE_MAX
+#define MP_ROUNDUP_INTERVALS 16                  /* 1 MiB .. 64 GiB, one per power of two */
+
+typedef struct mp_config {
+    /* Power-of-two rounding divisions per size interval (index 0: < 2 MiB, i: [2^i, 2^(i+1))
+     * MiB, last: >= 32 GiB), as PyTorch's roundup_power2_divisions; 0 or 1 = plain 512 B. */
+    size_t roundup_divisions[MP_ROUNDUP_INTERVALS];
+    size_t max_split_size;       /* MP_UNLIMITED = split every block */
+    int cross_stream_reuse;      /* take other streams' free blocks through an event wait */
+    size_t release_threshold;    /* cached bytes kept; MP_UNLIMITED = keep all */
+    size_t limit;                /* cap on reserved bytes; MP_UNLIMITED = none */
+    size_t initial_pool_size;    /* reserved at creation and never released automatically */
+    double gc_threshold;         /* 0 = off; else fraction of limit (or capacity) */
+    int expandable_segments;
+    size_t expandable_reserve;   /* address space per expandable segment; 0 = from capacity */
+} mp_config;
+
+void mp_config_default(mp_config *cfg);
+
+enum { MP_STAT_ALL = 0, MP_STAT_SMALL = 1, MP_STAT_LARGE = 2, MP_STAT_TYPES = 3 };
+
+typedef struct mp_stat {
+    int64_t current, peak, allocated, freed;
+} mp_stat;
+
+/* Counters with the meaning of PyTorch's memory_stats() key families. */
+typedef struct mp_stats {
+    mp_stat allocation[MP_STAT_TYPES];        /* allocated blocks */
+    mp_stat segment[MP_STAT_TYPES];           /* segments reserved from the upstream */
+    mp_stat active[MP_STAT_TYPES];            /* allocated + pending-free blocks */
+    mp_stat inactive_split[MP_STAT_TYPES];    /* free blocks that are part of a split segment */
+    mp_stat allocated_bytes[MP_STAT_TYPES];
+    mp_stat reserved_bytes[MP_STAT_TYPES];
+    mp_stat active_bytes[MP_STAT_TYPES];
+    mp_stat inactive_split_bytes[MP_STAT_TYPES];
+    mp_stat requested_bytes[MP_STAT_TYPES];
+    mp_stat oversize_allocations;             /* allocations >= max_split_size */
+    mp_stat oversize_segments;
+    mp_stat mapped_bytes;                     /* expandable segments: physically backed */
+    mp_stat va_reserved_bytes;                /* expandable segments: address space */
+    uint64_t num_alloc_retries;
+    uint64_t num_ooms;
+    uint64_t num_sync_all_streams;
+    uint64_t num_device_alloc;
+    uint64_t num_device_free;
+    uint64_t num_cross_stream_reuse;          /* blocks taken from another stream */
+    uint64_t num_event_waits;
+} mp_stats;
+
+typedef struct mp_pool mp_pool;
+
+/* Create a pool over `up` (copied; the pool owns it and calls up->destroy at the end).
+ * Fails with MP_EINVAL for an inconsistent config, MP_ENOMEM when initial_pool_size cannot
+ * be reserved (the upstream is then destroyed too). */
+int mp_pool_create(const mp_config *cfg, const mp_upstream *up, mp_pool **out);
+/* Free every cached segment and event and the pool itself. Live blocks are released with
+ * their segments: call only when nothing uses the pool's memory. */
+void mp_pool_destroy(mp_pool *p);
+/* Reference counting, for owners that outlive the Python Pool object (DLPack capsules, the
+ * torch allocator table): mp_pool_create returns one reference; mp_pool_release drops one
+ * and destroys the pool at zero. Both are safe from any thread, without the GIL. */
+void mp_pool_retain(mp_pool *p);
+void mp_pool_release(mp_pool *p);
+
+int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
+/* Free a live block. `stream` is where it was last used when has_stream, else the stream it
+ * was allocated on (or last freed to). MP_ENOTFOUND / MP_EINTERIOR / MP_EDOUBLEFREE for a
+ * pointer that is not the start of a live block; nothing changes then. */
+int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream);
+/* Declare that a live block is used on `stream` too: at free it waits for that stream. */
+int mp_record_stream(mp_pool *p, uintptr_t ptr, uintptr_t stream);
+/* Size and stream of a live block (MP_ENOTFOUND otherwise). */
+int mp_block_info(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested,
+                  uintptr_t *stream);
+
+/* Release cached memory: every idle segment (empty_cache), or oldest first down to `keep`
+ * cached bytes (trim). Pinned (initial_pool_size) memory stays. */
+int mp_empty_cache(mp_pool *p);
+int mp_trim(mp_pool *p, size_t keep);
+
+size_t mp_round_size(const mp_config *cfg, size_t nbytes);
+size_t mp_segment_size(size_t rounded);
+/* The block size class that free lists bin by (exposed for tests). */
+uint32_t mp_size_class(size_t nbytes);
+
+void mp_get_stats(mp_pool *p, mp_stats *out);
+void mp_reset_peak_stats(mp_pool *p);
+void mp_reset_accumulated_stats(mp_pool *p);
+size_t mp_used_bytes(mp_pool *p);
+size_t mp_cached_bytes(mp_pool *p);
+size_t mp_reserved_bytes(mp_pool *p);
+size_t mp_largest_free_block(mp_pool *p);
+size_t mp_capacity(mp_pool *p);
+const mp_config *mp_pool_config(mp_pool *p);
+mp_upstream *mp_pool_upstream(mp_pool *p);
+/* Change limit / release_threshold on a live pool (e.g. torch's memory_fraction). */
+int mp_set_limit(mp_pool *p, size_t limit);
+int mp_set_release_threshold(mp_pool *p, size_t threshold);
+
+/* Check every structural invariant; on a breach return MP_EINVAL with a message in msg. */
+int mp_check_invariants(mp_pool *p, char *msg, size_t msglen);
+
+/* A copy of the pool's layout, taken under the lock, for snapshots and reports. */
+enum { MP_BLOCK_FREE = 0, MP_BLOCK_ALLOCATED = 1, MP_BLOCK_PENDING = 2, MP_BLOCK_UNMAPPED = 3 };
+
+typedef struct mp_block_view {
+    uintptr_t ptr;
+    size_t nbytes, requested;
+    uintptr_t stream;
+    int state;
+} mp_block_view;
+
+typedef struct mp_segment_view {
+    uintptr_t ptr;
+    size_t nbytes;              /* reserved (address space for expandable segments) */
+    size_t mapped_bytes;        /* == nbytes unless expandable */
+    uintptr_t stream;
+    int is_small, is_expandable, is_pinned;
+    size_t first_block, nblocks;  /* into mp_layout.blocks */
+} mp_segment_view;
+
+typedef struct mp_layout {
+    mp_segment_view *segments;
+    size_t nsegments;
+    mp_block_view *blocks;
+    size_t nblocks;
+} mp_layout;
+
+int mp_layout_take(mp_pool *p, mp_layout *out);
+void mp_layout_free(mp_layout *l);
+
+/* Trace recording: a ring of the last `max_entries` events, off (and free) by default. */
+enum {
+    MP_TRACE_ALLOC = 0, MP_TRACE_FREE_REQUESTED = 1, MP_TRACE_FREE_COMPLETED = 2,
+    MP_TRACE_SEGMENT_ALLOC = 3, MP_TRACE_SEGMENT_FREE = 4, MP_TRACE_OOM = 5,
+    MP_TRACE_SEGMENT_MAP = 6, MP_TRACE_SEGMENT_UNMAP = 7,
+};
+
+typedef struct mp_trace_entry {
+    int action;
+    uintptr_t ptr;
+    size_t nbytes;
+    uintptr_t stream;
+    uint64_t time_ns;
+} mp_trace_entry;
+
+int mp_trace_enable(mp_pool *p, size_t max_entries);   /* 0 turns recording off */
+/* Copy out the recorded entries, oldest first; *n receives the count. Caller frees. */
+int mp_trace_take(mp_pool *p, mp_trace_entry **entries, size_t *n);
+
+#endif

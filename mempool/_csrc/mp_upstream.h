@@ -1,0 +1,86 @@
+/* The upstream contract: where a pool's segments, events and stream operations come from.
+ *
+ * One struct of function pointers plus a context pointer, in the manner of mimalloc's
+ * primitive layer. Every function
+ *   - returns an int error code: MP_OK (0) on success, an MP_E* code otherwise;
+ *   - never raises, never calls into Python and never needs the GIL;
+ *   - may be called from any thread, but never concurrently on the same context unless the
+ *     upstream says so (the pool serialises its own calls; see docs/architecture.md,
+ *     "Note [Lock order]").
+ * Handles (pointers, streams, events, address ranges) are plain uintptr_t values.
+ *
+ * Implementations: mp_sim.c (simulated device), mp_host.c (host memory), mp_cuda.c
+ * (cudaMemPool segments and CUDA virtual memory, resolved at run time from libcuda).
+ */
+#ifndef MP_UPSTREAM_H
+#define MP_UPSTREAM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Error codes shared by upstreams and the core. */
+enum {
+    MP_OK = 0,
+    MP_ENOMEM = 1,       /* the upstream (device) has no memory for the request */
+    MP_ELIMIT = 2,       /* the pool's own limit refuses the request */
+    MP_EINVAL = 3,       /* a bad argument (size, stream, option) */
+    MP_ENOTFOUND = 4,    /* a pointer the pool never handed out */
+    MP_EINTERIOR = 5,    /* a pointer inside a block, not at its start */
+    MP_EDOUBLEFREE = 6,  /* a pointer whose block is already free */
+    MP_ENOTREADY = 7,    /* event_query: the event has not completed yet (not an error) */
+    MP_EUPSTREAM = 8,    /* any other upstream failure; see mp_upstream.last_error */
+    MP_EUNSUPPORTED = 9, /* the upstream lacks the operation (e.g. expandable segments) */
+    MP_EBUSY = 10,       /* the pool is in use (e.g. blocks still live at destroy) */
+};
+
+typedef struct mp_upstream {
+    void *ctx;
+    const char *name;       /* "sim", "host", "cuda-pool", "cuda-vmm" */
+    int last_error;         /* the native error code of the last MP_EUPSTREAM, for messages */
+
+    /* Allocate a segment of exactly nbytes (> 0, a multiple of 512) usable in stream order
+     * on `stream`. On success *out is non-zero and 512-byte aligned. MP_ENOMEM when the
+     * device is out of memory; nothing is allocated on failure. */
+    int (*segment_alloc)(void *ctx, size_t nbytes, uintptr_t stream, uintptr_t *out);
+    /* Free a segment obtained from segment_alloc, in stream order on `stream`: work queued
+     * on `stream` before this call may still use it. */
+    int (*segment_free)(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t stream);
+
+    /* Events: create one (disable-timing), record it on a stream, query it (MP_OK when
+     * complete, MP_ENOTREADY when not), make a stream wait for it without blocking the
+     * host, destroy it. */
+    int (*event_create)(void *ctx, uintptr_t *out);
+    int (*event_record)(void *ctx, uintptr_t event, uintptr_t stream);
+    int (*event_query)(void *ctx, uintptr_t event);
+    int (*stream_wait_event)(void *ctx, uintptr_t stream, uintptr_t event);
+    int (*event_destroy)(void *ctx, uintptr_t event);
+
+    /* Block the host until all work queued on `stream` has completed. */
+    int (*stream_synchronize)(void *ctx, uintptr_t stream);
+
+    /* Device memory: *free_bytes and *total_bytes as the device reports them. */
+    int (*mem_info)(void *ctx, size_t *free_bytes, size_t *total_bytes);
+
+    /* Expandable segments (all NULL, granularity 0, when unsupported).
+     * va_reserve: reserve nbytes (a multiple of granularity) of address space, nothing mapped.
+     * map: back [va, va + nbytes) (granularity-aligned, inside a reservation, unmapped) with
+     *      physical memory readable and writable by the device; all or nothing: on failure
+     *      nothing of the range stays mapped. MP_ENOMEM when the device is full.
+     * unmap: release the physical memory of a mapped range. It does not wait for queued
+     *      work: the caller synchronizes the streams that used the range first.
+     * va_release: give back a reservation with nothing mapped in it. */
+    size_t granularity;
+    int (*va_reserve)(void *ctx, size_t nbytes, uintptr_t *out);
+    int (*map)(void *ctx, uintptr_t va, size_t nbytes);
+    int (*unmap)(void *ctx, uintptr_t va, size_t nbytes);
+    int (*va_release)(void *ctx, uintptr_t va, size_t nbytes);
+
+    /* Release the context. Called once, after every segment and event has been freed. */
+    void (*destroy)(void *ctx);
+} mp_upstream;
+
+/* Constructors. Each fills *up and returns MP_OK, or an error code with *up untouched. */
+int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity);
+int mp_host_upstream(mp_upstream *up, size_t capacity, size_t granularity);
+
+#endif

@@ -1,0 +1,1 @@
+# The PyTorch pluggable allocator registry (see mempool/torch.py).
