@@ -1,0 +1,1 @@
+# Compiled loops for the benchmarks (see bench/).
