@@ -374,10 +374,11 @@ class Option(NamedTuple):
     """One Pool option: its default, type (as accepted), meaning and PyTorch equivalent."""
 
     default: Any
-    kind: str
-    doc: str
+    kind: str                # what is accepted, in words
+    doc: str                 # one line: what it does
     parse: Callable[[Any, str], Any]
-    pytorch: str = ""        # nearest PYTORCH_CUDA_ALLOC_CONF key, "" when none
+    example: str             # a conf-string value, for the docs
+    pytorch: str = ""        # nearest PyTorch allocator setting, "" when none
     cuda_only: bool = False  # meaningful only with backend="cuda"
 
 
@@ -385,61 +386,64 @@ OPTIONS: dict[str, Option] = {
     "backend": Option(
         "cuda", "'sim' | 'host' | 'cuda'",
         "where segments come from: a simulated device, host malloc, or a cudaMemPool",
-        _parse_backend, "backend (native | cudaMallocAsync: refused)"),
+        _parse_backend, "sim",
+        pytorch="`backend` (its values native and cudaMallocAsync are refused)"),
     "device": Option(
-        0, "int >= 0", "the device the pool allocates on", _parse_device),
+        0, "int >= 0", "the device the pool allocates on", _parse_device, "0"),
     "capacity": Option(
         None, "size or None",
         "device memory the pool sees (the simulated device's size; None = the device's own)",
-        _parse_capacity),
+        _parse_capacity, "80GiB"),
     "roundup_power2_divisions": Option(
-        (0,) * ROUNDUP_INTERVALS, "int | '[256:1,>:8]' | dict | list of 16",
-        "split each power-of-two size interval into N rounding steps (0 = 512 B rounding)",
-        parse_roundup_divisions, "roundup_power2_divisions"),
+        (0,) * ROUNDUP_INTERVALS, "int, '[256:1,>:8]', dict or list of 16",
+        "cut each power-of-two size interval into N rounding steps (0 = 512 B rounding)",
+        parse_roundup_divisions, "[256:1,512:2,1024:4,>:8]",
+        pytorch="`roundup_power2_divisions` (same syntax and meaning)"),
     "max_split_size": Option(
         None, "size >= 20 MiB or None",
         "blocks this large or larger are never split (None = split every block)",
-        _parse_max_split_size, "max_split_size_mb"),
+        _parse_max_split_size, "64MB", pytorch="`max_split_size_mb` (in MB)"),
     "cross_stream_reuse": Option(
         True, "bool",
         "serve a stream from another stream's free blocks through an event wait, not a sync",
-        _parse_bool),
+        _parse_bool, "False"),
     "release_threshold": Option(
         None, "size or None",
         "cached (free) bytes the pool keeps; beyond it freed segments go upstream, oldest "
-        "first (None = keep all)",
-        _parse_optional_size, "(cudaMemPoolAttrReleaseThreshold)"),
+        "first (None = keep all); with backend='cuda' also the cudaMemPool's "
+        "ReleaseThreshold",
+        _parse_optional_size, "2GB"),
     "limit": Option(
-        None, "size, float in (0, 1] or None",
-        "cap on reserved bytes, or a fraction of capacity (None = no cap)",
-        _parse_limit, "per_process_memory_fraction"),
+        None, "size, float in (0, 1], or None",
+        "cap on reserved bytes, or that fraction of capacity (None = no cap)",
+        _parse_limit, "0.5", pytorch="`per_process_memory_fraction` (fraction form)"),
     "initial_pool_size": Option(
         0, "size",
         "bytes reserved at creation and never released automatically",
-        _parse_nonnegative_size),
+        _parse_nonnegative_size, "4GiB"),
     "garbage_collection_threshold": Option(
         0.0, "float in [0, 1)",
         "above this fraction of limit (or capacity), release idle segments before growing "
         "(0 = off)",
-        _parse_gc_threshold, "garbage_collection_threshold"),
+        _parse_gc_threshold, "0.8", pytorch="`garbage_collection_threshold`"),
     "expandable_segments": Option(
         False, "bool",
         "one growing address-space reservation per stream and size class, mapped page by page",
-        _parse_bool, "expandable_segments"),
+        _parse_bool, "True", pytorch="`expandable_segments`"),
     "pool_handle": Option(
-        "create", "'create' | 'default' | 'current' | int",
+        "create", "'create', 'default', 'current' or int",
         "which cudaMemPool supplies segments: a new one, the device's default or current "
-        "pool, or a given handle",
-        _parse_pool_handle, "", True),
+        "pool, or a given cudaMemPool_t handle",
+        _parse_pool_handle, "default", cuda_only=True),
     "reuse_follow_event_dependencies": Option(
         True, "bool", "cudaMemPoolReuseFollowEventDependencies on the cudaMemPool",
-        _parse_bool, "", True),
+        _parse_bool, "False", cuda_only=True),
     "reuse_allow_opportunistic": Option(
         True, "bool", "cudaMemPoolReuseAllowOpportunistic on the cudaMemPool",
-        _parse_bool, "", True),
+        _parse_bool, "False", cuda_only=True),
     "reuse_allow_internal_dependencies": Option(
         True, "bool", "cudaMemPoolReuseAllowInternalDependencies on the cudaMemPool",
-        _parse_bool, "", True),
+        _parse_bool, "False", cuda_only=True),
 }
 
 
@@ -480,6 +484,8 @@ _PYTORCH_ALIASES: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "max_split_size_mb": ("max_split_size", _mb_to_bytes),
     "per_process_memory_fraction": ("limit", _pytorch_fraction),
 }
+
+_ALIAS_EXAMPLES = {"max_split_size_mb": "64", "per_process_memory_fraction": "0.5"}
 
 _NO_PINNED = "it configures PyTorch's pinned host-memory allocator, which mempool does not replace"
 _NO_LOCK = "it concerns PyTorch's allocator lock; mempool's lock rules are fixed " \
@@ -789,24 +795,22 @@ def to_pytorch_conf(options: Mapping[str, Any]) -> str | None:
 
 
 def _markdown_table() -> str:
-    """The option table of docs/options.md, generated so the two cannot drift apart."""
+    """The option table of docs/options.md, generated so that the two cannot drift apart."""
     rows = ["| option | type | default | meaning | conf spelling | PyTorch equivalent |",
             "|---|---|---|---|---|---|"]
     aliases = {target: alias for alias, (target, _) in _PYTORCH_ALIASES.items()}
     for name, opt in OPTIONS.items():
         default = _default(name)
         if name == "roundup_power2_divisions":
-            shown = "0 (off)"
-        elif name == "max_split_size" or name == "release_threshold" or name == "limit":
-            shown = "None (unlimited)"
+            shown = "0"
         else:
             shown = repr(default)
-        conf = f"`{name}:...`"
+        conf = f"`{name}:{opt.example}`"
         if name in aliases:
-            conf += f" or `{aliases[name]}:...`"
-        pytorch = opt.pytorch or "—"
+            conf += f", `{aliases[name]}:{_ALIAS_EXAMPLES[aliases[name]]}`"
+        pytorch = opt.pytorch or "none"
         if opt.cuda_only:
             pytorch += " (backend='cuda' only)"
-        kind = opt.kind.replace("|", "\\|")
-        rows.append(f"| `{name}` | {kind} | `{shown}` | {opt.doc} | {conf} | {pytorch} |")
+        cells = [f"`{name}`", opt.kind, f"`{shown}`", opt.doc, conf, pytorch]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows) + "\n"
