@@ -61,9 +61,17 @@ _SIZE_ACCEPTED = ("an int >= 0 (bytes) or a string such as '512', '4KB', '512MiB
                   "'1.5GB' (KB/MB/GB/TB and KiB/MiB/GiB/TiB are all powers of 1024)")
 
 
-def _error(key: str, value: Any, accepted: str, why: str = "") -> ValueError:
-    why = f" ({why})" if why else ""
-    return ValueError(f"option {key!r}: {value!r} is not valid{why}; accepted: {accepted}")
+class _OptionError(ValueError):
+    """A bad option value; keeps the reason so that a wrapper can restate what it accepts."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(message)
+        self.why = why
+
+
+def _error(key: str, value: Any, accepted: str, why: str = "") -> _OptionError:
+    shown = f" ({why})" if why else ""
+    return _OptionError(f"option {key!r}: {value!r} is not valid{shown}; accepted: {accepted}", why)
 
 
 # --------------------------------------------------------------------------- value parsers
@@ -110,7 +118,7 @@ def parse_size(value: Any, key: str = "size") -> int:
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m is None:
-            raise _error(key, value, _SIZE_ACCEPTED)
+            raise _error(key, value, _SIZE_ACCEPTED, "not a number with an optional unit")
         number, unit = m.group(1), m.group(2).lower()
         if unit not in _UNITS:
             raise _error(key, value, _SIZE_ACCEPTED, f"unknown unit {m.group(2)!r}")
@@ -133,8 +141,8 @@ def _parse_optional_size(value: Any, key: str) -> int | None:
         return None
     try:
         return parse_size(value, key)
-    except ValueError:
-        raise _error(key, value, _SIZE_ACCEPTED + ", or None / 'none' / 'unlimited'") from None
+    except _OptionError as e:
+        raise _error(key, value, _SIZE_ACCEPTED + ", or None / 'none' / 'unlimited'", e.why) from None
 
 
 def _parse_max_split_size(value: Any, key: str) -> int | None:
@@ -143,8 +151,8 @@ def _parse_max_split_size(value: Any, key: str) -> int | None:
         return None
     try:
         n = parse_size(value, key)
-    except ValueError:
-        raise _error(key, value, accepted) from None
+    except _OptionError as e:
+        raise _error(key, value, accepted, e.why) from None
     if n < MIN_MAX_SPLIT_SIZE:
         raise _error(key, value, accepted,
                      f"{n} bytes is below 20 MiB: 1-10 MiB requests take 20 MiB segments, "
@@ -162,8 +170,8 @@ def _parse_capacity(value: Any, key: str) -> int | None:
         return None
     try:
         n = parse_size(value, key)
-    except ValueError:
-        raise _error(key, value, accepted) from None
+    except _OptionError as e:
+        raise _error(key, value, accepted, e.why) from None
     if n == 0:
         raise _error(key, value, accepted, "zero")
     return n
@@ -187,8 +195,8 @@ def _parse_limit(value: Any, key: str) -> int | float | None:
         return fraction
     try:
         return parse_size(value, key)
-    except ValueError:
-        raise _error(key, value, accepted) from None
+    except _OptionError as e:
+        raise _error(key, value, accepted, e.why) from None
 
 
 def _parse_bool(value: Any, key: str) -> bool:

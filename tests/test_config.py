@@ -461,7 +461,8 @@ BAD_CONFS = [
     ("per_process_memory_fraction:0", "per_process_memory_fraction:0", "(0, 1]"),
     ("expandable_segments:maybe", "'expandable_segments'", "True/False"),
     ("release_threshold:2GB;limit:1", "release_threshold:2GB;limit", "expected ','"),
-    ("release_threshold:2GB;", "release_threshold", "unknown unit"),
+    ("release_threshold:2GB;", "release_threshold", "not a number with an optional unit"),
+    ("release_threshold:2XB", "release_threshold", "unknown unit 'XB'"),
 ]
 
 
