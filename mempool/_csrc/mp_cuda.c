@@ -98,6 +98,7 @@ static struct {
     CUresult (*MemAllocFromPoolAsync)(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
     CUresult (*MemAllocAsync)(CUdeviceptr *, size_t, CUstream);
     CUresult (*MemFreeAsync)(CUdeviceptr, CUstream);
+    CUresult (*MemPoolDestroy)(CUmemoryPool);
     CUresult (*EventCreate)(CUevent *, unsigned int);
     CUresult (*EventRecord)(CUevent, CUstream);
     CUresult (*EventQuery)(CUevent);
@@ -148,6 +149,7 @@ static void d_resolve(void) {
         {(void **)&D.MemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", 1},
         {(void **)&D.MemAllocAsync, "cuMemAllocAsync", 1},
         {(void **)&D.MemFreeAsync, "cuMemFreeAsync", 1},
+        {(void **)&D.MemPoolDestroy, "cuMemPoolDestroy", 1},
         {(void **)&D.EventCreate, "cuEventCreate", 1},
         {(void **)&D.EventRecord, "cuEventRecord", 1},
         {(void **)&D.EventQuery, "cuEventQuery", 1},
@@ -198,6 +200,7 @@ typedef struct {
     int ordinal;
     CUcontext ctx;               /* the retained primary context; immutable */
     CUmemoryPool pool;           /* NULL = the device's current pool; immutable */
+    int owns_pool;               /* atomic; destroy destroys `pool` (mp_cuda_own_pool) */
     int last_error;              /* atomic */
     int *error_slot;             /* atomic; NULL until mp_cuda_bind_errors */
     size_t granularity;          /* 0 without virtual memory management; immutable */
@@ -530,6 +533,13 @@ static void cu_destroy(void *ctx) {
     }
     free(c->ranges);
     pthread_mutex_destroy(&c->vmm_lock);
+    /* Frees still queued on streams are fine: the driver releases the pool's memory once
+     * they complete. */
+    if (c->pool && __atomic_load_n(&c->owns_pool, __ATOMIC_ACQUIRE)) {
+        CUresult r;
+        CU_CALL(c, r, D.MemPoolDestroy(c->pool));
+        (void)r;  /* nothing to report to at teardown */
+    }
     D.DevicePrimaryCtxRelease(c->dev);
     free(c);
 }
@@ -575,6 +585,10 @@ int mp_cuda_available(void) {
 
 int mp_cuda_last_error(const mp_upstream *up) {
     return __atomic_load_n(&((mp_cuda *)up->ctx)->last_error, __ATOMIC_RELAXED);
+}
+
+void mp_cuda_own_pool(mp_upstream *up) {
+    __atomic_store_n(&((mp_cuda *)up->ctx)->owns_pool, 1, __ATOMIC_RELEASE);
 }
 
 void mp_cuda_bind_errors(mp_upstream *up) {
