@@ -12,6 +12,7 @@ cdef extern from "mp_cuda.h" nogil:
     int mp_cuda_last_error(const void *up)
     void mp_cuda_bind_errors(void *up)
     void mp_cuda_error_string(int code, char *buf, size_t buflen)
+    void mp_cuda_own_pool(void *up)
 
 
 cdef int _make_cuda_upstream(void *up, int device, uintptr_t handle) except -1:

@@ -105,6 +105,7 @@ static struct {
     CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned int);
     CUresult (*StreamSynchronize)(CUstream);
     CUresult (*MemGetInfo)(size_t *, size_t *);
+    CUresult (*MemPoolDestroy)(CUmemoryPool);
     /* Virtual memory management: optional (expandable segments are off without them). */
     CUresult (*MemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
     CUresult (*MemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr,
@@ -155,6 +156,7 @@ static void d_resolve(void) {
         {(void **)&D.StreamWaitEvent, "cuStreamWaitEvent", 1},
         {(void **)&D.StreamSynchronize, "cuStreamSynchronize", 1},
         {(void **)&D.MemGetInfo, "cuMemGetInfo_v2", 1},
+        {(void **)&D.MemPoolDestroy, "cuMemPoolDestroy", 1},
         {(void **)&D.MemGetAllocationGranularity, "cuMemGetAllocationGranularity", 0},
         {(void **)&D.MemAddressReserve, "cuMemAddressReserve", 0},
         {(void **)&D.MemAddressFree, "cuMemAddressFree", 0},
@@ -198,6 +200,7 @@ typedef struct {
     int ordinal;
     CUcontext ctx;               /* the retained primary context; immutable */
     CUmemoryPool pool;           /* NULL = the device's current pool; immutable */
+    int owns_pool;               /* destroy `pool` at the end (the Pool created it) */
     int last_error;              /* atomic */
     int *error_slot;             /* atomic; NULL until mp_cuda_bind_errors */
     size_t granularity;          /* 0 without virtual memory management; immutable */
@@ -530,6 +533,12 @@ static void cu_destroy(void *ctx) {
     }
     free(c->ranges);
     pthread_mutex_destroy(&c->vmm_lock);
+    /* A pool the Pool created goes after its last segment: the C pool may outlive the
+     * Python object (buffers handed out through DLPack), so only this end knows when. */
+    if (c->owns_pool && c->pool && ctx_enter(c, &prev) == CUDA_SUCCESS) {
+        D.MemPoolDestroy(c->pool);
+        ctx_leave(prev);
+    }
     D.DevicePrimaryCtxRelease(c->dev);
     free(c);
 }
@@ -678,3 +687,5 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
     up->destroy = cu_destroy;
     return MP_OK;
 }
+
+void mp_cuda_own_pool(mp_upstream *up) { ((mp_cuda *)up->ctx)->owns_pool = 1; }

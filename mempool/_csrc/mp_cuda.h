@@ -48,4 +48,8 @@ void mp_cuda_bind_errors(mp_upstream *up);
 /* "CUDA_ERROR_NAME: description" for a CUresult (or -1, see mp_cuda_last_error), into buf. */
 void mp_cuda_error_string(int code, char *buf, size_t buflen);
 
+/* Make the upstream destroy its cudaMemPool_t in up->destroy (for a pool it was given
+ * after creating it for this upstream alone). */
+void mp_cuda_own_pool(mp_upstream *up);
+
 #endif
