@@ -68,6 +68,10 @@ def _figure(ns, unit):
     return f"{value:,.0f}" if value >= 100 else f"{value:,.1f}"
 
 
+def _ratio(r):
+    return f"x{r:,.0f}" if r >= 10 else f"x{r:.2g}"
+
+
 def render_table(infos):
     """One text table of every measured figure: rows = allocators, columns = sizes/cases.
 
@@ -78,7 +82,7 @@ def render_table(infos):
     if not infos:
         return "(no benchmark figures)"
     sections = _sections(infos)
-    label_width = max(len(row) for _, rows, _ in sections.values() for row in rows) + 2
+    label_width = max(len(row) for _, rows, _ in sections.values() for row in rows) + 4
     lines = []
     for section, (columns, rows, cells) in sections.items():
         unit = next(iter(cells.values())).get("unit", "pair")
@@ -92,7 +96,7 @@ def render_table(infos):
                     continue
                 text = _figure(info["ns"], unit)
                 if column in refs:
-                    text += f" x{info['ns'] / refs[column][1]:.2g}"
+                    text += " " + _ratio(info["ns"] / refs[column][1])
                 body[(row, column)] = text
         widths = [max([len(c)] + [len(body[(r, c)]) for r in rows]) for c in columns]
         ref_rows = sorted(set(r for r, _ in refs.values()))
