@@ -17,7 +17,8 @@ def pairs(benchmark):
 
 
 def pytest_report_header(config):
-    return f"mempool bench: CUDA device {'found' if gpu_available() else 'not found: GPU rows skip'}"
+    found = "found" if gpu_available() else "not found: the GPU rows skip"
+    return f"mempool bench: CUDA device {found}"
 
 
 def pytest_terminal_summary(terminalreporter, config):

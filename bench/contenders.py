@@ -197,28 +197,36 @@ def mempool_cupy_empty(backend):
 
 
 def mempool_torch_entry(backend):
-    """mempool's PyTorch pluggable-allocator entry points, called from a compiled loop."""
+    """mempool's PyTorch pluggable-allocator entry points, called from a compiled loop.
+
+    These are what PyTorch calls for every tensor under ``mempool.torch.install``; timing
+    them through function pointers leaves PyTorch's own overhead out. On sim the pool is
+    routed to its device number directly, as the entry points do not care what backs it.
+    """
     from mempool import _core
 
     try:
         import mempool.torch as mtorch
     except ImportError as exc:
         pytest.skip(f"mempool.torch is not available: {exc}")
-    addresses = getattr(mtorch, "entry_point_addresses", None)
-    if addresses is None:
-        pytest.skip("mempool.torch does not expose its entry points' addresses "
-                    "(entry_point_addresses)")
+    addresses = mtorch.entry_points()
     pool = new_pool(backend)
-    alloc_fn, free_fn, bind = addresses(pool)
+    if backend == "cuda":
+        mtorch.register(pool)
+    else:
+        _core._torch_register(pool.device_id, pool)
+    alloc_fn, free_fn, device = addresses["alloc"], addresses["free"], pool.device_id
 
     def fixed(nbytes):
-        return lambda pairs: _core.bench_fn_roundtrips(alloc_fn, free_fn, nbytes, pairs,
-                                                       pool.device_id, 0)
+        return lambda pairs: _core.bench_fn_roundtrips(alloc_fn, free_fn, nbytes, pairs, device)
+
+    def mix(sizes, live):
+        pytest.skip("the function-pointer loop has no mix variant")
 
     def close():
-        bind()
+        mtorch.unregister(device)
         pool.empty_cache()
-    return Contender(pool.alloc, pool.free, fixed=fixed, check=pool_check(pool),
+    return Contender(pool.alloc, pool.free, fixed=fixed, mix=mix, check=pool_check(pool),
                      info=pool_info(pool), close=close)
 
 
@@ -289,7 +297,8 @@ def cuda_malloc_async(threshold_max):
         rt.memPoolTrimTo(handle, 0)
 
     def info():
-        return {"reserved_bytes": rt.memPoolGetAttribute(handle, rt.cudaMemPoolAttrReservedMemCurrent)}
+        reserved = rt.memPoolGetAttribute(handle, rt.cudaMemPoolAttrReservedMemCurrent)
+        return {"reserved_bytes": reserved}
     return Contender(alloc, free, close=close, info=info)
 
 

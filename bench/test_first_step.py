@@ -44,7 +44,8 @@ def training_step(layers=6, batch=32, hidden=2048, dtype_bytes=4):
         plan.append((False, slot, 0))
         del live[slot]
 
-    weight, bias, act = hidden * hidden * dtype_bytes, hidden * dtype_bytes, batch * hidden * dtype_bytes
+    weight, bias = hidden * hidden * dtype_bytes, hidden * dtype_bytes
+    act = batch * hidden * dtype_bytes
     params = [(alloc(weight), alloc(bias)) for _ in range(layers)]
     saved = []
     x = alloc(act)

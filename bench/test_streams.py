@@ -11,7 +11,7 @@
 """
 import pytest
 
-from benchkit import GPU_MARKS, SIZES, measure, require_gpu
+from benchkit import GPU_MARKS, ROUNDS, SIZES, measure, require_gpu
 from contenders import new_pool, torch_cuda
 
 NBYTES = SIZES["64 KiB"]
@@ -34,7 +34,7 @@ class StreamBench:
 
     def __init__(self, loop, *, info=None, close=None, check=None):
         self.loop = loop          # loop(plan) -> callable(pairs); plan: stream per pair
-        self.info = info or dict
+        self.info = info or (lambda pairs_run: {})   # info(pairs run in all) -> dict
         self.close = close or (lambda: None)
         self.check = check or (lambda: None)
 
@@ -58,11 +58,11 @@ def mempool_spread(backend, cross_stream_reuse=True):
                 free(alloc(NBYTES, s))
         return run
 
-    def info():
+    def info(pairs_run):
         stats = pool.stats()
+        reuses = stats["num_cross_stream_reuse"] - before["num_cross_stream_reuse"]
         return {"reserved_bytes": pool.reserved_bytes(),
-                "cross_stream_reuses": stats.get("num_cross_stream_reuse", 0)
-                - before.get("num_cross_stream_reuse", 0)}
+                "cross_stream_reuses_per_pair": reuses / pairs_run}
 
     bench = StreamBench(loop, info=info, close=pool.empty_cache,
                         check=lambda: pool.check_invariants())
@@ -86,7 +86,7 @@ def torch_spread():
                 free(alloc(NBYTES, dev, s))
         return run
 
-    bench = StreamBench(loop, info=lambda: {"reserved_bytes": torch.cuda.memory_reserved()},
+    bench = StreamBench(loop, info=lambda _: {"reserved_bytes": torch.cuda.memory_reserved()},
                         close=torch.cuda.empty_cache)
     bench.streams = streams
     return bench
@@ -116,7 +116,7 @@ def cupy_spread():
         cupy.cuda.Stream.null.use()
         pool.free_all_blocks()
 
-    bench = StreamBench(loop, info=lambda: {"reserved_bytes": pool.total_bytes()}, close=close)
+    bench = StreamBench(loop, info=lambda _: {"reserved_bytes": pool.total_bytes()}, close=close)
     bench.streams = streams
     return bench
 
@@ -147,7 +147,7 @@ def malloc_async_spread():
         rt.memPoolSetAttribute(handle, attr, previous)
         rt.memPoolTrimTo(handle, 0)
 
-    bench = StreamBench(loop, close=close, info=lambda: {
+    bench = StreamBench(loop, close=close, info=lambda _: {
         "reserved_bytes": rt.memPoolGetAttribute(handle, rt.cudaMemPoolAttrReservedMemCurrent)})
     bench.streams = streams
     return bench
@@ -178,7 +178,8 @@ def test_spread(benchmark, pairs, k, cid, label, factory, gpu, ref):
         column = f"{k} streams" + (" (ping-pong)" if k == 2 else "")
         measure(benchmark, bench.loop(plan), pairs, section="streams", row=label,
                 column=column, order=k, ref=ref, nbytes=NBYTES)
-        benchmark.extra_info.update(bench.info())
+        pairs_run = pairs * (1 if benchmark.disabled else ROUNDS + 1)   # warm-up included
+        benchmark.extra_info.update(bench.info(pairs_run))
         bench.check()
     finally:
         bench.close()

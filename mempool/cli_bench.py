@@ -137,14 +137,17 @@ def foundation_lines(infos):
 # ------------------------------------------------------------------------------------- plot
 
 def _ns_label(ns, _pos=None):
-    for scale, unit in ((1e6, "ms"), (1e3, "us"), (1.0, "ns")):
+    for scale, unit in ((1e6, "ms"), (1e3, "\u00b5s"), (1.0, "ns")):
         if ns >= scale:
             return f"{ns / scale:g} {unit}"
     return f"{ns:g} ns"
 
 
-def plot_latency(infos, path):
-    """Draw latency by size per allocator (log scale) to `path`; return a message."""
+def plot_latency(infos, path, note=None):
+    """Draw latency by size per allocator (log scale) to `path`; return a message.
+
+    `note`, when given, is added under the title (e.g. that no GPU rows were run).
+    """
     try:
         import matplotlib
 
@@ -157,7 +160,11 @@ def plot_latency(infos, path):
     if "latency" not in sections:
         return "no latency figures: no plot drawn"
     columns, rows, cells = sections["latency"]
-    fig, ax = plt.subplots(figsize=(12, 6.5))
+    if any(r.endswith("(cuda)") for r in rows):
+        # With the GPU rows present the sim and host rows only crowd the plot (the table
+        # keeps them).
+        rows = [r for r in rows if not r.endswith(("(sim)", "(host)"))]
+    fig, ax = plt.subplots(figsize=(12, 6.5 + 0.12 * max(0, len(rows) - 12)))
     tab = plt.get_cmap("tab20").colors
     colors = tab[0::2] + tab[1::2]     # the strong shades first: neighbours stay distinct
     markers = "osD^vP*Xph<>"
@@ -169,14 +176,18 @@ def plot_latency(infos, path):
                 linewidth=2.6 if mine else 1.3, linestyle="-" if mine else "--",
                 markersize=7 if mine else 5, label=row)
     ax.set_yscale("log")
+    # 1-2-5 steps: a run spanning one decade still gets several labelled ticks.
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_ns_label))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xticks(range(len(columns)))
     ax.set_xticklabels([c.replace(", ", "\n") for c in columns])
     ax.set_xlim(-0.3, len(columns) - 0.7)
     ax.set_xlabel("allocation size")
     ax.set_ylabel("median time per malloc+free pair (log scale)")
-    ax.set_title("Allocation latency by size: one malloc+free pair from Python\n"
-                 "(solid: mempool; dashed: alternatives)")
+    title = "Allocation latency by size: one malloc+free pair from Python\n" \
+            "(solid: mempool; dashed: alternatives)"
+    ax.set_title(title + (f"\n{note}" if note else ""))
     ax.grid(True, which="major", axis="y", alpha=0.5)
     ax.grid(True, which="minor", axis="y", alpha=0.15)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8.5, frameon=False)
@@ -223,7 +234,8 @@ class _Progress:
 
     def pytest_runtest_logreport(self, report):
         if report.skipped:
-            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            longrepr = report.longrepr
+            reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
             self.skips[reason.removeprefix("Skipped: ")] += 1
             mark = "s"
         elif report.failed:
@@ -319,7 +331,8 @@ def main(command, argv):
         for reason, n in progress.skips.most_common():
             print(f"  {n:4d} x {reason}")
     print()
-    print(plot_latency(infos, out / "latency.png"))
+    note = None if gpu else "no CUDA device here: simulated-device (sim) rows only"
+    print(plot_latency(infos, out / "latency.png", note))
     print(f"results: {json_path}  table: {out / 'table.txt'}  log: {log_path}")
     if progress.failed:
         print(f"mempool bench: {len(progress.failed)} benchmark(s) failed:", file=sys.stderr)
