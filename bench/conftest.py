@@ -7,7 +7,7 @@ benchmark runs its loop once, briefly, as a plain test.
 """
 import pytest
 
-from benchkit import gpu_available, pairs_for
+from .benchkit import gpu_available, pairs_for
 
 
 @pytest.fixture

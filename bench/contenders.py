@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from benchkit import SIM_CAPACITY, require_gpu
+from .benchkit import SIM_CAPACITY, require_gpu
 
 
 class Contender:

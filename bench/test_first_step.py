@@ -18,8 +18,8 @@ import functools
 
 import pytest
 
-from benchkit import GPU_MARKS, MiB, measure, require_gpu
-from contenders import new_pool, torch_cuda
+from .benchkit import GPU_MARKS, MiB, measure, require_gpu
+from .contenders import new_pool, torch_cuda
 
 
 def training_step(layers=6, batch=32, hidden=2048, dtype_bytes=4):

@@ -9,8 +9,8 @@
 """
 import pytest
 
-from benchkit import SIZES, log_uniform_sizes, measure
-from contenders import BY_ID, mempool_cloop, mempool_raw
+from .benchkit import SIZES, log_uniform_sizes, measure
+from .contenders import BY_ID, mempool_cloop, mempool_raw
 
 N_LIVE, N_CACHED = 100_000, 10_000
 ASSORTED = (512, 2 << 20)   # small-list and large-list sizes both

@@ -7,8 +7,9 @@ pytest-benchmark's own tables compare the allocators within one size.
 """
 import pytest
 
-from benchkit import GPU_MARKS, MIX, MIX_LIVE, MIX_MAX, MIX_MIN, SIZES, log_uniform_sizes, measure
-from contenders import LATENCY
+from .benchkit import (GPU_MARKS, MIX, MIX_LIVE, MIX_MAX, MIX_MIN, SIZES, log_uniform_sizes,
+                       measure)
+from .contenders import LATENCY
 
 COLUMNS = {**{label.replace(" ", ""): label for label in SIZES}, "mix": MIX}
 ENTRIES = [pytest.param(e, id=e.cid, marks=GPU_MARKS if e.gpu else ()) for e in LATENCY]

@@ -13,8 +13,8 @@ import threading
 
 import pytest
 
-from benchkit import GPU_MARKS, live_count, log_uniform_sizes, measure
-from contenders import BY_ID
+from .benchkit import GPU_MARKS, live_count, log_uniform_sizes, measure
+from .contenders import BY_ID
 
 LIVE_COUNTS = [10**2, 10**4, 10**6]
 LIVE_ROWS = ["mempool-sim", "cloop-sim", "mempool-cuda", "cloop-cuda", "torch-caching",

@@ -11,8 +11,8 @@
 """
 import pytest
 
-from benchkit import GPU_MARKS, ROUNDS, SIZES, measure, require_gpu
-from contenders import new_pool, torch_cuda
+from .benchkit import GPU_MARKS, ROUNDS, SIZES, measure, require_gpu
+from .contenders import new_pool, torch_cuda
 
 NBYTES = SIZES["64 KiB"]
 STREAM_COUNTS = [2, 4, 8]
