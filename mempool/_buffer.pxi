@@ -1,6 +1,6 @@
 # The DLPack bridge: mempool.Buffer, zero-copy hand-off of pool memory to anything that
 # speaks DLPack (PyTorch, JAX, CuPy, NumPy), the CUDA Array Interface or the NumPy array
-# interface. See docs/architecture.md, "Note [DLPack ownership]" and "Note [DLPack streams]".
+# interface. See docs/sharing.md, "Note [DLPack ownership]" and "Note [DLPack streams]".
 #
 # Ownership in one paragraph: a Buffer holds one reference on a shared C block
 # (mp_dl_block, mp_dlpack.h); views of it hold more. __dlpack__ moves the Buffer's reference

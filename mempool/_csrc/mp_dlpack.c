@@ -3,7 +3,7 @@
  * Everything here but the two capsule destructors runs without the GIL: a consumer may call
  * a deleter from any thread (PyTorch frees tensors on its autograd threads, JAX on its own),
  * so a deleter touches only C state: the block, the pool (through mp_free, which takes the
- * pool's own lock) and the pool's reference count. See docs/architecture.md,
+ * pool's own lock) and the pool's reference count. See docs/sharing.md,
  * "Note [DLPack ownership]".
  */
 #include <Python.h>

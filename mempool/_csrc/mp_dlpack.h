@@ -6,7 +6,7 @@
  * change, so a 1.0 consumer can read a 1.1 tensor whose fields it understands.
  *
  * The exporter (mp_dlpack.c) is pure C: the deleters it installs return the block to its pool
- * and may run on any thread, with or without the GIL. See docs/architecture.md,
+ * and may run on any thread, with or without the GIL. See docs/sharing.md,
  * "Note [DLPack ownership]".
  */
 #ifndef MP_DLPACK_H
