@@ -106,27 +106,6 @@ def _dl_shape(shape):
     return dims
 
 
-def _dl_stream(stream):
-    """A producer stream argument as a handle: None (0), an int, an object with ``.ptr``
-    (CuPy) or ``.cuda_stream`` (PyTorch), or one speaking ``__cuda_stream__``."""
-    if stream is None:
-        return 0
-    if hasattr(stream, "__cuda_stream__"):
-        stream = stream.__cuda_stream__()[1]
-    elif hasattr(stream, "ptr"):
-        stream = stream.ptr
-    elif hasattr(stream, "cuda_stream"):
-        stream = stream.cuda_stream
-    try:
-        handle = int(stream)
-    except (TypeError, ValueError):
-        raise TypeError(f"stream: expected None, an int handle, or a stream object (.ptr, "
-                        f".cuda_stream or __cuda_stream__), got {stream!r}") from None
-    if handle < 0:
-        raise ValueError(f"stream: a stream handle is >= 0, got {handle}")
-    return handle
-
-
 def _dl_error(rc):
     names = {1: "out of memory", 2: "the pool's limit refuses it", 3: "invalid argument",
              8: "upstream error", 9: "unsupported by the upstream"}
@@ -298,7 +277,7 @@ cdef class Buffer:
         """Declare that `stream` uses this memory too: the pool waits for the work queued
         on it before reusing the block (for consumers of the CUDA Array Interface)."""
         self._check_held("record_stream")
-        cdef uintptr_t handle = _dl_stream(stream)
+        cdef uintptr_t handle = stream_handle(stream)
         cdef int rc = MP_OK
         if self._base:
             with nogil:
@@ -548,7 +527,8 @@ def _pool_empty(Pool pool, shape, dtype="float32", stream=None):
     dtype : dtype-like
         Anything ``numpy.dtype`` accepts that DLPack can describe (see Buffer).
     stream : optional
-        The stream the memory is allocated on and written on (None: the default stream).
+        The stream the memory is allocated on and written on: an int handle or a CuPy,
+        PyTorch or ``__cuda_stream__`` stream (None: the current stream, as Pool.alloc).
 
     Returns
     -------
@@ -561,7 +541,8 @@ def _pool_empty(Pool pool, shape, dtype="float32", stream=None):
     """
     dims = _dl_shape(shape)
     dt, code, minor = _dl_dtype(dtype)
-    cdef uintptr_t handle = _dl_stream(stream)
+    cdef uintptr_t handle = 0
+    pool._stream_of(stream, &handle)
     nbytes = dt.itemsize
     for d in dims:
         nbytes *= d
@@ -573,17 +554,9 @@ def _pool_empty(Pool pool, shape, dtype="float32", stream=None):
     with nogil:
         rc = mp_dl_block_new(pool._pool, n, handle, &block)
     if rc != MP_OK:
-        _buffer_raise_alloc(pool, rc, n)
+        raise pool._alloc_error(rc, n, handle)
     return _buffer_wrap(block, dt, code, minor, dims, 0, False, pool.backend, pool.device_id,
                         handle)
-
-
-def _buffer_raise_alloc(pool, int rc, size_t nbytes):
-    if rc in (MP_ENOMEM, MP_ELIMIT):
-        raise OutOfMemoryError(f"Pool.empty: cannot allocate {nbytes} bytes "
-                               f"({_dl_error(rc)}); reserved {pool.reserved_bytes()}, used "
-                               f"{pool.used_bytes()}, cached {pool.cached_bytes()}")
-    raise RuntimeError(f"Pool.empty: allocating {nbytes} bytes failed: {_dl_error(rc)}")
 
 
 def _export_simulated(Buffer buf, stream=None, max_version=None):

@@ -280,10 +280,10 @@ def test_readonly_view_sets_the_flag(pool):
     assert ro.readonly
     t = managed(ro.view().__dlpack__(max_version=(1, 0))).contents
     assert t.flags & READ_ONLY
-    arr = numpy.from_dlpack(ro)
-    assert not arr.flags.writeable
     with pytest.raises(ValueError, match="writable"):
         ro.view(readonly=False)
+    arr = numpy.from_dlpack(ro)
+    assert not arr.flags.writeable
 
 
 def test_readonly_refused_to_a_legacy_consumer(pool):
