@@ -443,6 +443,7 @@ static mp_block *new_segment_locked(mp_pool *p, mp_stream *s, int kind, uintptr_
     b->seg = seg;
     b->stream = s;
     b->state = MP_BLOCK_FREE;
+    mp_segment_idle_push_locked(p, seg);   /* idle until its first block is handed out */
     p->stats.num_device_alloc++;
     mp_stat3_inc(p->stats.segment, kind, 1);
     mp_stat3_inc(p->stats.reserved_bytes, kind, (int64_t)nbytes);
@@ -465,7 +466,6 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
             if (b) {
                 b->seg->pinned = 1;
                 mp_insert_free_locked(p, b);
-                mp_segment_idle_push_locked(p, b->seg);
             } else {
                 p->up.segment_free(p->up.ctx, ptr, nbytes, 0);
                 rc = MP_ENOMEM;
