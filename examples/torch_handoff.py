@@ -37,7 +37,7 @@ def main(argv=None):
     x.requires_grad_()
     loss = (x @ w).tanh().sum()
     loss.backward()                                         # grads from PyTorch's allocator
-    print(f"loss {float(loss):.4f}; grad norm {float(x.grad.norm()):.4f}")
+    print(f"loss {loss.item():.4f}; grad norm {x.grad.norm().item():.4f}")
     report(pool, "two tensors on pool memory")
     del x, w, loss
     if args.backend == "cuda":

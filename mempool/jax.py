@@ -6,8 +6,11 @@ Hand-off
 JAX a :class:`mempool.Buffer` without a copy. JAX passes its stream, so its work is ordered
 after the Buffer's stream (an event wait, no host sync) and the pool does not reuse the block
 before JAX's work on it is done. The array owns the block: deleting it returns the memory
-to the pool. JAX imports only aligned memory (XLA refuses a view whose data pointer is not a
-multiple of :data:`JAX_ALIGNMENT` bytes); :func:`from_buffer` checks it first and says so.
+to the pool. XLA views only aligned memory in place: given a data pointer that is not a
+multiple of :data:`JAX_ALIGNMENT` bytes (only an offset ``view()`` makes one) JAX silently
+copies it (jaxlib logs "DLPack buffer is not aligned ... Creating a copy"), so the array is no
+longer on the pool. :func:`from_buffer` refuses such a Buffer with a clear error instead,
+unless ``allow_copy=True``.
 
 Sharing memory with JAX's own allocations
 -----------------------------------------
@@ -32,8 +35,8 @@ cudaMemPool caches is then shared by both; mempool's own free lists stay mempool
 """
 import os
 
-#: Bytes of alignment XLA asks of imported memory (its CPU client's minimum; GPU blocks
-#: from a pool are 512-byte aligned, so only an offset view can miss it).
+#: Bytes of alignment XLA needs to view imported memory in place (below it jaxlib copies).
+#: Pool blocks are 512-byte aligned, so only an offset view can miss it.
 JAX_ALIGNMENT = 64
 
 #: The environment that makes JAX allocate on demand from the device's default cudaMemPool.
@@ -80,23 +83,30 @@ def shared_pool(device=0, **options):
     return Pool(backend="cuda", device=device, pool_handle="default", **options)
 
 
-def check_importable(buf):
-    """Raise ValueError if JAX would refuse `buf` (misaligned data, or a simulated pool)."""
+def check_importable(buf, allow_copy=False):
+    """Raise ValueError if JAX cannot view `buf` in place: a simulated pool's memory, or
+    (unless `allow_copy`) data that is not :data:`JAX_ALIGNMENT`-byte aligned, which JAX
+    would copy."""
     if buf.backend == "sim":
         raise ValueError("buf: a sim pool's memory is simulated and cannot be handed to JAX; "
                          "use a host pool (CPU) or a cuda pool (GPU)")
-    if buf.ptr % JAX_ALIGNMENT:
-        raise ValueError(f"buf: JAX imports memory aligned to {JAX_ALIGNMENT} bytes; this "
-                         f"Buffer starts {buf.ptr % JAX_ALIGNMENT} bytes past a boundary "
-                         f"(offset {buf.offset}); use a view offset that is a multiple of "
-                         f"{JAX_ALIGNMENT}")
+    if buf.ptr % JAX_ALIGNMENT and not allow_copy:
+        raise ValueError(f"buf: JAX views memory in place only when it is aligned to "
+                         f"{JAX_ALIGNMENT} bytes, and this Buffer starts "
+                         f"{buf.ptr % JAX_ALIGNMENT} bytes past a boundary (offset "
+                         f"{buf.offset}): JAX would copy it off the pool. Use a view offset "
+                         f"that is a multiple of {JAX_ALIGNMENT}, or allow_copy=True")
 
 
-def from_buffer(buf):
+def from_buffer(buf, allow_copy=False):
     """``jax.dlpack.from_dlpack(buf)`` after :func:`check_importable`: a JAX array on the
-    Buffer's memory (the array takes over the block)."""
+    Buffer's memory (the array takes over the block).
+
+    JAX (jaxlib up to at least 0.7) asks for the legacy capsule, which cannot carry a
+    read-only Buffer: export a writable view to JAX instead (its arrays are immutable).
+    """
     import jax.dlpack
-    check_importable(buf)
+    check_importable(buf, allow_copy)
     return jax.dlpack.from_dlpack(buf)
 
 

@@ -84,7 +84,8 @@ def capsule_name(capsule):
 
 
 def managed(capsule):
-    """The managed tensor inside an unconsumed capsule (legacy or versioned)."""
+    """The managed tensor inside an unconsumed capsule (legacy or versioned). It lives only
+    as long as the capsule: keep the capsule in a variable while reading it."""
     name = capsule_name(capsule)
     ptr = _api.PyCapsule_GetPointer(capsule, name.encode())
     cls = DLManagedTensorVersioned if name == "dltensor_versioned" else DLManagedTensor
@@ -164,7 +165,8 @@ def test_bad_max_version_is_a_type_error_and_changes_nothing(pool):
 ])
 def test_dtype_codes_and_numpy_round_trip(pool, dtype, code, bits):
     buf = pool.empty((2, 3), dtype)
-    t = managed(buf.view().__dlpack__(max_version=(1, 0))).contents
+    cap_t = buf.view().__dlpack__(max_version=(1, 0))
+    t = managed(cap_t).contents
     assert (t.dl_tensor.dtype.code, t.dl_tensor.dtype.bits, t.dl_tensor.dtype.lanes) == (code, bits, 1)
     arr = numpy.from_dlpack(buf)
     assert arr.dtype == numpy.dtype(dtype) and arr.shape == (2, 3)
@@ -174,10 +176,12 @@ def test_dtype_codes_and_numpy_round_trip(pool, dtype, code, bits):
 def test_bfloat16_code_when_ml_dtypes_present(pool):
     ml_dtypes = pytest.importorskip("ml_dtypes")
     buf = pool.empty(4, ml_dtypes.bfloat16)
-    t = managed(buf.__dlpack__(max_version=(1, 0))).contents
+    cap_t = buf.__dlpack__(max_version=(1, 0))
+    t = managed(cap_t).contents
     assert (t.dl_tensor.dtype.code, t.dl_tensor.dtype.bits, t.version.minor) == (4, 16, 0)
     buf8 = pool.empty(4, ml_dtypes.float8_e4m3fn)
-    t8 = managed(buf8.__dlpack__(max_version=(1, 1))).contents
+    cap_t8 = buf8.__dlpack__(max_version=(1, 1))
+    t8 = managed(cap_t8).contents
     # The float8 codes came with DLPack 1.1: the capsule says so.
     assert (t8.dl_tensor.dtype.code, t8.dl_tensor.dtype.bits, t8.version.minor) == (10, 8, 1)
 
@@ -230,7 +234,8 @@ def test_empty_buffer_has_no_block(pool):
     before = pool.used_bytes()
     buf = pool.empty((0, 3))
     assert buf.ptr == 0 and buf.nbytes == 0 and pool.used_bytes() == before
-    t = managed(buf.view().__dlpack__(max_version=(1, 0))).contents
+    cap_t = buf.view().__dlpack__(max_version=(1, 0))
+    t = managed(cap_t).contents
     assert t.dl_tensor.data is None
     arr = numpy.from_dlpack(buf)
     assert arr.shape == (0, 3)
@@ -244,7 +249,8 @@ def test_view_exports_a_byte_offset(pool):
     base[:] = numpy.arange(64)
     v = buf.view((4, 4), offset=32)
     assert v.ptr == buf.ptr + 32 and v.offset == 32
-    t = managed(v.view().__dlpack__(max_version=(1, 0))).contents
+    cap_t = v.view().__dlpack__(max_version=(1, 0))
+    t = managed(cap_t).contents
     assert t.dl_tensor.data == buf.ptr and t.dl_tensor.byte_offset == 32
     assert dims(ctypes.pointer(t)) == ((4, 4), (4, 1))
     arr = numpy.from_dlpack(v)
@@ -278,7 +284,8 @@ def test_readonly_view_sets_the_flag(pool):
     buf = pool.empty(5, "int32")
     ro = buf.view(readonly=True)
     assert ro.readonly
-    t = managed(ro.view().__dlpack__(max_version=(1, 0))).contents
+    cap_t = ro.view().__dlpack__(max_version=(1, 0))
+    t = managed(cap_t).contents
     assert t.flags & READ_ONLY
     with pytest.raises(ValueError, match="writable"):
         ro.view(readonly=False)
@@ -588,3 +595,126 @@ def test_torch_backward_frees_on_autograd_thread(pool):
     del x, w, loss
     gc.collect()
     assert freed(pool) == n0 + 2 and pool.used_bytes() == 0
+
+
+# ---- stream hand-off, on the simulated device -----------------------------------------------
+# sim Buffers refuse __dlpack__ (fake addresses); _export_simulated runs the same export
+# there so the ordering and the recorded use can be watched on the simulated streams.
+
+P, C = 0x10, 0x20      # producer and consumer streams
+
+
+@pytest.fixture
+def simpool():
+    p = mempool.Pool(backend="sim", capacity="4GB")
+    yield p
+    gc.collect()
+    p.device.complete_all()
+    p.check_invariants()
+
+
+def test_consumer_stream_waits_for_the_producer_without_a_host_sync(simpool):
+    dev = simpool.device
+    buf = simpool.empty(1 << 20, "uint8", stream=P)
+    seq = dev.launch(P)                       # the producer's writes, still queued
+    assert not dev.ordered(C, P, seq)
+    before = dev.counters()
+    cap = _core._export_simulated(buf, stream=C, max_version=(1, 0))
+    after = dev.counters()
+    assert dev.ordered(C, P, seq), "the consumer's stream must wait for the producer's"
+    assert after["syncs"] == before["syncs"], "no host synchronisation"
+    assert after["waits"] == before["waits"] + 1
+    assert after["live_events"] == before["live_events"], "the event is given back"
+    assert dev.stream_info(P)["completed"] < seq
+    t = consume(cap)
+    assert t.contents.dl_tensor.data == buf.ptr
+    t.contents.deleter(t)
+
+
+def test_consumer_stream_is_recorded_so_the_block_waits_for_it(simpool):
+    dev = simpool.device
+    buf = simpool.empty(1 << 20, "uint8", stream=P)
+    ptr = buf.ptr
+    t = consume(_core._export_simulated(buf, stream=C, max_version=(1, 0)))
+    dev.launch(C)                             # the consumer's kernels on its stream
+    t.contents.deleter(t)                     # the consumer drops it at once (host side)
+    other = simpool.alloc(1 << 20, stream=P)
+    assert other != ptr, "reused while the consumer's stream may still read it"
+    simpool.free(other)
+    dev.complete(C)
+    again = simpool.alloc(1 << 20, stream=P)
+    assert again == ptr, "once the consumer's work is done the block serves again"
+    simpool.free(again)
+
+
+def test_stream_minus_one_means_no_synchronisation(simpool):
+    dev = simpool.device
+    buf = simpool.empty(1 << 20, "uint8", stream=P)
+    ptr = buf.ptr
+    seq = dev.launch(P)
+    before = dev.counters()
+    t = consume(_core._export_simulated(buf, stream=-1, max_version=(1, 0)))
+    assert dev.counters()["waits"] == before["waits"] and not dev.ordered(C, P, seq)
+    dev.launch(C)
+    t.contents.deleter(t)
+    assert simpool.alloc(1 << 20, stream=P) == ptr    # nothing recorded: reused at once
+
+
+@pytest.mark.parametrize("stream, consumer", [(None, 0), (1, 0), (2, 2), (0x99, 0x99)])
+def test_stream_values_of_the_array_api(simpool, stream, consumer):
+    dev = simpool.device
+    buf = simpool.empty(64, "float32", stream=P)
+    seq = dev.launch(P)
+    t = consume(_core._export_simulated(buf, stream=stream, max_version=(1, 0)))
+    assert dev.ordered(consumer, P, seq)
+    t.contents.deleter(t)
+
+
+def test_same_stream_needs_no_event(simpool):
+    dev = simpool.device
+    buf = simpool.empty(64, "float32", stream=P)
+    before = dev.counters()
+    t = consume(_core._export_simulated(buf, stream=P, max_version=(1, 0)))
+    assert dev.counters()["event_records"] == before["event_records"]
+    t.contents.deleter(t)
+
+
+@pytest.mark.parametrize("stream", [0, -2])
+def test_invalid_dlpack_streams_are_refused(simpool, stream):
+    buf = simpool.empty(8, stream=P)
+    with pytest.raises(BufferError, match="not a valid DLPack stream"):
+        _core._export_simulated(buf, stream=stream)
+    assert not buf.exported
+
+
+def test_sim_capsule_describes_a_cuda_tensor(simpool):
+    buf = simpool.empty((8, 2), "float16", stream=P)
+    cap = _core._export_simulated(buf.view(), stream=-1, max_version=(1, 0))
+    t = managed(cap).contents
+    assert (t.dl_tensor.device.device_type, t.dl_tensor.device.device_id) == (2, 0)
+    assert dims(managed(cap)) == ((8, 2), (2, 1))
+    del cap                                   # unconsumed: its destructor frees the block
+    gc.collect()
+    assert simpool.used_bytes() > 0           # `buf` still holds its own reference
+    del buf
+    gc.collect()
+    assert simpool.used_bytes() == 0
+
+
+def test_record_stream_for_array_interface_consumers(simpool):
+    dev = simpool.device
+    buf = simpool.empty(1 << 20, "uint8", stream=P)
+    ptr = buf.ptr
+    buf.record_stream(C)
+    dev.launch(C)
+    del buf
+    gc.collect()
+    assert simpool.alloc(1 << 20, stream=P) != ptr
+    dev.complete(C)
+    with pytest.raises(TypeError, match="stream"):
+        simpool.empty(4).record_stream("C")
+
+
+def test_export_simulated_is_for_sim_only(pool):
+    with pytest.raises(ValueError, match="sim"):
+        _core._export_simulated(pool.empty(4))
