@@ -45,8 +45,8 @@ def test_cupy_from_dlpack_and_cuda_array_interface(pool):
     cupy = pytest.importorskip("cupy")
     buf = pool.empty(4096, "int32")
     cai = buf.__cuda_array_interface__
-    assert cai["version"] == 3 and cai["data"] == (buf.ptr, False) and cai["stream"] == 1 \
-        or cai["stream"] == buf.stream
+    assert cai["version"] == 3 and cai["data"] == (buf.ptr, False)
+    assert cai["stream"] == (buf.stream or 1)  # 1: the legacy default stream
     view = cupy.asarray(buf)                    # CAI: the Buffer stays the owner
     view[:] = 7
     arr = cupy.from_dlpack(buf.view())          # DLPack: the array owns its reference
