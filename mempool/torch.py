@@ -179,6 +179,9 @@ def from_pool(pool, shape, dtype="float32", stream=None):
     import torch
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).replace("torch.", "")
+        if dtype.startswith(("bfloat16", "float8")):   # NumPy knows these through ml_dtypes
+            import ml_dtypes
+            dtype = getattr(ml_dtypes, dtype)
     if stream is None and pool.backend == "cuda":
         stream = torch.cuda.current_stream(pool.device_id)
     buf = pool.empty(shape, dtype, stream=stream)

@@ -463,3 +463,16 @@ def test_training_step_with_backward_while_threads_allocate_through_cupy():
         print("allocs", st["allocation.all.allocated"], "loss", float(loss))
     """)
     assert "allocs" in out
+
+
+def test_from_pool_gives_a_tensor_on_pool_memory():
+    torch = pytest.importorskip("torch")
+    import mempool.torch as mt
+    pool = mempool.Pool(backend="host", capacity="64MB")
+    t = mt.from_pool(pool, (4, 4), torch.float64)
+    assert t.dtype == torch.float64 and t.shape == (4, 4)
+    assert pool.block_info(t.data_ptr())[1] == 128
+    t.fill_(1)
+    del t
+    gc.collect()
+    assert pool.used_bytes() == 0
