@@ -17,13 +17,12 @@ import mempool.cupy as mc           # noqa: E402
 from _common import mib, parse_backend, report   # noqa: E402
 
 
-def on_gpu():
+def on_gpu(stream):
     import cupy
     pool = mempool.Pool(backend="cuda", device=0)
     with mc.use(pool):
         x = cupy.arange(1 << 22, dtype=cupy.float32)       # 16 MiB from the pool
         y = cupy.sqrt(x) * 2 + 1                           # temporaries too
-        stream = cupy.cuda.Stream(non_blocking=True)
         with stream:                                       # allocated on `stream`
             z = cupy.ones((2048, 2048), dtype=cupy.float32) @ cupy.ones((2048, 2048),
                                                                          dtype=cupy.float32)
@@ -54,7 +53,14 @@ def on_sim():
 def main(argv=None):
     args = parse_backend(__doc__.splitlines()[0], "sim", argv)
     print(f"backend: {args.backend}")
-    on_gpu() if args.backend == "cuda" else on_sim()
+    if args.backend == "cuda":
+        import cupy
+        # Made before the pool and dropped after it: the pool keeps segments made on a
+        # stream until it goes, and they must be freed on a live stream.
+        stream = cupy.cuda.Stream(non_blocking=True)
+        on_gpu(stream)
+    else:
+        on_sim()
     return 0
 
 

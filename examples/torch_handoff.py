@@ -17,16 +17,10 @@ import mempool                      # noqa: E402
 from _common import parse_backend, report   # noqa: E402
 
 
-def main(argv=None):
-    args = parse_backend(__doc__.splitlines()[0], "host", argv)
+def handoff(backend, producer):
     import torch
-    print(f"backend: {args.backend}")
-    pool = mempool.Pool(backend=args.backend, device=0) if args.backend == "cuda" else \
+    pool = mempool.Pool(backend="cuda", device=0) if backend == "cuda" else \
         mempool.Pool(backend="host", capacity="1GB")
-    producer = None
-    if args.backend == "cuda":
-        import cupy
-        producer = cupy.cuda.Stream(non_blocking=True)      # where the buffer is written
     buf = pool.empty((1024, 1024), "float32", stream=producer)
     ptr = buf.ptr
     x = torch.from_dlpack(buf)                              # the hand-off
@@ -40,10 +34,22 @@ def main(argv=None):
     print(f"loss {loss.item():.4f}; grad norm {x.grad.norm().item():.4f}")
     report(pool, "two tensors on pool memory")
     del x, w, loss
-    if args.backend == "cuda":
+    if backend == "cuda":
         torch.cuda.synchronize()
     report(pool, "after the tensors died (their deleters freed the blocks)")
     pool.check_invariants()
+
+
+def main(argv=None):
+    args = parse_backend(__doc__.splitlines()[0], "host", argv)
+    print(f"backend: {args.backend}")
+    producer = None
+    if args.backend == "cuda":
+        import cupy
+        # The stream the buffers are written on. Made before the pool and dropped after it:
+        # the pool keeps segments made on a stream until it goes.
+        producer = cupy.cuda.Stream(non_blocking=True)
+    handoff(args.backend, producer)
     return 0
 
 

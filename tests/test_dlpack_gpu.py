@@ -13,6 +13,15 @@ import mempool
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(scope="module")
+def producer():
+    """A stream that outlives every pool of the module: a pool keeps segments made on a
+    stream until it is destroyed, and freeing them on a stream already destroyed is an error
+    of the CUDA API (see docs/sharing.md, "Streams outlive pools")."""
+    cupy = pytest.importorskip("cupy")
+    return cupy.cuda.Stream(non_blocking=True)
+
+
 @pytest.fixture
 def pool():
     p = mempool.Pool(backend="cuda", device=0)
@@ -21,10 +30,9 @@ def pool():
     p.check_invariants()
 
 
-def test_torch_cuda_zero_copy_on_its_stream(pool):
+def test_torch_cuda_zero_copy_on_its_stream(pool, producer):
     torch = pytest.importorskip("torch")
     cupy = pytest.importorskip("cupy")
-    producer = cupy.cuda.Stream(non_blocking=True)
     buf = pool.empty((1024, 1024), "float32", stream=producer)
     assert buf.stream == producer.ptr and buf.__dlpack_device__() == (2, 0)
     with producer:
