@@ -297,6 +297,13 @@ cdef class Pool:
         """Context manager: CuPy allocates from this pool inside the ``with`` block."""
         return _CupyAllocatorScope(self)
 
+    # ---- sharing (mempool/_buffer.pxi) ----
+    def empty(self, shape, dtype="float32", stream=None):
+        """A new, uninitialised :class:`Buffer` of ``shape`` and ``dtype`` on ``stream``,
+        for zero-copy hand-off through DLPack (``torch.from_dlpack(pool.empty(...))``)."""
+        return _pool_empty(self, shape, dtype, stream)
+    # ---- end sharing ----
+
     cdef object _pointer_error(self, int rc, str op, uintptr_t p):
         if rc == MP_EINTERIOR:
             return ValueError(f"{op}: {p:#x} points inside a live block of this pool, not at its "
