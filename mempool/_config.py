@@ -1,0 +1,824 @@
+"""Pool options: the one table of them, and their parsing and validation.
+
+Pure Python with no use of the compiled core, so configuration errors surface (and are
+tested) without a build. Three ways in, one set of rules:
+
+- keywords: ``Pool(release_threshold="2GB", ...)`` -> :func:`normalize`;
+- a conf string in PyTorch's ``PYTORCH_CUDA_ALLOC_CONF`` syntax:
+  ``Pool.from_conf("release_threshold:2GB,max_split_size_mb:64")`` -> :func:`parse_conf`;
+- the ``MEMPOOL_CONF`` environment variable -> :func:`conf_from_env`.
+
+Every bad key or value is a ``ValueError`` that names the key, the value, and what is
+accepted. PyTorch allocator keys that have no meaning here are refused by name, never
+ignored: a setting that silently does nothing is worse than an error.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import numbers
+import operator
+import os
+import re
+from fractions import Fraction
+from typing import Any, Callable, Mapping, NamedTuple
+
+__all__ = [
+    "OPTIONS", "Option", "parse_size", "parse_roundup_divisions", "normalize",
+    "parse_conf", "conf_from_env", "to_conf", "to_pytorch_conf", "format_size",
+]
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+TiB = 1 << 40
+
+# Kept in step with mp_core.h (MP_ROUNDUP_INTERVALS, MP_LARGE_BUFFER, MP_LARGE_SEGMENT).
+ROUNDUP_INTERVALS = 16
+# PyTorch refuses max_split_size_mb below kLargeBuffer (20 MiB) and so do we, for the same
+# reason: requests of 1-10 MiB are served from 20 MiB segments, and a max_split_size below
+# that would make every such segment unsplittable, one segment per request.
+MIN_MAX_SPLIT_SIZE = 20 * MiB
+
+BACKENDS = ("sim", "host", "cuda")
+POOL_HANDLES = ("create", "default", "current")
+
+# Units are powers of 1024 whether spelled KB or KiB, as PyTorch reads its *_mb keys.
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": KiB, "kib": KiB,
+    "mb": MiB, "mib": MiB,
+    "gb": GiB, "gib": GiB,
+    "tb": TiB, "tib": TiB,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+_FRACTION_RE = re.compile(r"^\s*(\d*\.\d*)\s*$")
+_NONE_WORDS = ("none", "unlimited")
+_TRUE_WORDS = ("true", "1")
+_FALSE_WORDS = ("false", "0")
+
+_SIZE_ACCEPTED = ("an int >= 0 (bytes) or a string such as '512', '4KB', '512MiB', "
+                  "'1.5GB' (KB/MB/GB/TB and KiB/MiB/GiB/TiB are all powers of 1024)")
+
+
+class _OptionError(ValueError):
+    """A bad option value; keeps the reason so that a wrapper can restate what it accepts."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(message)
+        self.why = why
+
+
+def _error(key: str, value: Any, accepted: str, why: str = "") -> _OptionError:
+    shown = f" ({why})" if why else ""
+    return _OptionError(f"option {key!r}: {value!r} is not valid{shown}; accepted: {accepted}", why)
+
+
+# --------------------------------------------------------------------------- value parsers
+
+
+def _is_int(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def parse_size(value: Any, key: str = "size") -> int:
+    """Parse a byte count.
+
+    Parameters
+    ----------
+    value : int or str
+        An int >= 0, or a string: a number with an optional unit, ``"512"``, ``"512B"``,
+        ``"4KB"``, ``"512MB"``, ``"2GiB"``, ``"1.5GB"``, ``"64mb"``. KB/MB/GB/TB are powers
+        of 1024, as in PyTorch's allocator settings, and so are KiB/MiB/GiB/TiB; units are
+        case-insensitive. A fractional count rounds down to whole bytes, but a fraction of a
+        byte with no unit (``"1.5"``) is refused.
+    key : str
+        The option being parsed, named in the error message.
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    ValueError
+        For a bool, a float, a negative number, or a string that is not a size.
+    """
+    if _is_int(value):
+        n = operator.index(value)
+        if n < 0:
+            raise _error(key, value, _SIZE_ACCEPTED, "negative")
+        return n
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m is None:
+            raise _error(key, value, _SIZE_ACCEPTED, "not a number with an optional unit")
+        number, unit = m.group(1), m.group(2).lower()
+        if unit not in _UNITS:
+            raise _error(key, value, _SIZE_ACCEPTED, f"unknown unit {m.group(2)!r}")
+        exact = Fraction(number) * _UNITS[unit]
+        if _UNITS[unit] == 1 and exact.denominator != 1:
+            raise _error(key, value, _SIZE_ACCEPTED, "a fraction of a byte")
+        return math.floor(exact)
+    if isinstance(value, float):
+        raise _error(key, value, _SIZE_ACCEPTED,
+                     "a float is not a size; write an int or a string such as '1.5GiB'")
+    raise _error(key, value, _SIZE_ACCEPTED, f"a {type(value).__name__}")
+
+
+def _is_none_word(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS)
+
+
+def _parse_optional_size(value: Any, key: str) -> int | None:
+    if _is_none_word(value):
+        return None
+    try:
+        return parse_size(value, key)
+    except _OptionError as e:
+        raise _error(key, value, _SIZE_ACCEPTED + ", or None / 'none' / 'unlimited'", e.why) from None
+
+
+def _parse_max_split_size(value: Any, key: str) -> int | None:
+    accepted = "a size of at least 20 MiB, or None / 'none' / 'unlimited' (split every block)"
+    if _is_none_word(value):
+        return None
+    try:
+        n = parse_size(value, key)
+    except _OptionError as e:
+        raise _error(key, value, accepted, e.why) from None
+    if n < MIN_MAX_SPLIT_SIZE:
+        raise _error(key, value, accepted,
+                     f"{n} bytes is below 20 MiB: 1-10 MiB requests take 20 MiB segments, "
+                     "which such a limit would make unsplittable")
+    return n
+
+
+def _parse_nonnegative_size(value: Any, key: str) -> int:
+    return parse_size(value, key)
+
+
+def _parse_capacity(value: Any, key: str) -> int | None:
+    accepted = "a size > 0, or None for the device's own"
+    if _is_none_word(value):
+        return None
+    try:
+        n = parse_size(value, key)
+    except _OptionError as e:
+        raise _error(key, value, accepted, e.why) from None
+    if n == 0:
+        raise _error(key, value, accepted, "zero")
+    return n
+
+
+def _parse_limit(value: Any, key: str) -> int | float | None:
+    accepted = ("a size in bytes (an int, or a string such as '8GiB'), a float fraction of "
+                "capacity in (0, 1] such as 0.5 or '0.5', or None / 'none' / 'unlimited'")
+    if _is_none_word(value):
+        return None
+    fraction = None
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral)):
+        fraction = float(value)
+    elif isinstance(value, str) and _FRACTION_RE.match(value) and value.strip() != ".":
+        fraction = float(value)
+    if fraction is not None:
+        if not 0.0 < fraction <= 1.0:
+            raise _error(key, value, accepted,
+                         "a fraction must lie in (0, 1]; write a byte limit as an int or "
+                         "with a unit")
+        return fraction
+    try:
+        return parse_size(value, key)
+    except _OptionError as e:
+        raise _error(key, value, accepted, e.why) from None
+
+
+def _parse_bool(value: Any, key: str) -> bool:
+    accepted = "True/False, or a string 'true'/'false'/'True'/'False'/'1'/'0'"
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE_WORDS:
+            return True
+        if word in _FALSE_WORDS:
+            return False
+    raise _error(key, value, accepted)
+
+
+def _parse_gc_threshold(value: Any, key: str) -> float:
+    accepted = "a float in [0, 1): the fraction of limit (or capacity) above which idle " \
+               "segments are released before growing; 0 = off"
+    if isinstance(value, bool) or not isinstance(value, (str, numbers.Real)):
+        raise _error(key, value, accepted)
+    try:
+        v = float(value.strip() if isinstance(value, str) else value)
+    except ValueError:
+        raise _error(key, value, accepted) from None
+    if not 0.0 <= v < 1.0:
+        raise _error(key, value, accepted, "out of range")
+    return v
+
+
+def _parse_backend(value: Any, key: str) -> str:
+    accepted = "'sim', 'host' or 'cuda'"
+    if isinstance(value, str):
+        name = value.strip()
+        if name in BACKENDS:
+            return name
+        if name in ("native", "cudaMallocAsync", "hipMallocAsync"):
+            raise ValueError(
+                f"option {key!r}: {value!r} selects one of PyTorch's own allocators and has "
+                f"no meaning here; accepted: {accepted} ('cuda' already draws its segments "
+                "from a cudaMemPool through cudaMallocFromPoolAsync)")
+    raise _error(key, value, accepted)
+
+
+def _parse_device(value: Any, key: str) -> int:
+    accepted = "an int >= 0"
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    if _is_int(value) and operator.index(value) >= 0:
+        return operator.index(value)
+    raise _error(key, value, accepted)
+
+
+def _parse_pool_handle(value: Any, key: str) -> str | int:
+    accepted = ("'create' (a pool of its own), 'default' (the device's default pool), "
+                "'current' (the device's current pool), or a cudaMemPool_t handle as an "
+                "int > 0")
+    if isinstance(value, str):
+        word = value.strip()
+        if word in POOL_HANDLES:
+            return word
+        try:
+            value = int(word, 0)
+        except ValueError:
+            raise _error(key, value, accepted) from None
+    if _is_int(value) and operator.index(value) > 0:
+        return operator.index(value)
+    raise _error(key, value, accepted)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+_ROUNDUP_ACCEPTED = (
+    "an int 0 or a power of two (every interval), a PyTorch list such as "
+    "'[256:1,512:2,1024:4,>:8]' (keys: interval starts in MB, powers of two, or '>' for "
+    "the rest; values: 0 or powers of two), a dict {256: 1, '>': 8}, or a list of 16 ints")
+
+
+def _roundup_value(v: Any, key: str, whole: Any) -> int:
+    if isinstance(v, str) and v.strip().isdigit():
+        v = int(v.strip())
+    if not _is_int(v) or not (operator.index(v) == 0 or _is_pow2(operator.index(v))):
+        raise _error(key, whole, _ROUNDUP_ACCEPTED, f"division count {v!r} is not 0 or a power of two")
+    return operator.index(v)
+
+
+def _roundup_from_pairs(pairs: list, key: str, whole: Any) -> list[int]:
+    # Exactly PyTorch's AcceleratorAllocatorConfig::parseRoundUpPower2Divisions
+    # (c10/core/AllocatorConfig.cpp, torch 2.9+; checked against torch 2.13's libc10):
+    # - interval i is [2**i, 2**(i+1)) MiB, i = 0..15 (index 0 also takes all below 1 MiB,
+    #   index 15 all at or above 32 GiB); a key K (MB, a power of two) sets index
+    #   log2(K) clamped to 0..15;
+    # - the first numeric key also fills every index below its own;
+    # - '>' fills from the index after the last numeric key to the end (from index 1 when
+    #   no numeric key came before it, so index 0 keeps its value);
+    # - indices no entry reaches stay 0 (plain 512 B rounding); a later entry overrides.
+    # (PyTorch before the AcceleratorAllocatorConfig rewrite filled '>' from the last key's
+    # own index, overwriting it; torch 2.11 and 2.13 behave as here.)
+    divs = [0] * ROUNDUP_INTERVALS
+    first = True
+    last_index = 0
+    for k, v in pairs:
+        value = _roundup_value(v, key, whole)
+        if isinstance(k, str) and k.strip() == ">":
+            for i in range(last_index + 1, ROUNDUP_INTERVALS):
+                divs[i] = value
+            continue
+        if isinstance(k, str) and k.strip().isdigit():
+            k = int(k.strip())
+        if not _is_int(k) or not _is_pow2(operator.index(k)):
+            raise _error(key, whole, _ROUNDUP_ACCEPTED,
+                         f"interval key {k!r} is not '>' or a power of two (MB)")
+        index = min(operator.index(k).bit_length() - 1, ROUNDUP_INTERVALS - 1)
+        if first:
+            for i in range(index):
+                divs[i] = value
+            first = False
+        divs[index] = value
+        last_index = index
+    return divs
+
+
+def parse_roundup_divisions(value: Any, key: str = "roundup_power2_divisions") -> list[int]:
+    """Parse ``roundup_power2_divisions`` into one division count per size interval.
+
+    Interval ``i`` (0..15) holds sizes in ``[2**i, 2**(i+1))`` MiB; index 0 also holds all
+    smaller sizes and index 15 all larger ones. A count N > 1 rounds a request up to the
+    next of N equal steps of its power-of-two interval; 0 or 1 keeps plain 512 B rounding.
+
+    Parameters
+    ----------
+    value : int, str, dict or list
+        - an int (0 or a power of two): the same count for every interval. PyTorch's scalar
+          form refuses 0; here 0 means off, like the default;
+        - a string: an int as above, or PyTorch's list ``"[256:1,512:2,1024:4,>:8]"``;
+        - a dict ``{256: 1, 512: 2, ">": 8}``, read in insertion order like the list;
+        - a list or tuple of 16 ints, taken as is.
+        The list and dict forms follow PyTorch's rules exactly (see the comment in
+        ``_roundup_from_pairs``).
+    key : str
+        The option being parsed, named in the error message.
+
+    Returns
+    -------
+    list of int
+        16 division counts.
+    """
+    if isinstance(value, bool):
+        raise _error(key, value, _ROUNDUP_ACCEPTED)
+    if _is_int(value):
+        return [_roundup_value(value, key, value)] * ROUNDUP_INTERVALS
+    if isinstance(value, str):
+        text = re.sub(r"\s+", "", value)
+        if text.isdigit():
+            return [_roundup_value(int(text), key, value)] * ROUNDUP_INTERVALS
+        if not (text.startswith("[") and text.endswith("]")):
+            raise _error(key, value, _ROUNDUP_ACCEPTED)
+        body = text[1:-1]
+        pairs = []
+        if body:
+            for item in body.split(","):
+                parts = item.split(":")
+                if len(parts) != 2 or not parts[0] or not parts[1]:
+                    raise _error(key, value, _ROUNDUP_ACCEPTED,
+                                 f"entry {item!r} is not KEY:VALUE")
+                pairs.append((parts[0], parts[1]))
+        return _roundup_from_pairs(pairs, key, value)
+    if isinstance(value, Mapping):
+        return _roundup_from_pairs(list(value.items()), key, value)
+    if isinstance(value, (list, tuple)):
+        if len(value) != ROUNDUP_INTERVALS:
+            raise _error(key, value, _ROUNDUP_ACCEPTED,
+                         f"a list needs exactly {ROUNDUP_INTERVALS} entries, got {len(value)}")
+        return [_roundup_value(v, key, value) for v in value]
+    raise _error(key, value, _ROUNDUP_ACCEPTED, f"a {type(value).__name__}")
+
+
+# --------------------------------------------------------------------------- the table
+
+
+class Option(NamedTuple):
+    """One Pool option: its default, type (as accepted), meaning and PyTorch equivalent."""
+
+    default: Any
+    kind: str                # what is accepted, in words
+    doc: str                 # one line: what it does
+    parse: Callable[[Any, str], Any]
+    example: str             # a conf-string value, for the docs
+    pytorch: str = ""        # nearest PyTorch allocator setting, "" when none
+    cuda_only: bool = False  # meaningful only with backend="cuda"
+
+
+OPTIONS: dict[str, Option] = {
+    "backend": Option(
+        "cuda", "'sim' | 'host' | 'cuda'",
+        "where segments come from: a simulated device, host malloc, or a cudaMemPool",
+        _parse_backend, "sim",
+        pytorch="`backend` (its values native and cudaMallocAsync are refused)"),
+    "device": Option(
+        0, "int >= 0", "the device the pool allocates on", _parse_device, "0"),
+    "capacity": Option(
+        None, "size or None",
+        "device memory the pool sees (the simulated device's size; None = the device's own)",
+        _parse_capacity, "80GiB"),
+    "roundup_power2_divisions": Option(
+        (0,) * ROUNDUP_INTERVALS, "int, '[256:1,>:8]', dict or list of 16",
+        "cut each power-of-two size interval into N rounding steps (0 = 512 B rounding)",
+        parse_roundup_divisions, "[256:1,512:2,1024:4,>:8]",
+        pytorch="`roundup_power2_divisions` (same syntax and meaning)"),
+    "max_split_size": Option(
+        None, "size >= 20 MiB or None",
+        "blocks this large or larger are never split (None = split every block)",
+        _parse_max_split_size, "64MB", pytorch="`max_split_size_mb` (in MB)"),
+    "cross_stream_reuse": Option(
+        True, "bool",
+        "serve a stream from another stream's free blocks through an event wait, not a sync",
+        _parse_bool, "False"),
+    "release_threshold": Option(
+        None, "size or None",
+        "cached (free) bytes the pool keeps; beyond it freed segments go upstream, oldest "
+        "first (None = keep all); with backend='cuda' also the cudaMemPool's "
+        "ReleaseThreshold",
+        _parse_optional_size, "2GB"),
+    "limit": Option(
+        None, "size, float in (0, 1], or None",
+        "cap on reserved bytes, or that fraction of capacity (None = no cap)",
+        _parse_limit, "0.5", pytorch="`per_process_memory_fraction` (fraction form)"),
+    "initial_pool_size": Option(
+        0, "size",
+        "bytes reserved at creation and never released automatically",
+        _parse_nonnegative_size, "4GiB"),
+    "garbage_collection_threshold": Option(
+        0.0, "float in [0, 1)",
+        "above this fraction of limit (or capacity), release idle segments before growing "
+        "(0 = off)",
+        _parse_gc_threshold, "0.8", pytorch="`garbage_collection_threshold`"),
+    "expandable_segments": Option(
+        False, "bool",
+        "one growing address-space reservation per stream and size class, mapped page by page",
+        _parse_bool, "True", pytorch="`expandable_segments`"),
+    "pool_handle": Option(
+        "create", "'create', 'default', 'current' or int",
+        "which cudaMemPool supplies segments: a new one, the device's default or current "
+        "pool, or a given cudaMemPool_t handle",
+        _parse_pool_handle, "default", cuda_only=True),
+    "reuse_follow_event_dependencies": Option(
+        True, "bool", "cudaMemPoolReuseFollowEventDependencies on the cudaMemPool",
+        _parse_bool, "False", cuda_only=True),
+    "reuse_allow_opportunistic": Option(
+        True, "bool", "cudaMemPoolReuseAllowOpportunistic on the cudaMemPool",
+        _parse_bool, "False", cuda_only=True),
+    "reuse_allow_internal_dependencies": Option(
+        True, "bool", "cudaMemPoolReuseAllowInternalDependencies on the cudaMemPool",
+        _parse_bool, "False", cuda_only=True),
+}
+
+
+def _default(name: str) -> Any:
+    d = OPTIONS[name].default
+    return list(d) if isinstance(d, tuple) else d
+
+
+def _accepted_keys() -> str:
+    return ", ".join(OPTIONS)
+
+
+# --------------------------------------------------------------------------- PyTorch keys
+
+# PyTorch allocator keys (torch 2.13: AcceleratorAllocatorConfig and CUDAAllocatorConfig)
+# that map onto ours: conf key -> (our key, reader of the conf value).
+def _mb_to_bytes(value: Any, key: str) -> int:
+    text = value.strip() if isinstance(value, str) else value
+    if isinstance(text, str) and text.isdigit():
+        return int(text) * MiB
+    if _is_int(text) and operator.index(text) >= 0:
+        return operator.index(text) * MiB
+    raise _error(key, value, "a whole number of MB (MB = 2**20 bytes), as in PyTorch")
+
+
+def _pytorch_fraction(value: Any, key: str) -> float:
+    accepted = "a fraction of device memory in (0, 1]"
+    try:
+        v = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        raise _error(key, value, accepted) from None
+    if isinstance(value, bool) or not 0.0 < v <= 1.0:
+        raise _error(key, value, accepted)
+    return v
+
+
+_PYTORCH_ALIASES: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
+    "max_split_size_mb": ("max_split_size", _mb_to_bytes),
+    "per_process_memory_fraction": ("limit", _pytorch_fraction),
+}
+
+_ALIAS_EXAMPLES = {"max_split_size_mb": "64", "per_process_memory_fraction": "0.5"}
+
+_NO_PINNED = "it configures PyTorch's pinned host-memory allocator, which mempool does not replace"
+_NO_LOCK = "it concerns PyTorch's allocator lock; mempool's lock rules are fixed " \
+           "(see docs/architecture.md)"
+
+# Every other key of PyTorch 2.13's allocator config, refused with the reason.
+_PYTORCH_REFUSED: dict[str, str] = {
+    "large_segment_size_mb": "segment sizes are fixed here: 2 MiB for requests up to 1 MiB, "
+                             "20 MiB for requests under 10 MiB, larger ones rounded to 2 MiB",
+    "max_non_split_rounding_mb": "an unsplit (oversize) block serves requests up to 20 MiB "
+                                 "smaller than itself; the slack is fixed",
+    "release_lock_on_cudamalloc": _NO_LOCK,
+    "release_lock_on_hipmalloc": _NO_LOCK,
+    "pinned_use_cuda_host_register": _NO_PINNED,
+    "pinned_use_hip_host_register": _NO_PINNED,
+    "pinned_num_register_threads": _NO_PINNED,
+    "pinned_use_background_threads": _NO_PINNED,
+    "pinned_max_round_threshold_mb": _NO_PINNED,
+    "pinned_max_cached_size_mb": _NO_PINNED,
+    "pinned_reserve_segment_size_mb": _NO_PINNED,
+    "pinned_free_catch_all": _NO_PINNED,
+    "graph_capture_record_stream_reuse": "mempool does not take part in CUDA graph capture",
+    "throw_on_cudamalloc_oom": "mempool always raises mempool.OutOfMemoryError when it cannot "
+                               "allocate; there is nothing to switch on",
+}
+
+
+def _unknown_key(key: Any, source: str) -> ValueError:
+    hint = ""
+    if key in _PYTORCH_ALIASES:
+        target = _PYTORCH_ALIASES[key][0]
+        hint = (f" ({key!r} is PyTorch's conf spelling, accepted in conf strings; as a "
+                f"keyword write {target!r})")
+    elif key in _PYTORCH_REFUSED:
+        hint = f" ({key!r} is a PyTorch allocator key with no meaning here: {_PYTORCH_REFUSED[key]})"
+    elif isinstance(key, str):
+        close = difflib.get_close_matches(key, list(OPTIONS) + list(_PYTORCH_ALIASES), n=1)
+        if close:
+            hint = f" (did you mean {close[0]!r}?)"
+    return ValueError(f"{source}: unknown option {key!r}{hint}; accepted options: "
+                      f"{_accepted_keys()}")
+
+
+# --------------------------------------------------------------------------- normalize
+
+
+def normalize(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate options and fill in defaults.
+
+    Parameters
+    ----------
+    options : mapping
+        Option name -> value, as given to ``Pool(**options)`` (raw strings such as
+        ``"2GB"`` are fine) or as returned by :func:`parse_conf`.
+
+    Returns
+    -------
+    dict
+        Every option of :data:`OPTIONS`, in table order, with parsed values: sizes as int
+        bytes, ``limit`` as int bytes or a float fraction (the Pool resolves a fraction
+        against capacity), ``roundup_power2_divisions`` as a list of 16 ints.
+
+    Raises
+    ------
+    ValueError
+        For an unknown key (the message lists the accepted ones), a bad value (naming key,
+        value and what is accepted), or options that contradict each other.
+    """
+    if not isinstance(options, Mapping):
+        raise TypeError(f"options must be a mapping of option name to value, "
+                        f"got {type(options).__name__}")
+    for key in options:
+        if key not in OPTIONS:
+            raise _unknown_key(key, "Pool options")
+    out = {}
+    for name, opt in OPTIONS.items():
+        out[name] = opt.parse(options[name], name) if name in options else _default(name)
+    _check_combination(out, options)
+    return out
+
+
+def _check_combination(out: dict[str, Any], given: Mapping[str, Any]) -> None:
+    if out["expandable_segments"] and out["max_split_size"] is not None:
+        raise ValueError(
+            f"options 'expandable_segments' and 'max_split_size' "
+            f"({out['max_split_size']!r}) do not combine: expandable segments grow in place "
+            "and never split-limit; drop max_split_size or turn expandable_segments off")
+    if out["backend"] != "cuda":
+        for name, opt in OPTIONS.items():
+            if opt.cuda_only and name in given and out[name] != _default(name):
+                raise ValueError(
+                    f"option {name!r} ({out[name]!r}) applies only to backend='cuda', "
+                    f"not {out['backend']!r}")
+    capacity, limit, initial = out["capacity"], out["limit"], out["initial_pool_size"]
+    if capacity is not None and initial > capacity:
+        raise ValueError(f"option 'initial_pool_size' ({initial} bytes) exceeds "
+                         f"'capacity' ({capacity} bytes)")
+    if limit is not None:
+        cap_bytes = limit if isinstance(limit, int) else (
+            None if capacity is None else math.floor(limit * capacity))
+        if cap_bytes is not None and initial > cap_bytes:
+            raise ValueError(f"option 'initial_pool_size' ({initial} bytes) exceeds "
+                             f"'limit' ({limit!r} = {cap_bytes} bytes)")
+
+
+# --------------------------------------------------------------------------- conf strings
+
+
+def _tokenize(conf: str) -> list[str]:
+    # PyTorch's ConfigTokenizer: ',', ':', '[' and ']' are tokens of their own, whitespace
+    # is dropped everywhere, everything else runs together.
+    tokens, buf = [], []
+    for ch in conf:
+        if ch in ",:[]":
+            if buf:
+                tokens.append("".join(buf))
+                buf = []
+            tokens.append(ch)
+        elif not ch.isspace():
+            buf.append(ch)
+    if buf:
+        tokens.append("".join(buf))
+    return tokens
+
+
+def parse_conf(conf: str, source: str = "conf") -> dict[str, Any]:
+    """Parse a conf string in PyTorch's ``PYTORCH_CUDA_ALLOC_CONF`` syntax.
+
+    ``"key:value,key:value"``; a list value is bracketed and may hold commas and colons
+    (``"roundup_power2_divisions:[256:1,>:8]"``); whitespace is ignored. Every Pool keyword
+    is a key (``backend``, ``device`` and ``capacity`` included). PyTorch's
+    ``max_split_size_mb`` (MB) and ``per_process_memory_fraction`` are read onto
+    ``max_split_size`` and ``limit``; PyTorch's other allocator keys are refused by name.
+
+    Parameters
+    ----------
+    conf : str
+        The conf string; ``""`` gives ``{}``.
+    source : str
+        Where the string came from, named in error messages.
+
+    Returns
+    -------
+    dict
+        Only the keys present, each value parsed (pass it to :func:`normalize` for the
+        defaults and the checks between options).
+
+    Raises
+    ------
+    ValueError
+        For a syntax error, an unknown or refused key, a key given twice (in either
+        spelling), or a bad value.
+    """
+    if not isinstance(conf, str):
+        raise TypeError(f"{source}: a conf string is a str, got {type(conf).__name__}")
+    tokens = _tokenize(conf)
+    out: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    i, n = 0, len(tokens)
+    while i < n:
+        key = tokens[i]
+        if key in ",:[]":
+            raise ValueError(f"{source}: expected an option name at {key!r} in {conf!r}; "
+                             "write key:value,key:value")
+        if i + 1 >= n or tokens[i + 1] != ":":
+            raise ValueError(f"{source}: option {key!r} has no value in {conf!r}; write {key}:VALUE")
+        i += 2
+        if i >= n or tokens[i] in ",:]":
+            raise ValueError(f"{source}: option {key!r} has an empty value in {conf!r}")
+        if tokens[i] == "[":
+            try:
+                close = tokens.index("]", i)
+            except ValueError:
+                raise ValueError(f"{source}: option {key!r}: unclosed '[' in {conf!r}") from None
+            value = "".join(tokens[i:close + 1])
+            i = close + 1
+        else:
+            value = tokens[i]
+            i += 1
+        if i < n:
+            if tokens[i] != ",":
+                raise ValueError(f"{source}: expected ',' after {key}:{value} in {conf!r}, "
+                                 f"got {tokens[i]!r}")
+            i += 1
+        if key in _PYTORCH_REFUSED:
+            raise ValueError(f"{source}: {key!r} is a PyTorch allocator option with no meaning "
+                             f"here: {_PYTORCH_REFUSED[key]}")
+        if key in _PYTORCH_ALIASES:
+            target, read = _PYTORCH_ALIASES[key]
+        elif key in OPTIONS:
+            target, read = key, None
+        else:
+            raise _unknown_key(key, source)
+        try:
+            parsed = OPTIONS[target].parse(read(value, key) if read else value, key)
+        except ValueError as e:
+            raise ValueError(f"{source}: in '{key}:{value}': {e}") from None
+        if target in out:
+            raise ValueError(f"{source}: option {target!r} is given twice (as {spelled[target]!r} "
+                             f"and {key!r}) in {conf!r}")
+        out[target] = parsed
+        spelled[target] = key
+    return out
+
+
+def conf_from_env(var: str = "MEMPOOL_CONF") -> dict[str, Any]:
+    """Parse the conf string in environment variable ``var`` (unset or empty: ``{}``).
+
+    Errors name the variable.
+    """
+    return parse_conf(os.environ.get(var, ""), source=f"environment variable {var}")
+
+
+# --------------------------------------------------------------------------- writing confs
+
+
+def format_size(nbytes: int) -> str:
+    """An exact, short spelling of a byte count: ``"2GiB"``, ``"512MiB"``, ``"1536"``."""
+    for unit, name in ((TiB, "TiB"), (GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
+        if nbytes >= unit and nbytes % unit == 0:
+            return f"{nbytes // unit}{name}"
+    return str(nbytes)
+
+
+def _roundup_to_conf(divs: list[int]) -> str | None:
+    """The shortest PyTorch-syntax spelling that parses back to exactly ``divs``.
+
+    None when every count is 0 (the default, which PyTorch's scalar form cannot spell).
+    """
+    last = ROUNDUP_INTERVALS - 1
+    if all(d == divs[0] for d in divs):
+        return None if divs[0] == 0 else str(divs[0])
+    tail = last                      # divs[tail:] is the constant run at the end
+    while divs[tail - 1] == divs[last]:
+        tail -= 1
+    lead = 0                         # divs[:lead + 1] is the constant run at the start
+    while divs[lead + 1] == divs[0]:
+        lead += 1
+    # The first key (at `lead`) fills the indices below it; keys we skip in between read
+    # as 0; the key just before the tail must be written so that '>' starts after it.
+    items = [f"{1 << i}:{divs[i]}" for i in range(lead, tail)
+             if divs[i] != 0 or i in (lead, tail - 1)]
+    if divs[last] != 0:
+        items.append(f">:{divs[last]}")
+    return "[" + ",".join(items) + "]"
+
+
+def _conf_value(name: str, value: Any) -> str:
+    parser = OPTIONS[name].parse
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if name == "roundup_power2_divisions":
+        return _roundup_to_conf(value) or "0"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, int) and parser not in (_parse_device, _parse_pool_handle):
+        return format_size(value)
+    return str(value)
+
+
+def to_conf(options: Mapping[str, Any]) -> str:
+    """Our own conf string (``MEMPOOL_CONF`` syntax) for a set of options.
+
+    Only options that differ from their defaults are written, in table order; the result
+    parses back (:func:`parse_conf` then :func:`normalize`) to the same options.
+    """
+    full = normalize(options)
+    items = [f"{name}:{_conf_value(name, value)}" for name, value in full.items()
+             if value != _default(name)]
+    return ",".join(items)
+
+
+def to_pytorch_conf(options: Mapping[str, Any]) -> str | None:
+    """The nearest ``PYTORCH_CUDA_ALLOC_CONF`` string for a set of our options.
+
+    Maps ``max_split_size`` (to whole MB), ``roundup_power2_divisions``,
+    ``garbage_collection_threshold``, ``expandable_segments`` and ``limit`` (as
+    ``per_process_memory_fraction``, a key of recent PyTorch; a byte limit only when
+    ``capacity`` is known). Options PyTorch's allocator has no counterpart for
+    (``release_threshold``, ``initial_pool_size``, ``cross_stream_reuse``, the cudaMemPool
+    settings) are left out.
+
+    Returns
+    -------
+    str or None
+        None when PyTorch's defaults are already the nearest setting.
+    """
+    full = normalize(options)
+    items = []
+    if full["max_split_size"] is not None:
+        items.append(f"max_split_size_mb:{max(20, round(full['max_split_size'] / MiB))}")
+    roundup = _roundup_to_conf(full["roundup_power2_divisions"])
+    if roundup is not None:
+        items.append(f"roundup_power2_divisions:{roundup}")
+    if full["garbage_collection_threshold"] > 0:
+        items.append(f"garbage_collection_threshold:{full['garbage_collection_threshold']!r}")
+    if full["expandable_segments"]:
+        items.append("expandable_segments:True")
+    limit, capacity = full["limit"], full["capacity"]
+    if isinstance(limit, int) and capacity is not None:
+        limit = min(1.0, limit / capacity)
+    if isinstance(limit, float) and limit < 1.0:
+        items.append(f"per_process_memory_fraction:{limit!r}")
+    return ",".join(items) or None
+
+
+def _markdown_table() -> str:
+    """The option table of docs/options.md, generated so that the two cannot drift apart."""
+    rows = ["| option | type | default | meaning | conf spelling | PyTorch equivalent |",
+            "|---|---|---|---|---|---|"]
+    aliases = {target: alias for alias, (target, _) in _PYTORCH_ALIASES.items()}
+    for name, opt in OPTIONS.items():
+        default = _default(name)
+        if name == "roundup_power2_divisions":
+            shown = "0"
+        else:
+            shown = repr(default)
+        conf = f"`{name}:{opt.example}`"
+        if name in aliases:
+            conf += f", `{aliases[name]}:{_ALIAS_EXAMPLES[aliases[name]]}`"
+        pytorch = opt.pytorch or "none"
+        if opt.cuda_only:
+            pytorch += " (backend='cuda' only)"
+        cells = [f"`{name}`", opt.kind, f"`{shown}`", opt.doc, conf, pytorch]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows) + "\n"
