@@ -117,20 +117,38 @@ def to_pytorch_conf(options: dict):
 # ----------------------------------------------------------------------------------------
 
 
-def _candidates(grid: dict) -> list:
+def _normalize():
+    """The option validator, when the config module is present."""
+    try:
+        from ._config import normalize
+    except ImportError:
+        return None
+    return normalize
+
+
+def _candidates(grid: dict) -> tuple:
     """Every point of the grid as a dict of its non-default settings, the default first,
-    each distinct point once."""
+    each distinct point once; and how many points were left out because their settings do
+    not combine (e.g. expandable segments with a max_split_size)."""
+    normalize = _normalize()
     keys = list(grid)
-    seen = set()
+    seen = {()}
     out = [{}]
-    seen.add(())
+    left_out = 0
     for values in itertools.product(*(grid[k] for k in keys)):
         point = {k: v for k, v in zip(keys, values) if v is not None}
         ident = tuple(sorted((k, repr(v)) for k, v in point.items()))
-        if ident not in seen:
-            seen.add(ident)
-            out.append(point)
-    return out
+        if ident in seen:
+            continue
+        seen.add(ident)
+        if normalize is not None:
+            try:
+                normalize(point)
+            except ValueError:
+                left_out += 1
+                continue
+        out.append(point)
+    return out, left_out
 
 
 def _check_grid(grid) -> dict:
@@ -150,6 +168,15 @@ def _check_grid(grid) -> dict:
         if not out[key]:
             raise ValueError(f"tune: grid[{key!r}] is empty; give at least one value "
                              "(None = the default)")
+    normalize = _normalize()
+    if normalize is not None:
+        for key, values in out.items():
+            for v in values:
+                if v is not None:
+                    try:
+                        normalize({key: v})
+                    except ValueError as e:
+                        raise ValueError(f"tune: grid[{key!r}] holds a bad value: {e}") from None
     return out
 
 
@@ -219,7 +246,7 @@ def tune(events, limit=None, grid=None, progress: bool = True, capacity=None,
             DEFAULT_GRID["garbage_collection_threshold"]:
         grid["garbage_collection_threshold"] = [None]
     prep = _replay.prepare(events)
-    points = _candidates(grid)
+    points, _ = _candidates(grid)
     extra = {} if capacity is None else {"capacity": capacity}
     bar = _Progress(len(points), progress, stream)
     done = []
