@@ -42,10 +42,10 @@ VERSION = 1
 FIELDS = ["action", "id", "nbytes", "stream", "time_ns"]
 ACTIONS = ("alloc", "free")
 
-# The pool's recorded entry actions (mp_core.h, MP_TRACE_*); only these two are replayable:
-# the others are the pool's own reactions (segments, completions, OOMs) to them.
-HISTORY_ALLOC = 0
-HISTORY_FREE_REQUESTED = 1
+# The pool's recorded entry actions (mp_core.h, MP_TRACE_*), by number or by name; only
+# allocs and free requests are replayable: the others are the pool's own reactions
+# (segments, completions, OOMs) to them.
+_HISTORY_ACTIONS = {0: "alloc", 1: "free", "alloc": "alloc", "free_requested": "free"}
 
 
 class Event(NamedTuple):
@@ -248,9 +248,10 @@ def from_pool_history(entries) -> Trace:
     Parameters
     ----------
     entries : iterable of tuples
-        ``(action, ptr, nbytes, stream, time_ns)`` as the pool records them, with actions
-        0 alloc, 1 free_requested, 2 free_completed, 3 segment_alloc, 4 segment_free, 5 oom
-        (and 6/7 segment map/unmap). Only allocs and free requests are kept: the rest are
+        ``(action, ptr, nbytes, stream, time_ns)`` as ``Pool.history()`` returns them, with
+        actions named ("alloc", "free_requested", "free_completed", "segment_alloc",
+        "segment_free", "oom", "segment_map", "segment_unmap") or numbered 0..7 in that
+        order. Only allocs and free requests are kept: the rest are
         the pool's reactions, which a replay reproduces under its own configuration.
         Pointers become the events' ids.
     """
@@ -262,10 +263,9 @@ def from_pool_history(entries) -> Trace:
         except (TypeError, ValueError):
             raise ValueError(f"from_pool_history: entry {n} must be (action, ptr, nbytes, "
                              f"stream, time_ns); got {entry!r}") from None
-        if action == HISTORY_ALLOC:
-            append(Event("alloc", int(ptr), int(nbytes), int(stream), int(time_ns)))
-        elif action == HISTORY_FREE_REQUESTED:
-            append(Event("free", int(ptr), int(nbytes), int(stream), int(time_ns)))
+        kind = _HISTORY_ACTIONS.get(action)
+        if kind is not None:
+            append(Event(kind, int(ptr), int(nbytes), int(stream), int(time_ns)))
     return out
 
 

@@ -164,6 +164,9 @@ def test_from_pool_history_keeps_allocs_and_free_requests():
     tr = mt.from_pool_history(entries)
     assert list(tr) == [Event("alloc", 0x1000, 4096, 0, 11), Event("free", 0x1000, 4096, 0, 20)]
     assert tr.meta["source"] == "mempool"
+    named = [("segment_alloc", 0x1000, 2 << 20, 0, 10), ("alloc", 0x1000, 4096, 0, 11),
+             ("free_requested", 0x1000, 4096, 0, 20), ("free_completed", 0x1000, 4096, 0, 21)]
+    assert list(mt.from_pool_history(named)) == list(tr)
     with pytest.raises(ValueError, match=r"entry 0 must be \(action, ptr, nbytes, stream"):
         mt.from_pool_history([(0, 1, 2)])
 
