@@ -5,7 +5,11 @@ Split by concern into include files: _pool.pxi (the Pool), _devices.pxi (the sim
 host devices' test controls), _buffer.pxi (the DLPack bridge), _torch.pxi (the PyTorch
 pluggable allocator's registry).
 """
+from mempool._cdefs cimport *
+
+include "_cuda.pxi"
 include "_pool.pxi"
+include "_cudapool.pxi"
 include "_devices.pxi"
 include "_buffer.pxi"
 include "_torch.pxi"

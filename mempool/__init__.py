@@ -1,0 +1,38 @@
+"""mempool: one stream-ordered GPU memory pool for CuPy, PyTorch and JAX.
+
+>>> import mempool
+>>> pool = mempool.Pool(backend="sim")          # "cuda" on a GPU, "host" for host memory
+>>> ptr = pool.alloc(1 << 20)                   # on the current stream
+>>> pool.free(ptr)
+
+See README.md for the stream contract and docs/options.md for every option.
+"""
+import threading as _threading
+
+from mempool._core import HostDevice, Pool, SimDevice, round_size, segment_size, stream_handle
+from mempool._errors import InvariantError, OutOfMemoryError
+
+__all__ = ["Pool", "OutOfMemoryError", "InvariantError", "default_pool", "round_size",
+           "segment_size", "stream_handle", "SimDevice", "HostDevice"]
+__version__ = "0.1.0"
+
+_default_pools = {}
+_default_lock = _threading.Lock()
+
+
+def default_pool(device=0):
+    """The process-wide pool of ``device``, created on first use.
+
+    Built from the ``MEMPOOL_CONF`` environment variable when set (the same syntax as
+    ``Pool.from_conf``). Without a ``backend`` key it is ``cuda`` when a GPU is usable, and
+    the simulated device otherwise.
+    """
+    from mempool import _config, _cuda
+    with _default_lock:
+        pool = _default_pools.get(device)
+        if pool is None:
+            options = _config.conf_from_env()
+            options.setdefault("backend", "cuda" if _cuda.available() else "sim")
+            options["device"] = device
+            pool = _default_pools[device] = Pool(**options)
+        return pool

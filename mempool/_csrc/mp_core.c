@@ -1,0 +1,771 @@
+/* The allocate/free path of the core: size policy, streams, blocks, split and merge, the
+ * fallback chain. Release of cached memory is in mp_release.c, invariants and layout copies
+ * in mp_inspect.c, trace recording in mp_trace.c, expandable segments in mp_expand.c.
+ *
+ * Note [Lock order]: the GIL (if the caller holds it) comes before the pool lock; nothing
+ * here acquires the GIL. The pool lock is never held across a call that may take long or
+ * block: segment allocation and release, stream synchronization, mapping and unmapping go
+ * through the *_unlocked helpers, which drop it and take it again. Event calls are short and
+ * are made with the lock held.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "mp_expand.h"
+#include "mp_internal.h"
+
+/* ---------------------------------------------------------------- size policy */
+
+void mp_config_default(mp_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    cfg->max_split_size = MP_UNLIMITED;
+    cfg->cross_stream_reuse = 1;
+    cfg->release_threshold = MP_UNLIMITED;
+    cfg->limit = MP_UNLIMITED;
+}
+
+static int log2_floor(size_t n) { return 63 - __builtin_clzll((unsigned long long)n); }
+
+/* PyTorch's roundup_power2_next_division: cut [2^k, 2^(k+1)) into `divisions` steps. */
+static size_t next_division(size_t size, size_t divisions) {
+    if ((size & (size - 1)) == 0) return size;
+    size_t floor2 = (size_t)1 << log2_floor(size);
+    size_t step = floor2 >> log2_floor(divisions);
+    if (step == 0) return floor2 << 1;
+    size_t below = size & ~(step - 1);
+    return below == size ? size : below + step;
+}
+
+size_t mp_round_size(const mp_config *cfg, size_t nbytes) {
+    if (nbytes < MP_MIN_BLOCK) return MP_MIN_BLOCK;
+    int index = log2_floor(nbytes) - 20;   /* intervals start at 1 MiB */
+    if (index < 0) index = 0;
+    if (index > MP_ROUNDUP_INTERVALS - 1) index = MP_ROUNDUP_INTERVALS - 1;
+    size_t divisions = cfg->roundup_divisions[index];
+    if (divisions > 1 && nbytes > MP_MIN_BLOCK * divisions) return next_division(nbytes, divisions);
+    return (nbytes + MP_MIN_BLOCK - 1) & ~(MP_MIN_BLOCK - 1);
+}
+
+size_t mp_segment_size(size_t rounded) {
+    if (rounded <= MP_SMALL_SIZE) return MP_SMALL_SEGMENT;
+    if (rounded < MP_MIN_LARGE_ALLOC) return MP_LARGE_SEGMENT;
+    return (rounded + MP_LARGE_ROUND - 1) & ~(MP_LARGE_ROUND - 1);
+}
+
+/* ---------------------------------------------------------------- block structs */
+
+#define SLAB_BLOCKS 256
+
+mp_block *mp_block_new_locked(mp_pool *p) {
+    if (!p->spare_blocks) {
+        mp_block_slab *slab = malloc(sizeof(mp_block_slab) + SLAB_BLOCKS * sizeof(mp_block));
+        if (!slab) return NULL;
+        slab->next = p->slabs;
+        p->slabs = slab;
+        for (int i = 0; i < SLAB_BLOCKS; i++) {
+            slab->blocks[i].fnext = p->spare_blocks;
+            p->spare_blocks = &slab->blocks[i];
+        }
+    }
+    mp_block *b = p->spare_blocks;
+    p->spare_blocks = b->fnext;
+    memset(b, 0, sizeof *b);
+    b->uses = b->inline_uses;
+    b->cap_uses = MP_INLINE_USES;
+    return b;
+}
+
+void mp_block_delete_locked(mp_pool *p, mp_block *b) {
+    if (b->uses != b->inline_uses) free(b->uses);
+    free(b->events);
+    b->fnext = p->spare_blocks;
+    p->spare_blocks = b;
+}
+
+/* ---------------------------------------------------------------- events */
+
+int mp_event_get_locked(mp_pool *p, uintptr_t *ev) {
+    if (p->nevent_cache) {
+        *ev = p->event_cache[--p->nevent_cache];
+        return MP_OK;
+    }
+    return p->up.event_create(p->up.ctx, ev);
+}
+
+void mp_event_put_locked(mp_pool *p, uintptr_t ev) {
+    if (p->nevent_cache == p->cap_event_cache) {
+        size_t cap = p->cap_event_cache ? p->cap_event_cache * 2 : 16;
+        uintptr_t *grown = realloc(p->event_cache, cap * sizeof *grown);
+        if (!grown) {
+            p->up.event_destroy(p->up.ctx, ev);
+            return;
+        }
+        p->event_cache = grown;
+        p->cap_event_cache = cap;
+    }
+    p->event_cache[p->nevent_cache++] = ev;
+}
+
+/* ---------------------------------------------------------------- streams */
+
+mp_stream *mp_stream_get_locked(mp_pool *p, uintptr_t handle) {
+    if (p->last_stream && p->last_stream->handle == handle) return p->last_stream;
+    for (size_t i = 0; i < p->nstreams; i++) {
+        if (p->streams[i]->handle == handle) return p->last_stream = p->streams[i];
+    }
+    if (p->nstreams == p->cap_streams) {
+        size_t cap = p->cap_streams ? p->cap_streams * 2 : 8;
+        mp_stream **grown = realloc(p->streams, cap * sizeof *grown);
+        if (!grown) return NULL;
+        p->streams = grown;
+        p->cap_streams = cap;
+    }
+    mp_stream *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->handle = handle;
+    p->streams[p->nstreams++] = s;
+    return p->last_stream = s;
+}
+
+/* ---------------------------------------------------------------- free lists */
+
+void mp_insert_free_locked(mp_pool *p, mp_block *b) {
+    b->state = MP_BLOCK_FREE;
+    mp_freelist_insert(&b->stream->lists[b->seg->kind], b);
+    if (b->prev || b->next) {
+        b->split_counted = 1;
+        mp_stat3_inc(p->stats.inactive_split, b->seg->kind, 1);
+        mp_stat3_inc(p->stats.inactive_split_bytes, b->seg->kind, (int64_t)b->nbytes);
+    }
+}
+
+void mp_remove_free_locked(mp_pool *p, mp_block *b) {
+    mp_freelist_remove(&b->stream->lists[b->seg->kind], b);
+    if (b->split_counted) {
+        b->split_counted = 0;
+        mp_stat3_dec(p->stats.inactive_split, b->seg->kind, 1);
+        mp_stat3_dec(p->stats.inactive_split_bytes, b->seg->kind, (int64_t)b->nbytes);
+    }
+}
+
+/* The smallest size a class can hold: the inverse of mp_size_class. */
+static size_t class_min_bytes(uint32_t c) {
+    if (c < MP_EXACT_CLASSES) return (size_t)c << 9;
+    uint32_t k = 7 + (c - MP_EXACT_CLASSES) / MP_SUBCLASSES;
+    uint64_t sub = (c - MP_EXACT_CLASSES) % MP_SUBCLASSES;
+    return (size_t)((MP_SUBCLASSES + sub) << (k - 6)) << 9;
+}
+
+/* max_split_size policy, as PyTorch's: small requests never take oversize blocks (which
+ * would then be split), and oversize requests take blocks at most MP_LARGE_BUFFER larger. */
+static inline int split_policy_allows(size_t max_split, size_t size, size_t block) {
+    if (max_split == MP_UNLIMITED) return 1;
+    if (size < max_split) return block < max_split;
+    return block < size + MP_LARGE_BUFFER;
+}
+
+static int classes_exhausted(size_t max_split, size_t size, uint32_t c) {
+    if (max_split == MP_UNLIMITED) return 0;
+    size_t lo = class_min_bytes(c);
+    return size < max_split ? lo >= max_split : lo >= size + MP_LARGE_BUFFER;
+}
+
+static mp_block *find_fit(const mp_pool *p, const mp_freelist *fl, size_t size) {
+    if (!fl->count) return NULL;
+    size_t max_split = p->cfg.max_split_size;
+    for (uint32_t c = mp_freelist_next_class(fl, mp_size_class(size)); c < MP_NCLASSES;
+         c = mp_freelist_next_class(fl, c + 1)) {
+        if (classes_exhausted(max_split, size, c)) return NULL;
+        mp_block *best = NULL;
+        for (mp_block *b = fl->head[c]; b; b = b->fnext) {
+            if (b->nbytes < size || !split_policy_allows(max_split, size, b->nbytes)) continue;
+            if (!best || b->nbytes < best->nbytes) {
+                best = b;
+                if (b->nbytes == size) break;
+            }
+        }
+        if (best) return best;
+    }
+    return NULL;
+}
+
+/* Cross-stream reuse without a host sync: the best fit among other streams' free blocks,
+ * made safe for `s` by an event recorded on its owner that `s` waits on. See
+ * docs/architecture.md "Note [Stream reuse]". */
+static mp_block *take_from_other_stream_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
+    mp_block *best = NULL;
+    for (size_t i = 0; i < p->nstreams; i++) {
+        mp_stream *t = p->streams[i];
+        if (t == s) continue;
+        mp_block *b = find_fit(p, &t->lists[kind], size);
+        if (b && (!best || b->nbytes < best->nbytes)) best = b;
+    }
+    if (!best) return NULL;
+    uintptr_t ev;
+    if (mp_event_get_locked(p, &ev) != MP_OK) return NULL;
+    int rc = p->up.event_record(p->up.ctx, ev, best->stream->handle);
+    if (rc == MP_OK) rc = p->up.stream_wait_event(p->up.ctx, s->handle, ev);
+    /* A wait captures the event's state when issued, so the event is reusable at once. */
+    mp_event_put_locked(p, ev);
+    if (rc != MP_OK) return NULL;
+    mp_remove_free_locked(p, best);
+    p->stats.num_cross_stream_reuse++;
+    p->stats.num_event_waits++;
+    return best;
+}
+
+/* ---------------------------------------------------------------- split and merge */
+
+static int should_split(const mp_pool *p, const mp_block *b, size_t size) {
+    size_t remaining = b->nbytes - size;
+    if (b->seg->kind == KIND_SMALL || b->seg->expandable) return remaining >= MP_MIN_BLOCK;
+    return size < p->cfg.max_split_size && remaining > MP_SMALL_SIZE;
+}
+
+/* Hand out free block b (in no list) to stream s, splitting off what it does not need. The
+ * remainder stays with b's previous owner: only the part handed out moved streams. */
+static void carve_locked(mp_pool *p, mp_block *b, size_t size, size_t requested, mp_stream *s) {
+    mp_segment *seg = b->seg;
+    if (should_split(p, b, size)) {
+        mp_block *r = mp_block_new_locked(p);
+        if (r) {   /* out of host memory for a struct: hand out the whole block instead */
+            r->ptr = b->ptr + size;
+            r->nbytes = b->nbytes - size;
+            r->seg = seg;
+            r->stream = b->stream;
+            r->prev = b;
+            r->next = b->next;
+            if (b->next) b->next->prev = r;
+            b->next = r;
+            b->nbytes = size;
+            mp_insert_free_locked(p, r);
+        }
+    }
+    b->stream = s;
+    b->state = MP_BLOCK_ALLOCATED;
+    b->requested = requested;
+    if (seg->nbusy++ == 0) mp_segment_idle_remove_locked(p, seg);
+    mp_ptrmap_insert(&p->live, b->ptr, b);   /* capacity was reserved by the caller */
+    int kind = seg->kind;
+    mp_stat3_inc(p->stats.allocation, kind, 1);
+    mp_stat3_inc(p->stats.allocated_bytes, kind, (int64_t)b->nbytes);
+    mp_stat3_inc(p->stats.requested_bytes, kind, (int64_t)requested);
+    mp_stat3_inc(p->stats.active, kind, 1);
+    mp_stat3_inc(p->stats.active_bytes, kind, (int64_t)b->nbytes);
+    if (b->nbytes >= p->cfg.max_split_size) mp_stat_inc(&p->stats.oversize_allocations, 1);
+}
+
+static mp_block *merge_locked(mp_pool *p, mp_block *dst, mp_block *src) {
+    /* src is dst's neighbour, free, same stream and same mapping: fold it into dst. */
+    mp_remove_free_locked(p, src);
+    if (src == dst->prev) {
+        dst->ptr = src->ptr;
+        dst->prev = src->prev;
+        if (src->prev) src->prev->next = dst;
+        else dst->seg->first = dst;
+    } else {
+        dst->next = src->next;
+        if (src->next) src->next->prev = dst;
+    }
+    dst->nbytes += src->nbytes;
+    mp_block_delete_locked(p, src);
+    return dst;
+}
+
+static inline int mergeable(const mp_block *b, const mp_block *n) {
+    return n && n->state == MP_BLOCK_FREE && n->stream == b->stream;
+}
+
+/* Return an allocated (or completed pending) block to its owner's free list. */
+void mp_free_block_locked(mp_pool *p, mp_block *b) {
+    mp_insert_free_merged_locked(p, b);
+    if (--b->seg->nbusy == 0) mp_segment_idle_push_locked(p, b->seg);
+}
+
+/* Put b into its owner's free list, merged with free neighbours of the same owner. */
+void mp_insert_free_merged_locked(mp_pool *p, mp_block *b) {
+    b->state = MP_BLOCK_FREE;
+    b->requested = 0;
+    if (mergeable(b, b->prev)) merge_locked(p, b, b->prev);
+    if (mergeable(b, b->next)) merge_locked(p, b, b->next);
+    mp_insert_free_locked(p, b);
+}
+
+/* ---------------------------------------------------------------- pool lifetime */
+
+int mp_pool_create(const mp_config *cfg, const mp_upstream *up, mp_pool **out) {
+    if (cfg->gc_threshold < 0 || cfg->gc_threshold >= 1) return MP_EINVAL;
+    if (cfg->expandable_segments && !up->map) return MP_EUNSUPPORTED;
+    mp_pool *p = calloc(1, sizeof *p);
+    if (!p) return MP_ENOMEM;
+    mp_lock_init(&p->lock);
+    p->refcount = 1;
+    p->cfg = *cfg;
+    p->up = *up;
+    if (mp_ptrmap_init(&p->live, 1024) != MP_OK) {
+        free(p);
+        return MP_ENOMEM;
+    }
+    size_t free_bytes = 0, total = 0;
+    if (p->up.mem_info && p->up.mem_info(p->up.ctx, &free_bytes, &total) == MP_OK) p->capacity = total;
+    if (cfg->initial_pool_size) {
+        int rc = mp_reserve_initial(p, cfg->initial_pool_size);
+        if (rc != MP_OK) {
+            mp_pool_destroy(p);
+            return rc;
+        }
+    }
+    *out = p;
+    return MP_OK;
+}
+
+void mp_pool_destroy(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    /* Every block is dropped with its segment: nothing may use the pool's memory now.
+     * Unmapping does not wait for queued work, so expandable pools drain their streams. */
+    if (p->cfg.expandable_segments)
+        for (size_t i = 0; i < p->nstreams; i++) p->up.stream_synchronize(p->up.ctx, p->streams[i]->handle);
+    mp_segment *seg = p->segments;
+    while (seg) {
+        mp_segment *next = seg->next;
+        mp_block *b = seg->first;
+        while (b) {
+            mp_block *bn = b->next;
+            if (b->events) {
+                for (uint16_t i = 0; i < b->nuses; i++) p->up.event_destroy(p->up.ctx, b->events[i]);
+            }
+            if (b->uses != b->inline_uses) free(b->uses);
+            free(b->events);
+            b = bn;
+        }
+        mp_segment_release_upstream(p, seg);
+        free(seg);
+        seg = next;
+    }
+    for (size_t i = 0; i < p->nevent_cache; i++) p->up.event_destroy(p->up.ctx, p->event_cache[i]);
+    free(p->event_cache);
+    for (size_t i = 0; i < p->nstreams; i++) free(p->streams[i]);
+    free(p->streams);
+    while (p->slabs) {
+        mp_block_slab *next = p->slabs->next;
+        free(p->slabs);
+        p->slabs = next;
+    }
+    mp_ptrmap_destroy(&p->live);
+    free(p->trace);
+    mp_lock_release(&p->lock);
+    if (p->up.destroy) p->up.destroy(p->up.ctx);
+    free(p);
+}
+
+void mp_pool_retain(mp_pool *p) { __atomic_add_fetch(&p->refcount, 1, __ATOMIC_RELAXED); }
+
+void mp_pool_release(mp_pool *p) {
+    if (__atomic_sub_fetch(&p->refcount, 1, __ATOMIC_ACQ_REL) == 0) mp_pool_destroy(p);
+}
+
+/* ---------------------------------------------------------------- allocation */
+
+/* Drop the lock, free what `rel` detached, ask the upstream for a segment, take the lock
+ * again. The bytes in flight count against the limit meanwhile. */
+static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
+                                     mp_release_list *rel, uintptr_t *ptr) {
+    p->inflight_bytes += nbytes;
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, rel);
+    int rc = p->up.segment_alloc(p->up.ctx, nbytes, s->handle, ptr);
+    mp_lock_acquire(&p->lock);
+    p->inflight_bytes -= nbytes;
+    return rc;
+}
+
+/* Block the host on every stream that pending blocks wait for, then return those blocks.
+ * The last resort before an OOM: it syncs only the streams that hold memory back. */
+void mp_sync_pending_unlocked(mp_pool *p) {
+    if (!p->npending) return;
+    size_t n = 0, cap = 16;
+    uintptr_t *handles = malloc(cap * sizeof *handles);
+    for (mp_block *b = p->pending_head; b && handles; b = b->fnext) {
+        for (uint16_t i = 0; i < b->nuses; i++) {
+            uintptr_t h = b->uses[i]->handle;
+            size_t j = 0;
+            while (j < n && handles[j] != h) j++;
+            if (j < n) continue;
+            if (n == cap) {
+                uintptr_t *grown = realloc(handles, (cap *= 2) * sizeof *grown);
+                if (!grown) break;
+                handles = grown;
+            }
+            handles[n++] = h;
+        }
+    }
+    p->stats.num_sync_all_streams++;
+    mp_lock_release(&p->lock);
+    for (size_t j = 0; j < n; j++) p->up.stream_synchronize(p->up.ctx, handles[j]);
+    free(handles);
+    mp_lock_acquire(&p->lock);
+    mp_process_pending_locked(p);
+}
+
+size_t mp_reserved_now_locked(const mp_pool *p) {
+    return (size_t)p->stats.reserved_bytes[MP_STAT_ALL].current + p->inflight_bytes;
+}
+
+mp_block *mp_search_lists_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
+    mp_block *b = find_fit(p, &s->lists[kind], size);
+    if (b) {
+        mp_remove_free_locked(p, b);
+        return b;
+    }
+    if (p->cfg.cross_stream_reuse && p->nstreams > 1) return take_from_other_stream_locked(p, s, kind, size);
+    return NULL;
+}
+
+static mp_block *new_segment_locked(mp_pool *p, mp_stream *s, int kind, uintptr_t ptr,
+                                    size_t nbytes) {
+    mp_segment *seg = calloc(1, sizeof *seg);
+    mp_block *b = seg ? mp_block_new_locked(p) : NULL;
+    if (!b) {
+        free(seg);
+        return NULL;
+    }
+    seg->ptr = ptr;
+    seg->nbytes = seg->mapped_bytes = nbytes;
+    seg->stream = s;
+    seg->kind = kind;
+    seg->first = b;
+    seg->next = p->segments;
+    if (p->segments) p->segments->prev = seg;
+    p->segments = seg;
+    p->nsegments++;
+    b->ptr = ptr;
+    b->nbytes = nbytes;
+    b->seg = seg;
+    b->stream = s;
+    b->state = MP_BLOCK_FREE;
+    mp_segment_idle_push_locked(p, seg);   /* idle until its first block is handed out */
+    p->stats.num_device_alloc++;
+    mp_stat3_inc(p->stats.segment, kind, 1);
+    mp_stat3_inc(p->stats.reserved_bytes, kind, (int64_t)nbytes);
+    if (nbytes >= p->cfg.max_split_size) mp_stat_inc(&p->stats.oversize_segments, 1);
+    mp_trace_locked(p, MP_TRACE_SEGMENT_ALLOC, ptr, nbytes, s->handle);
+    return b;
+}
+
+int mp_reserve_initial(mp_pool *p, size_t nbytes) {
+    nbytes = (nbytes + MP_LARGE_ROUND - 1) & ~(MP_LARGE_ROUND - 1);
+    mp_lock_acquire(&p->lock);
+    mp_stream *s = mp_stream_get_locked(p, 0);
+    int rc = MP_ENOMEM;
+    if (s) {
+        mp_release_list none = {0};
+        uintptr_t ptr = 0;
+        rc = upstream_segment_unlocked(p, s, nbytes, &none, &ptr);
+        if (rc == MP_OK) {
+            mp_block *b = new_segment_locked(p, s, KIND_LARGE, ptr, nbytes);
+            if (b) {
+                b->seg->pinned = 1;
+                mp_insert_free_locked(p, b);
+            } else {
+                p->up.segment_free(p->up.ctx, ptr, nbytes, 0);
+                rc = MP_ENOMEM;
+            }
+        }
+    }
+    mp_lock_release(&p->lock);
+    return rc;
+}
+
+/* The fallback chain once the lists have no fit: garbage collection, the limit, the
+ * upstream, then release what is cached and retry, then sync pending frees and retry.
+ * Returns a free block in no list (a new segment's, or one that became free meanwhile). */
+static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_release_list *rel,
+                       mp_block **out) {
+    size_t seg_size = mp_segment_size(size);
+    size_t limit = p->cfg.limit;
+
+    if (p->cfg.gc_threshold > 0) {
+        size_t base = limit != MP_UNLIMITED ? limit : p->capacity;
+        size_t threshold = (size_t)(p->cfg.gc_threshold * (double)base);
+        if (base && mp_reserved_now_locked(p) + seg_size > threshold)
+            mp_release_idle_locked(p, mp_reserved_now_locked(p) + seg_size - threshold, rel);
+    }
+    if (limit != MP_UNLIMITED && mp_reserved_now_locked(p) + seg_size > limit) {
+        mp_release_idle_locked(p, mp_reserved_now_locked(p) + seg_size - limit, rel);
+        if (mp_reserved_now_locked(p) + seg_size > limit) {
+            if (p->npending) {
+                mp_sync_pending_unlocked(p);
+                if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
+            }
+            mp_release_idle_locked(p, SIZE_MAX, rel);
+            if (mp_reserved_now_locked(p) + seg_size > limit) return MP_ELIMIT;
+        }
+    }
+
+    uintptr_t ptr = 0;
+    int rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);
+    if (rc == MP_ENOMEM) {
+        /* Release just enough cached memory first, then everything, syncing pending frees. */
+        for (int attempt = 0; attempt < 2 && rc == MP_ENOMEM; attempt++) {
+            p->stats.num_alloc_retries++;
+            if (attempt == 1) {
+                mp_sync_pending_unlocked(p);
+                if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
+            }
+            mp_release_idle_locked(p, attempt == 0 ? seg_size : SIZE_MAX, rel);
+            if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
+            rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);
+        }
+    }
+    if (rc != MP_OK) return rc;
+    mp_block *b = new_segment_locked(p, s, kind, ptr, seg_size);
+    if (!b) {
+        /* No host memory for the bookkeeping: give the segment straight back. */
+        mp_lock_release(&p->lock);
+        p->up.segment_free(p->up.ctx, ptr, seg_size, s->handle);
+        mp_lock_acquire(&p->lock);
+        return MP_ENOMEM;
+    }
+    *out = b;
+    return MP_OK;
+}
+
+int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out) {
+    size_t size = nbytes > MP_MAX_ALLOC ? nbytes : mp_round_size(&p->cfg, nbytes);
+    mp_release_list rel = {0};
+    int rc = MP_OK;
+    mp_lock_acquire(&p->lock);
+    p->tick++;
+    if (size > MP_MAX_ALLOC) {
+        rc = MP_ENOMEM;
+        goto oom;
+    }
+    mp_stream *s = mp_stream_get_locked(p, stream);
+    if (!s) {
+        rc = MP_ENOMEM;
+        goto oom;
+    }
+    /* Make room in the live map first, so nothing can fail after a block is chosen. */
+    if ((p->live.count + 2) * 2 > p->live.mask + 1) {
+        if (mp_ptrmap_insert(&p->live, 1, NULL) != MP_OK) {
+            rc = MP_ENOMEM;
+            goto oom;
+        }
+        mp_ptrmap_remove(&p->live, 1);
+    }
+    if (p->npending) mp_process_pending_locked(p);
+
+    int kind = size <= MP_SMALL_SIZE ? KIND_SMALL : KIND_LARGE;
+    mp_block *b;
+    if (p->cfg.expandable_segments) {
+        rc = mp_expand_alloc_locked(p, s, kind, size, &rel, &b);
+    } else {
+        b = mp_search_lists_locked(p, s, kind, size);
+        if (!b) rc = grow_locked(p, s, kind, size, &rel, &b);
+    }
+    if (rc != MP_OK) goto oom;
+    carve_locked(p, b, size, nbytes, s);
+    mp_trace_locked(p, MP_TRACE_ALLOC, b->ptr, b->nbytes, stream);
+    *out = b->ptr;
+    mp_apply_release_threshold_locked(p, &rel);
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
+    return MP_OK;
+
+oom:
+    p->stats.num_ooms++;
+    mp_trace_locked(p, MP_TRACE_OOM, 0, nbytes, stream);
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- free */
+
+/* Why a pointer is not a live block: unknown, inside a block, or already freed. */
+static int classify_bad_pointer_locked(mp_pool *p, uintptr_t ptr) {
+    for (mp_segment *seg = p->segments; seg; seg = seg->next) {
+        if (ptr < seg->ptr || ptr >= seg->ptr + seg->nbytes) continue;
+        for (mp_block *b = seg->first; b; b = b->next) {
+            if (ptr < b->ptr || ptr >= b->ptr + b->nbytes) continue;
+            /* In free memory: freed already (its block may have merged since). */
+            if (b->state != MP_BLOCK_ALLOCATED) return MP_EDOUBLEFREE;
+            return ptr == b->ptr ? MP_OK : MP_EINTERIOR;
+        }
+        return MP_ENOTFOUND;   /* in an unmapped part of an expandable segment */
+    }
+    return MP_ENOTFOUND;
+}
+
+static void remove_use(mp_block *b, mp_stream *s) {
+    for (uint16_t i = 0; i < b->nuses; i++) {
+        if (b->uses[i] == s) {
+            b->uses[i] = b->uses[--b->nuses];
+            return;
+        }
+    }
+}
+
+static void pending_push_locked(mp_pool *p, mp_block *b) {
+    b->fprev = p->pending_tail;
+    b->fnext = NULL;
+    if (p->pending_tail) p->pending_tail->fnext = b;
+    else p->pending_head = b;
+    p->pending_tail = b;
+    p->npending++;
+}
+
+static void pending_remove_locked(mp_pool *p, mp_block *b) {
+    if (b->fprev) b->fprev->fnext = b->fnext;
+    else p->pending_head = b->fnext;
+    if (b->fnext) b->fnext->fprev = b->fprev;
+    else p->pending_tail = b->fprev;
+    b->fprev = b->fnext = NULL;
+    p->npending--;
+}
+
+static void complete_free_locked(mp_pool *p, mp_block *b) {
+    int kind = b->seg->kind;
+    mp_stat3_dec(p->stats.active, kind, 1);
+    mp_stat3_dec(p->stats.active_bytes, kind, (int64_t)b->nbytes);
+    mp_trace_locked(p, MP_TRACE_FREE_COMPLETED, b->ptr, b->nbytes, b->stream->handle);
+    mp_free_block_locked(p, b);
+}
+
+int mp_process_pending_locked(mp_pool *p) {
+    mp_block *b = p->pending_head;
+    while (b) {
+        mp_block *next = b->fnext;
+        int done = 1;
+        for (uint16_t i = 0; i < b->nuses && done; i++) {
+            if (p->up.event_query(p->up.ctx, b->events[i]) != MP_OK) done = 0;
+        }
+        if (done) {
+            pending_remove_locked(p, b);
+            for (uint16_t i = 0; i < b->nuses; i++) mp_event_put_locked(p, b->events[i]);
+            free(b->events);
+            b->events = NULL;
+            b->nuses = 0;
+            complete_free_locked(p, b);
+        }
+        b = next;
+    }
+    return MP_OK;
+}
+
+int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
+    mp_release_list rel = {0};
+    mp_lock_acquire(&p->lock);
+    p->tick++;
+    mp_block *b = mp_ptrmap_get(&p->live, ptr);
+    if (!b) {
+        int rc = classify_bad_pointer_locked(p, ptr);
+        mp_lock_release(&p->lock);
+        return rc == MP_OK ? MP_ENOTFOUND : rc;
+    }
+    mp_stream *fs = has_stream ? mp_stream_get_locked(p, stream) : b->stream;
+    uintptr_t *events = NULL;
+    if (fs && fs != b->stream) remove_use(b, fs);
+    if (fs && b->nuses) events = malloc(b->nuses * sizeof *events);
+    if (!fs || (b->nuses && !events)) {
+        mp_lock_release(&p->lock);
+        return MP_ENOMEM;   /* nothing changed: the block is still live */
+    }
+    /* Nothing can fail from here on. */
+    mp_ptrmap_remove(&p->live, ptr);
+    int kind = b->seg->kind;
+    mp_stat3_dec(p->stats.allocation, kind, 1);
+    mp_stat3_dec(p->stats.allocated_bytes, kind, (int64_t)b->nbytes);
+    mp_stat3_dec(p->stats.requested_bytes, kind, (int64_t)b->requested);
+    if (b->nbytes >= p->cfg.max_split_size) mp_stat_dec(&p->stats.oversize_allocations, 1);
+    mp_trace_locked(p, MP_TRACE_FREE_REQUESTED, b->ptr, b->nbytes, fs->handle);
+    /* Freed on another stream: the block's last use is there, so it becomes that stream's
+     * (stream-ordered free, as cudaFreeAsync). */
+    b->stream = fs;
+    if (!b->nuses) {
+        complete_free_locked(p, b);
+    } else {
+        /* Note [Stream reuse]: the block returns to a free list only once every stream that
+         * used it has passed the point of this free. */
+        uint16_t n = 0;
+        for (uint16_t i = 0; i < b->nuses; i++) {
+            uintptr_t ev;
+            if (mp_event_get_locked(p, &ev) == MP_OK &&
+                p->up.event_record(p->up.ctx, ev, b->uses[i]->handle) == MP_OK) {
+                b->uses[n] = b->uses[i];
+                events[n++] = ev;
+            } else {
+                /* No event to be had: fall back to blocking on that stream. */
+                p->up.stream_synchronize(p->up.ctx, b->uses[i]->handle);
+            }
+        }
+        b->nuses = n;
+        b->events = events;
+        b->state = MP_BLOCK_PENDING;
+        b->requested = 0;
+        if (n) pending_push_locked(p, b);
+        else {
+            free(events);
+            b->events = NULL;
+            complete_free_locked(p, b);
+        }
+    }
+    mp_apply_release_threshold_locked(p, &rel);
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
+    return MP_OK;
+}
+
+int mp_record_stream(mp_pool *p, uintptr_t ptr, uintptr_t stream) {
+    mp_lock_acquire(&p->lock);
+    mp_block *b = mp_ptrmap_get(&p->live, ptr);
+    int rc = MP_OK;
+    if (!b) {
+        rc = classify_bad_pointer_locked(p, ptr);
+        if (rc == MP_OK) rc = MP_ENOTFOUND;
+        goto done;
+    }
+    mp_stream *s = mp_stream_get_locked(p, stream);
+    if (!s) {
+        rc = MP_ENOMEM;
+        goto done;
+    }
+    if (s == b->stream) goto done;
+    for (uint16_t i = 0; i < b->nuses; i++)
+        if (b->uses[i] == s) goto done;
+    if (b->nuses == b->cap_uses) {
+        if (b->cap_uses >= 32768) {
+            rc = MP_EINVAL;
+            goto done;
+        }
+        uint16_t cap = (uint16_t)(b->cap_uses * 2);
+        mp_stream **grown = malloc(cap * sizeof *grown);
+        if (!grown) {
+            rc = MP_ENOMEM;
+            goto done;
+        }
+        memcpy(grown, b->uses, b->nuses * sizeof *grown);
+        if (b->uses != b->inline_uses) free(b->uses);
+        b->uses = grown;
+        b->cap_uses = cap;
+    }
+    b->uses[b->nuses++] = s;
+done:
+    mp_lock_release(&p->lock);
+    return rc;
+}
+
+int mp_block_info(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested,
+                  uintptr_t *stream) {
+    mp_lock_acquire(&p->lock);
+    mp_block *b = mp_ptrmap_get(&p->live, ptr);
+    int rc = MP_ENOTFOUND;
+    if (b) {
+        if (nbytes) *nbytes = b->nbytes;
+        if (requested) *requested = b->requested;
+        if (stream) *stream = b->stream->handle;
+        rc = MP_OK;
+    }
+    mp_lock_release(&p->lock);
+    return rc;
+}

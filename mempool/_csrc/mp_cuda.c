@@ -1,0 +1,691 @@
+/* The CUDA upstream: driver entry points resolved once from libcuda.so.1 (see mp_cuda.h).
+ *
+ * Note [Context]
+ * Driver calls act on the calling thread's current context: the legacy and per-thread
+ * default streams, events and cuMemGetInfo all resolve through it. The pool is called from
+ * any thread (Python threads, PyTorch's allocator hooks, DLPack deleters), so each call
+ * first checks cuCtxGetCurrent (a thread-local read) against the device's primary context,
+ * the one CuPy's, PyTorch's and JAX's runtimes use. When it differs:
+ *   - no context current: make ours current and leave it so, as the runtime itself does on
+ *     a thread's first call; later calls on that thread pay only the check;
+ *   - another context current (the thread works on another device): switch for the call
+ *     and switch back, so the caller's current device is unchanged.
+ *
+ * Note [Expandable pages]
+ * Physical memory is created one granularity page at a time (2 MiB on an H200), each page
+ * its own cuMemCreate handle, kept in a per-reservation table indexed by page. The pool may
+ * unmap any page-aligned sub-range of what it mapped, and a page-sized handle can always be
+ * unmapped and released alone; a handle per map call would have to be split. The price is
+ * one cuMemCreate + cuMemMap per page on growth, which is what PyTorch's expandable
+ * segments pay too. Access is set once per map call over the whole range.
+ */
+#include "mp_cuda.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- The few driver types and constants used (values as in cuda.h, CUDA 11.2 .. 13). ---- */
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+typedef struct CUmemPoolHandle_st *CUmemoryPool;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_READY = 600,
+};
+
+#define CU_EVENT_DISABLE_TIMING 0x2
+#define CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED 102
+#define CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED 115
+#define CU_MEM_ALLOCATION_TYPE_PINNED 0x1
+#define CU_MEM_HANDLE_TYPE_NONE 0x0
+#define CU_MEM_LOCATION_TYPE_DEVICE 0x1
+#define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 0x3
+#define CU_MEM_ALLOC_GRANULARITY_MINIMUM 0x0
+
+/* Enums are int-sized in the driver's ABI. */
+typedef struct {
+    int type; /* CUmemLocationType */
+    int id;
+} CUmemLocation;
+
+typedef struct {
+    int type;                 /* CUmemAllocationType */
+    int requestedHandleTypes; /* CUmemAllocationHandleType */
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType;
+        unsigned char gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+} CUmemAllocationProp;
+
+typedef struct {
+    CUmemLocation location;
+    int flags; /* CUmemAccess_flags */
+} CUmemAccessDesc;
+
+_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp layout");
+_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc layout");
+
+/* ---- The driver table, resolved once per process. ---- */
+
+static struct {
+    CUresult (*Init)(unsigned int);
+    CUresult (*DeviceGetCount)(int *);
+    CUresult (*DeviceGet)(CUdevice *, int);
+    CUresult (*DeviceGetAttribute)(int *, int, CUdevice);
+    CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+    CUresult (*DevicePrimaryCtxRelease)(CUdevice);
+    CUresult (*CtxGetCurrent)(CUcontext *);
+    CUresult (*CtxSetCurrent)(CUcontext);
+    CUresult (*GetErrorName)(CUresult, const char **);
+    CUresult (*GetErrorString)(CUresult, const char **);
+    CUresult (*MemAllocFromPoolAsync)(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
+    CUresult (*MemAllocAsync)(CUdeviceptr *, size_t, CUstream);
+    CUresult (*MemFreeAsync)(CUdeviceptr, CUstream);
+    CUresult (*EventCreate)(CUevent *, unsigned int);
+    CUresult (*EventRecord)(CUevent, CUstream);
+    CUresult (*EventQuery)(CUevent);
+    CUresult (*EventDestroy)(CUevent);
+    CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned int);
+    CUresult (*StreamSynchronize)(CUstream);
+    CUresult (*MemGetInfo)(size_t *, size_t *);
+    CUresult (*MemPoolDestroy)(CUmemoryPool);
+    /* Virtual memory management: optional (expandable segments are off without them). */
+    CUresult (*MemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
+    CUresult (*MemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr,
+                                  unsigned long long);
+    CUresult (*MemAddressFree)(CUdeviceptr, size_t);
+    CUresult (*MemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+                          unsigned long long);
+    CUresult (*MemRelease)(CUmemGenericAllocationHandle);
+    CUresult (*MemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                       unsigned long long);
+    CUresult (*MemUnmap)(CUdeviceptr, size_t);
+    CUresult (*MemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+    int has_vmm;
+} D;
+
+static pthread_once_t d_once = PTHREAD_ONCE_INIT;
+static char d_error[256]; /* empty when the table is complete; written once, under d_once */
+
+/* The exported names carry the ABI version (cuda.h maps cuMemGetInfo to cuMemGetInfo_v2 and
+ * so on); the unversioned ones are the legacy-stream variants, which is what the handle
+ * values 0/1/2 ask for. */
+static void d_resolve(void) {
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        const char *why = dlerror();
+        snprintf(d_error, sizeof d_error, "the CUDA driver (libcuda.so.1) could not be loaded: %s",
+                 why ? why : "unknown reason");
+        return;
+    }
+    struct { void **slot; const char *name; int required; } table[] = {
+        {(void **)&D.Init, "cuInit", 1},
+        {(void **)&D.DeviceGetCount, "cuDeviceGetCount", 1},
+        {(void **)&D.DeviceGet, "cuDeviceGet", 1},
+        {(void **)&D.DeviceGetAttribute, "cuDeviceGetAttribute", 1},
+        {(void **)&D.DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", 1},
+        {(void **)&D.DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", 1},
+        {(void **)&D.CtxGetCurrent, "cuCtxGetCurrent", 1},
+        {(void **)&D.CtxSetCurrent, "cuCtxSetCurrent", 1},
+        {(void **)&D.GetErrorName, "cuGetErrorName", 1},
+        {(void **)&D.GetErrorString, "cuGetErrorString", 1},
+        {(void **)&D.MemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", 1},
+        {(void **)&D.MemAllocAsync, "cuMemAllocAsync", 1},
+        {(void **)&D.MemFreeAsync, "cuMemFreeAsync", 1},
+        {(void **)&D.EventCreate, "cuEventCreate", 1},
+        {(void **)&D.EventRecord, "cuEventRecord", 1},
+        {(void **)&D.EventQuery, "cuEventQuery", 1},
+        {(void **)&D.EventDestroy, "cuEventDestroy_v2", 1},
+        {(void **)&D.StreamWaitEvent, "cuStreamWaitEvent", 1},
+        {(void **)&D.StreamSynchronize, "cuStreamSynchronize", 1},
+        {(void **)&D.MemGetInfo, "cuMemGetInfo_v2", 1},
+        {(void **)&D.MemPoolDestroy, "cuMemPoolDestroy", 1},
+        {(void **)&D.MemGetAllocationGranularity, "cuMemGetAllocationGranularity", 0},
+        {(void **)&D.MemAddressReserve, "cuMemAddressReserve", 0},
+        {(void **)&D.MemAddressFree, "cuMemAddressFree", 0},
+        {(void **)&D.MemCreate, "cuMemCreate", 0},
+        {(void **)&D.MemRelease, "cuMemRelease", 0},
+        {(void **)&D.MemMap, "cuMemMap", 0},
+        {(void **)&D.MemUnmap, "cuMemUnmap", 0},
+        {(void **)&D.MemSetAccess, "cuMemSetAccess", 0},
+    };
+    int has_vmm = 1;
+    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
+        *table[i].slot = dlsym(lib, table[i].name);
+        if (*table[i].slot) continue;
+        if (table[i].required) {
+            snprintf(d_error, sizeof d_error,
+                     "the CUDA driver lacks %s (stream-ordered allocation needs driver 11.2+)",
+                     table[i].name);
+            return;  /* lib stays open: harmless, and other users may share it */
+        }
+        has_vmm = 0;
+    }
+    D.has_vmm = has_vmm;
+}
+
+static const char *d_load(void) {
+    pthread_once(&d_once, d_resolve);
+    return d_error[0] ? d_error : NULL;
+}
+
+/* ---- The upstream context. ---- */
+
+typedef struct {
+    CUdeviceptr va;
+    size_t nbytes, npages, nmapped;
+    CUmemGenericAllocationHandle *handles; /* per page; valid where mapped[i] */
+    unsigned char *mapped;
+} mp_cuda_range;
+
+typedef struct {
+    CUdevice dev;
+    int ordinal;
+    CUcontext ctx;               /* the retained primary context; immutable */
+    CUmemoryPool pool;           /* NULL = the device's current pool; immutable */
+    int owns_pool;               /* destroy `pool` at the end (the Pool created it) */
+    int last_error;              /* atomic */
+    int *error_slot;             /* atomic; NULL until mp_cuda_bind_errors */
+    size_t granularity;          /* 0 without virtual memory management; immutable */
+    CUmemAllocationProp prop;    /* physical pages: pinned device memory on dev; immutable */
+    CUmemAccessDesc access;      /* read/write for dev; immutable */
+    pthread_mutex_t vmm_lock;    /* guards ranges, nranges, cap and every range's tables */
+    mp_cuda_range *ranges;
+    size_t nranges, cap;
+} mp_cuda;
+
+static int fail(mp_cuda *c, CUresult r) {
+    __atomic_store_n(&c->last_error, r, __ATOMIC_RELAXED);
+    int *slot = __atomic_load_n(&c->error_slot, __ATOMIC_ACQUIRE);
+    if (slot) __atomic_store_n(slot, r, __ATOMIC_RELAXED);
+    return MP_EUPSTREAM;
+}
+
+/* CUresult -> MP_* code; OUT_OF_MEMORY is the one failure the pool acts on. */
+static int check(mp_cuda *c, CUresult r) {
+    if (r == CUDA_SUCCESS) return MP_OK;
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) return MP_ENOMEM;
+    return fail(c, r);
+}
+
+/* Note [Context]: returns the context to restore in *prev (NULL = nothing to restore). */
+static CUresult ctx_enter(mp_cuda *c, CUcontext *prev) {
+    CUcontext cur = NULL;
+    *prev = NULL;
+    CUresult r = D.CtxGetCurrent(&cur);
+    if (r != CUDA_SUCCESS || cur == c->ctx) return r;
+    r = D.CtxSetCurrent(c->ctx);
+    if (r == CUDA_SUCCESS) *prev = cur;
+    return r;
+}
+
+static void ctx_leave(CUcontext prev) {
+    if (prev) D.CtxSetCurrent(prev);
+}
+
+/* result = expr, called with the device's context current (Note [Context]). */
+#define CU_CALL(c, result, expr)                           \
+    do {                                                   \
+        CUcontext prev_;                                   \
+        (result) = ctx_enter((c), &prev_);                 \
+        if ((result) == CUDA_SUCCESS) {                    \
+            (result) = (expr);                             \
+            ctx_leave(prev_);                              \
+        }                                                  \
+    } while (0)
+
+/* ---- Segments, events, streams. ---- */
+
+static int cu_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr_t *out) {
+    mp_cuda *c = ctx;
+    if (nbytes == 0 || !out) return MP_EINVAL;
+    CUdeviceptr p = 0;
+    CUresult r;
+    if (c->pool)
+        CU_CALL(c, r, D.MemAllocFromPoolAsync(&p, nbytes, c->pool, (CUstream)stream));
+    else
+        CU_CALL(c, r, D.MemAllocAsync(&p, nbytes, (CUstream)stream));
+    int rc = check(c, r);
+    if (rc != MP_OK) return rc;
+    if (p == 0 || (p & 511)) {
+        /* The contract promises 512-byte aligned segments; the driver's pools have always
+         * given more, but a silent misalignment would corrupt the core's arithmetic. */
+        CU_CALL(c, r, D.MemFreeAsync(p, (CUstream)stream));
+        return fail(c, -1);
+    }
+    *out = (uintptr_t)p;
+    return MP_OK;
+}
+
+static int cu_segment_free(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t stream) {
+    mp_cuda *c = ctx;
+    (void)nbytes;
+    CUresult r;
+    CU_CALL(c, r, D.MemFreeAsync((CUdeviceptr)ptr, (CUstream)stream));
+    return check(c, r);
+}
+
+static int cu_event_create(void *ctx, uintptr_t *out) {
+    mp_cuda *c = ctx;
+    CUevent e = NULL;
+    CUresult r;
+    CU_CALL(c, r, D.EventCreate(&e, CU_EVENT_DISABLE_TIMING));
+    int rc = check(c, r);
+    if (rc == MP_OK) *out = (uintptr_t)e;
+    return rc;
+}
+
+static int cu_event_record(void *ctx, uintptr_t event, uintptr_t stream) {
+    mp_cuda *c = ctx;
+    CUresult r;
+    CU_CALL(c, r, D.EventRecord((CUevent)event, (CUstream)stream));
+    return check(c, r);
+}
+
+static int cu_event_query(void *ctx, uintptr_t event) {
+    mp_cuda *c = ctx;
+    CUresult r;
+    CU_CALL(c, r, D.EventQuery((CUevent)event));
+    if (r == CUDA_ERROR_NOT_READY) return MP_ENOTREADY;
+    return check(c, r);
+}
+
+static int cu_stream_wait_event(void *ctx, uintptr_t stream, uintptr_t event) {
+    mp_cuda *c = ctx;
+    CUresult r;
+    CU_CALL(c, r, D.StreamWaitEvent((CUstream)stream, (CUevent)event, 0));
+    return check(c, r);
+}
+
+static int cu_event_destroy(void *ctx, uintptr_t event) {
+    mp_cuda *c = ctx;
+    CUresult r;
+    CU_CALL(c, r, D.EventDestroy((CUevent)event));
+    return check(c, r);
+}
+
+static int cu_stream_synchronize(void *ctx, uintptr_t stream) {
+    mp_cuda *c = ctx;
+    CUresult r;
+    CU_CALL(c, r, D.StreamSynchronize((CUstream)stream));
+    return check(c, r);
+}
+
+static int cu_mem_info(void *ctx, size_t *free_bytes, size_t *total_bytes) {
+    mp_cuda *c = ctx;
+    size_t f = 0, t = 0;
+    CUresult r;
+    CU_CALL(c, r, D.MemGetInfo(&f, &t));
+    int rc = check(c, r);
+    if (rc == MP_OK) {
+        *free_bytes = f;
+        *total_bytes = t;
+    }
+    return rc;
+}
+
+/* ---- Expandable segments (Note [Expandable pages]). ---- */
+
+/* The reservation holding [va, va + nbytes), or NULL. Caller holds vmm_lock. */
+static mp_cuda_range *range_find_locked(mp_cuda *c, uintptr_t va, size_t nbytes) {
+    for (size_t i = 0; i < c->nranges; i++) {
+        mp_cuda_range *r = &c->ranges[i];
+        if (va >= r->va && va - r->va <= r->nbytes && nbytes <= r->nbytes - (va - r->va))
+            return r;
+    }
+    return NULL;
+}
+
+/* Unmap and release pages [first, first + n) of r, all mapped. Returns the first failure.
+ * Caller holds vmm_lock and has the context current. */
+static CUresult pages_release_locked(mp_cuda *c, mp_cuda_range *r, size_t first, size_t n) {
+    CUresult bad = CUDA_SUCCESS;
+    for (size_t i = first; i < first + n; i++) {
+        CUresult e = D.MemUnmap(r->va + i * c->granularity, c->granularity);
+        if (e == CUDA_SUCCESS) e = D.MemRelease(r->handles[i]);
+        if (e == CUDA_SUCCESS) {
+            r->mapped[i] = 0;
+            r->nmapped--;
+        } else if (bad == CUDA_SUCCESS) {
+            bad = e;
+        }
+    }
+    return bad;
+}
+
+static int aligned_range(mp_cuda *c, uintptr_t va, size_t nbytes) {
+    size_t g = c->granularity;
+    return nbytes > 0 && va % g == 0 && nbytes % g == 0;
+}
+
+static int cu_va_reserve(void *ctx, size_t nbytes, uintptr_t *out) {
+    mp_cuda *c = ctx;
+    if (nbytes == 0 || nbytes % c->granularity || !out) return MP_EINVAL;
+    size_t npages = nbytes / c->granularity;
+    /* calloc of large tables takes untouched zero pages: pages never mapped cost nothing. */
+    CUmemGenericAllocationHandle *handles = calloc(npages, sizeof *handles);
+    unsigned char *mapped = calloc(npages, 1);
+    if (!handles || !mapped) {
+        free(handles);
+        free(mapped);
+        return MP_ENOMEM;
+    }
+    int rc = MP_OK;
+    pthread_mutex_lock(&c->vmm_lock);
+    if (c->nranges == c->cap) {
+        size_t cap = c->cap ? 2 * c->cap : 8;
+        mp_cuda_range *grown = realloc(c->ranges, cap * sizeof *grown);
+        if (!grown) {
+            rc = MP_ENOMEM;
+            goto out;
+        }
+        c->ranges = grown;
+        c->cap = cap;
+    }
+    CUdeviceptr va = 0;
+    CUresult r;
+    CU_CALL(c, r, D.MemAddressReserve(&va, nbytes, c->granularity, 0, 0));
+    rc = check(c, r);
+    if (rc != MP_OK) goto out;
+    c->ranges[c->nranges++] = (mp_cuda_range){
+        .va = va, .nbytes = nbytes, .npages = npages, .nmapped = 0,
+        .handles = handles, .mapped = mapped,
+    };
+    handles = NULL;
+    mapped = NULL;
+    *out = (uintptr_t)va;
+out:
+    pthread_mutex_unlock(&c->vmm_lock);
+    free(handles);
+    free(mapped);
+    return rc;
+}
+
+static int cu_map(void *ctx, uintptr_t va, size_t nbytes) {
+    mp_cuda *c = ctx;
+    if (!aligned_range(c, va, nbytes)) return MP_EINVAL;
+    const size_t g = c->granularity;
+    int rc = MP_OK;
+    pthread_mutex_lock(&c->vmm_lock);
+    mp_cuda_range *r = range_find_locked(c, va, nbytes);
+    size_t first = r ? (va - r->va) / g : 0, n = nbytes / g, done = 0;
+    if (!r) {
+        rc = MP_EINVAL;
+        goto out;
+    }
+    for (size_t i = first; i < first + n; i++) {
+        if (r->mapped[i]) {
+            rc = MP_EINVAL;  /* the contract maps unmapped ranges only */
+            goto out;
+        }
+    }
+    CUcontext prev;
+    CUresult e = ctx_enter(c, &prev);
+    for (; e == CUDA_SUCCESS && done < n; done++) {
+        CUmemGenericAllocationHandle h = 0;
+        e = D.MemCreate(&h, g, &c->prop, 0);
+        if (e != CUDA_SUCCESS) break;
+        e = D.MemMap(va + done * g, g, 0, h, 0);
+        if (e != CUDA_SUCCESS) {
+            D.MemRelease(h);
+            break;
+        }
+        r->handles[first + done] = h;
+        r->mapped[first + done] = 1;
+        r->nmapped++;
+    }
+    if (e == CUDA_SUCCESS) e = D.MemSetAccess(va, nbytes, &c->access, 1);
+    if (e != CUDA_SUCCESS) pages_release_locked(c, r, first, done);  /* all or nothing */
+    ctx_leave(prev);
+    rc = check(c, e);
+out:
+    pthread_mutex_unlock(&c->vmm_lock);
+    return rc;
+}
+
+static int cu_unmap(void *ctx, uintptr_t va, size_t nbytes) {
+    mp_cuda *c = ctx;
+    if (!aligned_range(c, va, nbytes)) return MP_EINVAL;
+    int rc = MP_OK;
+    pthread_mutex_lock(&c->vmm_lock);
+    mp_cuda_range *r = range_find_locked(c, va, nbytes);
+    size_t first = r ? (va - r->va) / c->granularity : 0, n = nbytes / c->granularity;
+    if (!r) {
+        rc = MP_EINVAL;
+        goto out;
+    }
+    for (size_t i = first; i < first + n; i++) {
+        if (!r->mapped[i]) {
+            rc = MP_EINVAL;  /* the contract unmaps mapped ranges only */
+            goto out;
+        }
+    }
+    CUresult e;
+    CU_CALL(c, e, pages_release_locked(c, r, first, n));
+    rc = check(c, e);
+out:
+    pthread_mutex_unlock(&c->vmm_lock);
+    return rc;
+}
+
+static int cu_va_release(void *ctx, uintptr_t va, size_t nbytes) {
+    mp_cuda *c = ctx;
+    int rc = MP_OK;
+    pthread_mutex_lock(&c->vmm_lock);
+    size_t i = 0;
+    while (i < c->nranges && !(c->ranges[i].va == va && c->ranges[i].nbytes == nbytes)) i++;
+    if (i == c->nranges) {
+        rc = MP_EINVAL;  /* not a reservation of this upstream, or not the whole of one */
+        goto out;
+    }
+    mp_cuda_range *r = &c->ranges[i];
+    if (r->nmapped) {
+        rc = MP_EBUSY;
+        goto out;
+    }
+    CUresult e;
+    CU_CALL(c, e, D.MemAddressFree(r->va, r->nbytes));
+    rc = check(c, e);
+    if (rc != MP_OK) goto out;
+    free(r->handles);
+    free(r->mapped);
+    c->ranges[i] = c->ranges[--c->nranges];
+out:
+    pthread_mutex_unlock(&c->vmm_lock);
+    return rc;
+}
+
+/* ---- Lifetime. ---- */
+
+static void cu_destroy(void *ctx) {
+    mp_cuda *c = ctx;
+    /* Whatever the pool left reserved goes too: at teardown a leak is worse than strictness. */
+    CUcontext prev;
+    if (c->nranges && ctx_enter(c, &prev) == CUDA_SUCCESS) {
+        for (size_t i = 0; i < c->nranges; i++) {
+            mp_cuda_range *r = &c->ranges[i];
+            for (size_t p = 0; p < r->npages; p++)
+                if (r->mapped[p]) pages_release_locked(c, r, p, 1);
+            D.MemAddressFree(r->va, r->nbytes);
+        }
+        ctx_leave(prev);
+    }
+    for (size_t i = 0; i < c->nranges; i++) {
+        free(c->ranges[i].handles);
+        free(c->ranges[i].mapped);
+    }
+    free(c->ranges);
+    pthread_mutex_destroy(&c->vmm_lock);
+    /* A pool the Pool created goes after its last segment: the C pool may outlive the
+     * Python object (buffers handed out through DLPack), so only this end knows when. */
+    if (c->owns_pool && c->pool && ctx_enter(c, &prev) == CUDA_SUCCESS) {
+        D.MemPoolDestroy(c->pool);
+        ctx_leave(prev);
+    }
+    D.DevicePrimaryCtxRelease(c->dev);
+    free(c);
+}
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...) {
+    if (!err || errlen == 0) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+void mp_cuda_error_string(int code, char *buf, size_t buflen) {
+    if (!buf || buflen == 0) return;
+    if (code == -1) {
+        snprintf(buf, buflen, "the driver returned a segment not aligned to 512 bytes");
+        return;
+    }
+    const char *name = NULL, *desc = NULL;
+    if (!d_load()) {
+        if (D.GetErrorName(code, &name) != CUDA_SUCCESS) name = NULL;
+        if (D.GetErrorString(code, &desc) != CUDA_SUCCESS) desc = NULL;
+    }
+    if (name && desc)
+        snprintf(buf, buflen, "%s: %s", name, desc);
+    else
+        snprintf(buf, buflen, "CUDA driver error %d", code);
+}
+
+static int describe(char *err, size_t errlen, const char *what, CUresult r) {
+    char text[200];
+    mp_cuda_error_string(r, text, sizeof text);
+    set_err(err, errlen, "%s failed: %s", what, text);
+    return r == CUDA_ERROR_OUT_OF_MEMORY ? MP_ENOMEM : MP_EUPSTREAM;
+}
+
+int mp_cuda_available(void) {
+    if (d_load()) return 0;
+    int n = 0;
+    if (D.Init(0) != CUDA_SUCCESS || D.DeviceGetCount(&n) != CUDA_SUCCESS) return 0;
+    return n > 0;
+}
+
+int mp_cuda_last_error(const mp_upstream *up) {
+    return __atomic_load_n(&((mp_cuda *)up->ctx)->last_error, __ATOMIC_RELAXED);
+}
+
+void mp_cuda_bind_errors(mp_upstream *up) {
+    __atomic_store_n(&((mp_cuda *)up->ctx)->error_slot, &up->last_error, __ATOMIC_RELEASE);
+}
+
+int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char *err,
+                     size_t errlen) {
+    const char *why = d_load();
+    if (why) {
+        set_err(err, errlen, "%s", why);
+        return MP_EUNSUPPORTED;
+    }
+    if (!up) {
+        set_err(err, errlen, "no upstream struct to fill");
+        return MP_EINVAL;
+    }
+    CUresult r = D.Init(0);
+    if (r != CUDA_SUCCESS) return describe(err, errlen, "cuInit", r);
+    int count = 0;
+    r = D.DeviceGetCount(&count);
+    if (r != CUDA_SUCCESS) return describe(err, errlen, "cuDeviceGetCount", r);
+    if (device < 0 || device >= count) {
+        set_err(err, errlen, "device must be a device ordinal in [0, %d), got %d", count, device);
+        return MP_EINVAL;
+    }
+    CUdevice dev;
+    r = D.DeviceGet(&dev, device);
+    if (r != CUDA_SUCCESS) return describe(err, errlen, "cuDeviceGet", r);
+    int pools = 0, vmm = 0;
+    r = D.DeviceGetAttribute(&pools, CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED, dev);
+    if (r != CUDA_SUCCESS) return describe(err, errlen, "cuDeviceGetAttribute", r);
+    if (!pools) {
+        set_err(err, errlen, "device %d does not support stream-ordered memory pools", device);
+        return MP_EUNSUPPORTED;
+    }
+    if (D.has_vmm &&
+        D.DeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                             dev) != CUDA_SUCCESS)
+        vmm = 0;
+
+    mp_cuda *c = calloc(1, sizeof *c);
+    if (!c) {
+        set_err(err, errlen, "out of host memory");
+        return MP_ENOMEM;
+    }
+    c->dev = dev;
+    c->ordinal = device;
+    c->pool = (CUmemoryPool)mempool_handle;
+    c->prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    c->prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+    c->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    c->prop.location.id = device;
+    c->access.location = c->prop.location;
+    c->access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    if (pthread_mutex_init(&c->vmm_lock, NULL) != 0) {
+        free(c);
+        set_err(err, errlen, "could not initialise a mutex");
+        return MP_ENOMEM;
+    }
+    r = D.DevicePrimaryCtxRetain(&c->ctx, dev);
+    if (r != CUDA_SUCCESS) {
+        pthread_mutex_destroy(&c->vmm_lock);
+        free(c);
+        return describe(err, errlen, "cuDevicePrimaryCtxRetain", r);
+    }
+    if (vmm) {
+        size_t g = 0;
+        CUcontext prev;
+        if (ctx_enter(c, &prev) == CUDA_SUCCESS) {
+            if (D.MemGetAllocationGranularity(&g, &c->prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) !=
+                CUDA_SUCCESS)
+                g = 0;
+            ctx_leave(prev);
+        }
+        /* The core aligns blocks to 512 bytes inside pages; any real granularity is a
+         * multiple of that, but refuse anything that is not rather than misalign. */
+        c->granularity = (g && g % 512 == 0) ? g : 0;
+    }
+
+    memset(up, 0, sizeof *up);
+    up->ctx = c;
+    up->name = "cuda-pool";
+    up->last_error = 0;
+    up->segment_alloc = cu_segment_alloc;
+    up->segment_free = cu_segment_free;
+    up->event_create = cu_event_create;
+    up->event_record = cu_event_record;
+    up->event_query = cu_event_query;
+    up->stream_wait_event = cu_stream_wait_event;
+    up->event_destroy = cu_event_destroy;
+    up->stream_synchronize = cu_stream_synchronize;
+    up->mem_info = cu_mem_info;
+    up->granularity = c->granularity;
+    if (c->granularity) {
+        up->va_reserve = cu_va_reserve;
+        up->map = cu_map;
+        up->unmap = cu_unmap;
+        up->va_release = cu_va_release;
+    }
+    up->destroy = cu_destroy;
+    return MP_OK;
+}
+
+void mp_cuda_own_pool(mp_upstream *up) { ((mp_cuda *)up->ctx)->owns_pool = 1; }

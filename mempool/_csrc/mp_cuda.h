@@ -1,0 +1,55 @@
+/* The CUDA upstream ("cuda-pool"): segments from a cudaMemPool_t through the driver's
+ * stream-ordered allocator, events and stream waits, and expandable segments through the
+ * driver's virtual-memory calls.
+ *
+ * Built without CUDA headers or libraries: the driver (libcuda.so.1) is opened at run time
+ * and its entry points resolved once. Runtime and driver handles for pools, streams and
+ * events are interchangeable, so the cudaMemPool_t and cudaStream_t values that CuPy,
+ * PyTorch or JAX hand out are used here as they are.
+ *
+ * Stream handles: 0 = the legacy default stream, 1 = CU_STREAM_LEGACY, 2 =
+ * CU_STREAM_PER_THREAD (the calling thread's default stream), anything else a CUstream.
+ *
+ * Threads: every function of the upstream may be called from any thread, without the GIL,
+ * concurrently (the expandable-segment bookkeeping has its own mutex). Each call makes the
+ * device's primary context current on the calling thread first; see "Note [Context]" in
+ * mp_cuda.c.
+ */
+#ifndef MP_CUDA_H
+#define MP_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "mp_upstream.h"
+
+/* Fill *up with the CUDA upstream of device ordinal `device`, allocating segments from the
+ * cudaMemPool_t `mempool_handle` (0 = the device's current pool, through cuMemAllocAsync).
+ * Retains the device's primary context until up->destroy. Expandable segments are offered
+ * (up->granularity > 0) when the device supports virtual memory management.
+ * Returns MP_OK, or an MP_E* code with a message in err (when errlen > 0) and *up untouched. */
+int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char *err,
+                     size_t errlen);
+
+/* 1 when libcuda.so.1 loads, cuInit(0) succeeds and at least one device is visible; else 0.
+ * Never fails otherwise; safe to call at any time. */
+int mp_cuda_available(void);
+
+/* The CUresult of the latest MP_EUPSTREAM failure of this upstream (0 when none), or -1 for
+ * a failure the driver did not report (a segment the driver returned misaligned). `up` is
+ * any copy of the struct mp_cuda_upstream filled. */
+int mp_cuda_last_error(const mp_upstream *up);
+
+/* Make the upstream also write its latest error into up->last_error, for the copy of the
+ * struct at `up` (the pool keeps its own copy: pass mp_pool_upstream(pool)). The struct must
+ * stay at that address until destroy. */
+void mp_cuda_bind_errors(mp_upstream *up);
+
+/* "CUDA_ERROR_NAME: description" for a CUresult (or -1, see mp_cuda_last_error), into buf. */
+void mp_cuda_error_string(int code, char *buf, size_t buflen);
+
+/* Make the upstream destroy its cudaMemPool_t in up->destroy (for a pool it was given
+ * after creating it for this upstream alone). */
+void mp_cuda_own_pool(mp_upstream *up);
+
+#endif

@@ -1,0 +1,288 @@
+/* Reading the pool: stats, the invariant check the tests call after every step, and
+ * layout copies for snapshots. Each takes the lock and copies out. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mp_internal.h"
+
+void mp_get_stats(mp_pool *p, mp_stats *out) {
+    mp_lock_acquire(&p->lock);
+    *out = p->stats;
+    mp_lock_release(&p->lock);
+}
+
+#define NSTATS (offsetof(mp_stats, num_alloc_retries) / sizeof(mp_stat))
+
+void mp_reset_peak_stats(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    mp_stat *s = (mp_stat *)&p->stats;
+    for (size_t i = 0; i < NSTATS; i++) s[i].peak = s[i].current;
+    mp_lock_release(&p->lock);
+}
+
+void mp_reset_accumulated_stats(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    mp_stat *s = (mp_stat *)&p->stats;
+    for (size_t i = 0; i < NSTATS; i++) s[i].allocated = s[i].freed = 0;
+    p->stats.num_alloc_retries = p->stats.num_ooms = p->stats.num_sync_all_streams = 0;
+    p->stats.num_device_alloc = p->stats.num_device_free = 0;
+    p->stats.num_cross_stream_reuse = p->stats.num_event_waits = 0;
+    mp_lock_release(&p->lock);
+}
+
+size_t mp_used_bytes(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    size_t n = (size_t)p->stats.allocated_bytes[MP_STAT_ALL].current;
+    mp_lock_release(&p->lock);
+    return n;
+}
+
+size_t mp_reserved_bytes(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    size_t n = (size_t)p->stats.reserved_bytes[MP_STAT_ALL].current;
+    mp_lock_release(&p->lock);
+    return n;
+}
+
+size_t mp_cached_bytes(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    size_t n = (size_t)(p->stats.reserved_bytes[MP_STAT_ALL].current -
+                        p->stats.active_bytes[MP_STAT_ALL].current);
+    mp_lock_release(&p->lock);
+    return n;
+}
+
+size_t mp_largest_free_block(mp_pool *p) {
+    size_t best = 0;
+    mp_lock_acquire(&p->lock);
+    for (size_t i = 0; i < p->nstreams; i++) {
+        for (int k = 0; k < 2; k++) {
+            const mp_freelist *fl = &p->streams[i]->lists[k];
+            if (!fl->summary) continue;
+            int w = 63 - __builtin_clzll(fl->summary);
+            int c = w * 64 + 63 - __builtin_clzll(fl->bits[w]);
+            for (mp_block *b = fl->head[c]; b; b = b->fnext)
+                if (b->nbytes > best) best = b->nbytes;
+        }
+    }
+    mp_lock_release(&p->lock);
+    return best;
+}
+
+size_t mp_capacity(mp_pool *p) { return p->capacity; }
+const mp_config *mp_pool_config(mp_pool *p) { return &p->cfg; }
+mp_upstream *mp_pool_upstream(mp_pool *p) { return &p->up; }
+
+/* ---------------------------------------------------------------- invariants */
+
+typedef struct {
+    char *msg;
+    size_t len;
+    int failed;
+} report;
+
+static int fail(report *r, const char *fmt, ...) {
+    if (!r->failed) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(r->msg, r->len, fmt, ap);
+        va_end(ap);
+    }
+    r->failed = 1;
+    return 0;
+}
+
+#define CHECK(cond, ...) ((cond) ? 1 : fail(&r, __VA_ARGS__))
+
+static int in_list(const mp_freelist *fl, const mp_block *b) {
+    if (b->cls >= MP_NCLASSES) return 0;
+    for (mp_block *x = fl->head[b->cls]; x; x = x->fnext)
+        if (x == b) return 1;
+    return 0;
+}
+
+static int cmp_uintptr(const void *a, const void *b) {
+    uintptr_t x = *(const uintptr_t *)a, y = *(const uintptr_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
+    report r = {msg, msglen, 0};
+    if (msglen) msg[0] = 0;
+    mp_lock_acquire(&p->lock);
+    int64_t alloc_n[3] = {0}, alloc_b[3] = {0}, req_b[3] = {0}, active_n[3] = {0},
+            active_b[3] = {0}, split_n[3] = {0}, split_b[3] = {0}, seg_n[3] = {0},
+            reserved_b[3] = {0};
+    size_t nfree = 0, free_bytes = 0, npending = 0, nsegs = 0;
+    uintptr_t *bounds = malloc(2 * (p->nsegments + 1) * sizeof *bounds);
+
+    for (mp_segment *seg = p->segments; seg && !r.failed; seg = seg->next) {
+        int k = seg->kind == KIND_SMALL ? MP_STAT_SMALL : MP_STAT_LARGE;
+        if (bounds && nsegs < p->nsegments) {
+            bounds[2 * nsegs] = seg->ptr;
+            bounds[2 * nsegs + 1] = seg->ptr + seg->nbytes;
+        }
+        nsegs++;
+        seg_n[k]++;
+        CHECK(seg->next == NULL || seg->next->prev == seg, "segment %#lx: broken list link", (unsigned long)seg->ptr);
+        uintptr_t expect = seg->ptr;
+        size_t busy = 0, mapped = 0;
+        mp_block *prev = NULL;
+        for (mp_block *b = seg->first; b && !r.failed; prev = b, b = b->next) {
+            CHECK(b->seg == seg, "block %#lx: wrong segment", (unsigned long)b->ptr);
+            CHECK(b->prev == prev, "block %#lx: broken neighbour link", (unsigned long)b->ptr);
+            CHECK(b->ptr == expect, "segment %#lx: gap or overlap at %#lx (block starts at %#lx)",
+                  (unsigned long)seg->ptr, (unsigned long)expect, (unsigned long)b->ptr);
+            CHECK(b->nbytes > 0 && b->nbytes % MP_MIN_BLOCK == 0, "block %#lx: bad size %zu",
+                  (unsigned long)b->ptr, b->nbytes);
+            expect = b->ptr + b->nbytes;
+            if (b->state != MP_BLOCK_UNMAPPED) mapped += b->nbytes;
+            switch (b->state) {
+            case MP_BLOCK_FREE:
+                nfree++;
+                free_bytes += b->nbytes;
+                CHECK(in_list(&b->stream->lists[seg->kind], b) && b->cls == mp_size_class(b->nbytes),
+                      "free block %#lx: not in its stream's free list", (unsigned long)b->ptr);
+                CHECK(!(b->next && b->next->state == MP_BLOCK_FREE && b->next->stream == b->stream),
+                      "free blocks %#lx and %#lx of one stream are adjacent but not merged",
+                      (unsigned long)b->ptr, (unsigned long)(b->next ? b->next->ptr : 0));
+                CHECK(b->split_counted == (b->prev || b->next), "free block %#lx: split flag wrong",
+                      (unsigned long)b->ptr);
+                CHECK(b->requested == 0, "free block %#lx: requested bytes left", (unsigned long)b->ptr);
+                if (b->split_counted) {
+                    split_n[k]++;
+                    split_b[k] += (int64_t)b->nbytes;
+                }
+                break;
+            case MP_BLOCK_ALLOCATED:
+                busy++;
+                CHECK(mp_ptrmap_get(&p->live, b->ptr) == b, "allocated block %#lx: not in the live map",
+                      (unsigned long)b->ptr);
+                CHECK(b->requested <= b->nbytes, "block %#lx: requested %zu > size %zu",
+                      (unsigned long)b->ptr, b->requested, b->nbytes);
+                alloc_n[k]++;
+                alloc_b[k] += (int64_t)b->nbytes;
+                req_b[k] += (int64_t)b->requested;
+                active_n[k]++;
+                active_b[k] += (int64_t)b->nbytes;
+                break;
+            case MP_BLOCK_PENDING:
+                busy++;
+                npending++;
+                CHECK(b->nuses > 0 && b->events, "pending block %#lx: no events", (unsigned long)b->ptr);
+                CHECK(mp_ptrmap_get(&p->live, b->ptr) == NULL, "pending block %#lx: still live",
+                      (unsigned long)b->ptr);
+                active_n[k]++;
+                active_b[k] += (int64_t)b->nbytes;
+                break;
+            case MP_BLOCK_UNMAPPED:
+                CHECK(seg->expandable, "block %#lx: unmapped in a plain segment", (unsigned long)b->ptr);
+                CHECK(p->up.granularity && b->ptr % p->up.granularity == 0 &&
+                          b->nbytes % p->up.granularity == 0,
+                      "unmapped block %#lx: not page-aligned", (unsigned long)b->ptr);
+                break;
+            default:
+                fail(&r, "block %#lx: unknown state %d", (unsigned long)b->ptr, b->state);
+            }
+        }
+        CHECK(expect == seg->ptr + seg->nbytes, "segment %#lx: blocks cover %zu of %zu bytes",
+              (unsigned long)seg->ptr, (size_t)(expect - seg->ptr), seg->nbytes);
+        CHECK(busy == seg->nbusy, "segment %#lx: busy count %zu, counted %zu", (unsigned long)seg->ptr,
+              seg->nbusy, busy);
+        CHECK(mapped == seg->mapped_bytes, "segment %#lx: mapped %zu, counted %zu", (unsigned long)seg->ptr,
+              seg->mapped_bytes, mapped);
+        reserved_b[k] += (int64_t)mapped;
+        int idle = 0;
+        for (mp_segment *i = p->idle_head; i; i = i->inext) idle |= i == seg;
+        CHECK(idle == (!seg->expandable && busy == 0), "segment %#lx: idle list membership wrong",
+              (unsigned long)seg->ptr);
+    }
+    CHECK(nsegs == p->nsegments, "segment count %zu, counted %zu", p->nsegments, nsegs);
+    if (bounds && !r.failed && nsegs) {
+        qsort(bounds, nsegs, 2 * sizeof *bounds, cmp_uintptr);
+        for (size_t i = 1; i < nsegs; i++)
+            CHECK(bounds[2 * i] >= bounds[2 * i - 1], "segments overlap at %#lx", (unsigned long)bounds[2 * i]);
+    }
+    free(bounds);
+
+    size_t list_count = 0, list_bytes = 0;
+    for (size_t i = 0; i < p->nstreams; i++)
+        for (int k = 0; k < 2; k++) {
+            list_count += p->streams[i]->lists[k].count;
+            list_bytes += p->streams[i]->lists[k].nbytes;
+        }
+    CHECK(list_count == nfree && list_bytes == free_bytes,
+          "free lists hold %zu blocks / %zu bytes, segments %zu / %zu", list_count, list_bytes, nfree, free_bytes);
+    CHECK(npending == p->npending, "pending list %zu, counted %zu", p->npending, npending);
+    CHECK(p->live.count == (size_t)(alloc_n[1] + alloc_n[2]), "live map holds %zu, counted %lld",
+          p->live.count, (long long)(alloc_n[1] + alloc_n[2]));
+
+    const mp_stats *st = &p->stats;
+    struct { const char *name; const mp_stat *stat; const int64_t *counted; } rows[] = {
+        {"allocation", st->allocation, alloc_n}, {"allocated_bytes", st->allocated_bytes, alloc_b},
+        {"requested_bytes", st->requested_bytes, req_b}, {"active", st->active, active_n},
+        {"active_bytes", st->active_bytes, active_b}, {"inactive_split", st->inactive_split, split_n},
+        {"inactive_split_bytes", st->inactive_split_bytes, split_b}, {"segment", st->segment, seg_n},
+        {"reserved_bytes", st->reserved_bytes, reserved_b},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0] && !r.failed; i++) {
+        for (int k = 1; k <= 2; k++)
+            CHECK(rows[i].stat[k].current == rows[i].counted[k], "%s.%s.current is %lld, counted %lld",
+                  rows[i].name, k == 1 ? "small_pool" : "large_pool", (long long)rows[i].stat[k].current,
+                  (long long)rows[i].counted[k]);
+        CHECK(rows[i].stat[0].current == rows[i].stat[1].current + rows[i].stat[2].current,
+              "%s.all.current is not the sum of its pools", rows[i].name);
+    }
+    mp_lock_release(&p->lock);
+    return r.failed ? MP_EINVAL : MP_OK;
+}
+
+/* ---------------------------------------------------------------- layout */
+
+int mp_layout_take(mp_pool *p, mp_layout *out) {
+    memset(out, 0, sizeof *out);
+    mp_lock_acquire(&p->lock);
+    size_t nblocks = 0;
+    for (mp_segment *s = p->segments; s; s = s->next)
+        for (mp_block *b = s->first; b; b = b->next) nblocks++;
+    out->segments = malloc((p->nsegments + 1) * sizeof *out->segments);
+    out->blocks = malloc((nblocks + 1) * sizeof *out->blocks);
+    if (!out->segments || !out->blocks) {
+        mp_lock_release(&p->lock);
+        mp_layout_free(out);
+        return MP_ENOMEM;
+    }
+    size_t i = 0, j = 0;
+    for (mp_segment *s = p->segments; s; s = s->next, i++) {
+        mp_segment_view *v = &out->segments[i];
+        v->ptr = s->ptr;
+        v->nbytes = s->nbytes;
+        v->mapped_bytes = s->mapped_bytes;
+        v->stream = s->stream->handle;
+        v->is_small = s->kind == KIND_SMALL;
+        v->is_expandable = s->expandable;
+        v->is_pinned = s->pinned;
+        v->first_block = j;
+        for (mp_block *b = s->first; b; b = b->next, j++) {
+            mp_block_view *bv = &out->blocks[j];
+            bv->ptr = b->ptr;
+            bv->nbytes = b->nbytes;
+            bv->requested = b->requested;
+            bv->stream = b->stream->handle;
+            bv->state = b->state;
+        }
+        v->nblocks = j - v->first_block;
+    }
+    out->nsegments = i;
+    out->nblocks = j;
+    mp_lock_release(&p->lock);
+    return MP_OK;
+}
+
+void mp_layout_free(mp_layout *l) {
+    free(l->segments);
+    free(l->blocks);
+    memset(l, 0, sizeof *l);
+}

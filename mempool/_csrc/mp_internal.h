@@ -1,0 +1,156 @@
+/* Internal structures of the core, shared by its source files (mp_core.c, mp_release.c,
+ * mp_inspect.c, mp_trace.c, mp_expand.c). Everything here is guarded by mp_pool.lock unless
+ * a field says otherwise; functions named *_locked expect it held. */
+#ifndef MP_INTERNAL_H
+#define MP_INTERNAL_H
+
+#include "mp_core.h"
+#include "mp_freelist.h"
+#include "mp_lock.h"
+#include "mp_ptrmap.h"
+
+enum { KIND_SMALL = 0, KIND_LARGE = 1 };
+
+typedef struct mp_stream mp_stream;
+typedef struct mp_segment mp_segment;
+typedef struct mp_block mp_block;
+
+#define MP_INLINE_USES 2
+
+struct mp_block {
+    uintptr_t ptr;
+    size_t nbytes;
+    size_t requested;            /* bytes asked for; 0 unless allocated or pending */
+    mp_segment *seg;
+    mp_block *prev, *next;       /* neighbours in address order within the segment */
+    mp_block *fprev, *fnext;     /* free: bin links; pending: pending-list links */
+    mp_stream *stream;           /* owner: the stream whose order makes reuse safe */
+    uint32_t cls;                /* size class while in a free list */
+    uint8_t state;               /* MP_BLOCK_* */
+    uint8_t split_counted;       /* counted in inactive_split while free */
+    uint8_t busy;                /* unmapped: being mapped or unmapped with the lock dropped */
+    uint16_t nuses;              /* streams recorded by record_stream (never the owner) */
+    uint16_t cap_uses;
+    mp_stream *inline_uses[MP_INLINE_USES];
+    mp_stream **uses;            /* inline_uses, or a heap array when more are recorded */
+    uintptr_t *events;           /* pending: one event per use, recorded at free */
+};
+
+struct mp_segment {
+    uintptr_t ptr;
+    size_t nbytes;               /* upstream size (address space for expandable) */
+    size_t mapped_bytes;         /* == nbytes unless expandable */
+    mp_stream *stream;           /* the stream it was allocated on; freed on it */
+    int kind;
+    int pinned;                  /* initial_pool_size: never released automatically */
+    int expandable;
+    mp_block *first;
+    size_t nbusy;                /* allocated + pending blocks */
+    mp_segment *prev, *next;     /* all segments */
+    mp_segment *iprev, *inext;   /* idle list (nbusy == 0, not expandable), oldest first */
+    uint64_t idle_since;
+};
+
+struct mp_stream {
+    uintptr_t handle;
+    mp_freelist lists[2];        /* KIND_SMALL, KIND_LARGE */
+    mp_segment *expandable[2];   /* the growing segment per kind, when expandable */
+};
+
+typedef struct mp_block_slab {
+    struct mp_block_slab *next;
+    mp_block blocks[];
+} mp_block_slab;
+
+struct mp_pool {
+    mp_lock lock;
+    int refcount;                /* atomic; not guarded by the lock */
+    mp_config cfg;
+    mp_upstream up;
+    size_t capacity;             /* device total as the upstream reports it */
+
+    mp_stream **streams;         /* never freed before the pool; pointers stay valid */
+    size_t nstreams, cap_streams;
+    mp_stream *last_stream;      /* one-entry cache for the stream lookup */
+
+    mp_ptrmap live;              /* allocated blocks by address */
+    mp_segment *segments;        /* all segments */
+    mp_segment *idle_head, *idle_tail;
+    size_t nsegments;
+    mp_block *pending_head, *pending_tail;
+    size_t npending;
+
+    uintptr_t *event_cache;      /* created events not in use */
+    size_t nevent_cache, cap_event_cache;
+
+    mp_block *spare_blocks;      /* block structs not in use (linked by fnext) */
+    mp_block_slab *slabs;
+
+    size_t inflight_bytes;       /* segments being allocated with the lock dropped */
+    uint64_t tick;               /* advances on every alloc and free */
+    mp_stats stats;
+
+    /* Trace recording (mp_trace.c): NULL when off, so it costs one branch. */
+    mp_trace_entry *trace;
+    size_t trace_cap, trace_len, trace_head;
+};
+
+/* mp_core.c */
+int mp_reserve_initial(mp_pool *p, size_t nbytes);
+void mp_insert_free_merged_locked(mp_pool *p, mp_block *b);
+void mp_insert_free_locked(mp_pool *p, mp_block *b);   /* no merging */
+void mp_remove_free_locked(mp_pool *p, mp_block *b);
+mp_block *mp_search_lists_locked(mp_pool *p, mp_stream *s, int kind, size_t size);
+size_t mp_reserved_now_locked(const mp_pool *p);
+void mp_sync_pending_unlocked(mp_pool *p);
+mp_block *mp_block_new_locked(mp_pool *p);
+void mp_block_delete_locked(mp_pool *p, mp_block *b);
+void mp_free_block_locked(mp_pool *p, mp_block *b);
+int mp_event_get_locked(mp_pool *p, uintptr_t *ev);
+void mp_event_put_locked(mp_pool *p, uintptr_t ev);
+mp_stream *mp_stream_get_locked(mp_pool *p, uintptr_t handle);
+
+/* mp_release.c: detach idle segments under the lock, free them upstream after. */
+typedef struct mp_release_list {
+    mp_segment *head;
+    size_t nbytes;
+} mp_release_list;
+void mp_detach_segment_locked(mp_pool *p, mp_segment *s, mp_release_list *out);
+/* Release cached memory until at least `target` bytes are released or nothing releasable is
+ * left: idle segments oldest first (pinned ones never), then free pages of expandable
+ * segments. Returns the bytes released. May drop and retake the lock (expandable pages). */
+size_t mp_release_idle_locked(mp_pool *p, size_t target, mp_release_list *out);
+void mp_release_finish(mp_pool *p, mp_release_list *list);  /* call WITHOUT the lock */
+int mp_process_pending_locked(mp_pool *p);
+void mp_apply_release_threshold_locked(mp_pool *p, mp_release_list *out);
+void mp_segment_idle_push_locked(mp_pool *p, mp_segment *s);
+void mp_segment_idle_remove_locked(mp_pool *p, mp_segment *s);
+
+/* mp_trace.c */
+void mp_trace_record_locked(mp_pool *p, int action, uintptr_t ptr, size_t nbytes,
+                            uintptr_t stream);
+static inline void mp_trace_locked(mp_pool *p, int action, uintptr_t ptr, size_t nbytes,
+                                   uintptr_t stream) {
+    if (p->trace) mp_trace_record_locked(p, action, ptr, nbytes, stream);
+}
+
+/* Stats helpers: every counter moves in the ALL column and in its pool's column. */
+static inline void mp_stat_inc(mp_stat *s, int64_t n) {
+    s->current += n;
+    if (s->current > s->peak) s->peak = s->current;
+    s->allocated += n;
+}
+static inline void mp_stat_dec(mp_stat *s, int64_t n) {
+    s->current -= n;
+    s->freed += n;
+}
+static inline void mp_stat3_inc(mp_stat *s, int kind, int64_t n) {
+    mp_stat_inc(&s[MP_STAT_ALL], n);
+    mp_stat_inc(&s[kind == KIND_SMALL ? MP_STAT_SMALL : MP_STAT_LARGE], n);
+}
+static inline void mp_stat3_dec(mp_stat *s, int kind, int64_t n) {
+    mp_stat_dec(&s[MP_STAT_ALL], n);
+    mp_stat_dec(&s[kind == KIND_SMALL ? MP_STAT_SMALL : MP_STAT_LARGE], n);
+}
+
+#endif

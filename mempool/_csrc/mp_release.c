@@ -1,0 +1,149 @@
+/* Releasing cached memory back to the upstream: the idle-segment list (oldest first),
+ * release_threshold, trim and empty_cache.
+ *
+ * Segments are detached under the pool lock (bookkeeping and stats change at once, so the
+ * memory is no longer counted or reachable) and freed upstream after the lock is dropped
+ * (mp_release_finish), see Note [Lock order] in mp_core.c. */
+#include <stdlib.h>
+
+#include "mp_expand.h"
+#include "mp_internal.h"
+
+void mp_segment_idle_push_locked(mp_pool *p, mp_segment *s) {
+    if (s->expandable) return;   /* expandable segments release pages, never whole */
+    s->idle_since = p->tick;
+    s->inext = NULL;
+    s->iprev = p->idle_tail;
+    if (p->idle_tail) p->idle_tail->inext = s;
+    else p->idle_head = s;
+    p->idle_tail = s;
+}
+
+void mp_segment_idle_remove_locked(mp_pool *p, mp_segment *s) {
+    if (s->expandable) return;
+    if (s->iprev) s->iprev->inext = s->inext;
+    else p->idle_head = s->inext;
+    if (s->inext) s->inext->iprev = s->iprev;
+    else p->idle_tail = s->iprev;
+    s->iprev = s->inext = NULL;
+}
+
+/* Detach an idle segment: every block in it is free. The upstream frees in the order of
+ * the segment's own stream, so blocks that other streams own (taken over by cross-stream
+ * reuse or freed there) first make that stream wait for theirs: no host sync. */
+void mp_detach_segment_locked(mp_pool *p, mp_segment *seg, mp_release_list *out) {
+    mp_segment_idle_remove_locked(p, seg);
+    if (seg->prev) seg->prev->next = seg->next;
+    else p->segments = seg->next;
+    if (seg->next) seg->next->prev = seg->prev;
+    p->nsegments--;
+
+    mp_stream *waited[8];
+    int nwaited = 0;
+    mp_block *b = seg->first;
+    while (b) {
+        mp_block *next = b->next;
+        mp_stream *owner = b->stream;
+        int seen = owner == seg->stream;
+        for (int i = 0; i < nwaited && !seen; i++) seen = waited[i] == owner;
+        if (!seen) {
+            uintptr_t ev;
+            int rc = mp_event_get_locked(p, &ev);
+            if (rc == MP_OK) {
+                rc = p->up.event_record(p->up.ctx, ev, owner->handle);
+                if (rc == MP_OK) rc = p->up.stream_wait_event(p->up.ctx, seg->stream->handle, ev);
+                mp_event_put_locked(p, ev);
+                p->stats.num_event_waits++;
+            }
+            if (rc != MP_OK) p->up.stream_synchronize(p->up.ctx, owner->handle);
+            if (nwaited < 8) waited[nwaited++] = owner;
+        }
+        /* remove from its free list (and the inactive_split counters) */
+        mp_freelist_remove(&owner->lists[seg->kind], b);
+        if (b->split_counted) {
+            mp_stat3_dec(p->stats.inactive_split, seg->kind, 1);
+            mp_stat3_dec(p->stats.inactive_split_bytes, seg->kind, (int64_t)b->nbytes);
+        }
+        mp_block_delete_locked(p, b);
+        b = next;
+    }
+    seg->first = NULL;
+    p->stats.num_device_free++;
+    mp_stat3_dec(p->stats.segment, seg->kind, 1);
+    mp_stat3_dec(p->stats.reserved_bytes, seg->kind, (int64_t)seg->nbytes);
+    if (seg->nbytes >= p->cfg.max_split_size) mp_stat_dec(&p->stats.oversize_segments, 1);
+    mp_trace_locked(p, MP_TRACE_SEGMENT_FREE, seg->ptr, seg->nbytes, seg->stream->handle);
+    seg->inext = out->head;
+    out->head = seg;
+    out->nbytes += seg->nbytes;
+}
+
+size_t mp_release_idle_locked(mp_pool *p, size_t target, mp_release_list *out) {
+    size_t released = 0;
+    mp_segment *seg = p->idle_head;
+    while (seg && released < target) {
+        mp_segment *next = seg->inext;
+        if (!seg->pinned) {
+            released += seg->nbytes;
+            mp_detach_segment_locked(p, seg, out);
+        }
+        seg = next;
+    }
+    if (released < target && p->cfg.expandable_segments)
+        released += mp_expand_release_locked(p, target - released);
+    return released;
+}
+
+void mp_release_finish(mp_pool *p, mp_release_list *list) {
+    mp_segment *seg = list->head;
+    while (seg) {
+        mp_segment *next = seg->inext;
+        mp_segment_release_upstream(p, seg);
+        free(seg);
+        seg = next;
+    }
+    list->head = NULL;
+    list->nbytes = 0;
+}
+
+static size_t cached_locked(const mp_pool *p) {
+    return (size_t)(p->stats.reserved_bytes[MP_STAT_ALL].current -
+                    p->stats.active_bytes[MP_STAT_ALL].current);
+}
+
+void mp_apply_release_threshold_locked(mp_pool *p, mp_release_list *out) {
+    size_t threshold = p->cfg.release_threshold;
+    if (threshold == MP_UNLIMITED) return;
+    size_t cached = cached_locked(p);
+    if (cached > threshold) mp_release_idle_locked(p, cached - threshold, out);
+}
+
+int mp_trim(mp_pool *p, size_t keep) {
+    mp_release_list rel = {0};
+    mp_lock_acquire(&p->lock);
+    mp_process_pending_locked(p);
+    size_t cached = cached_locked(p);
+    if (cached > keep) mp_release_idle_locked(p, cached - keep, &rel);
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
+    return MP_OK;
+}
+
+int mp_empty_cache(mp_pool *p) { return mp_trim(p, 0); }
+
+int mp_set_limit(mp_pool *p, size_t limit) {
+    mp_lock_acquire(&p->lock);
+    p->cfg.limit = limit;
+    mp_lock_release(&p->lock);
+    return MP_OK;
+}
+
+int mp_set_release_threshold(mp_pool *p, size_t threshold) {
+    mp_release_list rel = {0};
+    mp_lock_acquire(&p->lock);
+    p->cfg.release_threshold = threshold;
+    mp_apply_release_threshold_locked(p, &rel);
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
+    return MP_OK;
+}

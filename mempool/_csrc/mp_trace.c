@@ -1,0 +1,55 @@
+/* Trace recording: a ring of the last N events, copied out on request. Off by default:
+ * then the only cost on the allocate/free path is the NULL check in mp_trace_locked. */
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "mp_internal.h"
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void mp_trace_record_locked(mp_pool *p, int action, uintptr_t ptr, size_t nbytes,
+                            uintptr_t stream) {
+    mp_trace_entry *e = &p->trace[(p->trace_head + p->trace_len) % p->trace_cap];
+    if (p->trace_len < p->trace_cap) p->trace_len++;
+    else p->trace_head = (p->trace_head + 1) % p->trace_cap;
+    e->action = action;
+    e->ptr = ptr;
+    e->nbytes = nbytes;
+    e->stream = stream;
+    e->time_ns = now_ns();
+}
+
+int mp_trace_enable(mp_pool *p, size_t max_entries) {
+    mp_trace_entry *ring = NULL;
+    if (max_entries && !(ring = malloc(max_entries * sizeof *ring))) return MP_ENOMEM;
+    mp_lock_acquire(&p->lock);
+    mp_trace_entry *old = p->trace;
+    p->trace = ring;
+    p->trace_cap = max_entries;
+    p->trace_len = p->trace_head = 0;
+    mp_lock_release(&p->lock);
+    free(old);
+    return MP_OK;
+}
+
+int mp_trace_take(mp_pool *p, mp_trace_entry **entries, size_t *n) {
+    *entries = NULL;
+    *n = 0;
+    mp_lock_acquire(&p->lock);
+    size_t len = p->trace_len;
+    mp_trace_entry *copy = len ? malloc(len * sizeof *copy) : NULL;
+    if (len && !copy) {
+        mp_lock_release(&p->lock);
+        return MP_ENOMEM;
+    }
+    for (size_t i = 0; i < len; i++) copy[i] = p->trace[(p->trace_head + i) % p->trace_cap];
+    mp_lock_release(&p->lock);
+    *entries = copy;
+    *n = len;
+    return MP_OK;
+}

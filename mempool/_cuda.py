@@ -1,0 +1,316 @@
+"""The control plane of backend="cuda": cudaMemPool handles through CuPy's runtime bindings.
+
+The data plane (allocate a segment, free it, events, virtual memory) is C code that calls the
+CUDA driver without the GIL (mempool/_csrc/mp_cuda.c). What happens rarely and may hold the
+GIL lives here: choosing or creating the ``cudaMemPool_t`` the segments come from, setting its
+release threshold and reuse policies, reading its Reserved/Used attributes, trimming and
+destroying it. Runtime and driver pool handles are the same values, so a handle from here is
+what the C upstream is given.
+
+Importing this module needs neither CuPy nor a GPU; every function but :func:`available`
+raises ``RuntimeError`` when CuPy or the device is missing.
+"""
+import functools
+
+__all__ = [
+    "KEEP_ALL",
+    "POOL_HANDLES",
+    "attributes",
+    "available",
+    "configure",
+    "current_stream_ptr",
+    "destroy",
+    "device_count",
+    "reset_peaks",
+    "resolve_pool_handle",
+    "trim_to",
+]
+
+#: The release threshold that keeps every freed byte reserved (the attribute is a uint64).
+KEEP_ALL = 2**64 - 1
+#: The names `resolve_pool_handle` accepts besides an integer handle.
+POOL_HANDLES = ("create", "default", "current")
+
+
+def _runtime():
+    """CuPy's runtime bindings, or a RuntimeError saying what to install."""
+    try:
+        from cupy.cuda import runtime
+    except Exception as exc:  # ImportError, or a broken CUDA install raising at import
+        raise RuntimeError(
+            "backend='cuda' needs CuPy (pip install cupy-cuda12x or cupy-cuda13x); "
+            f"importing it failed: {exc}") from exc
+    return runtime
+
+
+def _call(what, fn, *args):
+    """fn(*args), with a CUDA failure turned into a RuntimeError that says what was done."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        raise RuntimeError(f"{what} failed: {exc}") from exc
+
+
+def _check_int(name, value, low=0, high=None):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+    return value
+
+
+def _check_handle(handle):
+    """A cudaMemPool_t is a non-null pointer; anything else would reach the driver as garbage."""
+    return _check_int("handle", handle, low=1, high=2**64 - 1)
+
+
+def available():
+    """Whether backend="cuda" can run here.
+
+    True when CuPy imports, the CUDA runtime sees at least one device and, where the compiled
+    core is built, the CUDA driver loads for the data plane too. Never raises.
+
+    Returns
+    -------
+    bool
+    """
+    try:
+        if _runtime().getDeviceCount() <= 0:
+            return False
+    except Exception:
+        return False
+    try:
+        from mempool import _core
+    except Exception:
+        # A core that does not build or import is a build failure, not a missing device:
+        # let the caller meet it where it uses the Pool.
+        return True
+    probe = getattr(_core, "_cuda_driver_available", None)
+    try:
+        return bool(probe()) if probe is not None else True
+    except Exception:
+        return False
+
+
+def device_count():
+    """Number of CUDA devices visible to this process.
+
+    Returns
+    -------
+    int
+    """
+    rt = _runtime()
+    return _call("counting CUDA devices (cudaGetDeviceCount)", rt.getDeviceCount)
+
+
+def _check_device(device):
+    _check_int("device", device)
+    count = device_count()
+    if device >= count:
+        raise ValueError(f"device must be a device ordinal in [0, {count}), got {device}")
+    return device
+
+
+def resolve_pool_handle(pool_handle, device):
+    """The ``cudaMemPool_t`` a Pool on `device` takes its segments from.
+
+    Parameters
+    ----------
+    pool_handle : {"create", "default", "current"} or int
+        ``"create"``: a new pool of pinned device memory on `device`, owned by the caller;
+        ``"default"``: the device's default pool (shared with CuPy's ``MemoryAsyncPool``
+        and anything else using ``cudaMallocAsync`` on it); ``"current"``: the device's
+        current pool (the default one unless someone called ``cudaDeviceSetMemPool``);
+        an int: an existing ``cudaMemPool_t`` made elsewhere, for `device`.
+    device : int
+        Device ordinal.
+
+    Returns
+    -------
+    handle : int
+        The pool handle.
+    owned : bool
+        True when the caller must `destroy` it (only for ``"create"``).
+    """
+    if isinstance(pool_handle, str):
+        if pool_handle not in POOL_HANDLES:
+            raise ValueError(
+                f"pool_handle must be one of {', '.join(map(repr, POOL_HANDLES))} or an int "
+                f"cudaMemPool_t handle, got {pool_handle!r}")
+    elif isinstance(pool_handle, bool) or not isinstance(pool_handle, int):
+        raise TypeError(
+            f"pool_handle must be one of {', '.join(map(repr, POOL_HANDLES))} or an int "
+            f"cudaMemPool_t handle, got {type(pool_handle).__name__} {pool_handle!r}")
+    else:
+        if pool_handle <= 0 or pool_handle > 2**64 - 1:
+            raise ValueError(
+                f"pool_handle as an int must be a non-null cudaMemPool_t, got {pool_handle}")
+        _check_device(device)
+        return pool_handle, False
+    rt = _runtime()
+    _check_device(device)
+    if pool_handle == "default":
+        return _call(f"getting device {device}'s default memory pool "
+                     "(cudaDeviceGetDefaultMemPool)", rt.deviceGetDefaultMemPool, device), False
+    if pool_handle == "current":
+        return _call(f"getting device {device}'s current memory pool (cudaDeviceGetMemPool)",
+                     rt.deviceGetMemPool, device), False
+    props = rt.MemPoolProps(rt.cudaMemAllocationTypePinned, rt.cudaMemHandleTypeNone,
+                            rt.cudaMemLocationTypeDevice, device)
+    return _call(f"creating a memory pool on device {device} (cudaMemPoolCreate)",
+                 rt.memPoolCreate, props), True
+
+
+def _bool_attrs(rt):
+    return {
+        "reuse_follow_event_dependencies": rt.cudaMemPoolReuseFollowEventDependencies,
+        "reuse_allow_opportunistic": rt.cudaMemPoolReuseAllowOpportunistic,
+        "reuse_allow_internal_dependencies": rt.cudaMemPoolReuseAllowInternalDependencies,
+    }
+
+
+def configure(handle, release_threshold=None, reuse_follow_event_dependencies=None,
+              reuse_allow_opportunistic=None, reuse_allow_internal_dependencies=None):
+    """Set a pool's release threshold and reuse policies; None leaves a setting as it is.
+
+    Every argument is checked before anything is set.
+
+    Parameters
+    ----------
+    handle : int
+        A ``cudaMemPool_t``.
+    release_threshold : int, optional
+        Bytes of freed memory the driver keeps reserved at a synchronization
+        (``cudaMemPoolAttrReleaseThreshold``); `KEEP_ALL` keeps everything.
+    reuse_follow_event_dependencies, reuse_allow_opportunistic, reuse_allow_internal_dependencies : bool, optional
+        The pool's ``cudaMemPoolReuse*`` policies.
+    """
+    _check_handle(handle)
+    if release_threshold is not None:
+        _check_int("release_threshold", release_threshold, high=KEEP_ALL)
+    flags = {
+        "reuse_follow_event_dependencies": reuse_follow_event_dependencies,
+        "reuse_allow_opportunistic": reuse_allow_opportunistic,
+        "reuse_allow_internal_dependencies": reuse_allow_internal_dependencies,
+    }
+    for name, value in flags.items():
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool or None, got {type(value).__name__} "
+                            f"{value!r}")
+    rt = _runtime()
+    if release_threshold is not None:
+        _call("setting cudaMemPoolAttrReleaseThreshold", rt.memPoolSetAttribute, handle,
+              rt.cudaMemPoolAttrReleaseThreshold, release_threshold)
+    for name, attr in _bool_attrs(rt).items():
+        if flags[name] is not None:
+            _call(f"setting the pool's {name}", rt.memPoolSetAttribute, handle, attr,
+                  int(flags[name]))
+
+
+def attributes(handle):
+    """A pool's attributes, read from the driver.
+
+    Parameters
+    ----------
+    handle : int
+        A ``cudaMemPool_t``.
+
+    Returns
+    -------
+    dict
+        ``reserved_current``, ``reserved_high``, ``used_current``, ``used_high`` (bytes:
+        backing memory the pool holds, and the part of it handed out, now and at the high
+        watermark), ``release_threshold`` (bytes) and the three reuse policies (bool).
+    """
+    _check_handle(handle)
+    rt = _runtime()
+    sizes = {
+        "reserved_current": rt.cudaMemPoolAttrReservedMemCurrent,
+        "reserved_high": rt.cudaMemPoolAttrReservedMemHigh,
+        "used_current": rt.cudaMemPoolAttrUsedMemCurrent,
+        "used_high": rt.cudaMemPoolAttrUsedMemHigh,
+        "release_threshold": rt.cudaMemPoolAttrReleaseThreshold,
+    }
+    out = {}
+    for name, attr in sizes.items():
+        out[name] = int(_call(f"reading the pool's {name}", rt.memPoolGetAttribute, handle,
+                              attr))
+    for name, attr in _bool_attrs(rt).items():
+        out[name] = bool(_call(f"reading the pool's {name}", rt.memPoolGetAttribute, handle,
+                               attr))
+    return out
+
+
+def reset_peaks(handle):
+    """Reset the pool's reserved and used high watermarks to the current values.
+
+    Parameters
+    ----------
+    handle : int
+        A ``cudaMemPool_t``.
+    """
+    _check_handle(handle)
+    rt = _runtime()
+    # The driver accepts only 0 for the high watermarks and then restarts them from current.
+    for attr in (rt.cudaMemPoolAttrReservedMemHigh, rt.cudaMemPoolAttrUsedMemHigh):
+        _call("resetting the pool's high watermarks", rt.memPoolSetAttribute, handle, attr, 0)
+
+
+def trim_to(handle, keep):
+    """Release the pool's unused backing memory down to `keep` bytes (``cudaMemPoolTrimTo``).
+
+    Memory still handed out (segments the Pool holds) is never released.
+
+    Parameters
+    ----------
+    handle : int
+        A ``cudaMemPool_t``.
+    keep : int
+        Bytes of reserved memory to keep, at least.
+    """
+    _check_handle(handle)
+    _check_int("keep", keep, high=2**64 - 1)
+    rt = _runtime()
+    _call(f"trimming the memory pool to {keep} bytes (cudaMemPoolTrimTo)", rt.memPoolTrimTo,
+          handle, keep)
+
+
+def destroy(handle):
+    """Destroy a pool made by ``resolve_pool_handle("create", ...)``.
+
+    Memory still allocated from it is released by the driver once freed.
+
+    Parameters
+    ----------
+    handle : int
+        A ``cudaMemPool_t`` the caller owns.
+    """
+    _check_handle(handle)
+    rt = _runtime()
+    _call("destroying the memory pool (cudaMemPoolDestroy)", rt.memPoolDestroy, handle)
+
+
+@functools.lru_cache(maxsize=None)
+def _get_current_stream():
+    try:
+        import cupy
+    except Exception as exc:
+        raise RuntimeError(f"the current stream is CuPy's, and importing CuPy failed: {exc}") \
+            from exc
+    return cupy.cuda.get_current_stream
+
+
+def current_stream_ptr():
+    """The handle of CuPy's current stream on the current device (0 = the legacy default).
+
+    Returns
+    -------
+    int
+    """
+    try:
+        return _get_current_stream()().ptr
+    except RuntimeError:
+        raise
+    except Exception as exc:
+        raise RuntimeError(f"reading CuPy's current stream failed: {exc}") from exc

@@ -1,0 +1,147 @@
+# Test controls of the simulated and host devices: pool.device. Each holds a reference on the
+# C pool (not on the Python Pool, so no reference cycle), which keeps the upstream alive.
+
+
+cdef class _DeviceBase:
+    cdef mp_pool *_pool
+    cdef readonly str backend
+
+    def __dealloc__(self):
+        if self._pool != NULL:
+            mp_pool_release(self._pool)
+
+    cdef mp_budget *_budget(self):
+        return NULL
+
+    cdef void _lock(self):
+        pass
+
+    cdef void _unlock(self):
+        pass
+
+    def fail_next(self, n=1):
+        """Make the next ``n`` upstream allocations (segments or page maps) fail as OOM."""
+        cdef size_t k = _as_nbytes(n, "n")
+        self._lock()
+        self._budget().fail_next = k
+        self._unlock()
+
+    def fail_map_after(self, pages):
+        """Make the next page map fail after mapping ``pages`` pages (undone: all or nothing)."""
+        cdef size_t k = _as_nbytes(pages, "pages")
+        self._lock()
+        self._budget().fail_map_after = k
+        self._unlock()
+
+    @property
+    def capacity(self):
+        return self._budget().capacity
+
+    @property
+    def used_bytes(self):
+        """Bytes the device has handed out (segments and mapped pages)."""
+        return self._budget().used
+
+    @property
+    def peak_bytes(self):
+        return self._budget().peak
+
+    def counters(self):
+        """Upstream calls seen by the device."""
+        cdef mp_budget *b = self._budget()
+        return {"allocs": b.num_allocs, "frees": b.num_frees, "maps": b.num_maps,
+                "unmaps": b.num_unmaps, "failed": b.num_failed}
+
+
+cdef class SimDevice(_DeviceBase):
+    """The simulated device behind a ``Pool(backend="sim")``.
+
+    Work queued on a stream (:meth:`launch`) completes only when the test says so
+    (:meth:`complete`, :meth:`complete_all`, or a stream sync by the pool); events recorded
+    on a stream complete with the work queued before them; a stream that waits on an event
+    is ordered after that work (:meth:`ordered`).
+    """
+    cdef mp_sim *_sim
+
+    cdef mp_budget *_budget(self):
+        return mp_sim_budget(self._sim)
+
+    cdef void _lock(self):
+        mp_sim_lock(self._sim)
+
+    cdef void _unlock(self):
+        mp_sim_unlock(self._sim)
+
+    def launch(self, stream=0):
+        """Queue work on ``stream``; returns its sequence number on that stream."""
+        return mp_sim_launch(self._sim, stream_handle(stream))
+
+    def complete(self, stream=0):
+        """Finish all work queued on ``stream`` (and what it waited for)."""
+        mp_sim_complete(self._sim, stream_handle(stream))
+
+    def complete_all(self):
+        mp_sim_complete_all(self._sim)
+
+    def ordered(self, stream, other, seq):
+        """True when work queued on ``stream`` from now on runs after ``other``'s work up
+        to ``seq``: that work is complete, or ``stream`` waits on an event covering it."""
+        return bool(mp_sim_ordered(self._sim, stream_handle(stream), stream_handle(other), seq))
+
+    def stream_info(self, stream=0):
+        cdef uint64_t submitted = 0, completed = 0
+        mp_sim_stream_info(self._sim, stream_handle(stream), &submitted, &completed)
+        return {"submitted": submitted, "completed": completed}
+
+    def counters(self):
+        out = _DeviceBase.counters(self)
+        out.update(syncs=mp_sim_num_syncs(self._sim),
+                   event_records=mp_sim_num_event_records(self._sim),
+                   waits=mp_sim_num_waits(self._sim), errors=mp_sim_num_errors(self._sim),
+                   live_segments=mp_sim_live_segments(self._sim),
+                   live_events=mp_sim_live_events(self._sim),
+                   mapped_bytes=mp_sim_mapped_bytes(self._sim))
+        return out
+
+
+cdef class HostDevice(_DeviceBase):
+    """The host-memory device behind a ``Pool(backend="host")``: streams are always complete."""
+    cdef void *_ctx
+
+    cdef mp_budget *_budget(self):
+        return mp_host_budget(self._ctx)
+
+    cdef void _lock(self):
+        mp_host_lock(self._ctx)
+
+    cdef void _unlock(self):
+        mp_host_unlock(self._ctx)
+
+    def launch(self, stream=0):
+        return 0
+
+    def complete(self, stream=0):
+        pass
+
+    def complete_all(self):
+        pass
+
+
+cdef object _make_device(Pool pool):
+    cdef SimDevice sim
+    cdef HostDevice host
+    if pool._kind == _SIM:
+        sim = SimDevice.__new__(SimDevice)
+        sim._sim = <mp_sim *>mp_pool_upstream(pool._pool).ctx
+        sim._pool = pool._pool
+        sim.backend = "sim"
+        mp_pool_retain(pool._pool)
+        return sim
+    if pool._kind == _HOST:
+        host = HostDevice.__new__(HostDevice)
+        host._ctx = mp_pool_upstream(pool._pool).ctx
+        host._pool = pool._pool
+        host.backend = "host"
+        mp_pool_retain(pool._pool)
+        return host
+    return None

@@ -1,0 +1,613 @@
+# The Pool: configuration, validation and errors around the C core. Everything here holds
+# the GIL; the core below it never needs it (docs/architecture.md, "Note [Lock order]").
+cdef extern from "Python.h":
+    size_t PyLong_AsSize_t(object) except? -1
+    object PyLong_FromSize_t(size_t)
+from libc.stdint cimport uintptr_t, uint64_t
+from libc.stdlib cimport free as c_free
+
+import os as _os
+
+from mempool import _config
+from mempool._errors import InvariantError, OutOfMemoryError
+
+cdef size_t _GiB = 1 << 30
+cdef size_t _DEFAULT_GRANULARITY = 2 << 20
+_DEFAULT_CAPACITY = {"sim": 80 * (1 << 30), "host": 4 * (1 << 30)}
+
+cdef enum _Backend:
+    _SIM = 0
+    _HOST = 1
+    _CUDA = 2
+
+_BACKENDS = {"sim": _SIM, "host": _HOST, "cuda": _CUDA}
+
+_STAT_FAMILIES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
+                  "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
+_STAT_POOLS = ("all", "small_pool", "large_pool")
+_TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc",
+                  "segment_free", "oom", "segment_map", "segment_unmap")
+
+
+cdef inline size_t _as_nbytes(object nbytes, str name) except? 0:
+    """A size argument: a non-negative integer below 2**64 (bool and float refused)."""
+    if type(nbytes) is not int:
+        if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
+            raise TypeError(f"{name} must be an integer number of bytes, got "
+                            f"{type(nbytes).__name__} {nbytes!r}")
+        nbytes = nbytes.__index__()
+    if nbytes < 0:
+        raise ValueError(f"{name} must be >= 0, got {nbytes}")
+    if nbytes >= 2 ** 64:
+        raise ValueError(f"{name}={nbytes} is out of range: sizes must be below 2**64")
+    return PyLong_AsSize_t(nbytes)
+
+
+cdef inline uintptr_t _as_pointer(object ptr) except? 0:
+    if type(ptr) is not int:
+        if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
+            raise TypeError(f"ptr must be an integer address, got {type(ptr).__name__} {ptr!r}")
+        ptr = ptr.__index__()
+    if ptr < 0 or ptr >= 2 ** 64:
+        raise ValueError(f"ptr must be an address in [0, 2**64), got {ptr}")
+    return PyLong_AsSize_t(ptr)
+
+
+def stream_handle(stream):
+    """The raw handle of a stream object.
+
+    Accepts an int (a raw ``cudaStream_t``; 0 is the legacy default stream, 1
+    ``cudaStreamLegacy``, 2 ``cudaStreamPerThread``), an object with ``__cuda_stream__``
+    (the CUDA stream protocol), a CuPy stream (``.ptr``) or a PyTorch stream
+    (``.cuda_stream``).
+    """
+    if type(stream) is int:
+        if stream < 0 or stream >= 2 ** 64:
+            raise ValueError(f"stream must be a handle in [0, 2**64), got {stream}")
+        return stream
+    if isinstance(stream, bool):
+        raise TypeError("stream must be a stream handle or stream object, got bool")
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        value = proto() if callable(proto) else proto
+        if not (isinstance(value, tuple) and len(value) == 2):
+            raise TypeError(f"stream.__cuda_stream__() must return (version, handle), got {value!r}")
+        return stream_handle(int(value[1]))
+    for attr in ("ptr", "cuda_stream"):
+        value = getattr(stream, attr, None)
+        if value is not None and not callable(value):
+            return stream_handle(int(value))
+    if hasattr(stream, "__index__"):
+        return stream_handle(stream.__index__())
+    raise TypeError(f"stream must be an int handle, a CuPy or PyTorch stream, or an object "
+                    f"with __cuda_stream__; got {type(stream).__name__}")
+
+
+cdef size_t _or_unlimited(object value):
+    return MP_UNLIMITED if value is None else <size_t>value
+
+
+cdef class Pool:
+    """A stream-ordered device memory pool.
+
+    Parameters
+    ----------
+    backend : {"cuda", "sim", "host"}
+        Where segments come from: a ``cudaMemPool`` on a real GPU, a simulated device with
+        fake addresses, or host memory.
+    device : int
+        The device the pool allocates on.
+    capacity : int or str, optional
+        Device memory the pool sees. Defaults: the GPU's memory; 80 GiB on ``sim``; 4 GiB on
+        ``host``.
+    **options
+        See ``docs/options.md``: ``roundup_power2_divisions``, ``max_split_size``,
+        ``cross_stream_reuse``, ``release_threshold``, ``limit``, ``initial_pool_size``,
+        ``garbage_collection_threshold``, ``expandable_segments``, ``granularity`` (sim and
+        host), and for ``cuda`` ``pool_handle`` and the ``reuse_*`` policies.
+
+    Notes
+    -----
+    Streams: a block allocated on stream S may be used on S at once; freed, it serves S's
+    next allocation at once. Use on other streams must be declared with
+    :meth:`record_stream`. See docs/architecture.md, "The stream contract".
+    """
+
+    cdef mp_pool *_pool
+    cdef int _kind
+    cdef readonly str backend
+    cdef readonly int device_id
+    cdef readonly size_t capacity
+    cdef readonly dict options
+    cdef readonly object device
+    cdef object _cuda_handle
+    cdef object __weakref__
+
+    def __cinit__(self, *args, **kwargs):
+        self._pool = NULL
+
+    def __init__(self, backend="cuda", device=0, capacity=None, **options):
+        granularity = options.pop("granularity", None)
+        given = dict(options)
+        given.update(backend=backend, device=device, capacity=capacity)
+        opts = _config.normalize(given)
+        self.backend = opts["backend"]
+        self.device_id = opts["device"]
+        self._kind = _BACKENDS[self.backend]
+        if granularity is not None and self._kind == _CUDA:
+            raise ValueError("option 'granularity' applies to backend 'sim' and 'host' only: "
+                             "on 'cuda' the driver's allocation granularity is used")
+        cdef size_t gran = _DEFAULT_GRANULARITY if granularity is None else \
+            _as_nbytes(_config.parse_size(granularity, "granularity"), "granularity")
+        cdef mp_upstream up
+        cdef int rc
+        if self._kind == _CUDA:
+            self._cuda_handle = _make_cuda(&up, self.device_id, opts)
+        else:
+            cap = opts["capacity"] if opts["capacity"] is not None else _DEFAULT_CAPACITY[self.backend]
+            if self._kind == _SIM:
+                rc = mp_sim_upstream(&up, <size_t>cap, gran)
+            else:
+                rc = mp_host_upstream(&up, <size_t>cap, gran)
+            if rc == MP_EINVAL:
+                raise ValueError(f"option 'granularity' ({gran}) must be a positive multiple of "
+                                 f"{'512' if self._kind == _SIM else 'the page size'}")
+            if rc != MP_OK:
+                raise MemoryError(f"could not create the {self.backend} device (error {rc})")
+        cdef size_t free_b = 0, total = 0
+        up.mem_info(up.ctx, &free_b, &total)
+        self.capacity = total
+        limit = opts["limit"]
+        if isinstance(limit, float):
+            limit = int(limit * total)
+            opts["limit"] = limit
+        cdef mp_config cfg
+        mp_config_default(&cfg)
+        for i, d in enumerate(opts["roundup_power2_divisions"]):
+            cfg.roundup_divisions[i] = d
+        cfg.max_split_size = _or_unlimited(opts["max_split_size"])
+        cfg.cross_stream_reuse = 1 if opts["cross_stream_reuse"] else 0
+        cfg.release_threshold = _or_unlimited(opts["release_threshold"])
+        cfg.limit = _or_unlimited(limit)
+        cfg.initial_pool_size = opts["initial_pool_size"]
+        cfg.gc_threshold = opts["garbage_collection_threshold"]
+        cfg.expandable_segments = 1 if opts["expandable_segments"] else 0
+        if granularity is not None:
+            opts["granularity"] = gran
+        self.options = opts
+        rc = mp_pool_create(&cfg, &up, &self._pool)
+        if rc == MP_OK:
+            if self._kind == _CUDA:
+                mp_cuda_bind_errors(mp_pool_upstream(self._pool))
+            self.device = _make_device(self)
+            return
+        if rc == MP_ENOMEM:
+            raise OutOfMemoryError(
+                f"initial_pool_size={cfg.initial_pool_size} bytes could not be reserved on "
+                f"{self.backend} device {self.device_id} (capacity {total} bytes)")
+        if rc == MP_EUNSUPPORTED:
+            raise ValueError(f"expandable_segments is not supported by the {self.backend} upstream")
+        raise ValueError(f"invalid pool configuration (error {rc})")
+
+    def __dealloc__(self):
+        if self._pool != NULL:
+            # Buffers handed out may still hold references: the C pool lives until they go.
+            mp_pool_release(self._pool)
+            self._pool = NULL
+
+    @classmethod
+    def from_conf(cls, conf, **overrides):
+        """Build a pool from a ``PYTORCH_CUDA_ALLOC_CONF``-style string.
+
+        ``Pool.from_conf("backend:sim,release_threshold:2GB,max_split_size_mb:64")``;
+        keyword arguments override keys of the string.
+        """
+        options = _config.parse_conf(conf)
+        options.update(overrides)
+        return cls(**options)
+
+    # ------------------------------------------------------------------ allocate / free
+
+    cdef inline int _stream_of(self, object stream, uintptr_t *out) except -1:
+        if stream is None:
+            out[0] = _cuda_current_stream() if self._kind == _CUDA else 0
+        elif type(stream) is int and 0 <= stream < 2 ** 64:
+            out[0] = PyLong_AsSize_t(stream)
+        else:
+            out[0] = PyLong_AsSize_t(stream_handle(stream))
+        return 0
+
+    def alloc(self, nbytes, stream=None):
+        """Allocate ``nbytes`` on ``stream`` (None: the current stream) and return the address.
+
+        A request of 0 bytes returns a distinct valid pointer of the smallest block (512 B).
+        Raises :class:`OutOfMemoryError` when the device or ``limit`` refuses.
+        """
+        cdef size_t n = _as_nbytes(nbytes, "nbytes")
+        cdef uintptr_t s = 0
+        cdef uintptr_t ptr = 0
+        if stream is not None or self._kind == _CUDA:
+            self._stream_of(stream, &s)
+        cdef int rc = mp_alloc(self._pool, n, s, &ptr)
+        if rc != MP_OK:
+            raise self._alloc_error(rc, n, s)
+        return PyLong_FromSize_t(ptr)
+
+    def free(self, ptr, stream=None):
+        """Return a block to the pool.
+
+        ``stream``: where the block was last used (None: the stream it was allocated on).
+        The block then serves that stream at once and other streams after an event.
+        """
+        cdef uintptr_t p = _as_pointer(ptr)
+        cdef uintptr_t s = 0
+        cdef int has_stream = stream is not None
+        if has_stream:
+            self._stream_of(stream, &s)
+        cdef int rc = mp_free(self._pool, p, s, has_stream)
+        if rc != MP_OK:
+            raise self._pointer_error(rc, "free", p)
+
+    def record_stream(self, ptr, stream):
+        """Declare that the live block at ``ptr`` is also used on ``stream``.
+
+        When it is freed, the block waits for the work queued on ``stream`` until then
+        before it can be handed out again (no host sync; events are polled lazily).
+        """
+        cdef uintptr_t p = _as_pointer(ptr)
+        cdef uintptr_t s = 0
+        self._stream_of(stream, &s)
+        cdef int rc = mp_record_stream(self._pool, p, s)
+        if rc != MP_OK:
+            raise self._pointer_error(rc, "record_stream", p)
+
+    def block_info(self, ptr):
+        """``(nbytes, requested_nbytes, stream)`` of the live block at ``ptr``."""
+        cdef size_t nbytes = 0, requested = 0
+        cdef uintptr_t s = 0
+        cdef int rc = mp_block_info(self._pool, _as_pointer(ptr), &nbytes, &requested, &s)
+        if rc != MP_OK:
+            raise ValueError(f"block_info: {ptr:#x} is not a live block of this pool")
+        return nbytes, requested, s
+
+    def malloc(self, nbytes):
+        """The CuPy allocator hook: ``cupy.cuda.set_allocator(pool.malloc)``.
+
+        Returns a ``cupy.cuda.MemoryPointer`` on CuPy's current stream; when its last
+        reference dies the block returns to the pool on that stream.
+        """
+        return _cupy_malloc(self, nbytes)
+
+    def use(self):
+        """Context manager: CuPy allocates from this pool inside the ``with`` block."""
+        return _CupyAllocatorScope(self)
+
+    cdef object _pointer_error(self, int rc, str op, uintptr_t p):
+        if rc == MP_EINTERIOR:
+            return ValueError(f"{op}: {p:#x} points inside a live block of this pool, not at its "
+                              f"start")
+        if rc == MP_EDOUBLEFREE:
+            return ValueError(f"{op}: {p:#x} is not live: it lies in free memory of this pool "
+                              f"(already freed?)")
+        if rc == MP_ENOMEM:
+            return MemoryError(f"{op}: out of host memory for the pool's bookkeeping")
+        if rc == MP_EINVAL:
+            return ValueError(f"{op}: too many streams recorded for {p:#x}")
+        return ValueError(f"{op}: {p:#x} is not a live pointer of this pool "
+                          f"(never allocated here, or freed and its segment released)")
+
+    cdef object _alloc_error(self, int rc, size_t nbytes, uintptr_t stream):
+        rounded = nbytes if nbytes > MP_MAX_ALLOC else mp_round_size(mp_pool_config(self._pool), nbytes)
+        reserved = mp_reserved_bytes(self._pool)
+        used = mp_used_bytes(self._pool)
+        cached = mp_cached_bytes(self._pool)
+        largest = mp_largest_free_block(self._pool)
+        limit = self.options["limit"]
+        if rc == MP_ELIMIT:
+            where = f"the pool's limit of {_fmt(limit)}"
+        elif nbytes > MP_MAX_ALLOC:
+            where = f"the largest request accepted ({_fmt(MP_MAX_ALLOC)})"
+        else:
+            where = f"{self.backend} device {self.device_id} (capacity {_fmt(self.capacity)})"
+        if rc == MP_ELIMIT:
+            advice = "raise 'limit', or free memory"
+        elif cached >= rounded and largest < rounded:
+            advice = ("free memory is fragmented: expandable_segments=True lets free "
+                      "neighbours merge, or garbage_collection_threshold releases idle "
+                      "segments sooner")
+        elif self.options["max_split_size"] is not None and cached >= rounded:
+            advice = "cached blocks are held by max_split_size; lower it or call empty_cache()"
+        else:
+            advice = "free memory, reduce the request, or set 'limit' on other pools sharing the device"
+        if rc not in (MP_ENOMEM, MP_ELIMIT):
+            err = mp_pool_upstream(self._pool).last_error
+            return OutOfMemoryError(
+                f"allocating {nbytes} bytes on stream {stream:#x} failed in the "
+                f"{self.backend} upstream (error {rc}, native error {err})")
+        return OutOfMemoryError(
+            f"out of memory: tried to allocate {_fmt(nbytes)} (rounded to {_fmt(rounded)}) on "
+            f"stream {stream:#x}, refused by {where}; the pool has {_fmt(reserved)} reserved, "
+            f"{_fmt(used)} used, {_fmt(cached)} cached, largest free block {_fmt(largest)}. "
+            f"Hint: {advice}.")
+
+    # ------------------------------------------------------------------ retention
+
+    def empty_cache(self):
+        """Release every cached segment (pinned ``initial_pool_size`` memory stays)."""
+        mp_empty_cache(self._pool)
+        if self._kind == _CUDA:
+            _cuda_trim(self, 0)
+
+    def trim(self, keep=0):
+        """Release cached segments, oldest first, until at most ``keep`` bytes are cached."""
+        cdef size_t k = _as_nbytes(_config.parse_size(keep, "keep"), "keep")
+        mp_trim(self._pool, k)
+        if self._kind == _CUDA:
+            _cuda_trim(self, k)
+
+    def set_limit(self, limit):
+        """Change ``limit`` (bytes, a fraction of capacity, or None) on a live pool."""
+        value = _config.normalize({"limit": limit})["limit"]
+        if isinstance(value, float):
+            value = int(value * self.capacity)
+        mp_set_limit(self._pool, _or_unlimited(value))
+        self.options["limit"] = value
+
+    def set_release_threshold(self, threshold):
+        """Change ``release_threshold`` (bytes or None) on a live pool."""
+        value = _config.normalize({"release_threshold": threshold})["release_threshold"]
+        mp_set_release_threshold(self._pool, _or_unlimited(value))
+        self.options["release_threshold"] = value
+        if self._kind == _CUDA:
+            _cuda_set_release_threshold(self)
+
+    # ------------------------------------------------------------------ observability
+
+    def used_bytes(self):
+        """Bytes in allocated blocks (rounded sizes)."""
+        return mp_used_bytes(self._pool)
+
+    def cached_bytes(self):
+        """Bytes reserved but in no live or pending block: free for the next request."""
+        return mp_cached_bytes(self._pool)
+
+    def reserved_bytes(self):
+        """Bytes the pool holds from the device (mapped bytes for expandable segments)."""
+        return mp_reserved_bytes(self._pool)
+
+    def largest_free_block(self):
+        return mp_largest_free_block(self._pool)
+
+    def stats(self):
+        """Counters under the key names of ``torch.cuda.memory_stats()``.
+
+        Families ``allocation``, ``segment``, ``active``, ``inactive_split``,
+        ``allocated_bytes``, ``reserved_bytes``, ``active_bytes``, ``inactive_split_bytes``,
+        ``requested_bytes`` (each ``.all/.small_pool/.large_pool`` x
+        ``.current/.peak/.allocated/.freed``), ``oversize_allocations``,
+        ``oversize_segments``, ``num_alloc_retries``, ``num_ooms``, ``num_sync_all_streams``,
+        ``num_device_alloc``, ``num_device_free``, ``max_split_size``; and mempool's own
+        ``mapped_bytes``, ``va_reserved_bytes``, ``num_cross_stream_reuse``,
+        ``num_event_waits``.
+        """
+        cdef mp_stats st
+        mp_get_stats(self._pool, &st)
+        cdef mp_stat *families[9]
+        families[0] = st.allocation
+        families[1] = st.segment
+        families[2] = st.active
+        families[3] = st.inactive_split
+        families[4] = st.allocated_bytes
+        families[5] = st.reserved_bytes
+        families[6] = st.active_bytes
+        families[7] = st.inactive_split_bytes
+        families[8] = st.requested_bytes
+        out = {}
+        cdef int f, k
+        for f in range(9):
+            for k in range(3):
+                _put_stat(out, f"{_STAT_FAMILIES[f]}.{_STAT_POOLS[k]}", families[f][k])
+        _put_stat(out, "oversize_allocations", st.oversize_allocations)
+        _put_stat(out, "oversize_segments", st.oversize_segments)
+        _put_stat(out, "mapped_bytes", st.mapped_bytes)
+        _put_stat(out, "va_reserved_bytes", st.va_reserved_bytes)
+        out["num_alloc_retries"] = st.num_alloc_retries
+        out["num_ooms"] = st.num_ooms
+        out["num_sync_all_streams"] = st.num_sync_all_streams
+        out["num_device_alloc"] = st.num_device_alloc
+        out["num_device_free"] = st.num_device_free
+        out["num_cross_stream_reuse"] = st.num_cross_stream_reuse
+        out["num_event_waits"] = st.num_event_waits
+        mss = self.options["max_split_size"]
+        out["max_split_size"] = -1 if mss is None else mss
+        if self._kind == _CUDA:
+            out.update(_cuda_stats(self))
+        return out
+
+    def reset_peak_stats(self):
+        mp_reset_peak_stats(self._pool)
+
+    def reset_accumulated_stats(self):
+        mp_reset_accumulated_stats(self._pool)
+
+    def check_invariants(self):
+        """Raise :class:`InvariantError` on any breach of the pool's structural invariants.
+
+        No gap or overlap between blocks, every segment covered by its blocks, no two
+        adjacent free blocks of one stream left unmerged, every free block in its stream's
+        free list, and every counter equal to what the blocks add up to.
+        """
+        cdef char msg[512]
+        if mp_check_invariants(self._pool, msg, sizeof(msg)) != MP_OK:
+            raise InvariantError(msg.decode())
+
+    def layout(self):
+        """The segments and their blocks, copied under the pool lock.
+
+        A list of dicts ``{address, total_size, mapped_size, stream, is_small,
+        is_expandable, is_pinned, blocks: [{address, size, requested_size, stream, state}]}``
+        with ``state`` one of ``MP_BLOCK_*`` (0 free, 1 allocated, 2 pending, 3 unmapped).
+        """
+        cdef mp_layout lay
+        if mp_layout_take(self._pool, &lay) != MP_OK:
+            raise MemoryError("layout: out of host memory")
+        segments = []
+        cdef size_t i, j
+        cdef mp_segment_view *sv
+        cdef mp_block_view *bv
+        try:
+            for i in range(lay.nsegments):
+                sv = &lay.segments[i]
+                blocks = []
+                for j in range(sv.first_block, sv.first_block + sv.nblocks):
+                    bv = &lay.blocks[j]
+                    blocks.append({"address": bv.ptr, "size": bv.nbytes,
+                                   "requested_size": bv.requested, "stream": bv.stream,
+                                   "state": bv.state})
+                segments.append({"address": sv.ptr, "total_size": sv.nbytes,
+                                 "mapped_size": sv.mapped_bytes, "stream": sv.stream,
+                                 "is_small": bool(sv.is_small),
+                                 "is_expandable": bool(sv.is_expandable),
+                                 "is_pinned": bool(sv.is_pinned), "blocks": blocks})
+        finally:
+            mp_layout_free(&lay)
+        segments.sort(key=lambda s: s["address"])
+        return segments
+
+    def record_history(self, enabled=True, max_entries=100_000):
+        """Record allocation events (a ring of the last ``max_entries``); off by default."""
+        n = _as_nbytes(max_entries, "max_entries") if enabled else 0
+        if enabled and n == 0:
+            raise ValueError("max_entries must be > 0 when recording is enabled")
+        if mp_trace_enable(self._pool, n) != MP_OK:
+            raise MemoryError(f"record_history: no host memory for {max_entries} entries")
+
+    def history(self):
+        """The recorded events, oldest first: ``(action, ptr, nbytes, stream, time_ns)``
+        with ``action`` one of ``alloc``, ``free_requested``, ``free_completed``,
+        ``segment_alloc``, ``segment_free``, ``oom``, ``segment_map``, ``segment_unmap``."""
+        cdef mp_trace_entry *entries = NULL
+        cdef size_t n = 0, i
+        if mp_trace_take(self._pool, &entries, &n) != MP_OK:
+            raise MemoryError("history: out of host memory")
+        try:
+            return [(_TRACE_ACTIONS[entries[i].action], entries[i].ptr, entries[i].nbytes,
+                     entries[i].stream, entries[i].time_ns) for i in range(n)]
+        finally:
+            c_free(entries)
+
+    def save_trace(self, path):
+        """Save the recorded history as a trace file (JSON lines) for ``mempool replay``."""
+        from mempool import trace
+        return trace.save_trace(self, path)
+
+    def summary(self, abbreviated=False):
+        """A text report in the layout of ``torch.cuda.memory_summary()``."""
+        from mempool import report
+        return report.summary(self.stats(), device=self.device_id, abbreviated=abbreviated)
+
+    def snapshot(self):
+        """The pool in the format of ``torch.cuda.memory._snapshot()``."""
+        from mempool import report
+        return report.snapshot(self.layout(), self.history(), device=self.device_id)
+
+    def __repr__(self):
+        return (f"<mempool.Pool backend={self.backend!r} device={self.device_id} "
+                f"reserved={mp_reserved_bytes(self._pool)} used={mp_used_bytes(self._pool)}>")
+
+    # ------------------------------------------------------------------ internals for tests
+
+    def _round_size(self, nbytes):
+        return mp_round_size(mp_pool_config(self._pool), _as_nbytes(nbytes, "nbytes"))
+
+    def _c_handle(self):
+        """The address of the C pool (for the PyTorch allocator table and benchmarks)."""
+        return <uintptr_t>self._pool
+
+
+cdef _put_stat(dict out, str prefix, mp_stat s):
+    out[prefix + ".current"] = s.current
+    out[prefix + ".peak"] = s.peak
+    out[prefix + ".allocated"] = s.allocated
+    out[prefix + ".freed"] = s.freed
+
+
+def _fmt(nbytes):
+    if nbytes is None:
+        return "none"
+    return _config.format_size(nbytes)
+
+
+def round_size(nbytes, roundup_power2_divisions=0):
+    """The size a request is rounded to under the given rounding divisions."""
+    cdef mp_config cfg
+    mp_config_default(&cfg)
+    divs = _config.parse_roundup_divisions(roundup_power2_divisions)
+    for i, d in enumerate(divs):
+        cfg.roundup_divisions[i] = d
+    return mp_round_size(&cfg, _as_nbytes(nbytes, "nbytes"))
+
+
+def segment_size(rounded):
+    """The size of the segment a rounded request of this size makes."""
+    return mp_segment_size(_as_nbytes(rounded, "rounded"))
+
+
+def size_class(nbytes):
+    """The free-list class a block of this size is binned in."""
+    return mp_size_class(_as_nbytes(nbytes, "nbytes"))
+
+
+# --------------------------------------------------------------------- the CuPy hook
+
+cdef object _cupy_mod = None
+
+
+cdef class _Allocation:
+    """Owner of a block handed to CuPy: frees it when CuPy's memory object dies."""
+    cdef mp_pool *_pool
+    cdef uintptr_t ptr
+
+    def __dealloc__(self):
+        if self._pool != NULL:
+            mp_free(self._pool, self.ptr, 0, 0)
+            mp_pool_release(self._pool)
+
+
+cdef object _cupy_malloc(Pool pool, object nbytes):
+    global _cupy_mod
+    if _cupy_mod is None:
+        import cupy.cuda
+        _cupy_mod = cupy.cuda
+    cdef size_t n = _as_nbytes(nbytes, "nbytes")
+    if n == 0:
+        # As CuPy's own pools: an empty allocation is a null pointer, freeing nothing.
+        return _cupy_mod.MemoryPointer(_cupy_mod.UnownedMemory(0, 0, None, pool.device_id), 0)
+    cdef uintptr_t s = 0
+    pool._stream_of(None, &s)
+    cdef uintptr_t ptr = 0
+    cdef int rc = mp_alloc(pool._pool, n, s, &ptr)
+    if rc != MP_OK:
+        raise pool._alloc_error(rc, n, s)
+    cdef _Allocation owner = _Allocation.__new__(_Allocation)
+    mp_pool_retain(pool._pool)
+    owner._pool = pool._pool
+    owner.ptr = ptr
+    return _cupy_mod.MemoryPointer(_cupy_mod.UnownedMemory(ptr, n, owner, pool.device_id), 0)
+
+
+class _CupyAllocatorScope:
+    def __init__(self, pool):
+        self._pool = pool
+        self._previous = None
+
+    def __enter__(self):
+        import cupy.cuda
+        self._previous = cupy.cuda.get_allocator()
+        cupy.cuda.set_allocator(self._pool.malloc)
+        return self._pool
+
+    def __exit__(self, *exc):
+        import cupy.cuda
+        cupy.cuda.set_allocator(self._previous)
+        return False

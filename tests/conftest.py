@@ -1,0 +1,66 @@
+"""Shared fixtures. The CPU tier runs everywhere; tests marked ``gpu`` need a CUDA device."""
+import pytest
+
+import mempool
+
+BASE = 1 << 40   # the simulated device's first address
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def gpu_available():
+    try:
+        from mempool import _cuda
+        return _cuda.available()
+    except Exception:
+        return False
+
+
+requires_gpu = pytest.mark.skipif(not gpu_available(), reason="needs a CUDA device")
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none found)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def sim():
+    """A fresh pool on the simulated device; its invariants are checked after the test."""
+    pools = []
+
+    def make(**options):
+        pool = mempool.Pool(backend="sim", **options)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.check_invariants()
+
+
+@pytest.fixture
+def host():
+    pools = []
+
+    def make(**options):
+        pool = mempool.Pool(backend="host", **options)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.check_invariants()
+
+
+def blocks(pool):
+    """[(offset from BASE, size, state)] of every block, in address order."""
+    out = []
+    for seg in pool.layout():
+        for b in seg["blocks"]:
+            out.append((b["address"] - BASE, b["size"], b["state"]))
+    return out
