@@ -138,7 +138,8 @@ def _plot(argv) -> int:
     ap.add_argument("--out", default="mempool_plot.png", help="image file (default %(default)s)")
     ap.add_argument("--conf", default=None, help="pool options for replaying a trace")
     ap.add_argument("--segments", action="store_true",
-                    help="for a trace: draw the segment map at the moment live bytes peak")
+                    help="for a trace: draw the segment map at the moment reserved bytes "
+                         "reach their peak")
     args = ap.parse_args(argv)
     path = args.input or default_trace()
     if args.segments:
@@ -146,7 +147,8 @@ def _plot(argv) -> int:
         pool, ptrs = rp.pool_at(events, conf=args.conf)
         try:
             pl.plot_segments(pool.snapshot(), args.out,
-                             title=f"{os.path.basename(path)} at peak live bytes")
+                             title=f"{os.path.basename(path)}, {args.conf or 'default settings'}"
+                                   ", when reserved bytes reach their peak")
         finally:
             for p in ptrs:
                 pool.free(p)

@@ -74,13 +74,19 @@ def plot_segments(snapshot: dict, out, title: str | None = None, device: int | N
         keep_ids = {id(s) for s in keep}
         hidden = [s for s in segments if id(s) not in keep_ids]
         segments = [s for s in segments if id(s) in keep_ids]
+    totals = {}
+    used_states = []
+    for seg in segments + hidden:
+        for b in seg.get("blocks") or ():
+            name = STATES.get(b.get("state", "inactive"), STATES["inactive"])[0]
+            totals[name] = totals.get(name, 0) + int(b["size"])
+            if name not in used_states:
+                used_states.append(name)
     rows = len(segments)
     height = 2.2 + 0.28 * rows
     fig = Figure(figsize=(11, height))
     ax = fig.add_subplot(1, 1, 1)
-    totals = {}
     labels = []
-    used_states = []
     free_color = STATES["inactive"][1]
     for y, seg in enumerate(segments):
         total = int(seg["total_size"])
@@ -92,9 +98,6 @@ def plot_segments(snapshot: dict, out, title: str | None = None, device: int | N
             state = b.get("state", "inactive")
             name, color, hatch = STATES.get(state, STATES["inactive"])
             size = int(b["size"])
-            totals[name] = totals.get(name, 0) + size
-            if name not in used_states:
-                used_states.append(name)
             if state != "inactive":
                 ax.barh(y, max(size / total, MIN_WIDTH), left=offset / total, height=0.8,
                         color=color, edgecolor="#555555" if hatch else color, hatch=hatch,

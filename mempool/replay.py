@@ -60,7 +60,8 @@ class ReplayResult:
     duplicate_allocs: int
     num_device_alloc: int             # upstream segment allocations
     num_device_free: int
-    ns_per_event: float               # wall time of the replay loop per event
+    ns_per_event: float               # wall time of the replay loop per event (with a time
+                                      # series, its sampling included)
     first_oom: str | None = None      # the message of the first OutOfMemoryError
     timeseries: dict | None = None    # see replay(timeseries=True)
     stats: dict = field(default_factory=dict, repr=False)
@@ -291,16 +292,20 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
             ptrs = [0] * prep.nslots
             t0 = time.perf_counter_ns()
             _run(pool, ops, handles, ptrs, oom_error, 0, len(ops), ooms)
-        peak_reserved = None
+        peak_reserved = peak_allocated = None
     else:
         n = len(ops)
         stride = max(1, -(-n // TIMESERIES_POINTS))
         ends, reserved = [], []
+        peak_allocated = 0
         for start in range(0, n, stride):
             stop = min(n, start + stride)
+            # Peaks are reset per stretch, to plot each stretch's highest point.
             pool.reset_peak_stats()
             _run(pool, ops, handles, ptrs, oom_error, start, stop, ooms)
-            reserved.append(_stat(pool.stats(), "reserved_bytes.all.peak"))
+            st = pool.stats()
+            reserved.append(_stat(st, "reserved_bytes.all.peak"))
+            peak_allocated = max(peak_allocated, _stat(st, "allocated_bytes.all.peak"))
             ends.append(stop - 1)
         series = (np.asarray(ends, dtype=np.int64), np.asarray(reserved, dtype=np.int64))
         peak_reserved = int(series[1].max(initial=0))
@@ -309,6 +314,7 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
     stats = dict(pool.stats())
     if peak_reserved is None:
         peak_reserved = _stat(stats, "reserved_bytes.all.peak")
+        peak_allocated = _stat(stats, "allocated_bytes.all.peak")
     options_used = dict(getattr(pool, "options", {}) or {})
     if check:
         pool.check_invariants()
@@ -333,7 +339,7 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
     return ReplayResult(
         backend=backend, options=options_used, events=prep.events, allocs=prep.allocs,
         frees=prep.frees, peak_live_bytes=peak_live, peak_reserved_bytes=peak_reserved,
-        peak_allocated_bytes=_stat(stats, "allocated_bytes.all.peak"), num_ooms=len(ooms),
+        peak_allocated_bytes=peak_allocated, num_ooms=len(ooms),
         unknown_frees=prep.unknown_frees, duplicate_allocs=prep.duplicate_allocs,
         num_device_alloc=_stat(stats, "num_device_alloc"),
         num_device_free=_stat(stats, "num_device_free"),
@@ -356,26 +362,49 @@ def _release(pool, ptrs, keep_streams) -> None:
 
 
 
-def pool_at(events, stop=None, conf=None, backend: str = "sim", limit=None, **options):
-    """The pool as it stands after replaying the first `stop` events' worth of a trace.
+def pool_at(events, stop="peak_reserved", conf=None, backend: str = "sim", limit=None,
+            **options):
+    """The pool as it stands part way through a replay, for a snapshot or a segment map.
 
-    ``stop=None`` stops where live bytes peak, the moment a segment map is most telling.
-    Returns ``(pool, live_ptrs)``; the caller frees the pointers (or drops the pool) when
-    done. OOMs are skipped as in :func:`replay`.
+    Parameters
+    ----------
+    stop : int, "peak_reserved" or "peak_live"
+        Replay this many events (ops); or stop just after the allocation that takes
+        reserved bytes to their peak (the moment fragmentation costs most: the cached blocks
+        could not serve it), or the first moment live bytes peak.
+
+    Returns
+    -------
+    (Pool, list of int)
+        The pool and the pointers still live in it; free them (or drop the pool) when done.
+        OOMs are skipped as in :func:`replay`.
     """
     prep = prepare(events)
-    if stop is None:
-        live = np.cumsum(prep.deltas)
-        stop = int(live.argmax()) + 1 if len(live) else 0
-    if not isinstance(stop, int) or not 0 <= stop <= len(prep.ops):
-        raise ValueError(f"pool_at: stop must be an int in [0, {len(prep.ops)}]; got {stop!r}")
     if backend == "cuda":
         raise ValueError("pool_at: backend must be 'sim' or 'host' (the pool is handed back "
                          "live, and a cuda replay's streams would not outlive this call)")
     import mempool
 
-    pool = _make_pool(conf, backend, limit, options)
+    oom_error = mempool.OutOfMemoryError
     handles, _ = _device_streams(prep, backend)
+    ops = prep.ops
     ptrs = [0] * prep.nslots
-    _run(pool, prep.ops, handles, ptrs, mempool.OutOfMemoryError, 0, stop, [])
+    if stop == "peak_live":
+        live = np.cumsum(prep.deltas)
+        stop = int(live.argmax()) + 1 if len(live) else 0
+    if stop == "peak_reserved":
+        target = replay(prep, conf=conf, backend=backend, limit=limit,
+                        **options).peak_reserved_bytes
+        pool = _make_pool(conf, backend, limit, options)
+        reserved = pool.reserved_bytes
+        for i in range(len(ops)):
+            _run(pool, ops, handles, ptrs, oom_error, i, i + 1, [])
+            if ops[i][1] and reserved() >= target:
+                break
+        return pool, [p for p in ptrs if p]
+    if isinstance(stop, bool) or not isinstance(stop, int) or not 0 <= stop <= len(ops):
+        raise ValueError(f"pool_at: stop must be an int in [0, {len(ops)}], 'peak_reserved' "
+                         f"or 'peak_live'; got {stop!r}")
+    pool = _make_pool(conf, backend, limit, options)
+    _run(pool, ops, handles, ptrs, oom_error, 0, stop, [])
     return pool, [p for p in ptrs if p]

@@ -1,10 +1,11 @@
 """Search pool settings that reserve the least memory for a trace.
 
 ``tune(events)`` replays a trace on the simulated device once per point of a grid of
-settings and ranks the points: fewest OOMs first, then least peak reserved memory, then
-fewest upstream calls (each costs a ``cudaMalloc``-class call on a real device), then the
-fewest settings changed. The default configuration is always replayed, and a setting ranks
-above it only when its replay has no more OOMs and no more peak reserved memory, so the
+settings and ranks the points: fewest OOMs first, then settings without upstream churn (far more
+segment allocations and frees than the default: each is a ``cudaMalloc``-class call on a
+real device), then least peak reserved memory, then fewest upstream calls, then the fewest
+settings changed. The default configuration is always replayed, and a setting ranks above
+it only when its replay has no more OOMs, no more peak reserved memory and no churn, so the
 recommendation is never worse than leaving the pool alone. Same trace, same grid: same
 ranking.
 """
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 
 from . import replay as _replay
 
-__all__ = ["TuneResult", "tune", "DEFAULT_GRID", "to_conf", "to_pytorch_conf"]
+__all__ = ["TuneResult", "tune", "report", "churn_limit", "DEFAULT_GRID", "to_conf",
+           "to_pytorch_conf"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -43,6 +45,7 @@ class TuneResult:
     pytorch_conf: str | None       # the nearest PYTORCH_CUDA_ALLOC_CONF, None if none
     result: _replay.ReplayResult | None
     skipped: str | None = None     # why the pool refused these settings, if it did
+    churn: bool = False            # far more upstream calls than the default (see tune)
 
     @property
     def is_default(self) -> bool:
@@ -50,7 +53,7 @@ class TuneResult:
 
     def key(self, order: int):
         r = self.result
-        return (r.num_ooms > 0, r.num_ooms, r.peak_reserved_bytes,
+        return (r.num_ooms > 0, r.num_ooms, self.churn, r.peak_reserved_bytes,
                 r.num_device_alloc + r.num_device_free, len(self.options), order)
 
     def __str__(self) -> str:
@@ -124,6 +127,19 @@ def _normalize():
     except ImportError:
         return None
     return normalize
+
+
+def churn_limit(default_calls: int, events: int) -> int:
+    """Upstream calls (segment allocations + frees) beyond which a setting counts as churn.
+
+    On a real device every upstream call is a ``cudaMalloc``/``cudaFree`` (tens of µs; a
+    free synchronizes), so a setting that saves memory by returning segments after every
+    step (``release_threshold:0``) trades a little memory for a lot of time. Such settings
+    rank after every setting without churn and never above the default. The bar is four
+    times the default's calls plus one per 100 events: expandable segments, which map and
+    unmap pages, stay well under it; releasing every free segment does not.
+    """
+    return 4 * default_calls + events // 100
 
 
 def _candidates(grid: dict) -> tuple:
@@ -235,11 +251,11 @@ def tune(events, limit=None, grid=None, progress: bool = True, capacity=None,
     Returns
     -------
     list of TuneResult
-        Ranked: fewest OOMs, then least peak reserved, then fewest upstream calls, then
-        fewest changed settings. Points the pool refused (for instance expandable
+        Ranked: fewest OOMs, then no upstream churn (:func:`churn_limit`), then least peak
+        reserved, then fewest upstream calls, then fewest changed settings. Points the pool refused (for instance expandable
         segments where they are not available) come last with ``skipped`` set. The first
         entry is the recommendation; it is the default itself unless a point has no more
-        OOMs and no more peak reserved bytes than the default (and ranks higher).
+        OOMs, no more peak reserved bytes and no churn (and ranks higher).
     """
     grid = _check_grid(grid)
     if limit is None and grid.get("garbage_collection_threshold") == \
@@ -276,14 +292,19 @@ def tune(events, limit=None, grid=None, progress: bool = True, capacity=None,
             best_text = f"{best.result.ratio:.3f} ({best.conf or 'default'})"
         bar.update(i + 1, best_text)
     default = done[0][0]
-    dkey = default.key(0)[:3]
+    calls = default.result.num_device_alloc + default.result.num_device_free
+    for item, _ in done:
+        r = item.result
+        item.churn = r.num_device_alloc + r.num_device_free > churn_limit(calls, r.events)
 
     def rank(pair):
-        # A point outranks the default only if it has no more OOMs and no more peak
-        # reserved memory; upstream calls and simplicity only break ties.
+        # A point outranks the default only if it has no more OOMs, no more peak reserved
+        # memory and no upstream churn; upstream calls and simplicity break ties.
         item, order = pair
         k = item.key(order)
-        no_worse = all(a <= b for a, b in zip(k[:3], dkey))
+        d = default.result
+        no_worse = (item.result.num_ooms <= d.num_ooms and not item.churn
+                    and item.result.peak_reserved_bytes <= d.peak_reserved_bytes)
         return (not no_worse and not item.is_default,) + k
     ranked = [item for item, _ in sorted(done, key=rank)]
     return ranked + skipped
@@ -300,9 +321,12 @@ def report(results: list, top: int = 10) -> str:
         rr = r.result
         vs = (rr.peak_reserved_bytes / default.result.peak_reserved_bytes - 1) * 100 \
             if default and default.result.peak_reserved_bytes else 0.0
+        calls = f"{rr.num_device_alloc + rr.num_device_free}{'*' if r.churn else ''}"
         lines.append(f"{n:>4}  {rr.peak_reserved_bytes / gib:>12.3f}  {rr.ratio:>8.3f}  "
-                     f"{vs:>+9.1f}%  {rr.num_ooms:>4}  "
-                     f"{rr.num_device_alloc + rr.num_device_free:>8}  {r.conf or '(default)'}")
+                     f"{vs:>+9.1f}%  {rr.num_ooms:>4}  {calls:>8}  {r.conf or '(default)'}")
+    if any(r.churn for r in shown):
+        lines.append("* upstream churn: far more segment allocations and frees than the "
+                     "default (slow on a real GPU); ranked after settings without it")
     skipped = [r for r in results if r.result is None]
     if skipped:
         lines.append(f"skipped {len(skipped)} settings the pool refused, e.g. "

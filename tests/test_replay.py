@@ -60,10 +60,7 @@ def test_live_peak_of_a_hand_made_trace():
     assert r.allocs == 3 and r.frees == 3
 
 
-def test_record_save_load_replay_matches_the_live_run(tmp_path, small):
-    """Run a trace live on a recording pool, save what it recorded, replay the file under
-    the same settings: the replay's figures are the live run's."""
-    conf = "roundup_power2_divisions:4"
+def _record(small, conf):
     pool = mempool.Pool.from_conf(conf, backend="sim")
     pool.record_history(True, max_entries=100_000)
     ptrs = {}
@@ -72,19 +69,37 @@ def test_record_save_load_replay_matches_the_live_run(tmp_path, small):
             ptrs[ev.id] = pool.alloc(ev.nbytes, ev.stream)
         else:
             pool.free(ptrs.pop(ev.id))
+    return pool
+
+
+@pytest.mark.parametrize("conf", ["roundup_power2_divisions:4", "expandable_segments:True",
+                                  "max_split_size:64MB,release_threshold:0"])
+def test_record_save_load_replay_matches_the_live_run(tmp_path, small, conf):
+    """Run a trace live on a recording pool, save what it recorded, replay the file under
+    the same settings: the replay's figures are the live run's."""
+    pool = _record(small, conf)
     live = pool.stats()
     path = tmp_path / "recorded.jsonl.gz"
-    n = mt.save_trace(pool, path)
-    assert n == len(small)
+    assert mt.save_trace(pool, path) == len(small)
     loaded = mt.load(path)
+    assert loaded.meta["source"] == "mempool" and loaded.meta["backend"] == "sim"
     assert [ev.action for ev in loaded] == [ev.action for ev in small]
-    assert [ev.nbytes for ev in loaded if ev.action == "alloc"] == \
-        [ev.nbytes for ev in small if ev.action == "alloc"]
     r = rp.replay(loaded, conf=conf)
     assert r.peak_reserved_bytes == live["reserved_bytes.all.peak"]
     assert r.peak_allocated_bytes == live["allocated_bytes.all.peak"]
     assert r.num_device_alloc == live["num_device_alloc"]
-    assert r.unknown_frees == 0
+    assert r.num_device_free == live["num_device_free"]
+    assert r.unknown_frees == 0 and r.num_ooms == 0
+
+
+@pytest.mark.xfail(strict=True, reason="the core records the block's size for alloc and "
+                   "free_requested (MP_TRACE_ALLOC in mp_core.c), not the requested size as "
+                   "PyTorch's trace does, so a recorded trace's live bytes include rounding")
+def test_recorded_sizes_are_the_requested_sizes(small):
+    pool = _record(small, "roundup_power2_divisions:4")
+    recorded = mt.from_pool_history(pool.history())
+    assert [ev.nbytes for ev in recorded if ev.action == "alloc"] == \
+        [ev.nbytes for ev in small if ev.action == "alloc"]
 
 
 def test_frees_of_unknown_ids_are_counted_not_fatal():
@@ -130,6 +145,7 @@ def test_timeseries(small):
     # Recording the series does not change what is measured.
     plain = rp.replay(small)
     assert plain.peak_reserved_bytes == r.peak_reserved_bytes
+    assert plain.peak_allocated_bytes == r.peak_allocated_bytes
     assert plain.timeseries is None
 
 
@@ -156,15 +172,19 @@ def test_conf_as_string_or_dict_and_bad_input(small):
         rp.replay([("realloc", 1, 5, 0, 0)])
 
 
-def test_pool_at_peak(small):
-    pool, ptrs = rp.pool_at(small)
-    peak = rp.prepare(small).peak_live_bytes
-    assert pool.used_bytes() >= peak
+def test_pool_at(small):
+    full = rp.replay(small)
+    pool, ptrs = rp.pool_at(small)            # where reserved bytes reach their peak
+    assert pool.reserved_bytes() == full.peak_reserved_bytes
     snap = pool.snapshot()
     assert sum(s["total_size"] for s in snap["segments"]) == pool.reserved_bytes()
     for p in ptrs:
         pool.free(p)
     assert pool.used_bytes() == 0
+    pool, ptrs = rp.pool_at(small, stop="peak_live")
+    assert pool.stats()["requested_bytes.all.current"] == full.peak_live_bytes
+    pool, ptrs = rp.pool_at(small, stop=3)
+    assert len(ptrs) <= 3
     with pytest.raises(ValueError, match="stop must be an int"):
         rp.pool_at(small, stop=-1)
 
