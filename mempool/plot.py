@@ -183,13 +183,17 @@ def plot_timeline(result, out, title: str | None = None) -> str:
 
 
 def _conf_text(options: dict) -> str:
-    interesting = {k: v for k, v in (options or {}).items()
-                   if k in ("roundup_power2_divisions", "max_split_size", "expandable_segments",
-                            "release_threshold", "garbage_collection_threshold", "limit")
-                   and v not in (None, False, 0, [])}
-    if not interesting:
-        return "default settings"
-    return ", ".join(f"{k}={v}" for k, v in interesting.items())
+    """The settings that shape fragmentation, as a conf string ("default settings" if none
+    differs from its default)."""
+    from .tune import to_conf
+
+    keys = ("roundup_power2_divisions", "max_split_size", "expandable_segments",
+            "release_threshold", "garbage_collection_threshold", "limit")
+    try:
+        text = to_conf({k: v for k, v in (options or {}).items() if k in keys})
+    except ValueError:
+        text = ""
+    return text or "default settings"
 
 
 def plot(snapshot_or_trace, out, title: str | None = None, conf=None) -> str:
