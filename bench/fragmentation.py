@@ -9,8 +9,10 @@ users reach for. The figure of merit is peak reserved bytes over peak live (requ
 bytes: 1.0 means the pool held nothing beyond what the program used at its peak.
 
 Targets: at most 1.02 with expandable segments and 1.10 without. For comparison, on the
-transformer loop PyTorch's allocator measures 1.241 by default, 1.016 with expandable
-segments, CuPy's pool 1.228 and the driver's pool (cudaMallocAsync) 1.077 (ANCHORS.md).
+transformer loop of ANCHORS.md PyTorch's allocator measures 1.241 by default, 1.016 with
+expandable segments, CuPy's pool 1.228 and the driver's pool (cudaMallocAsync) 1.077. The
+same figures for these traces, measured on a GPU by bench/fragmentation_gpu.py, are in
+bench/results/fragmentation_gpu_h200.json; the table's footer quotes them.
 """
 from __future__ import annotations
 
@@ -94,10 +96,27 @@ def table(rows: list) -> str:
             f"{r['target']:>6.2f} {'yes' if r['meets_target'] else 'NO':>3} "
             f"{r['num_device_alloc'] + r['num_device_free']:>8} {r['ns_per_event']:>6.0f}")
     lines.append("")
-    lines.append("PyTorch on the transformer loop (ANCHORS.md): " + ", ".join(
+    lines.append("PyTorch on ANCHORS.md's transformer loop: " + ", ".join(
         f"{k} {v:.3f}" for k, v in ANCHORS.items()) + "; CuPy MemoryPool 1.228, "
         "cudaMallocAsync 1.077")
+    measured = _gpu_results()
+    for trace in dict.fromkeys(r["trace"] for r in rows):
+        got = [r for r in measured if r.get("trace") == trace and "ratio" in r
+               and not r["allocator"].startswith("mempool")]
+        if got:
+            lines.append(f"on a GPU, {trace}: " + ", ".join(
+                f"{r['allocator']} {r['ratio']:.3f}" for r in got))
     return "\n".join(lines)
+
+
+def _gpu_results() -> list:
+    """Rows of the last GPU run of bench/fragmentation_gpu.py kept in bench/results/."""
+    path = os.path.join(HERE, "results", "fragmentation_gpu_h200.json")
+    try:
+        with open(path) as f:
+            return json.load(f).get("rows", [])
+    except (OSError, ValueError):
+        return []
 
 
 def _commit() -> str | None:

@@ -376,6 +376,84 @@ def small() -> mtrace.Trace:
     return t
 
 
+def record_torch(out_path: str, seed=1, steps=14, layers=12, hidden=1024, heads=16, batch=16,
+                 vocab=32000, lengths=(48, 512)) -> dict:
+    """Record a real PyTorch training loop on a GPU (the same model and schedule as
+    :func:`transformer`) with PyTorch's memory history, and save it as a mempool trace.
+
+    Attention is written out (scores, softmax, weighted sum) so its buffers grow with L**2
+    as in :func:`transformer`; bf16 autocast, Adam, ``zero_grad(set_to_none=True)``.
+    Returns what PyTorch's allocator measured in the run.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = torch.nn.LayerNorm(hidden)
+            self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+            self.proj = torch.nn.Linear(hidden, hidden)
+            self.ln2 = torch.nn.LayerNorm(hidden)
+            self.fc1 = torch.nn.Linear(hidden, 4 * hidden)
+            self.fc2 = torch.nn.Linear(4 * hidden, hidden)
+
+        def forward(self, x):
+            B, L, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(B, L, 3, heads, -1).permute(2, 0, 3, 1, 4)
+            scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+            mask = torch.ones(L, L, device=x.device, dtype=torch.bool).triu(1)
+            probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+            ctx = (probs @ v).transpose(1, 2).reshape(B, L, hidden)
+            x = x + self.proj(ctx)
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class GPT(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(vocab, hidden)
+            self.wpe = torch.nn.Embedding(1024, hidden)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(layers))
+            self.lnf = torch.nn.LayerNorm(hidden)
+
+        def forward(self, idx):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            for b in self.blocks:
+                x = b(x)
+            return self.lnf(x) @ self.wte.weight.t()
+
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, context=None)
+    model = GPT().cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for _ in range(steps):
+        L = rng.randint(*lengths)
+        idx = torch.randint(0, vocab, (batch, L), device="cuda")
+        tgt = torch.randint(0, vocab, (batch, L), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(idx)
+        loss = F.cross_entropy(logits.float().view(-1, vocab), tgt.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del logits, loss, idx, tgt
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    stats = torch.cuda.memory_stats()
+    tr = mtrace.from_torch_snapshot(snap)
+    tr.meta.update(source="torch-snapshot", description=(
+        f"PyTorch {torch.__version__} training loop recorded on {torch.cuda.get_device_name()}:"
+        f" {layers} layers, hidden {hidden}, {heads} heads, batch {batch}, sequence length "
+        f"{lengths[0]}..{lengths[1]} per step, {steps} steps, bf16 autocast, Adam"),
+        seed=seed, torch_reserved_peak=stats["reserved_bytes.all.peak"],
+        torch_allocated_peak=stats["allocated_bytes.all.peak"])
+    mtrace.save(tr, out_path)
+    return dict(tr.meta, events=len(tr))
+
+
 TRACES = {
     "transformer_train.jsonl.gz": transformer,
     "vision_train.jsonl.gz": vision,
@@ -401,7 +479,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", default=OUT_DIR, help="where to write (default bench/traces)")
     ap.add_argument("--check", action="store_true",
                     help="regenerate in memory and compare with the files instead of writing")
+    ap.add_argument("--record-torch", metavar="FILE",
+                    help="on a GPU: record a real PyTorch training loop into FILE and stop")
     args = ap.parse_args(argv)
+    if args.record_torch:
+        import json
+        print(json.dumps(record_torch(args.record_torch), indent=2))
+        return 0
     os.makedirs(args.out_dir, exist_ok=True)
     bad = 0
     for name, make in TRACES.items():
