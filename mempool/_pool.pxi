@@ -581,7 +581,9 @@ def _fmt(nbytes):
     if nbytes is None:
         return "none"
     text = _config.format_size(nbytes)
-    return text + " bytes" if text.isdigit() else text
+    if not text.isdigit():
+        return text
+    return text + (" byte" if nbytes == 1 else " bytes")
 
 
 def round_size(nbytes, roundup_power2_divisions=0):
