@@ -527,9 +527,17 @@ cdef class Pool:
             raise MemoryError(f"record_history: no host memory for {max_entries} entries")
 
     def history(self):
-        """The recorded events, oldest first: ``(action, ptr, nbytes, stream, time_ns)``
-        with ``action`` one of ``alloc``, ``free_requested``, ``free_completed``,
-        ``segment_alloc``, ``segment_free``, ``oom``, ``segment_map``, ``segment_unmap``."""
+        """The recorded events, oldest first: ``(action, ptr, nbytes, stream, time_ns)``.
+
+        ``action`` is one of ``alloc``, ``free_requested`` (the free call),
+        ``free_completed`` (the block is reusable: at once, or once the streams it was
+        recorded on pass the free), ``segment_alloc``, ``segment_free``, ``oom``,
+        ``segment_map``, ``segment_unmap`` (expandable segments). As in PyTorch's trace,
+        ``nbytes`` is the requested size for alloc and free entries (the block's rounded
+        size is in :meth:`layout`), the segment's or range's size for segment entries, and
+        the refused request for ``oom``, whose ``ptr`` holds the bytes the device reported
+        free. ``time_ns`` is CLOCK_MONOTONIC. Empty unless :meth:`record_history` is on.
+        """
         cdef mp_trace_entry *entries = NULL
         cdef size_t n = 0, i
         if mp_trace_take(self._pool, &entries, &n) != MP_OK:
