@@ -29,28 +29,45 @@ _TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc",
                   "segment_free", "oom", "segment_map", "segment_unmap")
 
 
+cdef size_t _size_slow(object value, str name) except? 0:
+    """The checks behind _as_nbytes, off its fast path: types, then the range."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an integer number of bytes, got "
+                        f"{type(value).__name__} {value!r}")
+    value = value.__index__()
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    if value >= 2 ** 64:
+        raise ValueError(f"{name}={value} is out of range: sizes must be below 2**64")
+    return PyLong_AsSize_t(value)
+
+
 cdef inline size_t _as_nbytes(object nbytes, str name) except? 0:
     """A size argument: a non-negative integer below 2**64 (bool and float refused)."""
-    if type(nbytes) is not int:
-        if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
-            raise TypeError(f"{name} must be an integer number of bytes, got "
-                            f"{type(nbytes).__name__} {nbytes!r}")
-        nbytes = nbytes.__index__()
-    if nbytes < 0:
-        raise ValueError(f"{name} must be >= 0, got {nbytes}")
-    if nbytes >= 2 ** 64:
-        raise ValueError(f"{name}={nbytes} is out of range: sizes must be below 2**64")
-    return PyLong_AsSize_t(nbytes)
+    if type(nbytes) is int:
+        try:
+            return PyLong_AsSize_t(nbytes)   # raises OverflowError when negative or too big
+        except OverflowError:
+            pass
+    return _size_slow(nbytes, name)
 
 
-cdef inline uintptr_t _as_pointer(object ptr) except? 0:
-    if type(ptr) is not int:
-        if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
-            raise TypeError(f"ptr must be an integer address, got {type(ptr).__name__} {ptr!r}")
-        ptr = ptr.__index__()
+cdef size_t _pointer_slow(object ptr) except? 0:
+    if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
+        raise TypeError(f"ptr must be an integer address, got {type(ptr).__name__} {ptr!r}")
+    ptr = ptr.__index__()
     if ptr < 0 or ptr >= 2 ** 64:
         raise ValueError(f"ptr must be an address in [0, 2**64), got {ptr}")
     return PyLong_AsSize_t(ptr)
+
+
+cdef inline uintptr_t _as_pointer(object ptr) except? 0:
+    if type(ptr) is int:
+        try:
+            return PyLong_AsSize_t(ptr)
+        except OverflowError:
+            pass
+    return _pointer_slow(ptr)
 
 
 def stream_handle(stream):
@@ -211,8 +228,6 @@ cdef class Pool:
     cdef inline int _stream_of(self, object stream, uintptr_t *out) except -1:
         if stream is None:
             out[0] = _cuda_current_stream() if self._kind == _CUDA else 0
-        elif type(stream) is int and 0 <= stream < 2 ** 64:
-            out[0] = PyLong_AsSize_t(stream)
         else:
             out[0] = PyLong_AsSize_t(stream_handle(stream))
         return 0
@@ -281,6 +296,13 @@ cdef class Pool:
     def use(self):
         """Context manager: CuPy allocates from this pool inside the ``with`` block."""
         return _CupyAllocatorScope(self)
+
+    # ---- sharing (mempool/_buffer.pxi) ----
+    def empty(self, shape, dtype="float32", stream=None):
+        """A new, uninitialised :class:`Buffer` of ``shape`` and ``dtype`` on ``stream``,
+        for zero-copy hand-off through DLPack (``torch.from_dlpack(pool.empty(...))``)."""
+        return _pool_empty(self, shape, dtype, stream)
+    # ---- end sharing ----
 
     cdef object _pointer_error(self, int rc, str op, uintptr_t p):
         if rc == MP_EINTERIOR:

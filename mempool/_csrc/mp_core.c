@@ -204,13 +204,19 @@ static mp_block *take_from_other_stream_locked(mp_pool *p, mp_stream *s, int kin
     uintptr_t ev;
     if (mp_event_get_locked(p, &ev) != MP_OK) return NULL;
     int rc = p->up.event_record(p->up.ctx, ev, best->stream->handle);
-    if (rc == MP_OK) rc = p->up.stream_wait_event(p->up.ctx, s->handle, ev);
+    /* When the owner has no work queued, nothing needs waiting for: skip the wait, which
+     * would otherwise order all of s's later work after the owner's. */
+    int waited = 0;
+    if (rc == MP_OK && p->up.event_query(p->up.ctx, ev) != MP_OK) {
+        rc = p->up.stream_wait_event(p->up.ctx, s->handle, ev);
+        waited = 1;
+    }
     /* A wait captures the event's state when issued, so the event is reusable at once. */
     mp_event_put_locked(p, ev);
     if (rc != MP_OK) return NULL;
     mp_remove_free_locked(p, best);
     p->stats.num_cross_stream_reuse++;
-    p->stats.num_event_waits++;
+    p->stats.num_event_waits += waited;
     return best;
 }
 

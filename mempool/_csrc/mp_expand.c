@@ -159,50 +159,22 @@ int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
     return rc;
 }
 
-typedef struct unmap_job {
-    mp_block *u;
-    uintptr_t stream;
-} unmap_job;
-
-/* Split free block b around its whole pages [lo, hi): the middle becomes a busy unmapped
- * block, the partial pages at either end stay free. Returns the unmapped block. */
-static mp_block *carve_pages_locked(mp_pool *p, mp_block *b, uintptr_t lo, uintptr_t hi) {
-    mp_block *head = NULL, *tail = NULL;
-    if (lo > b->ptr && !(head = mp_block_new_locked(p))) return NULL;
-    if (hi < b->ptr + b->nbytes && !(tail = mp_block_new_locked(p))) {
-        if (head) mp_block_delete_locked(p, head);
-        return NULL;
-    }
+/* Split free block b at addr (inside it, page-aligned) using the spare struct n: both
+ * halves stay free, same owner. Returns the upper half. */
+static mp_block *split_free_at_locked(mp_pool *p, mp_block *b, uintptr_t addr, mp_block *n) {
     mp_remove_free_locked(p, b);
-    mp_segment *seg = b->seg;
-    if (head) {
-        head->ptr = b->ptr;
-        head->nbytes = lo - b->ptr;
-        head->seg = seg;
-        head->stream = b->stream;
-        head->prev = b->prev;
-        head->next = b;
-        if (b->prev) b->prev->next = head;
-        else seg->first = head;
-        b->prev = head;
-    }
-    if (tail) {
-        tail->ptr = hi;
-        tail->nbytes = b->ptr + b->nbytes - hi;
-        tail->seg = seg;
-        tail->stream = b->stream;
-        tail->next = b->next;
-        tail->prev = b;
-        if (b->next) b->next->prev = tail;
-        b->next = tail;
-    }
-    b->ptr = lo;
-    b->nbytes = hi - lo;
-    b->state = MP_BLOCK_UNMAPPED;
-    b->busy = 1;
-    if (head) mp_insert_free_locked(p, head);
-    if (tail) mp_insert_free_locked(p, tail);
-    return b;
+    n->ptr = addr;
+    n->nbytes = b->ptr + b->nbytes - addr;
+    n->seg = b->seg;
+    n->stream = b->stream;
+    n->prev = b;
+    n->next = b->next;
+    if (b->next) b->next->prev = n;
+    b->next = n;
+    b->nbytes = addr - b->ptr;
+    mp_insert_free_locked(p, b);
+    mp_insert_free_locked(p, n);
+    return n;
 }
 
 static void merge_unmapped_locked(mp_pool *p, mp_block *u) {
@@ -222,56 +194,136 @@ static void merge_unmapped_locked(mp_pool *p, mp_block *u) {
     }
 }
 
+typedef struct release_jobs {
+    mp_block **unmapped;        /* busy unmapped blocks to unmap after the lock is dropped */
+    size_t n, cap;
+    uintptr_t *streams;         /* owners of the pages: synchronized before any unmap */
+    size_t nstreams, cap_streams;
+    int sync_every_stream;      /* no host memory to list the owners: sync them all */
+} release_jobs;
+
+static int reserve_job(release_jobs *j) {
+    if (j->n < j->cap) return 1;
+    size_t cap = j->cap ? j->cap * 2 : 16;
+    mp_block **grown = realloc(j->unmapped, cap * sizeof *grown);
+    if (!grown) return 0;
+    j->unmapped = grown;
+    j->cap = cap;
+    return 1;
+}
+
+static void note_stream(release_jobs *j, uintptr_t h) {
+    for (size_t i = 0; i < j->nstreams; i++)
+        if (j->streams[i] == h) return;
+    if (j->nstreams == j->cap_streams) {
+        size_t cap = j->cap_streams ? j->cap_streams * 2 : 8;
+        uintptr_t *grown = realloc(j->streams, cap * sizeof *grown);
+        if (!grown) {
+            j->sync_every_stream = 1;
+            return;
+        }
+        j->streams = grown;
+        j->cap_streams = cap;
+    }
+    j->streams[j->nstreams++] = h;
+}
+
+/* Turn the whole pages [lo, hi) of a run of free blocks (of any owners: blocks of different
+ * streams never merge, but their pages are all free) into one busy unmapped block. */
+static mp_block *carve_run_locked(mp_pool *p, mp_block *first, uintptr_t lo, uintptr_t hi,
+                                  release_jobs *jobs) {
+    /* Both structs a split may need are taken first: nothing changes unless all succeed. */
+    mp_block *spare1 = mp_block_new_locked(p), *spare2 = spare1 ? mp_block_new_locked(p) : NULL;
+    if (!spare2) {
+        if (spare1) mp_block_delete_locked(p, spare1);
+        return NULL;
+    }
+    mp_block *x = first;
+    while (x->ptr + x->nbytes <= lo) x = x->next;
+    if (x->ptr < lo) {
+        x = split_free_at_locked(p, x, lo, spare1);
+        spare1 = NULL;
+    }
+    mp_block *y = x;
+    while (y->ptr + y->nbytes < hi) y = y->next;
+    if (y->ptr + y->nbytes > hi) {
+        split_free_at_locked(p, y, hi, spare2);
+        spare2 = NULL;
+    }
+    if (spare1) mp_block_delete_locked(p, spare1);
+    if (spare2) mp_block_delete_locked(p, spare2);
+    /* x..y now cover exactly [lo, hi) */
+    for (mp_block *b = x;; b = b->next) {
+        note_stream(jobs, b->stream->handle);
+        if (b == y) break;
+    }
+    mp_block *stop = y->next;
+    mp_remove_free_locked(p, x);
+    for (mp_block *b = x->next; b != stop;) {
+        mp_block *next = b->next;
+        mp_remove_free_locked(p, b);
+        mp_block_delete_locked(p, b);
+        b = next;
+    }
+    x->next = stop;
+    if (stop) stop->prev = x;
+    x->nbytes = hi - lo;
+    x->state = MP_BLOCK_UNMAPPED;
+    x->busy = 1;
+    return x;
+}
+
 size_t mp_expand_release_locked(mp_pool *p, size_t target) {
-    size_t g = p->up.granularity, released = 0, n = 0, cap = 0;
-    unmap_job *jobs = NULL;
+    size_t g = p->up.granularity, released = 0;
+    release_jobs jobs = {0};
     for (mp_segment *seg = p->segments; seg && released < target; seg = seg->next) {
         if (!seg->expandable) continue;
-        for (mp_block *b = seg->first; b && released < target; b = b->next) {
-            if (b->state != MP_BLOCK_FREE) continue;
-            uintptr_t lo = round_up(b->ptr, g), hi = round_down(b->ptr + b->nbytes, g);
-            if (hi <= lo) continue;
-            if (n == cap) {
-                size_t ncap = cap ? cap * 2 : 16;
-                unmap_job *grown = realloc(jobs, ncap * sizeof *grown);
-                if (!grown) break;
-                jobs = grown;
-                cap = ncap;
+        mp_block *b = seg->first;
+        while (b && released < target) {
+            if (b->state != MP_BLOCK_FREE) {
+                b = b->next;
+                continue;
             }
-            uintptr_t owner = b->stream->handle;
-            mp_block *u = carve_pages_locked(p, b, lo, hi);
-            if (!u) break;
-            jobs[n].u = u;
-            jobs[n].stream = owner;
-            n++;
-            size_t bytes = hi - lo;
-            released += bytes;
-            seg->mapped_bytes -= bytes;
-            p->stats.num_device_free++;
-            mp_stat3_dec(p->stats.reserved_bytes, seg->kind, (int64_t)bytes);
-            mp_stat_dec(&p->stats.mapped_bytes, (int64_t)bytes);
-            mp_trace_locked(p, MP_TRACE_SEGMENT_UNMAP, lo, bytes, owner);
-            b = u;   /* continue after the unmapped block (the tail, if any, is partial) */
+            mp_block *last = b;
+            while (last->next && last->next->state == MP_BLOCK_FREE) last = last->next;
+            mp_block *after = last->next;
+            uintptr_t lo = round_up(b->ptr, g), hi = round_down(last->ptr + last->nbytes, g);
+            if (hi > lo) {
+                mp_block *u = reserve_job(&jobs) ? carve_run_locked(p, b, lo, hi, &jobs) : NULL;
+                if (!u) break;   /* out of host memory: release what was carved so far */
+                jobs.unmapped[jobs.n++] = u;
+                size_t bytes = hi - lo;
+                released += bytes;
+                seg->mapped_bytes -= bytes;
+                p->stats.num_device_free++;
+                mp_stat3_dec(p->stats.reserved_bytes, seg->kind, (int64_t)bytes);
+                mp_stat_dec(&p->stats.mapped_bytes, (int64_t)bytes);
+                mp_trace_locked(p, MP_TRACE_SEGMENT_UNMAP, lo, bytes, seg->stream->handle);
+            }
+            b = after;
         }
     }
-    if (!n) {
-        free(jobs);
+    if (!jobs.n) {
+        free(jobs.unmapped);
+        free(jobs.streams);
         return 0;
     }
+    /* Out of host memory for the owner list (rare): sync every stream, with the lock held
+     * since the stream table may grow once it is dropped. */
+    if (jobs.sync_every_stream)
+        for (size_t i = 0; i < p->nstreams; i++) p->up.stream_synchronize(p->up.ctx, p->streams[i]->handle);
     mp_lock_release(&p->lock);
-    for (size_t i = 0; i < n; i++) {
-        int seen = 0;
-        for (size_t j = 0; j < i && !seen; j++) seen = jobs[j].stream == jobs[i].stream;
-        if (!seen) p->up.stream_synchronize(p->up.ctx, jobs[i].stream);
-    }
-    for (size_t i = 0; i < n; i++) p->up.unmap(p->up.ctx, jobs[i].u->ptr, jobs[i].u->nbytes);
+    for (size_t i = 0; i < jobs.nstreams && !jobs.sync_every_stream; i++)
+        p->up.stream_synchronize(p->up.ctx, jobs.streams[i]);
+    for (size_t i = 0; i < jobs.n; i++) p->up.unmap(p->up.ctx, jobs.unmapped[i]->ptr, jobs.unmapped[i]->nbytes);
     mp_lock_acquire(&p->lock);
     /* One at a time: a later job's block stays busy (unmerged, so valid) until its turn. */
-    for (size_t i = 0; i < n; i++) {
-        jobs[i].u->busy = 0;
-        merge_unmapped_locked(p, jobs[i].u);
+    for (size_t i = 0; i < jobs.n; i++) {
+        jobs.unmapped[i]->busy = 0;
+        merge_unmapped_locked(p, jobs.unmapped[i]);
     }
-    free(jobs);
+    free(jobs.unmapped);
+    free(jobs.streams);
     return released;
 }
 

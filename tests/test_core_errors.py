@@ -1,0 +1,140 @@
+"""Bad input: a clear exception naming the argument, and no change to the pool."""
+import pytest
+
+import mempool
+from conftest import MiB
+
+
+def snapshot(pool):
+    return pool.layout(), {k: v for k, v in pool.stats().items()}
+
+
+@pytest.fixture
+def busy_pool(sim):
+    pool = sim()
+    live = [pool.alloc(n) for n in (512, 4096, 3 * MiB)]
+    pool.free(live.pop(1))
+    return pool, live
+
+
+@pytest.mark.parametrize("nbytes, exc, words", [
+    (-1, ValueError, "nbytes must be >= 0"),
+    (1.5, TypeError, "nbytes must be an integer"),
+    (4096.0, TypeError, "float"),
+    ("4096", TypeError, "str"),
+    (None, TypeError, "NoneType"),
+    (True, TypeError, "bool"),
+    (2 ** 64, ValueError, "out of range"),
+    (2 ** 70, ValueError, "out of range"),
+])
+def test_bad_sizes(busy_pool, nbytes, exc, words):
+    pool, _ = busy_pool
+    before = snapshot(pool)
+    with pytest.raises(exc, match=words):
+        pool.alloc(nbytes)
+    assert snapshot(pool) == before
+
+
+@pytest.mark.parametrize("nbytes", [2 ** 63, 2 ** 64 - 1, 81 << 30])
+def test_sizes_beyond_the_device_are_out_of_memory(busy_pool, nbytes):
+    pool, _ = busy_pool
+    layout = pool.layout()
+    with pytest.raises(mempool.OutOfMemoryError) as info:
+        pool.alloc(nbytes)
+    assert isinstance(info.value, MemoryError)
+    assert "tried to allocate" in str(info.value)
+    assert pool.layout() == layout
+    pool.free(pool.alloc(1024))                     # still usable
+
+
+def test_numpy_integers_are_sizes(sim):
+    np = pytest.importorskip("numpy")
+    pool = sim()
+    pool.free(pool.alloc(np.int64(4096)))
+
+
+@pytest.mark.parametrize("offset, words", [
+    (None, "not a live pointer"),          # never allocated here
+    (256, "inside a live block"),          # interior of a live block
+])
+def test_bad_pointers(busy_pool, offset, words):
+    pool, live = busy_pool
+    ptr = 0xDEAD0000 if offset is None else live[1] + offset
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match=words):
+        pool.free(ptr)
+    with pytest.raises(ValueError, match=words):
+        pool.record_stream(ptr, 5)
+    assert snapshot(pool) == before
+
+
+def test_double_free(busy_pool):
+    pool, live = busy_pool
+    pool.free(live[0])
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match="already freed"):
+        pool.free(live[0])
+    assert snapshot(pool) == before
+
+
+def test_free_after_its_segment_was_released(sim):
+    pool = sim()
+    a = pool.alloc(4096)
+    pool.free(a)
+    pool.empty_cache()
+    with pytest.raises(ValueError, match="not a live pointer"):
+        pool.free(a)
+
+
+@pytest.mark.parametrize("ptr, exc", [(-5, ValueError), (1.0, TypeError), ("0x10", TypeError),
+                                      (2 ** 64, ValueError)])
+def test_bad_pointer_types(busy_pool, ptr, exc):
+    pool, _ = busy_pool
+    with pytest.raises(exc, match="ptr"):
+        pool.free(ptr)
+
+
+@pytest.mark.parametrize("stream, exc, words", [
+    (-1, ValueError, "stream must be a handle"),
+    ("s", TypeError, "stream must be"),
+    (1.5, TypeError, "stream must be"),
+    (object(), TypeError, "stream must be"),
+    (2 ** 64, ValueError, "stream must be a handle"),
+])
+def test_bad_streams(busy_pool, stream, exc, words):
+    pool, live = busy_pool
+    before = snapshot(pool)
+    with pytest.raises(exc, match=words):
+        pool.alloc(512, stream=stream)
+    with pytest.raises(exc, match=words):
+        pool.free(live[0], stream=stream)
+    with pytest.raises(exc, match=words):
+        pool.record_stream(live[0], stream)
+    assert snapshot(pool) == before
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(backend="gpu"), ValueError, "backend"),
+    (dict(backend="sim", frobnicate=1), ValueError, "frobnicate"),
+    (dict(backend="sim", max_split_size="lots"), ValueError, "max_split_size"),
+    (dict(backend="sim", limit=-3), ValueError, "limit"),
+    (dict(backend="sim", roundup_power2_divisions=3), ValueError, "roundup_power2_divisions"),
+    (dict(backend="sim", device=-1), ValueError, "device"),
+    (dict(backend="sim", granularity=1000), ValueError, "granularity"),
+    (dict(backend="sim", garbage_collection_threshold=1.5), ValueError, "garbage_collection"),
+])
+def test_bad_options(kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        mempool.Pool(**kwargs)
+
+
+def test_errors_leave_a_usable_pool(busy_pool):
+    pool, live = busy_pool
+    for bad in (-1, 2 ** 64, "x"):
+        with pytest.raises((ValueError, TypeError)):
+            pool.alloc(bad)
+    ptr = pool.alloc(4096)
+    pool.free(ptr)
+    for p in live:
+        pool.free(p)
+    assert pool.used_bytes() == 0
