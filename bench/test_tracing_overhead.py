@@ -3,16 +3,19 @@
 Recording is one hook in the core: a pointer that is NULL unless ``record_history`` is on,
 so a pool whose recording was switched off runs exactly the code of a pool that never
 recorded. These benchmarks show it: an alloc+free pair of 4 KiB (a cache hit, the hot
-path) from Python on the simulated device, with recording
+path) on the simulated device, timed from Python (``pool.alloc`` + ``pool.free``) and in C
+(``bench_core_roundtrips``: mp_alloc + mp_free with no interpreter in the loop), with
+recording
 
 - ``never``: never enabled,
 - ``off``: enabled, then disabled,
 - ``on``: enabled, a ring of 65,536 entries (three entries per pair: alloc,
   free_requested, free_completed).
 
-Run ``pytest bench/test_tracing_overhead.py --benchmark-enable`` (pytest-benchmark's table:
-one round is 2,000 pairs) and ``-s`` to print the interleaved comparison below, which also
-fails when ``off`` is not within noise of ``never``.
+Run ``pytest bench/test_tracing_overhead.py --benchmark-enable`` for pytest-benchmark's
+tables, and ``-s`` to print the interleaved comparison (``test_tracing_off_costs_nothing``),
+which times the pools side by side with a second never-enabled pool as the control for the
+noise, and fails when ``off`` is not within noise of ``never``.
 """
 import gc
 import statistics
@@ -43,17 +46,27 @@ def pairs(pool, n):
         free(alloc(SIZE))
 
 
+def c_pairs(pool, n):
+    from mempool._core import bench_core_roundtrips
+    return bench_core_roundtrips(pool, SIZE, n)
+
+
+LEVELS = {"python": (pairs, PAIRS), "c": (c_pairs, 20 * PAIRS)}
+
+
+@pytest.mark.parametrize("level", list(LEVELS))
 @pytest.mark.parametrize("tracing", ["never", "off", "on"])
-def test_alloc_free_pair(benchmark, tracing):
+def test_alloc_free_pair(benchmark, level, tracing):
     pool = make_pool(tracing)
+    loop, n = LEVELS[level]
     done = [0]
 
     def round_():
-        pairs(pool, PAIRS)
-        done[0] += PAIRS
+        loop(pool, n)
+        done[0] += n
 
-    benchmark.group = "alloc+free pair, 4 KiB, sim: trace recording"
-    benchmark.extra_info.update(tracing=tracing, pairs_per_round=PAIRS)
+    benchmark.group = f"alloc+free pair, 4 KiB, sim, from {level}: {n} pairs a round"
+    benchmark.extra_info.update(tracing=tracing, level=level, pairs_per_round=n)
     benchmark.pedantic(round_, rounds=15, iterations=1, warmup_rounds=2)
     # What was recorded: nothing unless on; on, three entries a pair (the ring wraps).
     recorded = len(pool.history())
@@ -61,28 +74,33 @@ def test_alloc_free_pair(benchmark, tracing):
     assert pool.device.counters()["allocs"] == 1
 
 
-def _time(pool, n):
-    t0 = time.perf_counter_ns()
-    pairs(pool, n)
-    return (time.perf_counter_ns() - t0) / n
+def _timer(level):
+    loop, n = LEVELS[level]
+
+    def ns_per_pair(pool):
+        t0 = time.perf_counter_ns()
+        loop(pool, n)
+        return (time.perf_counter_ns() - t0) / n
+    return ns_per_pair
 
 
-def test_tracing_off_costs_nothing():
+@pytest.mark.parametrize("level", list(LEVELS))
+def test_tracing_off_costs_nothing(level):
     """Interleaved: each repetition times every pool once, in rotating order, so that
     drift of the machine hits all alike; a second never-enabled pool is the control that
     shows the noise. Ratios are taken per repetition (pools timed side by side)."""
     names = ("never", "control", "off", "on")
     pools = {t: make_pool("never" if t == "control" else t) for t in names}
+    measure = _timer(level)
     for pool in pools.values():
-        pairs(pool, 500)                      # warm
+        measure(pool)                         # warm
     times = {t: [] for t in names}
-    order = list(names)
     gc.disable()
     try:
         for rep in range(60):
-            k = rep % len(order)
-            for t in order[k:] + order[:k]:
-                times[t].append(_time(pools[t], PAIRS))
+            k = rep % len(names)
+            for t in names[k:] + names[:k]:
+                times[t].append(measure(pools[t]))
     finally:
         gc.enable()
 
@@ -92,11 +110,13 @@ def test_tracing_off_costs_nothing():
     best = {t: min(v) for t, v in times.items()}
     median = {t: statistics.median(v) for t, v in times.items()}
     noise, off, on = ratio("control") - 1, ratio("off") - 1, ratio("on") - 1
-    print(f"\nns per alloc+free pair of {SIZE} B from Python, sim (60 x {PAIRS} pairs):")
+    print(f"\nns per alloc+free pair of {SIZE} B from {level}, sim "
+          f"(60 x {LEVELS[level][1]} pairs):")
     for t in names:
         print(f"  {t:8} best {best[t]:7.1f}   median {median[t]:7.1f}")
+    extra = best["on"] - best["never"]       # the work itself: best against best
     print(f"  control vs never {100 * noise:+.1f}% (the noise), off vs never {100 * off:+.1f}%, "
-          f"on vs never {100 * on:+.1f}%: {on * median['never']:.0f} ns a pair, "
-          f"{on * median['never'] / 3:.0f} ns an entry")
+          f"on vs never {100 * on:+.1f}%; recording costs {extra:.0f} ns a pair, "
+          f"{extra / 3:.0f} ns an entry")
     assert abs(off) <= max(0.05, 3 * abs(noise)), (off, noise)
     assert on > 0 and len(pools["on"].history()) == RING and pools["off"].history() == []
