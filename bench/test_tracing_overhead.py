@@ -15,7 +15,8 @@ recording
 Run ``pytest bench/test_tracing_overhead.py --benchmark-enable`` for pytest-benchmark's
 tables, and ``-s`` to print the interleaved comparison (``test_tracing_off_costs_nothing``),
 which times the pools side by side with a second never-enabled pool as the control for the
-noise, and fails when ``off`` is not within noise of ``never``.
+noise, and fails when ``off`` is not within noise of ``never``; on a GPU it also runs on the
+cuda backend.
 """
 import gc
 import statistics
@@ -30,8 +31,8 @@ PAIRS = 2000
 RING = 1 << 16
 
 
-def make_pool(tracing):
-    pool = mempool.Pool(backend="sim")
+def make_pool(tracing, backend="sim"):
+    pool = mempool.Pool(backend=backend)
     if tracing in ("off", "on"):
         pool.record_history(enabled=True, max_entries=RING)
     if tracing == "off":
@@ -71,7 +72,7 @@ def test_alloc_free_pair(benchmark, level, tracing):
     # What was recorded: nothing unless on; on, three entries a pair (the ring wraps).
     recorded = len(pool.history())
     assert recorded == (min(RING, 4 + 3 * done[0]) if tracing == "on" else 0)
-    assert pool.device.counters()["allocs"] == 1
+    assert pool.stats()["num_device_alloc"] == 1
 
 
 def _timer(level):
@@ -84,13 +85,22 @@ def _timer(level):
     return ns_per_pair
 
 
+def _backend(name):
+    if name == "cuda":
+        from .benchkit import require_gpu
+        require_gpu()
+    return name
+
+
+@pytest.mark.parametrize("backend", ["sim", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("level", list(LEVELS))
-def test_tracing_off_costs_nothing(level):
+def test_tracing_off_costs_nothing(level, backend):
     """Interleaved: each repetition times every pool once, in rotating order, so that
     drift of the machine hits all alike; a second never-enabled pool is the control that
     shows the noise. Ratios are taken per repetition (pools timed side by side)."""
     names = ("never", "control", "off", "on")
-    pools = {t: make_pool("never" if t == "control" else t) for t in names}
+    pools = {t: make_pool("never" if t == "control" else t, _backend(backend))
+             for t in names}
     measure = _timer(level)
     for pool in pools.values():
         measure(pool)                         # warm
@@ -110,7 +120,7 @@ def test_tracing_off_costs_nothing(level):
     best = {t: min(v) for t, v in times.items()}
     median = {t: statistics.median(v) for t, v in times.items()}
     noise, off, on = ratio("control") - 1, ratio("off") - 1, ratio("on") - 1
-    print(f"\nns per alloc+free pair of {SIZE} B from {level}, sim "
+    print(f"\nns per alloc+free pair of {SIZE} B from {level}, {backend} "
           f"(60 x {LEVELS[level][1]} pairs):")
     for t in names:
         print(f"  {t:8} best {best[t]:7.1f}   median {median[t]:7.1f}")
