@@ -1,31 +1,134 @@
 /* Note [Expandable segments]
  *
- * Why: a caching pool fragments when a freed block cannot serve a larger request next to it;
- * memory sits reserved but unusable. With an address range reserved far beyond what is
+ * Why: a caching pool fragments when a freed block cannot serve a larger request next to
+ * it: memory sits reserved but unusable. With address space reserved far beyond what is
  * mapped, every block of a stream lives in one contiguous range, so free neighbours always
  * merge, and growth maps pages at a free edge or into an unmapped hole instead of taking a
- * new segment.
+ * new segment. reserved_bytes counts mapped bytes; the address space shows in
+ * va_reserved_bytes.
  *
- * How: a segment here is a VA reservation covering blocks of three kinds: allocated or
- * pending, free (mapped, in the owner's free list), and unmapped (in no list). Growth picks
- * the first unmapped block that, with the free block of the same stream before it (or
- * after it), holds the request, and maps just the pages needed at its start. Release unmaps
- * the whole pages inside free blocks, after synchronizing the streams that own them, since
- * an unmap does not wait for queued work. reserved_bytes counts mapped bytes; the address
- * space shows in va_reserved_bytes.
+ * Layout: one range per (stream, small/large), reserved on the stream's first request of
+ * that kind, as large as the device (p->capacity, or the request if larger), released only
+ * when the pool is destroyed. Per stream, because a block may be reused in its stream's
+ * order at once, so free neighbours of one stream merge without any event; per size kind,
+ * because small blocks left live among large ones would pin pages and split large free
+ * runs. A range holds blocks in three states: allocated or pending, free (mapped, in its
+ * owner's free list) and unmapped (in no list, page-aligned). A block taken by another
+ * stream (cross-stream reuse, or freed there) stays where it is and merges only with free
+ * blocks of its new owner.
  *
- * Limits: while pages are mapped or unmapped the lock is dropped and the unmapped block is
- * marked busy, so no other thread maps it or merges it meanwhile. max_split_size has no
- * meaning with expandable segments (the configuration refuses the pair).
+ * Growth, when no free list has a fit: among the unmapped blocks of the stream's range,
+ * take the one that, joined with the free blocks of the stream on either side of it, holds
+ * the request with the fewest new bytes (the lowest address on a tie), and map just those
+ * pages next to the free neighbour they extend. Without releases that is the edge of the
+ * mapped part, extended by the request less the free block already there; after releases,
+ * holes are refilled before the edge moves whenever that maps less.
+ *
+ * Release unmaps whole pages of free blocks, the largest runs first (fewest unmap calls and
+ * splits per byte), taking from a block's high end only as many pages as are still wanted.
+ * Unmapping does not wait for queued work, so the owner streams of those pages are
+ * synchronized first; a stream that cannot be synchronized, or pages that fail to unmap,
+ * stay free and mapped. Releases happen on demand (empty_cache, trim, release_threshold),
+ * before growing past the limit (required) or the garbage collection threshold (best
+ * effort), when the device is out of memory, and under the high-water rule below. The pages
+ * a growth is about to join are never released for it: that would only map them again.
+ * initial_pool_size pages are mapped at the start of stream 0's large range and stay
+ * mapped (the segment's pinned prefix).
+ *
+ * The high-water rule: a growth that would map more bytes than the pool has ever held at
+ * once first releases every idle whole page outside the growth, provided they add up to at
+ * least MP_HIGH_WATER_MIN_IDLE and 1/MP_HIGH_WATER_IDLE_DIV of that high-water mark. Best
+ * fit leaves holes between live blocks (freed temporaries; state created once, such as an
+ * optimizer's, among the first step's blocks); without the rule the footprint ratchets up
+ * over them. With it, physical pages move from idle holes to where they are needed, so the
+ * footprint stays within the partial pages around live blocks of the live peak. The cost
+ * is one stream sync per firing; it fires only while the footprint sets a new record and a
+ * substantial amount is idle, i.e. a few times in the first steps of a training loop
+ * (docs/expandable.md has the figures). The mark is the pool's own: reset_peak_stats()
+ * does not move it.
+ *
+ * Failures: map is all or nothing (the upstream undoes a partial map), so a failed growth
+ * leaves its range unmapped as before; out of device memory, free pages elsewhere are
+ * released and the growth tried again, then pending frees are waited for.
+ *
+ * Threads: the lock is dropped around map, unmap and stream syncs. Pages being mapped or
+ * unmapped form a block of their own marked busy: no other thread maps, merges or releases
+ * it meanwhile, and the rest of the range stays open to them. Pages being unmapped stay
+ * counted against the limit (inflight_bytes) until they are gone.
+ *
+ * Limits: max_split_size has no meaning with expandable segments (the configuration refuses
+ * the pair). Address ranges are never given back before the pool is destroyed. A stream
+ * sync inside CUDA graph capture would break the capture: releases (hence the high-water
+ * rule) must not run while a stream the pool serves is capturing.
  */
 #include <stdlib.h>
 
 #include "mp_expand.h"
 
+#define MP_HIGH_WATER_MIN_IDLE ((size_t)32 << 20)
+#define MP_HIGH_WATER_IDLE_DIV 128
+
 static size_t round_up(size_t n, size_t g) { return (n + g - 1) / g * g; }
 static size_t round_down(size_t n, size_t g) { return n / g * g; }
 
-static mp_segment *expandable_segment_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
+/* The end of a segment's pinned prefix: initial_pool_size pages, never unmapped before the
+ * pool is destroyed. */
+static uintptr_t pinned_end(const mp_pool *p, const mp_segment *seg) {
+    return seg->pinned ? seg->ptr + round_up(p->cfg.initial_pool_size, p->up.granularity) : seg->ptr;
+}
+
+/* Link new block n into b's segment, just before b (or after it). */
+static void link_block(mp_block *b, mp_block *n, int after) {
+    n->seg = b->seg;
+    if (after) {
+        n->prev = b;
+        n->next = b->next;
+        if (b->next) b->next->prev = n;
+        b->next = n;
+    } else {
+        n->next = b;
+        n->prev = b->prev;
+        if (b->prev) b->prev->next = n;
+        else b->seg->first = n;
+        b->prev = n;
+    }
+}
+
+/* Fold unmapped neighbours that are not busy into u (unmapped, not busy); u may go. */
+static void merge_unmapped_locked(mp_pool *p, mp_block *u) {
+    mp_block *n = u->next;
+    if (n && n->state == MP_BLOCK_UNMAPPED && !n->busy) {
+        u->nbytes += n->nbytes;
+        u->next = n->next;
+        if (n->next) n->next->prev = u;
+        mp_block_delete_locked(p, n);
+    }
+    mp_block *q = u->prev;
+    if (q && q->state == MP_BLOCK_UNMAPPED && !q->busy) {
+        q->nbytes += u->nbytes;
+        q->next = u->next;
+        if (u->next) u->next->prev = q;
+        mp_block_delete_locked(p, u);
+    }
+}
+
+static void count_mapped_locked(mp_pool *p, mp_segment *seg, size_t nbytes, int mapped) {
+    if (mapped) {
+        seg->mapped_bytes += nbytes;
+        mp_stat3_inc(p->stats.reserved_bytes, seg->kind, (int64_t)nbytes);
+        mp_stat_inc(&p->stats.mapped_bytes, (int64_t)nbytes);
+        if ((size_t)p->stats.mapped_bytes.current > p->mapped_high_water)
+            p->mapped_high_water = (size_t)p->stats.mapped_bytes.current;
+    } else {
+        seg->mapped_bytes -= nbytes;
+        mp_stat3_dec(p->stats.reserved_bytes, seg->kind, (int64_t)nbytes);
+        mp_stat_dec(&p->stats.mapped_bytes, (int64_t)nbytes);
+    }
+}
+
+/* The growing range of (s, kind), reserved on first use: address space for the whole
+ * device (or for `size`, if larger), nothing mapped. */
+static mp_segment *segment_of_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
     if (s->expandable[kind]) return s->expandable[kind];
     size_t g = p->up.granularity;
     size_t va = p->cfg.expandable_reserve ? p->cfg.expandable_reserve : p->capacity;
@@ -60,112 +163,51 @@ static mp_segment *expandable_segment_locked(mp_pool *p, mp_stream *s, int kind,
     return seg;
 }
 
-static int free_of(const mp_block *b, const mp_stream *s) {
-    return b && b->state == MP_BLOCK_FREE && b->stream == s;
-}
+/* ---------------------------------------------------------------- release */
 
-/* Map pages into s's segment so that a free block of at least `size` exists there. */
-static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
+/* Whole pages of free block b that may be unmapped, [*lo, *hi); 0 when there are none. */
+static int releasable(const mp_pool *p, const mp_block *b, uintptr_t *lo, uintptr_t *hi) {
     size_t g = p->up.granularity;
-    mp_segment *seg = expandable_segment_locked(p, s, kind, size);
-    if (!seg) return MP_ENOMEM;
-    mp_block *u = NULL;
-    size_t map_bytes = 0;
-    for (mp_block *b = seg->first; b; b = b->next) {
-        if (b->state != MP_BLOCK_UNMAPPED || b->busy) continue;
-        size_t have = free_of(b->prev, s) ? b->prev->nbytes : 0;
-        if (have + b->nbytes >= size) {
-            u = b;
-            map_bytes = round_up(size - (have < size ? have : size), g);
-            if (map_bytes == 0) map_bytes = g;
-            break;
-        }
-        if (free_of(b->next, s) && have + b->nbytes + b->next->nbytes >= size) {
-            u = b;
-            map_bytes = b->nbytes;
-            break;
-        }
-    }
-    if (!u) return MP_ENOMEM;   /* the address range itself is full */
-    if (p->cfg.limit != MP_UNLIMITED && mp_reserved_now_locked(p) + map_bytes > p->cfg.limit)
-        return MP_ELIMIT;
-    if (p->cfg.gc_threshold > 0) {
-        size_t base = p->cfg.limit != MP_UNLIMITED ? p->cfg.limit : p->capacity;
-        size_t threshold = (size_t)(p->cfg.gc_threshold * (double)base);
-        if (base && mp_reserved_now_locked(p) + map_bytes > threshold)
-            mp_expand_release_locked(p, mp_reserved_now_locked(p) + map_bytes - threshold);
-        if (u->state != MP_BLOCK_UNMAPPED) return MP_OK;   /* changed meanwhile: search again */
-    }
-    mp_block *m = map_bytes < u->nbytes ? mp_block_new_locked(p) : u;
-    if (!m) return MP_ENOMEM;
-
-    u->busy = 1;
-    p->inflight_bytes += map_bytes;
-    mp_lock_release(&p->lock);
-    int rc = p->up.map(p->up.ctx, u->ptr, map_bytes);
-    mp_lock_acquire(&p->lock);
-    p->inflight_bytes -= map_bytes;
-    u->busy = 0;
-    if (rc != MP_OK) {
-        if (m != u) mp_block_delete_locked(p, m);
-        return rc;
-    }
-    if (m != u) {
-        m->ptr = u->ptr;
-        m->nbytes = map_bytes;
-        m->seg = seg;
-        m->prev = u->prev;
-        m->next = u;
-        if (u->prev) u->prev->next = m;
-        else seg->first = m;
-        u->prev = m;
-        u->ptr += map_bytes;
-        u->nbytes -= map_bytes;
-    }
-    m->stream = s;
-    seg->mapped_bytes += map_bytes;
-    p->stats.num_device_alloc++;
-    mp_stat3_inc(p->stats.reserved_bytes, kind, (int64_t)map_bytes);
-    mp_stat_inc(&p->stats.mapped_bytes, (int64_t)map_bytes);
-    mp_trace_locked(p, MP_TRACE_SEGMENT_MAP, m->ptr, map_bytes, s->handle);
-    mp_insert_free_merged_locked(p, m);
-    return MP_OK;
+    uintptr_t a = round_up(b->ptr, g), e = round_down(b->ptr + b->nbytes, g);
+    uintptr_t pin = pinned_end(p, b->seg);
+    if (a < pin) a = pin;
+    if (e <= a) return 0;
+    *lo = a;
+    *hi = e;
+    return 1;
 }
 
-int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
-                           mp_release_list *rel, mp_block **out) {
-    (void)rel;
-    int rc = MP_ENOMEM, retries = 0;
-    for (int round = 0; round < 8; round++) {
-        if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
-        rc = grow_locked(p, s, kind, size);
-        if (rc == MP_OK) continue;
-        if (rc != MP_ENOMEM && rc != MP_ELIMIT) return rc;
-        /* Out of memory or over the limit: unmap free pages elsewhere, then wait for
-         * pending frees, then give up. */
-        if (retries == 0) {
-            p->stats.num_alloc_retries++;
-            if (!mp_expand_release_locked(p, size)) retries++;
-        }
-        if (retries == 1) {
-            p->stats.num_alloc_retries++;
-            if (!p->npending) return rc;
-            mp_sync_pending_unlocked(p);
-            mp_expand_release_locked(p, SIZE_MAX);
-        }
-        if (retries >= 2) return rc;
-        retries++;
-    }
-    return rc;
+/* A free block with whole pages to give, outside [keep_lo, keep_hi): its pages in *lo, *hi. */
+static int candidate_ok(const mp_pool *p, const mp_block *b, uintptr_t keep_lo, uintptr_t keep_hi,
+                        uintptr_t *lo, uintptr_t *hi) {
+    return b->state == MP_BLOCK_FREE && !(b->ptr >= keep_lo && b->ptr < keep_hi) &&
+           releasable(p, b, lo, hi);
 }
 
-typedef struct unmap_job {
-    mp_block *u;
-    uintptr_t stream;
-} unmap_job;
+static size_t idle_bytes_locked(const mp_pool *p, uintptr_t keep_lo, uintptr_t keep_hi) {
+    size_t n = 0;
+    uintptr_t lo, hi;
+    for (mp_segment *seg = p->segments; seg; seg = seg->next)
+        if (seg->expandable)
+            for (mp_block *b = seg->first; b; b = b->next)
+                if (candidate_ok(p, b, keep_lo, keep_hi, &lo, &hi)) n += hi - lo;
+    return n;
+}
 
-/* Split free block b around its whole pages [lo, hi): the middle becomes a busy unmapped
- * block, the partial pages at either end stay free. Returns the unmapped block. */
+typedef struct candidate {
+    mp_block *b;
+    size_t nbytes;
+} candidate;
+
+/* Largest first; the lower address first among equals, so the order is deterministic. */
+static int cmp_candidate(const void *x, const void *y) {
+    const candidate *a = x, *b = y;
+    if (a->nbytes != b->nbytes) return a->nbytes > b->nbytes ? -1 : 1;
+    return a->b->ptr < b->b->ptr ? -1 : a->b->ptr > b->b->ptr;
+}
+
+/* Turn pages [lo, hi) of free block b into a busy unmapped block; what b keeps on either
+ * side stays free. Returns the busy block (b itself), or NULL out of host memory. */
 static mp_block *carve_pages_locked(mp_pool *p, mp_block *b, uintptr_t lo, uintptr_t hi) {
     mp_block *head = NULL, *tail = NULL;
     if (lo > b->ptr && !(head = mp_block_new_locked(p))) return NULL;
@@ -174,27 +216,17 @@ static mp_block *carve_pages_locked(mp_pool *p, mp_block *b, uintptr_t lo, uintp
         return NULL;
     }
     mp_remove_free_locked(p, b);
-    mp_segment *seg = b->seg;
     if (head) {
         head->ptr = b->ptr;
         head->nbytes = lo - b->ptr;
-        head->seg = seg;
         head->stream = b->stream;
-        head->prev = b->prev;
-        head->next = b;
-        if (b->prev) b->prev->next = head;
-        else seg->first = head;
-        b->prev = head;
+        link_block(b, head, 0);
     }
     if (tail) {
         tail->ptr = hi;
         tail->nbytes = b->ptr + b->nbytes - hi;
-        tail->seg = seg;
         tail->stream = b->stream;
-        tail->next = b->next;
-        tail->prev = b;
-        if (b->next) b->next->prev = tail;
-        b->next = tail;
+        link_block(b, tail, 1);
     }
     b->ptr = lo;
     b->nbytes = hi - lo;
@@ -205,74 +237,267 @@ static mp_block *carve_pages_locked(mp_pool *p, mp_block *b, uintptr_t lo, uintp
     return b;
 }
 
-static void merge_unmapped_locked(mp_pool *p, mp_block *u) {
-    mp_block *n = u->next;
-    if (n && n->state == MP_BLOCK_UNMAPPED && !n->busy) {
-        u->nbytes += n->nbytes;
-        u->next = n->next;
-        if (n->next) n->next->prev = u;
-        mp_block_delete_locked(p, n);
-    }
-    mp_block *q = u->prev;
-    if (q && q->state == MP_BLOCK_UNMAPPED && !q->busy) {
-        q->nbytes += u->nbytes;
-        q->next = u->next;
-        if (u->next) u->next->prev = q;
-        mp_block_delete_locked(p, u);
-    }
-}
+typedef struct unmap_job {
+    mp_block *u;          /* busy unmapped block whose pages are still mapped upstream */
+    mp_stream *owner;     /* the stream in whose order they were freed */
+    int ok;
+} unmap_job;
 
-size_t mp_expand_release_locked(mp_pool *p, size_t target) {
-    size_t g = p->up.granularity, released = 0, n = 0, cap = 0;
-    unmap_job *jobs = NULL;
-    for (mp_segment *seg = p->segments; seg && released < target; seg = seg->next) {
+/* Unmap whole free pages outside [keep_lo, keep_hi) until `target` bytes are released (or
+ * nothing releasable is left), after synchronizing their owner streams. Drops and retakes
+ * the lock. Returns the bytes released. */
+static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo, uintptr_t keep_hi) {
+    if (!target) return 0;
+    size_t ncand = 0, cap = 0;
+    candidate *cands = NULL;
+    uintptr_t lo, hi;
+    for (mp_segment *seg = p->segments; seg; seg = seg->next) {
         if (!seg->expandable) continue;
-        for (mp_block *b = seg->first; b && released < target; b = b->next) {
-            if (b->state != MP_BLOCK_FREE) continue;
-            uintptr_t lo = round_up(b->ptr, g), hi = round_down(b->ptr + b->nbytes, g);
-            if (hi <= lo) continue;
-            if (n == cap) {
-                size_t ncap = cap ? cap * 2 : 16;
-                unmap_job *grown = realloc(jobs, ncap * sizeof *grown);
+        for (mp_block *b = seg->first; b; b = b->next) {
+            if (!candidate_ok(p, b, keep_lo, keep_hi, &lo, &hi)) continue;
+            if (ncand == cap) {
+                size_t ncap = cap ? 2 * cap : 32;
+                candidate *grown = realloc(cands, ncap * sizeof *grown);
                 if (!grown) break;
-                jobs = grown;
+                cands = grown;
                 cap = ncap;
             }
-            uintptr_t owner = b->stream->handle;
-            mp_block *u = carve_pages_locked(p, b, lo, hi);
-            if (!u) break;
-            jobs[n].u = u;
-            jobs[n].stream = owner;
-            n++;
-            size_t bytes = hi - lo;
-            released += bytes;
-            seg->mapped_bytes -= bytes;
-            p->stats.num_device_free++;
-            mp_stat3_dec(p->stats.reserved_bytes, seg->kind, (int64_t)bytes);
-            mp_stat_dec(&p->stats.mapped_bytes, (int64_t)bytes);
-            mp_trace_locked(p, MP_TRACE_SEGMENT_UNMAP, lo, bytes, owner);
-            b = u;   /* continue after the unmapped block (the tail, if any, is partial) */
+            cands[ncand].b = b;
+            cands[ncand++].nbytes = hi - lo;
         }
     }
+    unmap_job *jobs = ncand ? malloc(ncand * sizeof *jobs) : NULL;
+    if (!jobs) {
+        free(cands);
+        return 0;
+    }
+    qsort(cands, ncand, sizeof *cands, cmp_candidate);
+    size_t n = 0, released = 0;
+    for (size_t i = 0; i < ncand && released < target; i++) {
+        mp_block *b = cands[i].b;
+        releasable(p, b, &lo, &hi);
+        size_t want = target - released;   /* only what is still wanted, from the high end */
+        if (want < hi - lo) {
+            want = round_up(want, p->up.granularity);
+            if (want < hi - lo) lo = hi - want;
+        }
+        mp_stream *owner = b->stream;
+        if (!carve_pages_locked(p, b, lo, hi)) break;
+        jobs[n].u = b;
+        jobs[n].owner = owner;
+        jobs[n++].ok = 1;
+        released += hi - lo;
+        count_mapped_locked(p, b->seg, hi - lo, 0);
+    }
+    free(cands);
     if (!n) {
         free(jobs);
         return 0;
     }
+    p->inflight_bytes += released;   /* still held until unmapped: count it for the limit */
     mp_lock_release(&p->lock);
     for (size_t i = 0; i < n; i++) {
-        int seen = 0;
-        for (size_t j = 0; j < i && !seen; j++) seen = jobs[j].stream == jobs[i].stream;
-        if (!seen) p->up.stream_synchronize(p->up.ctx, jobs[i].stream);
+        size_t j = 0;
+        while (jobs[j].owner != jobs[i].owner) j++;
+        if (j == i) jobs[i].ok = p->up.stream_synchronize(p->up.ctx, jobs[i].owner->handle) == MP_OK;
+        else jobs[i].ok = jobs[j].ok;   /* synchronized once per stream */
     }
-    for (size_t i = 0; i < n; i++) p->up.unmap(p->up.ctx, jobs[i].u->ptr, jobs[i].u->nbytes);
+    for (size_t i = 0; i < n; i++)
+        if (jobs[i].ok) jobs[i].ok = p->up.unmap(p->up.ctx, jobs[i].u->ptr, jobs[i].u->nbytes) == MP_OK;
     mp_lock_acquire(&p->lock);
-    /* One at a time: a later job's block stays busy (unmerged, so valid) until its turn. */
+    p->inflight_bytes -= released;
+    /* One at a time: a later job's block stays busy (so unmerged and valid) until its turn. */
     for (size_t i = 0; i < n; i++) {
-        jobs[i].u->busy = 0;
-        merge_unmapped_locked(p, jobs[i].u);
+        mp_block *u = jobs[i].u;
+        u->busy = 0;
+        if (jobs[i].ok) {
+            p->stats.num_device_free++;
+            mp_trace_locked(p, MP_TRACE_SEGMENT_UNMAP, u->ptr, u->nbytes, jobs[i].owner->handle);
+            merge_unmapped_locked(p, u);
+            continue;
+        }
+        /* Not synchronized, or not unmapped: the pages are still there, and still free. */
+        released -= u->nbytes;
+        count_mapped_locked(p, u->seg, u->nbytes, 1);
+        u->stream = jobs[i].owner;
+        mp_insert_free_merged_locked(p, u);
     }
     free(jobs);
     return released;
+}
+
+size_t mp_expand_release_locked(mp_pool *p, size_t target) {
+    return release_pages_locked(p, target, 0, 0);
+}
+
+/* ---------------------------------------------------------------- growth */
+
+typedef struct grow_plan {
+    mp_block *u;          /* the unmapped block mapped into */
+    uintptr_t at;         /* first byte mapped (page-aligned, inside u) */
+    size_t nbytes;        /* bytes mapped */
+    uintptr_t lo, hi;     /* u with the free neighbours it joins: kept out of releases */
+} grow_plan;
+
+static int free_of(const mp_block *b, const mp_stream *s) {
+    return b && b->state == MP_BLOCK_FREE && b->stream == s;
+}
+
+/* Where to map so that a free block of s holds `size`: the unmapped block that, joined with
+ * the free blocks of s beside it, needs the fewest new bytes (the lowest address on a tie).
+ * 0 when the range has no room left. */
+static int plan_growth_locked(const mp_pool *p, mp_segment *seg, mp_stream *s, size_t size,
+                              grow_plan *out) {
+    size_t g = p->up.granularity;
+    int found = 0;
+    for (mp_block *u = seg->first; u; u = u->next) {
+        if (u->state != MP_BLOCK_UNMAPPED || u->busy) continue;
+        size_t left = free_of(u->prev, s) ? u->prev->nbytes : 0;
+        size_t right = free_of(u->next, s) ? u->next->nbytes : 0;
+        if (left + u->nbytes + right < size) continue;
+        size_t n = u->nbytes;   /* the whole hole, joining both neighbours */
+        uintptr_t at = u->ptr;
+        if (left + u->nbytes >= size && round_up(size - left, g) < n) n = round_up(size - left, g);
+        if (right + u->nbytes >= size && round_up(size - right, g) < n) {
+            n = round_up(size - right, g);
+            at = u->ptr + u->nbytes - n;
+        }
+        if (found && n >= out->nbytes) continue;
+        found = 1;
+        out->u = u;
+        out->at = at;
+        out->nbytes = n;
+        out->lo = left ? u->prev->ptr : u->ptr;
+        out->hi = u->ptr + u->nbytes + right;
+    }
+    return found;
+}
+
+/* Map the planned pages and hand out the free block holding them (*out, in no list; NULL
+ * when the neighbours it joined changed while the lock was dropped: search again). */
+static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan *plan,
+                      size_t size, mp_block **out) {
+    /* The pages become a busy block of their own, so that the rest of u stays open to
+     * other threads while the lock is dropped. */
+    mp_block *u = plan->u, *m = u;
+    if (plan->nbytes < u->nbytes) {
+        if (!(m = mp_block_new_locked(p))) return MP_ENOMEM;
+        m->ptr = plan->at;
+        m->nbytes = plan->nbytes;
+        m->stream = s;
+        m->state = MP_BLOCK_UNMAPPED;
+        int after = plan->at > u->ptr;
+        link_block(u, m, after);
+        if (!after) u->ptr += plan->nbytes;
+        u->nbytes -= plan->nbytes;
+    }
+    m->busy = 1;
+    p->inflight_bytes += plan->nbytes;
+    mp_lock_release(&p->lock);
+    int rc = p->up.map(p->up.ctx, m->ptr, m->nbytes);
+    mp_lock_acquire(&p->lock);
+    p->inflight_bytes -= plan->nbytes;
+    m->busy = 0;
+    if (rc != MP_OK) {
+        /* All or nothing: the upstream undid any pages it had mapped, so the range is
+         * unmapped as before. Out of device memory, free pages elsewhere may make room
+         * (the caller then comes back). */
+        merge_unmapped_locked(p, m);
+        if (rc == MP_ENOMEM && release_pages_locked(p, plan->nbytes, plan->lo, plan->hi)) return MP_OK;
+        return rc;
+    }
+    m->stream = s;
+    count_mapped_locked(p, seg, m->nbytes, 1);
+    p->stats.num_device_alloc++;
+    mp_trace_locked(p, MP_TRACE_SEGMENT_MAP, m->ptr, m->nbytes, s->handle);
+    mp_insert_free_merged_locked(p, m);   /* m absorbs its free neighbours of s */
+    if (m->nbytes >= size) {
+        mp_remove_free_locked(p, m);
+        *out = m;
+    }
+    return MP_OK;
+}
+
+/* Make a free block of at least `size` in s's range by mapping pages, and hand it out
+ * (*out; NULL when the pool changed meanwhile: search again). MP_ENOMEM / MP_ELIMIT when it
+ * cannot grow. */
+static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_block **out) {
+    *out = NULL;
+    mp_segment *seg = segment_of_locked(p, s, kind, size);
+    if (!seg) return MP_ENOMEM;
+    grow_plan plan = {0};
+    if (!plan_growth_locked(p, seg, s, size, &plan)) {
+        /* The range's address space is used up (by blocks, or by holes too small for the
+         * request): a new range takes over the growth; the old one keeps its blocks. */
+        if (!seg->mapped_bytes || size > seg->nbytes) return MP_ENOMEM;
+        s->expandable[kind] = NULL;
+        mp_segment *fresh = segment_of_locked(p, s, kind, size);
+        if (!fresh) {
+            s->expandable[kind] = seg;
+            return MP_ENOMEM;
+        }
+        seg = fresh;
+        if (!plan_growth_locked(p, seg, s, size, &plan)) return MP_ENOMEM;
+    }
+
+    /* Room first, from free pages elsewhere: down to the limit (required), below the
+     * garbage collection threshold (best effort), and all idle pages before a new high
+     * water mark when they are many (Note [Expandable segments]). */
+    size_t need = mp_reserved_now_locked(p) + plan.nbytes, excess = 0;
+    size_t limit = p->cfg.limit;
+    if (limit != MP_UNLIMITED && need > limit) excess = need - limit;
+    if (p->cfg.gc_threshold > 0) {
+        size_t base = limit != MP_UNLIMITED ? limit : p->capacity;
+        size_t threshold = (size_t)(p->cfg.gc_threshold * (double)base);
+        if (base && need > threshold && need - threshold > excess) excess = need - threshold;
+    }
+    if (need > p->mapped_high_water) {
+        size_t idle = idle_bytes_locked(p, plan.lo, plan.hi);
+        if (idle >= MP_HIGH_WATER_MIN_IDLE && idle >= p->mapped_high_water / MP_HIGH_WATER_IDLE_DIV)
+            excess = idle > excess ? idle : excess;
+    }
+    if (excess && release_pages_locked(p, excess, plan.lo, plan.hi)) return MP_OK;   /* re-plan */
+    if (limit != MP_UNLIMITED && need > limit) return MP_ELIMIT;
+    return map_locked(p, seg, s, &plan, size, out);
+}
+
+int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
+                           mp_release_list *rel, mp_block **out) {
+    (void)rel;   /* expandable pools release pages here, not whole segments */
+    int rc = MP_ENOMEM, synced = 0;
+    for (int round = 0; round < 32; round++) {
+        if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
+        rc = grow_locked(p, s, kind, size, out);
+        if (rc == MP_OK) {
+            if (*out) return MP_OK;
+            continue;
+        }
+        if (rc != MP_ENOMEM && rc != MP_ELIMIT) return rc;
+        if (synced || !p->npending) return rc;
+        /* Last resort: wait for the streams that hold frees pending, then try again. */
+        p->stats.num_alloc_retries++;
+        synced = 1;
+        mp_sync_pending_unlocked(p);
+    }
+    return MP_ENOMEM;   /* the pool kept changing under us */
+}
+
+int mp_expand_reserve_initial(mp_pool *p, size_t nbytes) {
+    mp_lock_acquire(&p->lock);
+    mp_stream *s = mp_stream_get_locked(p, 0);
+    mp_segment *seg = s ? segment_of_locked(p, s, KIND_LARGE, nbytes) : NULL;
+    mp_block *b = NULL;
+    grow_plan plan = {0};
+    /* As for plain segments, the initial reservation is not held to the limit. */
+    int rc = seg && plan_growth_locked(p, seg, s, nbytes, &plan)
+                 ? map_locked(p, seg, s, &plan, nbytes, &b) : MP_ENOMEM;
+    if (rc == MP_OK && !b) rc = MP_ENOMEM;
+    if (rc == MP_OK) {
+        seg->pinned = 1;   /* its pages up to initial_pool_size stay mapped */
+        mp_insert_free_locked(p, b);
+    }
+    mp_lock_release(&p->lock);
+    return rc;
 }
 
 void mp_segment_release_upstream(mp_pool *p, mp_segment *seg) {
