@@ -11,8 +11,8 @@ cdef extern from "mp_cuda.h" nogil:
     int mp_cuda_available()
     int mp_cuda_last_error(const void *up)
     void mp_cuda_bind_errors(void *up)
-    void mp_cuda_error_string(int code, char *buf, size_t buflen)
     void mp_cuda_own_pool(void *up)
+    void mp_cuda_error_string(int code, char *buf, size_t buflen)
 
 
 cdef int _make_cuda_upstream(void *up, int device, uintptr_t handle) except -1:
@@ -21,7 +21,9 @@ cdef int _make_cuda_upstream(void *up, int device, uintptr_t handle) except -1:
 
     Raises RuntimeError with the driver's reason when the driver is missing, the device
     does not exist or does not support memory pools. After the pool has copied the struct,
-    call mp_cuda_bind_errors(mp_pool_upstream(pool)) so that its last_error is kept.
+    call mp_cuda_bind_errors(mp_pool_upstream(pool)) so that its last_error is kept; for a
+    pool made by _cuda.resolve_pool_handle("create"), mp_cuda_own_pool(up) makes the
+    upstream's destroy destroy it.
     """
     cdef char err[512]
     cdef int rc

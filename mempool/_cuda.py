@@ -257,10 +257,12 @@ def reset_peaks(handle):
         _call("resetting the pool's high watermarks", rt.memPoolSetAttribute, handle, attr, 0)
 
 
-def trim_to(handle, keep):
+def trim_to(handle, keep, sync_device=None):
     """Release the pool's unused backing memory down to `keep` bytes (``cudaMemPoolTrimTo``).
 
-    Memory still handed out (segments the Pool holds) is never released.
+    Memory still handed out (segments the Pool holds) is never released, and neither is
+    memory freed in stream order whose free the host has not yet seen complete: pass
+    `sync_device` to synchronize that device first, so that every queued free counts.
 
     Parameters
     ----------
@@ -268,10 +270,22 @@ def trim_to(handle, keep):
         A ``cudaMemPool_t``.
     keep : int
         Bytes of reserved memory to keep, at least.
+    sync_device : int, optional
+        Device ordinal to synchronize before trimming (the pool's device).
     """
     _check_handle(handle)
     _check_int("keep", keep, high=2**64 - 1)
+    if sync_device is not None:
+        _check_int("sync_device", sync_device)
     rt = _runtime()
+    if sync_device is not None:
+        previous = _call("reading the current device (cudaGetDevice)", rt.getDevice)
+        try:
+            _call(f"setting device {sync_device} (cudaSetDevice)", rt.setDevice, sync_device)
+            _call(f"synchronizing device {sync_device} (cudaDeviceSynchronize)",
+                  rt.deviceSynchronize)
+        finally:
+            rt.setDevice(previous)
     _call(f"trimming the memory pool to {keep} bytes (cudaMemPoolTrimTo)", rt.memPoolTrimTo,
           handle, keep)
 

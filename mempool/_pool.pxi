@@ -29,28 +29,45 @@ _TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc",
                   "segment_free", "oom", "segment_map", "segment_unmap")
 
 
+cdef size_t _size_slow(object value, str name) except? 0:
+    """The checks behind _as_nbytes, off its fast path: types, then the range."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an integer number of bytes, got "
+                        f"{type(value).__name__} {value!r}")
+    value = value.__index__()
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    if value >= 2 ** 64:
+        raise ValueError(f"{name}={value} is out of range: sizes must be below 2**64")
+    return PyLong_AsSize_t(value)
+
+
 cdef inline size_t _as_nbytes(object nbytes, str name) except? 0:
     """A size argument: a non-negative integer below 2**64 (bool and float refused)."""
-    if type(nbytes) is not int:
-        if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
-            raise TypeError(f"{name} must be an integer number of bytes, got "
-                            f"{type(nbytes).__name__} {nbytes!r}")
-        nbytes = nbytes.__index__()
-    if nbytes < 0:
-        raise ValueError(f"{name} must be >= 0, got {nbytes}")
-    if nbytes >= 2 ** 64:
-        raise ValueError(f"{name}={nbytes} is out of range: sizes must be below 2**64")
-    return PyLong_AsSize_t(nbytes)
+    if type(nbytes) is int:
+        try:
+            return PyLong_AsSize_t(nbytes)   # raises OverflowError when negative or too big
+        except OverflowError:
+            pass
+    return _size_slow(nbytes, name)
 
 
-cdef inline uintptr_t _as_pointer(object ptr) except? 0:
-    if type(ptr) is not int:
-        if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
-            raise TypeError(f"ptr must be an integer address, got {type(ptr).__name__} {ptr!r}")
-        ptr = ptr.__index__()
+cdef size_t _pointer_slow(object ptr) except? 0:
+    if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
+        raise TypeError(f"ptr must be an integer address, got {type(ptr).__name__} {ptr!r}")
+    ptr = ptr.__index__()
     if ptr < 0 or ptr >= 2 ** 64:
         raise ValueError(f"ptr must be an address in [0, 2**64), got {ptr}")
     return PyLong_AsSize_t(ptr)
+
+
+cdef inline uintptr_t _as_pointer(object ptr) except? 0:
+    if type(ptr) is int:
+        try:
+            return PyLong_AsSize_t(ptr)
+        except OverflowError:
+            pass
+    return _pointer_slow(ptr)
 
 
 def stream_handle(stream):
@@ -211,8 +228,6 @@ cdef class Pool:
     cdef inline int _stream_of(self, object stream, uintptr_t *out) except -1:
         if stream is None:
             out[0] = _cuda_current_stream() if self._kind == _CUDA else 0
-        elif type(stream) is int and 0 <= stream < 2 ** 64:
-            out[0] = PyLong_AsSize_t(stream)
         else:
             out[0] = PyLong_AsSize_t(stream_handle(stream))
         return 0
@@ -282,6 +297,13 @@ cdef class Pool:
         """Context manager: CuPy allocates from this pool inside the ``with`` block."""
         return _CupyAllocatorScope(self)
 
+    # ---- sharing (mempool/_buffer.pxi) ----
+    def empty(self, shape, dtype="float32", stream=None):
+        """A new, uninitialised :class:`Buffer` of ``shape`` and ``dtype`` on ``stream``,
+        for zero-copy hand-off through DLPack (``torch.from_dlpack(pool.empty(...))``)."""
+        return _pool_empty(self, shape, dtype, stream)
+    # ---- end sharing ----
+
     cdef object _pointer_error(self, int rc, str op, uintptr_t p):
         if rc == MP_EINTERIOR:
             return ValueError(f"{op}: {p:#x} points inside a live block of this pool, not at its "
@@ -297,33 +319,43 @@ cdef class Pool:
                           f"(never allocated here, or freed and its segment released)")
 
     cdef object _alloc_error(self, int rc, size_t nbytes, uintptr_t stream):
+        # Read after the fallback chain ran: what is cached now is what no release could
+        # return (free blocks inside segments that hold live ones), so "cached but no block
+        # big enough" means fragmentation.
         rounded = nbytes if nbytes > MP_MAX_ALLOC else mp_round_size(mp_pool_config(self._pool), nbytes)
         reserved = mp_reserved_bytes(self._pool)
         used = mp_used_bytes(self._pool)
         cached = mp_cached_bytes(self._pool)
         largest = mp_largest_free_block(self._pool)
         limit = self.options["limit"]
-        if rc == MP_ELIMIT:
-            where = f"the pool's limit of {_fmt(limit)}"
-        elif nbytes > MP_MAX_ALLOC:
-            where = f"the largest request accepted ({_fmt(MP_MAX_ALLOC)})"
-        else:
-            where = f"{self.backend} device {self.device_id} (capacity {_fmt(self.capacity)})"
-        if rc == MP_ELIMIT:
-            advice = "raise 'limit', or free memory"
-        elif cached >= rounded and largest < rounded:
-            advice = ("free memory is fragmented: expandable_segments=True lets free "
-                      "neighbours merge, or garbage_collection_threshold releases idle "
-                      "segments sooner")
-        elif self.options["max_split_size"] is not None and cached >= rounded:
-            advice = "cached blocks are held by max_split_size; lower it or call empty_cache()"
-        else:
-            advice = "free memory, reduce the request, or set 'limit' on other pools sharing the device"
         if rc not in (MP_ENOMEM, MP_ELIMIT):
             err = mp_pool_upstream(self._pool).last_error
             return OutOfMemoryError(
                 f"allocating {nbytes} bytes on stream {stream:#x} failed in the "
                 f"{self.backend} upstream (error {rc}, native error {err})")
+        capacity = f"capacity {_fmt(self.capacity)}"
+        if rc == MP_ELIMIT:
+            where = f"the pool's limit of {_fmt(limit)} (device {capacity})"
+        elif nbytes > MP_MAX_ALLOC:
+            where = f"the largest request accepted ({_fmt(MP_MAX_ALLOC)})"
+        else:
+            where = f"{self.backend} device {self.device_id} ({capacity}"
+            where += ")" if limit is None else f", pool limit {_fmt(limit)})"
+        fragmented = cached >= rounded and largest < rounded
+        if fragmented and not self.options["expandable_segments"]:
+            advice = (f"free memory is fragmented ({_fmt(cached)} cached, but no free block "
+                      f"holds {_fmt(rounded)}): expandable_segments=True lets free "
+                      f"neighbours merge")
+            if rc == MP_ELIMIT:
+                advice += ", or raise 'limit'"
+        elif rc == MP_ELIMIT:
+            advice = "raise 'limit', or free memory"
+        elif self.options["max_split_size"] is not None and cached >= rounded:
+            advice = "cached blocks are held by max_split_size; raise it or call empty_cache()"
+        elif nbytes > MP_MAX_ALLOC:
+            advice = "reduce the request"
+        else:
+            advice = "free memory, reduce the request, or set 'limit' on other pools sharing the device"
         return OutOfMemoryError(
             f"out of memory: tried to allocate {_fmt(nbytes)} (rounded to {_fmt(rounded)}) on "
             f"stream {stream:#x}, refused by {where}; the pool has {_fmt(reserved)} reserved, "
@@ -333,13 +365,28 @@ cdef class Pool:
     # ------------------------------------------------------------------ retention
 
     def empty_cache(self):
-        """Release every cached segment (pinned ``initial_pool_size`` memory stays)."""
+        """Release every segment that nothing uses back to the upstream.
+
+        Blocks freed while other streams still use them (see :meth:`record_stream`) first
+        wait for just those streams (a host sync of each, counted in
+        ``stats()["num_sync_all_streams"]``), as ``torch.cuda.empty_cache()`` waits on its
+        outstanding events; no other stream is synchronized. Segments whose free blocks
+        belong to several streams are freed in stream order after an event wait, without a
+        host sync. The ``initial_pool_size`` segment stays: it is kept for the pool's life.
+        """
         mp_empty_cache(self._pool)
         if self._kind == _CUDA:
             _cuda_trim(self, 0)
 
     def trim(self, keep=0):
-        """Release cached segments, oldest first, until at most ``keep`` bytes are cached."""
+        """Release idle segments, longest unused first, until at most ``keep`` bytes are cached.
+
+        ``keep``: bytes, an int or a size string (``"512MiB"``). Whole segments go, so
+        cached memory may end below ``keep``; it ends above it when the rest is not
+        releasable (free blocks of segments that hold live ones, the ``initial_pool_size``
+        segment). Unlike :meth:`empty_cache`, trim never blocks the host: pending frees
+        whose streams have not finished stay cached.
+        """
         cdef size_t k = _as_nbytes(_config.parse_size(keep, "keep"), "keep")
         mp_trim(self._pool, k)
         if self._kind == _CUDA:
@@ -475,17 +522,44 @@ cdef class Pool:
         return segments
 
     def record_history(self, enabled=True, max_entries=100_000):
-        """Record allocation events (a ring of the last ``max_entries``); off by default."""
-        n = _as_nbytes(max_entries, "max_entries") if enabled else 0
-        if enabled and n == 0:
-            raise ValueError("max_entries must be > 0 when recording is enabled")
+        """Record allocator events for :meth:`history` and :meth:`snapshot`; off by default.
+
+        Parameters
+        ----------
+        enabled : bool
+            True starts recording into a fresh, empty ring of the last ``max_entries``
+            events (as ``torch.cuda.memory._record_memory_history(max_entries=N)``); False
+            stops recording and drops what was recorded. While off, recording costs one
+            branch per event.
+        max_entries : int
+            Ring size (> 0); older events are overwritten. Each entry takes 40 bytes.
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"record_history: enabled must be True or False, got {enabled!r}")
+        cdef size_t n = 0
+        if enabled:
+            if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0:
+                raise ValueError(f"record_history: max_entries must be an int > 0 (the number of "
+                                 f"events kept), got {max_entries!r}")
+            if max_entries >= 2 ** 64:
+                raise ValueError(f"record_history: max_entries={max_entries} is out of range "
+                                 f"(below 2**64 accepted)")
+            n = max_entries
         if mp_trace_enable(self._pool, n) != MP_OK:
             raise MemoryError(f"record_history: no host memory for {max_entries} entries")
 
     def history(self):
-        """The recorded events, oldest first: ``(action, ptr, nbytes, stream, time_ns)``
-        with ``action`` one of ``alloc``, ``free_requested``, ``free_completed``,
-        ``segment_alloc``, ``segment_free``, ``oom``, ``segment_map``, ``segment_unmap``."""
+        """The recorded events, oldest first: ``(action, ptr, nbytes, stream, time_ns)``.
+
+        ``action`` is one of ``alloc``, ``free_requested`` (the free call),
+        ``free_completed`` (the block is reusable: at once, or once the streams it was
+        recorded on pass the free), ``segment_alloc``, ``segment_free``, ``oom``,
+        ``segment_map``, ``segment_unmap`` (expandable segments). As in PyTorch's trace,
+        ``nbytes`` is the requested size for alloc and free entries (the block's rounded
+        size is in :meth:`layout`), the segment's or range's size for segment entries, and
+        the refused request for ``oom``, whose ``ptr`` holds the bytes the device reported
+        free. ``time_ns`` is CLOCK_MONOTONIC. Empty unless :meth:`record_history` is on.
+        """
         cdef mp_trace_entry *entries = NULL
         cdef size_t n = 0, i
         if mp_trace_take(self._pool, &entries, &n) != MP_OK:
@@ -533,9 +607,13 @@ cdef _put_stat(dict out, str prefix, mp_stat s):
 
 
 def _fmt(nbytes):
+    """A byte count for messages: exact, with a unit where one divides it ("20MiB")."""
     if nbytes is None:
         return "none"
-    return _config.format_size(nbytes)
+    text = _config.format_size(nbytes)
+    if not text.isdigit():
+        return text
+    return text + (" byte" if nbytes == 1 else " bytes")
 
 
 def round_size(nbytes, roundup_power2_divisions=0):

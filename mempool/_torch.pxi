@@ -1,1 +1,88 @@
-# The PyTorch pluggable allocator registry (see mempool/torch.py).
+# The PyTorch pluggable allocator's registry (see mempool/torch.py and mp_torch.h).
+#
+# The entry points PyTorch calls are C functions of this extension (mp_torch.c); this file
+# only routes devices to pools and hands out the entry points' addresses.
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
+
+cdef extern from "mp_torch.h" nogil:
+    int MP_TORCH_MAX_DEVICES
+    int mp_torch_register(int device, mp_pool *p)
+    int mp_torch_unregister(int device)
+    mp_pool *mp_torch_registered(int device)
+    int64_t mp_torch_live_blocks(int device)
+    uint64_t mp_torch_failed_allocs(int device)
+    void *mempool_torch_alloc(Py_ssize_t size, int device, void *stream)
+    void mempool_torch_free(void *ptr, Py_ssize_t size, int device, void *stream)
+    void mempool_torch_record_stream(void *ptr, void *stream)
+    void mempool_torch_reset()
+    void mempool_torch_memory_fraction(double fraction, int device)
+    void *mempool_torch_base_alloc(void *ptr, size_t *size)
+
+TORCH_MAX_DEVICES = MP_TORCH_MAX_DEVICES
+
+
+def _torch_check_device(device):
+    import operator
+    try:
+        d = operator.index(device)
+    except TypeError:
+        raise TypeError(f"device: expected an int device index, got {device!r}") from None
+    if not 0 <= d < MP_TORCH_MAX_DEVICES:
+        raise ValueError(f"device: {d} is outside [0, {MP_TORCH_MAX_DEVICES})")
+    return d
+
+
+def _torch_register(device, Pool pool):
+    """Route torch's allocations on `device` to `pool` (the pool is kept alive while
+    registered). Raises RuntimeError if another pool is registered there and torch still
+    holds blocks of it."""
+    cdef int d = _torch_check_device(device)
+    cdef int rc
+    with nogil:
+        rc = mp_torch_register(d, pool._pool)
+    if rc == MP_EBUSY:
+        raise RuntimeError(f"device {d}: torch still holds {mp_torch_live_blocks(d)} blocks "
+                           f"of the pool registered there; free them before replacing it")
+    if rc != MP_OK:
+        raise RuntimeError(f"device {d}: registering the pool failed (code {rc})")
+
+
+def _torch_unregister(device):
+    """Stop routing `device`. Raises RuntimeError while torch still holds blocks there."""
+    cdef int d = _torch_check_device(device)
+    cdef int rc
+    with nogil:
+        rc = mp_torch_unregister(d)
+    if rc == MP_EBUSY:
+        raise RuntimeError(f"device {d}: torch still holds {mp_torch_live_blocks(d)} blocks "
+                           f"of its pool; free them (and torch.cuda.empty_cache()) first")
+    if rc != MP_OK:
+        raise RuntimeError(f"device {d}: unregistering failed (code {rc})")
+
+
+def _torch_is_registered(device, Pool pool=None):
+    """Whether `device` routes anywhere (to `pool`, when given)."""
+    cdef int d = _torch_check_device(device)
+    cdef mp_pool *p = mp_torch_registered(d)
+    if pool is None:
+        return p is not NULL
+    return p is not NULL and p == pool._pool
+
+
+def _torch_counters(device):
+    """{"live_blocks": ..., "failed_allocs": ...} for `device`."""
+    cdef int d = _torch_check_device(device)
+    return {"live_blocks": mp_torch_live_blocks(d), "failed_allocs": mp_torch_failed_allocs(d)}
+
+
+def _torch_entry_points():
+    """Addresses of the C entry points, by the name of the CUDAPluggableAllocator hook that
+    takes each (for ctypes callers and benchmarks)."""
+    return {
+        "alloc": <uintptr_t>&mempool_torch_alloc,
+        "free": <uintptr_t>&mempool_torch_free,
+        "record_stream": <uintptr_t>&mempool_torch_record_stream,
+        "reset": <uintptr_t>&mempool_torch_reset,
+        "memory_fraction": <uintptr_t>&mempool_torch_memory_fraction,
+        "base_alloc": <uintptr_t>&mempool_torch_base_alloc,
+    }

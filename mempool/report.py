@@ -35,6 +35,7 @@ TRACE_ACTIONS = {
     6: "segment_map",
     7: "segment_unmap",
 }
+_ACTION_CODES = {name: code for code, name in TRACE_ACTIONS.items()}
 
 # --------------------------------------------------------------------------- summary
 
@@ -256,9 +257,13 @@ def _trace_entry(t: Sequence[int]) -> dict:
     if len(t) != 5:
         raise ValueError(f"trace entry {t!r}: expected (action, ptr, nbytes, stream, time_ns)")
     action, ptr, nbytes, stream, time_ns = t
-    if action not in TRACE_ACTIONS:
+    # Pool.history() gives the action's name, the core its code: accept either.
+    if isinstance(action, str) and action in _ACTION_CODES:
+        action = _ACTION_CODES[action]
+    if isinstance(action, bool) or action not in TRACE_ACTIONS:
         raise ValueError(f"trace entry {t!r}: unknown action {action!r}; accepted: "
-                         + ", ".join(f"{k} {v}" for k, v in TRACE_ACTIONS.items()))
+                         + ", ".join(f"{k} {v}" for k, v in TRACE_ACTIONS.items())
+                         + " (the code or the name)")
     entry = {"action": TRACE_ACTIONS[action]}
     # PyTorch's OOM entries carry the device's free bytes where others carry an address.
     entry["device_free" if action == TRACE_OOM else "addr"] = ptr
@@ -282,7 +287,7 @@ def snapshot(segments: Iterable[Mapping[str, Any]],
         3 unmapped (expandable segments only).
     traces : iterable of tuple, optional
         Recorded events, oldest first, each ``(action, ptr, nbytes, stream, time_ns)``
-        with ``action`` 0 alloc, 1 free_requested, 2 free_completed, 3 segment_alloc,
+        as :meth:`mempool.Pool.history` gives them, with ``action`` a name or its code: 0 alloc, 1 free_requested, 2 free_completed, 3 segment_alloc,
         4 segment_free, 5 oom, 6 segment_map, 7 segment_unmap. For an oom, ``ptr`` holds the
         bytes the device had free, as in PyTorch's trace.
     device : int

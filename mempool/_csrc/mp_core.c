@@ -573,7 +573,7 @@ int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out) {
     }
     if (rc != MP_OK) goto oom;
     carve_locked(p, b, size, nbytes, s);
-    mp_trace_locked(p, MP_TRACE_ALLOC, b->ptr, b->nbytes, stream);
+    mp_trace_locked(p, MP_TRACE_ALLOC, b->ptr, b->requested, stream);
     *out = b->ptr;
     mp_apply_release_threshold_locked(p, &rel);
     mp_lock_release(&p->lock);
@@ -636,7 +636,8 @@ static void complete_free_locked(mp_pool *p, mp_block *b) {
     int kind = b->seg->kind;
     mp_stat3_dec(p->stats.active, kind, 1);
     mp_stat3_dec(p->stats.active_bytes, kind, (int64_t)b->nbytes);
-    mp_trace_locked(p, MP_TRACE_FREE_COMPLETED, b->ptr, b->nbytes, b->stream->handle);
+    mp_stat3_dec(p->stats.requested_bytes, kind, (int64_t)b->requested);
+    mp_trace_locked(p, MP_TRACE_FREE_COMPLETED, b->ptr, b->requested, b->stream->handle);
     mp_free_block_locked(p, b);
 }
 
@@ -684,9 +685,8 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
     int kind = b->seg->kind;
     mp_stat3_dec(p->stats.allocation, kind, 1);
     mp_stat3_dec(p->stats.allocated_bytes, kind, (int64_t)b->nbytes);
-    mp_stat3_dec(p->stats.requested_bytes, kind, (int64_t)b->requested);
     if (b->nbytes >= p->cfg.max_split_size) mp_stat_dec(&p->stats.oversize_allocations, 1);
-    mp_trace_locked(p, MP_TRACE_FREE_REQUESTED, b->ptr, b->nbytes, fs->handle);
+    mp_trace_locked(p, MP_TRACE_FREE_REQUESTED, b->ptr, b->requested, fs->handle);
     /* Freed on another stream: the block's last use is there, so it becomes that stream's
      * (stream-ordered free, as cudaFreeAsync). */
     b->stream = fs;
@@ -710,7 +710,6 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
         b->nuses = n;
         b->events = events;
         b->state = MP_BLOCK_PENDING;
-        b->requested = 0;
         if (n) pending_push_locked(p, b);
         else {
             free(events);

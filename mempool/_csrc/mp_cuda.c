@@ -98,6 +98,7 @@ static struct {
     CUresult (*MemAllocFromPoolAsync)(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
     CUresult (*MemAllocAsync)(CUdeviceptr *, size_t, CUstream);
     CUresult (*MemFreeAsync)(CUdeviceptr, CUstream);
+    CUresult (*MemPoolDestroy)(CUmemoryPool);
     CUresult (*EventCreate)(CUevent *, unsigned int);
     CUresult (*EventRecord)(CUevent, CUstream);
     CUresult (*EventQuery)(CUevent);
@@ -105,7 +106,6 @@ static struct {
     CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned int);
     CUresult (*StreamSynchronize)(CUstream);
     CUresult (*MemGetInfo)(size_t *, size_t *);
-    CUresult (*MemPoolDestroy)(CUmemoryPool);
     /* Virtual memory management: optional (expandable segments are off without them). */
     CUresult (*MemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
     CUresult (*MemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr,
@@ -149,6 +149,7 @@ static void d_resolve(void) {
         {(void **)&D.MemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", 1},
         {(void **)&D.MemAllocAsync, "cuMemAllocAsync", 1},
         {(void **)&D.MemFreeAsync, "cuMemFreeAsync", 1},
+        {(void **)&D.MemPoolDestroy, "cuMemPoolDestroy", 1},
         {(void **)&D.EventCreate, "cuEventCreate", 1},
         {(void **)&D.EventRecord, "cuEventRecord", 1},
         {(void **)&D.EventQuery, "cuEventQuery", 1},
@@ -156,7 +157,6 @@ static void d_resolve(void) {
         {(void **)&D.StreamWaitEvent, "cuStreamWaitEvent", 1},
         {(void **)&D.StreamSynchronize, "cuStreamSynchronize", 1},
         {(void **)&D.MemGetInfo, "cuMemGetInfo_v2", 1},
-        {(void **)&D.MemPoolDestroy, "cuMemPoolDestroy", 1},
         {(void **)&D.MemGetAllocationGranularity, "cuMemGetAllocationGranularity", 0},
         {(void **)&D.MemAddressReserve, "cuMemAddressReserve", 0},
         {(void **)&D.MemAddressFree, "cuMemAddressFree", 0},
@@ -200,7 +200,7 @@ typedef struct {
     int ordinal;
     CUcontext ctx;               /* the retained primary context; immutable */
     CUmemoryPool pool;           /* NULL = the device's current pool; immutable */
-    int owns_pool;               /* destroy `pool` at the end (the Pool created it) */
+    int owns_pool;               /* atomic; destroy destroys `pool` (mp_cuda_own_pool) */
     int last_error;              /* atomic */
     int *error_slot;             /* atomic; NULL until mp_cuda_bind_errors */
     size_t granularity;          /* 0 without virtual memory management; immutable */
@@ -533,11 +533,12 @@ static void cu_destroy(void *ctx) {
     }
     free(c->ranges);
     pthread_mutex_destroy(&c->vmm_lock);
-    /* A pool the Pool created goes after its last segment: the C pool may outlive the
-     * Python object (buffers handed out through DLPack), so only this end knows when. */
-    if (c->owns_pool && c->pool && ctx_enter(c, &prev) == CUDA_SUCCESS) {
-        D.MemPoolDestroy(c->pool);
-        ctx_leave(prev);
+    /* Frees still queued on streams are fine: the driver releases the pool's memory once
+     * they complete. */
+    if (c->pool && __atomic_load_n(&c->owns_pool, __ATOMIC_ACQUIRE)) {
+        CUresult r;
+        CU_CALL(c, r, D.MemPoolDestroy(c->pool));
+        (void)r;  /* nothing to report to at teardown */
     }
     D.DevicePrimaryCtxRelease(c->dev);
     free(c);
@@ -584,6 +585,10 @@ int mp_cuda_available(void) {
 
 int mp_cuda_last_error(const mp_upstream *up) {
     return __atomic_load_n(&((mp_cuda *)up->ctx)->last_error, __ATOMIC_RELAXED);
+}
+
+void mp_cuda_own_pool(mp_upstream *up) {
+    __atomic_store_n(&((mp_cuda *)up->ctx)->owns_pool, 1, __ATOMIC_RELEASE);
 }
 
 void mp_cuda_bind_errors(mp_upstream *up) {
@@ -687,5 +692,3 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
     up->destroy = cu_destroy;
     return MP_OK;
 }
-
-void mp_cuda_own_pool(mp_upstream *up) { ((mp_cuda *)up->ctx)->owns_pool = 1; }

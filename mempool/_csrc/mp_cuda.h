@@ -45,11 +45,12 @@ int mp_cuda_last_error(const mp_upstream *up);
  * stay at that address until destroy. */
 void mp_cuda_bind_errors(mp_upstream *up);
 
+/* Hand the cudaMemPool_t to the upstream: destroy calls cuMemPoolDestroy on it. For a pool
+ * the Pool created, whose lifetime ends with the C pool's last reference (which Python
+ * does not see). Call on the struct mp_cuda_upstream filled, before or after it is copied. */
+void mp_cuda_own_pool(mp_upstream *up);
+
 /* "CUDA_ERROR_NAME: description" for a CUresult (or -1, see mp_cuda_last_error), into buf. */
 void mp_cuda_error_string(int code, char *buf, size_t buflen);
-
-/* Make the upstream destroy its cudaMemPool_t in up->destroy (for a pool it was given
- * after creating it for this upstream alone). */
-void mp_cuda_own_pool(mp_upstream *up);
 
 #endif

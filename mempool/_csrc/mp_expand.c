@@ -165,164 +165,290 @@ static mp_segment *segment_of_locked(mp_pool *p, mp_stream *s, int kind, size_t 
 
 /* ---------------------------------------------------------------- release */
 
-/* Whole pages of free block b that may be unmapped, [*lo, *hi); 0 when there are none. */
-static int releasable(const mp_pool *p, const mp_block *b, uintptr_t *lo, uintptr_t *hi) {
+/* Release works on runs: maximal sequences of adjacent free blocks. Blocks of different
+ * owners never merge, but their pages are all free, so a page shared by two of them can
+ * go too; each owner's stream is synchronized before the unmap. */
+
+/* The run starting at free block `first`: its last block, and the whole pages in it that
+ * may be unmapped, [*lo, *hi) (*hi <= *lo when there are none). */
+static mp_block *run_pages(const mp_pool *p, mp_block *first, uintptr_t *lo, uintptr_t *hi) {
     size_t g = p->up.granularity;
-    uintptr_t a = round_up(b->ptr, g), e = round_down(b->ptr + b->nbytes, g);
-    uintptr_t pin = pinned_end(p, b->seg);
-    if (a < pin) a = pin;
-    if (e <= a) return 0;
-    *lo = a;
+    mp_block *last = first;
+    while (last->next && last->next->state == MP_BLOCK_FREE) last = last->next;
+    uintptr_t a = round_up(first->ptr, g), e = round_down(last->ptr + last->nbytes, g);
+    uintptr_t pin = pinned_end(p, first->seg);
+    *lo = a < pin ? pin : a;
     *hi = e;
-    return 1;
+    return last;
 }
 
-/* A free block with whole pages to give, outside [keep_lo, keep_hi): its pages in *lo, *hi. */
-static int candidate_ok(const mp_pool *p, const mp_block *b, uintptr_t keep_lo, uintptr_t keep_hi,
-                        uintptr_t *lo, uintptr_t *hi) {
-    return b->state == MP_BLOCK_FREE && !(b->ptr >= keep_lo && b->ptr < keep_hi) &&
-           releasable(p, b, lo, hi);
+typedef struct run_ref {
+    mp_block *first;
+    size_t nbytes;        /* whole pages in it */
+} run_ref;
+
+/* Visit the runs with pages to give, outside [keep_lo, keep_hi); stop when visit says 0. */
+typedef int (*run_visit)(void *arg, mp_block *first, uintptr_t lo, uintptr_t hi);
+
+static void each_run_locked(const mp_pool *p, uintptr_t keep_lo, uintptr_t keep_hi, run_visit visit,
+                            void *arg) {
+    for (mp_segment *seg = p->segments; seg; seg = seg->next) {
+        if (!seg->expandable) continue;
+        mp_block *b = seg->first;
+        while (b) {
+            if (b->state != MP_BLOCK_FREE) {
+                b = b->next;
+                continue;
+            }
+            uintptr_t lo, hi;
+            mp_block *last = run_pages(p, b, &lo, &hi);
+            uintptr_t end = last->ptr + last->nbytes;
+            int kept = b->ptr < keep_hi && keep_lo < end;
+            if (hi > lo && !kept && !visit(arg, b, lo, hi)) return;
+            b = last->next;
+        }
+    }
+}
+
+static int add_idle(void *arg, mp_block *first, uintptr_t lo, uintptr_t hi) {
+    (void)first;
+    *(size_t *)arg += hi - lo;
+    return 1;
 }
 
 static size_t idle_bytes_locked(const mp_pool *p, uintptr_t keep_lo, uintptr_t keep_hi) {
     size_t n = 0;
-    uintptr_t lo, hi;
-    for (mp_segment *seg = p->segments; seg; seg = seg->next)
-        if (seg->expandable)
-            for (mp_block *b = seg->first; b; b = b->next)
-                if (candidate_ok(p, b, keep_lo, keep_hi, &lo, &hi)) n += hi - lo;
+    each_run_locked(p, keep_lo, keep_hi, add_idle, &n);
     return n;
 }
 
-typedef struct candidate {
-    mp_block *b;
-    size_t nbytes;
-} candidate;
+typedef struct run_list {
+    run_ref *runs;
+    size_t n, cap;
+} run_list;
+
+static int add_run(void *arg, mp_block *first, uintptr_t lo, uintptr_t hi) {
+    run_list *l = arg;
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? 2 * l->cap : 32;
+        run_ref *grown = realloc(l->runs, cap * sizeof *grown);
+        if (!grown) return 0;
+        l->runs = grown;
+        l->cap = cap;
+    }
+    l->runs[l->n].first = first;
+    l->runs[l->n++].nbytes = hi - lo;
+    return 1;
+}
 
 /* Largest first; the lower address first among equals, so the order is deterministic. */
-static int cmp_candidate(const void *x, const void *y) {
-    const candidate *a = x, *b = y;
+static int cmp_run(const void *x, const void *y) {
+    const run_ref *a = x, *b = y;
     if (a->nbytes != b->nbytes) return a->nbytes > b->nbytes ? -1 : 1;
-    return a->b->ptr < b->b->ptr ? -1 : a->b->ptr > b->b->ptr;
+    return a->first->ptr < b->first->ptr ? -1 : a->first->ptr > b->first->ptr;
 }
 
-/* Turn pages [lo, hi) of free block b into a busy unmapped block; what b keeps on either
- * side stays free. Returns the busy block (b itself), or NULL out of host memory. */
-static mp_block *carve_pages_locked(mp_pool *p, mp_block *b, uintptr_t lo, uintptr_t hi) {
-    mp_block *head = NULL, *tail = NULL;
-    if (lo > b->ptr && !(head = mp_block_new_locked(p))) return NULL;
-    if (hi < b->ptr + b->nbytes && !(tail = mp_block_new_locked(p))) {
-        if (head) mp_block_delete_locked(p, head);
-        return NULL;
-    }
-    mp_remove_free_locked(p, b);
-    if (head) {
-        head->ptr = b->ptr;
-        head->nbytes = lo - b->ptr;
-        head->stream = b->stream;
-        link_block(b, head, 0);
-    }
-    if (tail) {
-        tail->ptr = hi;
-        tail->nbytes = b->ptr + b->nbytes - hi;
-        tail->stream = b->stream;
-        link_block(b, tail, 1);
-    }
-    b->ptr = lo;
-    b->nbytes = hi - lo;
-    b->state = MP_BLOCK_UNMAPPED;
-    b->busy = 1;
-    if (head) mp_insert_free_locked(p, head);
-    if (tail) mp_insert_free_locked(p, tail);
-    return b;
-}
+/* Part of a run that one owner freed: put back as it was if the pages cannot go. */
+typedef struct run_part {
+    uintptr_t ptr;
+    size_t nbytes;
+    mp_stream *owner;
+} run_part;
 
 typedef struct unmap_job {
     mp_block *u;          /* busy unmapped block whose pages are still mapped upstream */
-    mp_stream *owner;     /* the stream in whose order they were freed */
+    run_part *parts;      /* who freed which bytes of it, in address order */
+    size_t nparts;
     int ok;
+    mp_stream *unsynced;  /* an owner whose sync failed */
 } unmap_job;
+
+/* Split free block b at addr (inside it) with the spare struct n: both halves stay free
+ * with b's owner. Returns the upper half. */
+static mp_block *split_free_locked(mp_pool *p, mp_block *b, uintptr_t addr, mp_block *n) {
+    mp_remove_free_locked(p, b);
+    n->ptr = addr;
+    n->nbytes = b->ptr + b->nbytes - addr;
+    n->stream = b->stream;
+    link_block(b, n, 1);
+    b->nbytes = addr - b->ptr;
+    mp_insert_free_locked(p, b);
+    mp_insert_free_locked(p, n);
+    return n;
+}
+
+/* Turn pages [lo, hi) of the run starting at `first` into one busy unmapped block, noting
+ * in job who freed which part of it. 0 (nothing changed) when out of host memory. */
+static int carve_run_locked(mp_pool *p, mp_block *first, uintptr_t lo, uintptr_t hi, unmap_job *job) {
+    mp_block *x = first;
+    while (x->ptr + x->nbytes <= lo) x = x->next;
+    size_t nparts = 0;
+    for (mp_block *b = x; b && b->ptr < hi; b = b->next) nparts++;
+    /* Everything that can fail is taken first. */
+    run_part *parts = malloc(nparts * sizeof *parts);
+    mp_block *spare1 = mp_block_new_locked(p), *spare2 = spare1 ? mp_block_new_locked(p) : NULL;
+    if (!parts || !spare2) {
+        free(parts);
+        if (spare1) mp_block_delete_locked(p, spare1);
+        return 0;
+    }
+    size_t i = 0;
+    for (mp_block *b = x; b && b->ptr < hi; b = b->next, i++) {
+        parts[i].ptr = b->ptr < lo ? lo : b->ptr;
+        parts[i].nbytes = (b->ptr + b->nbytes < hi ? b->ptr + b->nbytes : hi) - parts[i].ptr;
+        parts[i].owner = b->stream;
+    }
+    if (x->ptr < lo) {
+        x = split_free_locked(p, x, lo, spare1);
+        spare1 = NULL;
+    }
+    mp_block *y = x;
+    while (y->ptr + y->nbytes < hi) y = y->next;
+    if (y->ptr + y->nbytes > hi) {
+        split_free_locked(p, y, hi, spare2);
+        spare2 = NULL;
+    }
+    if (spare1) mp_block_delete_locked(p, spare1);
+    if (spare2) mp_block_delete_locked(p, spare2);
+    mp_block *stop = y->next;
+    mp_remove_free_locked(p, x);
+    for (mp_block *b = x->next; b != stop;) {
+        mp_block *next = b->next;
+        mp_remove_free_locked(p, b);
+        mp_block_delete_locked(p, b);
+        b = next;
+    }
+    x->next = stop;
+    if (stop) stop->prev = x;
+    x->nbytes = hi - lo;
+    x->state = MP_BLOCK_UNMAPPED;
+    x->busy = 1;
+    job->u = x;
+    job->parts = parts;
+    job->nparts = nparts;
+    job->ok = 1;
+    job->unsynced = NULL;
+    return 1;
+}
+
+/* Pages that could not go (an owner not synchronized, or the unmap failed) become free
+ * blocks again, each part with the owner that freed it. `unsynced` is an owner whose sync
+ * failed, if any. */
+static void restore_run_locked(mp_pool *p, unmap_job *job, mp_stream *unsynced) {
+    mp_block *u = job->u;
+    count_mapped_locked(p, u->seg, u->nbytes, 1);
+    u->busy = 0;
+    mp_block **more = malloc(job->nparts * sizeof *more);
+    size_t got = 1;
+    while (more && got < job->nparts && (more[got] = mp_block_new_locked(p))) got++;
+    if (got < job->nparts) {
+        /* Out of host memory for the parts: the whole run goes to the stream that was not
+         * synchronized (its own order keeps the pages safe there), else to any owner. */
+        for (size_t i = 1; more && i < got; i++) mp_block_delete_locked(p, more[i]);
+        free(more);
+        u->stream = unsynced ? unsynced : job->parts[0].owner;
+        mp_insert_free_merged_locked(p, u);
+        return;
+    }
+    u->nbytes = job->parts[0].nbytes;
+    u->stream = job->parts[0].owner;
+    mp_block *prev = u;
+    for (size_t i = 1; i < job->nparts; i++) {
+        mp_block *b = more[i];
+        b->ptr = job->parts[i].ptr;
+        b->nbytes = job->parts[i].nbytes;
+        b->stream = job->parts[i].owner;
+        b->state = MP_BLOCK_UNMAPPED;   /* until its turn below: nothing merges into it */
+        b->busy = 1;
+        link_block(prev, b, 1);
+        prev = b;
+    }
+    more[0] = u;
+    for (size_t i = 0; i < job->nparts; i++) {
+        more[i]->busy = 0;
+        mp_insert_free_merged_locked(p, more[i]);
+    }
+    free(more);
+}
 
 /* Unmap whole free pages outside [keep_lo, keep_hi) until `target` bytes are released (or
  * nothing releasable is left), after synchronizing their owner streams. Drops and retakes
  * the lock. Returns the bytes released. */
 static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo, uintptr_t keep_hi) {
     if (!target) return 0;
-    size_t ncand = 0, cap = 0;
-    candidate *cands = NULL;
-    uintptr_t lo, hi;
-    for (mp_segment *seg = p->segments; seg; seg = seg->next) {
-        if (!seg->expandable) continue;
-        for (mp_block *b = seg->first; b; b = b->next) {
-            if (!candidate_ok(p, b, keep_lo, keep_hi, &lo, &hi)) continue;
-            if (ncand == cap) {
-                size_t ncap = cap ? 2 * cap : 32;
-                candidate *grown = realloc(cands, ncap * sizeof *grown);
-                if (!grown) break;
-                cands = grown;
-                cap = ncap;
-            }
-            cands[ncand].b = b;
-            cands[ncand++].nbytes = hi - lo;
-        }
-    }
-    unmap_job *jobs = ncand ? malloc(ncand * sizeof *jobs) : NULL;
-    if (!jobs) {
-        free(cands);
+    run_list runs = {0};
+    each_run_locked(p, keep_lo, keep_hi, add_run, &runs);
+    unmap_job *jobs = runs.n ? malloc(runs.n * sizeof *jobs) : NULL;
+    mp_stream **owners = runs.n ? malloc(p->nstreams * sizeof *owners) : NULL;
+    int *synced = runs.n ? malloc(p->nstreams * sizeof *synced) : NULL;
+    if (!jobs || !owners || !synced) {
+        free(runs.runs);
+        free(jobs);
+        free(owners);
+        free(synced);
         return 0;
     }
-    qsort(cands, ncand, sizeof *cands, cmp_candidate);
-    size_t n = 0, released = 0;
-    for (size_t i = 0; i < ncand && released < target; i++) {
-        mp_block *b = cands[i].b;
-        releasable(p, b, &lo, &hi);
+    qsort(runs.runs, runs.n, sizeof *runs.runs, cmp_run);
+    size_t n = 0, released = 0, nowners = 0;
+    for (size_t i = 0; i < runs.n && released < target; i++) {
+        uintptr_t lo, hi;
+        run_pages(p, runs.runs[i].first, &lo, &hi);
         size_t want = target - released;   /* only what is still wanted, from the high end */
         if (want < hi - lo) {
             want = round_up(want, p->up.granularity);
             if (want < hi - lo) lo = hi - want;
         }
-        mp_stream *owner = b->stream;
-        if (!carve_pages_locked(p, b, lo, hi)) break;
-        jobs[n].u = b;
-        jobs[n].owner = owner;
-        jobs[n++].ok = 1;
+        if (!carve_run_locked(p, runs.runs[i].first, lo, hi, &jobs[n])) break;
+        for (size_t k = 0; k < jobs[n].nparts; k++) {
+            size_t j = 0;
+            while (j < nowners && owners[j] != jobs[n].parts[k].owner) j++;
+            if (j == nowners) owners[nowners++] = jobs[n].parts[k].owner;
+        }
+        count_mapped_locked(p, jobs[n].u->seg, hi - lo, 0);
         released += hi - lo;
-        count_mapped_locked(p, b->seg, hi - lo, 0);
+        n++;
     }
-    free(cands);
+    free(runs.runs);
     if (!n) {
         free(jobs);
+        free(owners);
+        free(synced);
         return 0;
     }
     p->inflight_bytes += released;   /* still held until unmapped: count it for the limit */
     mp_lock_release(&p->lock);
+    for (size_t j = 0; j < nowners; j++)
+        synced[j] = p->up.stream_synchronize(p->up.ctx, owners[j]->handle) == MP_OK;
     for (size_t i = 0; i < n; i++) {
-        size_t j = 0;
-        while (jobs[j].owner != jobs[i].owner) j++;
-        if (j == i) jobs[i].ok = p->up.stream_synchronize(p->up.ctx, jobs[i].owner->handle) == MP_OK;
-        else jobs[i].ok = jobs[j].ok;   /* synchronized once per stream */
-    }
-    for (size_t i = 0; i < n; i++)
+        for (size_t k = 0; k < jobs[i].nparts; k++) {
+            size_t j = 0;
+            while (owners[j] != jobs[i].parts[k].owner) j++;
+            if (!synced[j]) {
+                jobs[i].ok = 0;
+                jobs[i].unsynced = owners[j];
+            }
+        }
         if (jobs[i].ok) jobs[i].ok = p->up.unmap(p->up.ctx, jobs[i].u->ptr, jobs[i].u->nbytes) == MP_OK;
+    }
     mp_lock_acquire(&p->lock);
     p->inflight_bytes -= released;
     /* One at a time: a later job's block stays busy (so unmerged and valid) until its turn. */
     for (size_t i = 0; i < n; i++) {
         mp_block *u = jobs[i].u;
-        u->busy = 0;
         if (jobs[i].ok) {
+            u->busy = 0;
             p->stats.num_device_free++;
-            mp_trace_locked(p, MP_TRACE_SEGMENT_UNMAP, u->ptr, u->nbytes, jobs[i].owner->handle);
+            mp_trace_locked(p, MP_TRACE_SEGMENT_UNMAP, u->ptr, u->nbytes, jobs[i].parts[0].owner->handle);
             merge_unmapped_locked(p, u);
-            continue;
+        } else {
+            released -= u->nbytes;
+            restore_run_locked(p, &jobs[i], jobs[i].unsynced);
         }
-        /* Not synchronized, or not unmapped: the pages are still there, and still free. */
-        released -= u->nbytes;
-        count_mapped_locked(p, u->seg, u->nbytes, 1);
-        u->stream = jobs[i].owner;
-        mp_insert_free_merged_locked(p, u);
+        free(jobs[i].parts);
     }
     free(jobs);
+    free(owners);
+    free(synced);
     return released;
 }
 

@@ -174,6 +174,9 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
                 CHECK(b->nuses > 0 && b->events, "pending block %#lx: no events", (unsigned long)b->ptr);
                 CHECK(mp_ptrmap_get(&p->live, b->ptr) == NULL, "pending block %#lx: still live",
                       (unsigned long)b->ptr);
+                CHECK(b->requested <= b->nbytes, "block %#lx: requested %zu > size %zu",
+                      (unsigned long)b->ptr, b->requested, b->nbytes);
+                req_b[k] += (int64_t)b->requested;   /* until the free completes, as PyTorch */
                 active_n[k]++;
                 active_b[k] += (int64_t)b->nbytes;
                 break;

@@ -1,5 +1,7 @@
 /* Releasing cached memory back to the upstream: the idle-segment list (oldest first),
- * release_threshold, trim and empty_cache.
+ * release_threshold, trim and empty_cache. Oldest means longest idle: a segment joins the
+ * tail of the idle list when its last busy block is freed and leaves it when a block of it
+ * is handed out, so the head has gone unused longest.
  *
  * Segments are detached under the pool lock (bookkeeping and stats change at once, so the
  * memory is no longer counted or reachable) and freed upstream after the lock is dropped
@@ -129,7 +131,21 @@ int mp_trim(mp_pool *p, size_t keep) {
     return MP_OK;
 }
 
-int mp_empty_cache(mp_pool *p) { return mp_trim(p, 0); }
+/* Unlike trim(0), which releases only what is free now, empty_cache first waits for the
+ * streams that pending frees wait on (those alone, not every stream), as PyTorch's
+ * empty_cache synchronizes its outstanding events: then every segment that nothing uses
+ * goes back. Blocks owned by other streams cost an event wait, not a sync (see
+ * mp_detach_segment_locked); expandable pages sync their owners before the unmap. */
+int mp_empty_cache(mp_pool *p) {
+    mp_release_list rel = {0};
+    mp_lock_acquire(&p->lock);
+    mp_process_pending_locked(p);
+    mp_sync_pending_unlocked(p);
+    mp_release_idle_locked(p, SIZE_MAX, &rel);
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
+    return MP_OK;
+}
 
 int mp_set_limit(mp_pool *p, size_t limit) {
     mp_lock_acquire(&p->lock);

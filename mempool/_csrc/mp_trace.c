@@ -14,6 +14,13 @@ static uint64_t now_ns(void) {
 
 void mp_trace_record_locked(mp_pool *p, int action, uintptr_t ptr, size_t nbytes,
                             uintptr_t stream) {
+    /* As in PyTorch's trace, an OOM entry carries the bytes the device reports free where
+     * other entries carry an address (the caller passes 0). A short upstream call, made only
+     * while recording and only on an OOM. */
+    if (action == MP_TRACE_OOM) {
+        size_t free_bytes = 0, total = 0;
+        if (p->up.mem_info && p->up.mem_info(p->up.ctx, &free_bytes, &total) == MP_OK) ptr = free_bytes;
+    }
     mp_trace_entry *e = &p->trace[(p->trace_head + p->trace_len) % p->trace_cap];
     if (p->trace_len < p->trace_cap) p->trace_len++;
     else p->trace_head = (p->trace_head + 1) % p->trace_cap;
@@ -26,6 +33,8 @@ void mp_trace_record_locked(mp_pool *p, int action, uintptr_t ptr, size_t nbytes
 
 int mp_trace_enable(mp_pool *p, size_t max_entries) {
     mp_trace_entry *ring = NULL;
+    /* A count whose ring would not fit in size_t must not wrap into a small buffer. */
+    if (max_entries > SIZE_MAX / sizeof *ring) return MP_ENOMEM;
     if (max_entries && !(ring = malloc(max_entries * sizeof *ring))) return MP_ENOMEM;
     mp_lock_acquire(&p->lock);
     mp_trace_entry *old = p->trace;

@@ -1,0 +1,199 @@
+"""Fragmentation on a real GPU: the shipped traces through mempool and the allocators users
+would pick instead, side by side in one run.
+
+    python bench/fragmentation_gpu.py [--out FILE.json] [--snapshot FILE.pickle]
+
+For each trace in bench/traces/ (transformer, vision) it replays every alloc and free,
+allocating real device memory (no kernels), through:
+
+- mempool ``backend="cuda"`` (default settings, and expandable segments where available);
+- PyTorch's caching allocator (``torch.cuda.caching_allocator_alloc``/``_delete``) under
+  several ``PYTORCH_CUDA_ALLOC_CONF`` settings, one subprocess each (the variable is read
+  once, at CUDA initialisation);
+- CuPy's ``MemoryPool`` (reserved bytes sampled after every allocation).
+
+and reports peak reserved / peak live and ns per event. With ``--snapshot`` it also records
+a small PyTorch training loop with ``torch.cuda.memory._record_memory_history`` and saves the
+snapshot pickle (no stack frames, to keep it small), the fixture for the importer's tests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from mempool import replay as rp  # noqa: E402
+from mempool import trace as mtrace  # noqa: E402
+
+TRACES = ("transformer_train.jsonl.gz", "vision_train.jsonl.gz")
+TORCH_CONFS = ("", "expandable_segments:True", "roundup_power2_divisions:4",
+               "max_split_size_mb:64")
+
+
+def _trace_path(name):
+    return name if os.path.exists(name) else os.path.join(HERE, "traces", name)
+
+
+def torch_replay(path: str) -> dict:
+    """Replay in this process through PyTorch's caching allocator (its conf from the env)."""
+    import torch
+
+    prep = rp.prepare(mtrace.load(path))
+    streams = [None] + [torch.cuda.Stream() for _ in prep.streams[1:]]
+    alloc, delete = torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete
+    ptrs = [0] * prep.nslots
+    torch.cuda.reset_peak_memory_stats()
+    ooms = 0
+    t0 = time.perf_counter_ns()
+    for slot, n, s in prep.ops:
+        if n:
+            try:
+                ptrs[slot] = alloc(n, 0, streams[s])
+            except torch.OutOfMemoryError:
+                ooms += 1
+        elif ptrs[slot]:
+            delete(ptrs[slot])
+            ptrs[slot] = 0
+    elapsed = time.perf_counter_ns() - t0
+    st = torch.cuda.memory_stats()
+    torch.cuda.synchronize()
+    return {"peak_reserved_bytes": st["reserved_bytes.all.peak"],
+            "peak_allocated_bytes": st["allocated_bytes.all.peak"],
+            "peak_live_bytes": prep.peak_live_bytes, "num_ooms": ooms,
+            "ns_per_event": elapsed / len(prep.ops),
+            "ratio": st["reserved_bytes.all.peak"] / prep.peak_live_bytes}
+
+
+def cupy_replay(path: str) -> dict:
+    import cupy
+
+    prep = rp.prepare(mtrace.load(path))
+    pool = cupy.cuda.MemoryPool()
+    bufs = [None] * prep.nslots
+    peak = 0
+    total = pool.total_bytes
+    t0 = time.perf_counter_ns()
+    for slot, n, s in prep.ops:
+        if n:
+            bufs[slot] = pool.malloc(n)
+            r = total()
+            if r > peak:
+                peak = r
+        else:
+            bufs[slot] = None
+    elapsed = time.perf_counter_ns() - t0
+    bufs = None
+    pool.free_all_blocks()
+    return {"peak_reserved_bytes": peak, "peak_live_bytes": prep.peak_live_bytes,
+            "ns_per_event": elapsed / len(prep.ops), "ratio": peak / prep.peak_live_bytes,
+            "note": "streams ignored; reserved sampled after each allocation"}
+
+
+def mempool_replay(path: str, conf: dict) -> dict:
+    r = rp.replay(mtrace.load(path), conf=conf, backend="cuda", check=True)
+    return {"peak_reserved_bytes": r.peak_reserved_bytes,
+            "peak_allocated_bytes": r.peak_allocated_bytes,
+            "peak_live_bytes": r.peak_live_bytes, "num_ooms": r.num_ooms,
+            "ns_per_event": r.ns_per_event, "ratio": r.ratio,
+            "num_device_alloc": r.num_device_alloc}
+
+
+def record_torch_snapshot(path: str) -> dict:
+    """A small training loop under PyTorch's memory history, saved as a snapshot pickle."""
+    import pickle
+
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).cuda()
+    opt = torch.optim.Adam(model.parameters())
+    torch.cuda.memory._record_memory_history(max_entries=100_000, context=None)
+    for step in range(4):
+        x = torch.randn(64 * (step + 1), 512, device="cuda")
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    with open(path, "wb") as f:
+        pickle.dump(snap, f)
+    tr = mtrace.from_torch_snapshot(snap)
+    r = rp.replay(tr)
+    actions = {}
+    for e in snap["device_traces"][0]:
+        actions[e["action"]] = actions.get(e["action"], 0) + 1
+    return {"file": path, "bytes": os.path.getsize(path), "trace_actions": actions,
+            "entry_keys": sorted(snap["device_traces"][0][0]) if snap["device_traces"][0] else [],
+            "segment_keys": sorted(snap["segments"][0]) if snap["segments"] else [],
+            "block_keys": sorted(snap["segments"][0]["blocks"][0]) if snap["segments"] else [],
+            "imported_events": len(tr), "imported_meta": tr.meta,
+            "replayed_on_sim": {"peak_live_bytes": r.peak_live_bytes,
+                                "peak_reserved_bytes": r.peak_reserved_bytes,
+                                "unknown_frees": r.unknown_frees},
+            "torch_reserved_peak": torch.cuda.memory_stats()["reserved_bytes.all.peak"]}
+
+
+def _guard(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - a failed row is reported, the run goes on
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--snapshot", default=None, help="record a torch snapshot pickle here")
+    ap.add_argument("--torch-worker", nargs=1, metavar="TRACE", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.torch_worker:
+        print(json.dumps(_guard(torch_replay, args.torch_worker[0])))
+        return 0
+    results = {"rows": []}
+    for name in TRACES:
+        path = _trace_path(name)
+        for label, conf in (("mempool default", {}),
+                            ("mempool expandable_segments:True", {"expandable_segments": True})):
+            row = {"trace": name, "allocator": label, **_guard(mempool_replay, path, conf)}
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        for conf in TORCH_CONFS:
+            env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
+            p = subprocess.run([sys.executable, __file__, "--torch-worker", path], env=env,
+                               capture_output=True, text=True, timeout=300)
+            try:
+                got = json.loads(p.stdout.strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                got = {"error": (p.stderr or p.stdout)[-2000:]}
+            row = {"trace": name, "allocator": f"torch {conf or 'default'}", **got}
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        row = {"trace": name, "allocator": "cupy MemoryPool", **_guard(cupy_replay, path)}
+        results["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    if args.snapshot:
+        results["torch_snapshot"] = _guard(record_torch_snapshot, args.snapshot)
+        print(json.dumps(results["torch_snapshot"], default=str), flush=True)
+    print()
+    for r in results["rows"]:
+        if "error" in r:
+            print(f"{r['trace']:<27} {r['allocator']:<36} error: {r['error'][:150]}")
+        else:
+            print(f"{r['trace']:<27} {r['allocator']:<36} reserved/live {r['ratio']:.3f}  "
+                  f"{r['ns_per_event']:7.0f} ns/event")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

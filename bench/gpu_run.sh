@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# The GPU run: build, test every tier's gpu-marked tests, test them again under
+# compute-sanitizer's memcheck, run the benchmarks, and write OUTDIR/summary.txt.
+#
+#   bench/gpu_run.sh OUTDIR
+#
+# For a machine with a CUDA device and no network: nothing is downloaded. Every stage runs
+# whatever the one before it did (a failing build is reported, and the tests then show what
+# works); each has a time limit so that the whole run stays under about 8 minutes.
+set -u -o pipefail
+
+if [ $# -ne 1 ]; then
+    echo "usage: $0 OUTDIR" >&2
+    exit 2
+fi
+OUT=$1
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+
+# Stage time limits in seconds (about 7 minutes together).
+T_BUILD=${T_BUILD:-120}
+T_TESTS=${T_TESTS:-120}
+T_SANITIZER=${T_SANITIZER:-150}
+T_BENCH=${T_BENCH:-60}
+
+declare -A STATUS
+stage() {  # stage NAME LOG CMD...: run CMD with its output tee'd to LOG, record its status
+    local name=$1 log=$2
+    shift 2
+    echo "=== $name: $*" | tee "$log"
+    "$@" 2>&1 | tee -a "$log"
+    local rc=$?
+    STATUS[$name]=$rc
+    echo "=== $name: exit status $rc" | tee -a "$log"
+}
+
+# ---- versions
+{
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || echo "nvidia-smi: not available"
+    "$PY" -V 2>&1
+    for mod in cupy torch jax numpy Cython pytest; do
+        "$PY" -c "import $mod; print('$mod', $mod.__version__)" 2>/dev/null || echo "$mod: not installed"
+    done
+    "$PY" -c "import cupy; print('cuda runtime', cupy.cuda.runtime.runtimeGetVersion(), 'driver', cupy.cuda.runtime.driverGetVersion())" 2>&1 || true
+    command -v compute-sanitizer >/dev/null && compute-sanitizer --version 2>&1 | tail -1
+} 2>&1 | tee "$OUT/versions.txt"
+
+# ---- build (editable install; the in-place build when pip cannot)
+build() {
+    timeout "$T_BUILD" "$PY" -m pip install --no-build-isolation --no-deps -e . && return 0
+    echo "pip install -e failed; building in place"
+    timeout "$T_BUILD" "$PY" setup.py build_ext --inplace
+}
+stage build "$OUT/build.log" build
+
+# ---- options every pytest run shares. A crash (a segfault in a test) must not end the run:
+# with pytest-xdist a crashed worker is replaced and only its test is lost.
+PYTEST_OPTS=(-p no:cacheprovider -ra --durations 20)
+if "$PY" -c "import xdist" 2>/dev/null; then
+    PYTEST_OPTS+=(-n 1)
+fi
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    PYTEST_OPTS+=(--timeout 120)
+fi
+
+# ---- the GPU tests of every tier
+stage tests "$OUT/tests.log" timeout "$T_TESTS" "$PY" -m pytest -m gpu tests "${PYTEST_OPTS[@]}" \
+    --junitxml "$OUT/junit-gpu.xml"
+
+# ---- the GPU tier under memcheck: out-of-bounds and misaligned device accesses, and bad
+# frees, anywhere in kernels that touch pool memory
+if command -v compute-sanitizer >/dev/null; then
+    stage sanitizer "$OUT/sanitizer.log" timeout "$T_SANITIZER" compute-sanitizer --tool memcheck \
+        --target-processes all --error-exitcode 99 --print-limit 200 \
+        --log-file "$OUT/sanitizer-report.%p.txt" \
+        "$PY" -m pytest -m gpu tests/gpu "${PYTEST_OPTS[@]}" --junitxml "$OUT/junit-sanitizer.xml"
+else
+    echo "compute-sanitizer not found: memcheck stage skipped" | tee "$OUT/sanitizer.log"
+    STATUS[sanitizer]=skipped
+fi
+
+# ---- benchmarks (they report; nothing gates on them)
+if [ -d bench ] && ls bench/*.py >/dev/null 2>&1; then
+    stage bench "$OUT/bench.log" timeout "$T_BENCH" "$PY" -m pytest bench -p no:cacheprovider \
+        --benchmark-enable --benchmark-json "$OUT/bench.json"
+else
+    STATUS[bench]=skipped
+fi
+
+# ---- summary
+{
+    cat "$OUT/versions.txt"
+    echo
+    for name in build tests sanitizer bench; do
+        echo "stage $name: ${STATUS[$name]:-not run} (0 = passed; 124 = over its time limit)"
+    done
+    echo
+    "$PY" - "$OUT" <<'EOF'
+import glob, os, sys
+import xml.etree.ElementTree as ET
+out = sys.argv[1]
+for path in sorted(glob.glob(os.path.join(out, "junit-*.xml"))):
+    try:
+        root = ET.parse(path).getroot()
+    except (ET.ParseError, OSError) as exc:
+        print(f"{os.path.basename(path)}: unreadable ({exc}); the run was cut short")
+        continue
+    totals = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
+    for suite in ([root] if root.tag == "testsuite" else root.iter("testsuite")):
+        for key in totals:
+            totals[key] += int(suite.get(key, 0))
+    passed = totals["tests"] - totals["failures"] - totals["errors"] - totals["skipped"]
+    print(f"{os.path.basename(path)}: {passed} passed, {totals['failures']} failed, "
+          f"{totals['errors']} errors, {totals['skipped']} skipped")
+    for case in root.iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            print(f"  not passed: {case.get('classname')}::{case.get('name')}")
+reports = glob.glob(os.path.join(out, "sanitizer-report.*.txt"))
+errors = []
+for path in reports:
+    with open(path, errors="replace") as f:
+        errors += [line.strip() for line in f if "ERROR SUMMARY" in line]
+if reports:
+    print("memcheck:", "; ".join(sorted(set(errors))) or "no summary line (cut short?)")
+EOF
+} 2>&1 | tee "$OUT/summary.txt"

@@ -1,0 +1,38 @@
+"""Shared bits of the examples: picking a backend and printing a pool's accounting."""
+import argparse
+
+
+def gpu_available():
+    """True when a CUDA device is usable (asked through CuPy, then PyTorch)."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        pass
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def parse_backend(description, cpu_backend, argv=None):
+    """--backend cuda|<cpu_backend>; the default is cuda when there is a GPU."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--backend", choices=("cuda", cpu_backend),
+                    default="cuda" if gpu_available() else cpu_backend)
+    return ap.parse_args(argv)
+
+
+def mib(nbytes):
+    return f"{nbytes / (1 << 20):9.2f} MiB"
+
+
+def report(pool, title):
+    st = pool.stats()
+    print(f"-- {title}")
+    print(f"   used {mib(pool.used_bytes())}  cached {mib(pool.cached_bytes())}  "
+          f"reserved {mib(pool.reserved_bytes())}")
+    print(f"   allocations {st['allocation.all.allocated']}, frees {st['allocation.all.freed']}, "
+          f"peak allocated {mib(st['allocated_bytes.all.peak'])}, "
+          f"segments {st['segment.all.current']}")

@@ -1,0 +1,342 @@
+"""``python -m mempool bench``: run the allocation latency suite and print one table.
+
+The suite is the pytest-benchmark folder ``bench/`` of the source tree. This command runs it
+with benchmarks enabled, keeps pytest's own output in ``OUT/bench.log`` and the results in
+``OUT/bench.json``, prints one table (ns per pair by allocator and size, each row's ratio to
+mempool), and draws ``OUT/latency.png`` when matplotlib is installed. Without a CUDA device
+it runs the simulated-device part only, and says so.
+"""
+import argparse
+import collections
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+SECTION_ORDER = ["latency", "foundation", "streams", "scale", "threads", "first step"]
+SECTION_TEXT = {
+    "latency": "one malloc+free pair by size",
+    "foundation": "foundation targets on sim: the floor, an empty and a populated pool",
+    "streams": "64 KiB pairs over several streams",
+    "scale": "512 B pairs with many blocks live",
+    "threads": "512 B pairs, Python threads at once (wall time per pair, all threads)",
+    "first step": "first training iteration (model creation + one Adam step)",
+}
+# How figures of each unit are printed: (scale from ns, suffix).
+UNITS = {"pair": (1.0, "ns per pair"), "iteration": (1e-3, "us per iteration")}
+NO_GPU_FILTER = "sim or floor"
+
+
+# ------------------------------------------------------------------------------------ table
+
+def _sections(infos):
+    """{section: (columns in order, rows in order, {(row, column): info})}."""
+    by_section = collections.OrderedDict()
+    for info in infos:
+        by_section.setdefault(info.get("section", "other"), []).append(info)
+    ordered = sorted(by_section, key=lambda s: (SECTION_ORDER.index(s)
+                                                 if s in SECTION_ORDER else len(SECTION_ORDER)))
+    result = collections.OrderedDict()
+    for section in ordered:
+        items = by_section[section]
+        first = {}
+        for i, info in enumerate(items):
+            first.setdefault(info["column"], (info.get("order", i), i))
+        columns = sorted(first, key=first.get)
+        rows = list(dict.fromkeys(info["row"] for info in items))
+        cells = {(info["row"], info["column"]): info for info in items}
+        result[section] = (columns, rows, cells)
+    return result
+
+
+def _references(columns, rows, cells):
+    """{column: (ref row, ns)}: the best-ranked mempool row measured in each column."""
+    refs = {}
+    for column in columns:
+        ranked = [(cells[(r, column)]["ref"], r) for r in rows
+                  if (r, column) in cells and cells[(r, column)].get("ref") is not None]
+        if ranked:
+            _, row = min(ranked)
+            refs[column] = (row, cells[(row, column)]["ns"])
+    return refs
+
+
+def _figure(ns, unit):
+    scale, _ = UNITS.get(unit, (1.0, unit))
+    value = ns * scale
+    return f"{value:,.0f}" if value >= 100 else f"{value:,.1f}"
+
+
+def _ratio(r):
+    return f"x{r:,.0f}" if r >= 10 else f"x{r:.2g}"
+
+
+def render_table(infos):
+    """One text table of every measured figure: rows = allocators, columns = sizes/cases.
+
+    Each cell is the median per unit, then ``xR``: the cell divided by the mempool
+    reference row of the same section and column (named in the section's header line).
+    """
+    infos = [i for i in infos if i.get("ns") and i.get("row") and i.get("column")]
+    if not infos:
+        return "(no benchmark figures)"
+    sections = _sections(infos)
+    label_width = max(len(row) for _, rows, _ in sections.values() for row in rows) + 4
+    lines = []
+    for section, (columns, rows, cells) in sections.items():
+        unit = next(iter(cells.values())).get("unit", "pair")
+        refs = _references(columns, rows, cells)
+        body = {}
+        for row in rows:
+            for column in columns:
+                info = cells.get((row, column))
+                if info is None:
+                    body[(row, column)] = "-"
+                    continue
+                text = _figure(info["ns"], unit)
+                if column in refs:
+                    text += " " + _ratio(info["ns"] / refs[column][1])
+                body[(row, column)] = text
+        widths = [max([len(c)] + [len(body[(r, c)]) for r in rows]) for c in columns]
+        ref_rows = sorted(set(r for r, _ in refs.values()))
+        title = f"{section}: {SECTION_TEXT.get(section, '')} [{UNITS.get(unit, (1, unit))[1]}]"
+        if ref_rows:
+            title += f"; xR = relative to {' / '.join(ref_rows)}"
+        lines.append("")
+        lines.append(title)
+        lines.append(" " * label_width + "  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+        for row in rows:
+            cells_text = "  ".join(body[(row, c)].rjust(w) for c, w in zip(columns, widths))
+            lines.append(f"  {row}".ljust(label_width) + cells_text)
+    return "\n".join(lines[1:])
+
+
+def foundation_lines(infos):
+    """The foundation targets as sentences (sim, CPU only)."""
+    sections = _sections([i for i in infos if i.get("ns")])
+    if "foundation" not in sections:
+        return []
+    columns, rows, cells = sections["foundation"]
+    floor = next((r for r in rows if "floor" in r), None)
+    empty = next((r for r in rows if r.startswith("mempool alloc/free") and "empty" in r), None)
+    full = next((r for r in rows if r.startswith("mempool alloc/free") and "cached" in r), None)
+    lines = []
+    for column in columns:
+        if floor and empty and (floor, column) in cells and (empty, column) in cells:
+            f, e = cells[(floor, column)]["ns"], cells[(empty, column)]["ns"]
+            lines.append(f"sim round trip {column}: {e:,.0f} ns = {e / f:.2f} x the bare-call "
+                         f"floor ({f:,.0f} ns for two calls)")
+        if empty and full and (empty, column) in cells and (full, column) in cells:
+            e, p = cells[(empty, column)]["ns"], cells[(full, column)]["ns"]
+            lines.append(f"sim round trip {column} with 100k live + 10k cached blocks: "
+                         f"{p:,.0f} ns = {p / e:.2f} x the empty pool")
+    return lines
+
+
+# ------------------------------------------------------------------------------------- plot
+
+def _ns_label(ns, _pos=None):
+    for scale, unit in ((1e6, "ms"), (1e3, "\u00b5s"), (1.0, "ns")):
+        if ns >= scale:
+            return f"{ns / scale:g} {unit}"
+    return f"{ns:g} ns"
+
+
+def plot_latency(infos, path, note=None):
+    """Draw latency by size per allocator (log scale) to `path`; return a message.
+
+    `note`, when given, is added under the title (e.g. that no GPU rows were run).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return "matplotlib is not installed: no plot drawn (pip install matplotlib)"
+    sections = _sections([i for i in infos if i.get("ns")])
+    if "latency" not in sections:
+        return "no latency figures: no plot drawn"
+    columns, rows, cells = sections["latency"]
+    if any(r.endswith("(cuda)") for r in rows):
+        # With the GPU rows present the sim and host rows only crowd the plot (the table
+        # keeps them).
+        rows = [r for r in rows if not r.endswith(("(sim)", "(host)"))]
+    fig, ax = plt.subplots(figsize=(12, 6.5 + 0.12 * max(0, len(rows) - 12)))
+    tab = plt.get_cmap("tab20").colors
+    colors = tab[0::2] + tab[1::2]     # the strong shades first: neighbours stay distinct
+    markers = "osD^vP*Xph<>"
+    for i, row in enumerate(rows):
+        xs = [j for j, c in enumerate(columns) if (row, c) in cells]
+        ys = [cells[(row, columns[j])]["ns"] for j in xs]
+        mine = row.startswith("mempool") or row.startswith("cupy.empty on mempool")
+        ax.plot(xs, ys, marker=markers[i % len(markers)], color=colors[i % len(colors)],
+                linewidth=2.6 if mine else 1.3, linestyle="-" if mine else "--",
+                markersize=7 if mine else 5, label=row)
+    ax.set_yscale("log")
+    # 1-2-5 steps: a run spanning one decade still gets several labelled ticks.
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_ns_label))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xticks(range(len(columns)))
+    ax.set_xticklabels([c.replace(", ", "\n") for c in columns])
+    ax.set_xlim(-0.3, len(columns) - 0.7)
+    ax.set_xlabel("allocation size")
+    ax.set_ylabel("median time per malloc+free pair (log scale)")
+    title = "Allocation latency by size: one malloc+free pair from Python\n" \
+            "(solid: mempool; dashed: alternatives)"
+    ax.set_title(title + (f"\n{note}" if note else ""))
+    ax.grid(True, which="major", axis="y", alpha=0.5)
+    ax.grid(True, which="minor", axis="y", alpha=0.15)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8.5, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"plot: {path}"
+
+
+# -------------------------------------------------------------------------------------- run
+
+def _bench_dir():
+    here = Path(__file__).resolve().parent.parent / "bench"
+    return here if (here / "test_latency.py").is_file() else None
+
+
+def gpu_available():
+    """True when a CUDA device can be used. Never raises."""
+    try:
+        from mempool import _cuda
+
+        return bool(_cuda.available())
+    except ImportError:
+        pass
+    except Exception:
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+class _Progress:
+    """A pytest plugin: one character per benchmark on the terminal, skips and failures
+    kept for the summary."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.skips = collections.Counter()
+        self.failed = []
+        self.count = 0
+
+    def pytest_runtest_logreport(self, report):
+        if report.skipped:
+            longrepr = report.longrepr
+            reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+            self.skips[reason.removeprefix("Skipped: ")] += 1
+            mark = "s"
+        elif report.failed:
+            self.failed.append(report.nodeid)
+            mark = "F"
+        elif report.when == "call":
+            mark = "."
+        else:
+            return
+        self.count += 1
+        self.stream.write(mark + ("\n" if self.count % 80 == 0 else ""))
+        self.stream.flush()
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="python -m mempool bench",
+                                description="Run the allocation latency suite (bench/) and "
+                                            "print one table of ns per malloc+free pair.")
+    p.add_argument("--quick", action="store_true",
+                   help="3 rounds of 500 pairs instead of 7 of 2000, and no 10^6-block setups")
+    p.add_argument("--out", default="mempool-bench", metavar="DIR",
+                   help="folder for bench.json, bench.log, table.txt and latency.png "
+                        "(default: ./mempool-bench)")
+    p.add_argument("-k", dest="select", metavar="EXPR",
+                   help="run only the benchmarks whose id matches this pytest -k expression")
+    return p
+
+
+def main(command, argv):
+    """Entry point of ``python -m mempool bench``; returns the exit code."""
+    args = _parser().parse_args(argv)
+    bench_dir = _bench_dir()
+    if bench_dir is None:
+        print("mempool bench: the suite lives in the source tree's bench/ folder, which this "
+              "installation lacks; run it from a source checkout", file=sys.stderr)
+        return 2
+    import pytest
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, log_path = out / "bench.json", out / "bench.log"
+    if json_path.exists():
+        json_path.unlink()
+
+    gpu = gpu_available()
+    filters = [] if gpu else [NO_GPU_FILTER]
+    if args.quick:
+        filters.append("not live1e6")
+    if args.select:
+        filters.append(args.select)
+    if not gpu:
+        print("mempool bench: no CUDA device found: running the simulated-device (sim) part "
+              "only; the GPU rows need a CUDA device.")
+    print(f"mempool bench: running {bench_dir} ({'quick' if args.quick else 'full'}); "
+          f"pytest output goes to {log_path}")
+
+    pytest_args = [str(bench_dir), "--benchmark-enable", f"--benchmark-json={json_path}",
+                   "-p", "no:cacheprovider", "-q"]
+    if filters:
+        pytest_args += ["-k", " and ".join(f"({f})" for f in filters)]
+    terminal = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    progress = _Progress(terminal)
+    saved_env = os.environ.get("MEMPOOL_BENCH_QUICK")
+    os.environ["MEMPOOL_BENCH_QUICK"] = "1" if args.quick else "0"
+    try:
+        with open(log_path, "w") as log, contextlib.redirect_stdout(log), \
+                contextlib.redirect_stderr(log):
+            rc = int(pytest.main(pytest_args, plugins=[progress]))
+    finally:
+        if saved_env is None:
+            os.environ.pop("MEMPOOL_BENCH_QUICK", None)
+        else:
+            os.environ["MEMPOOL_BENCH_QUICK"] = saved_env
+        terminal.write("\n")
+        terminal.close()
+
+    if not json_path.exists():
+        print(f"mempool bench: pytest produced no results (exit {rc}); see {log_path}",
+              file=sys.stderr)
+        return rc or 1
+    data = json.loads(json_path.read_text())
+    infos = [b["extra_info"] for b in data.get("benchmarks", [])]
+    table = render_table(infos)
+    sentences = foundation_lines(infos)
+    print()
+    print(table)
+    if sentences:
+        print()
+        print("\n".join(sentences))
+    (out / "table.txt").write_text(table + "\n" + "\n".join(sentences) + "\n")
+    if progress.skips:
+        print("\nnot measured:")
+        for reason, n in progress.skips.most_common():
+            print(f"  {n:4d} x {reason}")
+    print()
+    note = None if gpu else "no CUDA device here: simulated-device (sim) rows only"
+    print(plot_latency(infos, out / "latency.png", note))
+    print(f"results: {json_path}  table: {out / 'table.txt'}  log: {log_path}")
+    if progress.failed:
+        print(f"mempool bench: {len(progress.failed)} benchmark(s) failed:", file=sys.stderr)
+        for nodeid in progress.failed:
+            print(f"  {nodeid}", file=sys.stderr)
+        return 1
+    return 0 if rc in (0, 5) else rc

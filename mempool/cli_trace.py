@@ -1,0 +1,174 @@
+"""Command line for traces: ``python -m mempool replay|tune|plot``.
+
+    python -m mempool replay [TRACE] [--conf CONF] [--backend sim|cuda|host] [--limit N]
+                             [--plot FILE] [--json]
+    python -m mempool tune   [TRACE] [--limit N] [--top N] [--quiet]
+    python -m mempool plot   [SNAPSHOT_OR_TRACE] [--out FILE.png] [--conf CONF] [--segments]
+
+TRACE is a mempool trace (JSON lines, .gz allowed), a torch memory snapshot pickle, or an
+RMM log CSV, recognised by content. Without one, each command uses the transformer trace
+shipped in bench/traces/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+__all__ = ["main", "default_trace"]
+
+TRACES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "bench", "traces")
+DEFAULT_TRACE = "transformer_train.jsonl.gz"
+
+
+def default_trace() -> str:
+    """The shipped trace each command replays when given none."""
+    path = os.path.join(TRACES_DIR, DEFAULT_TRACE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no trace given and the shipped default {path} is missing "
+                                "(run from a source checkout, or pass a trace file)")
+    return path
+
+
+def _load(path: str):
+    from . import trace
+
+    return trace.load_any(path)
+
+
+def _size_arg(text: str):
+    """--limit accepts bytes, a size string ("40GB") or a fraction of capacity ("0.5")."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        return text                  # a size string; the pool validates it
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"a fractional --limit must be in (0, 1]; got {text}")
+    return value
+
+
+def _replay(argv) -> int:
+    from . import replay as rp
+
+    ap = argparse.ArgumentParser(prog="python -m mempool replay",
+                                 description="Replay an allocation trace through a pool and "
+                                             "report peak live and reserved memory.")
+    ap.add_argument("trace", nargs="?", help=f"trace file (default: bench/traces/{DEFAULT_TRACE})")
+    ap.add_argument("--conf", default=None,
+                    help='pool options, as MEMPOOL_CONF takes them ("key:value,...")')
+    ap.add_argument("--backend", default="sim", choices=rp.BACKENDS,
+                    help="sim (default: simulated device at GPU scale), cuda (real device "
+                         "memory, no kernels) or host")
+    ap.add_argument("--limit", type=_size_arg, default=None,
+                    help="cap on reserved bytes: bytes, a size (40GB) or a fraction (0.5)")
+    ap.add_argument("--plot", metavar="FILE", default=None,
+                    help="also draw live and reserved bytes over the replay to FILE (.png)")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = ap.parse_args(argv)
+    path = args.trace or default_trace()
+    events = _load(path)
+    result = rp.replay(events, conf=args.conf, backend=args.backend, limit=args.limit,
+                       timeseries=bool(args.plot))
+    if args.json:
+        d = result.to_dict()
+        d.pop("timeseries", None)
+        d["trace"] = path
+        print(json.dumps(d, indent=2, default=str))
+    else:
+        gib = float(1 << 30)
+        print(f"trace          {path} ({result.events} events, {result.allocs} allocs, "
+              f"{result.frees} frees)")
+        print(f"settings       {args.conf or '(default)'} on {result.backend}")
+        print(f"peak live      {result.peak_live_bytes / gib:9.3f} GiB (requested bytes)")
+        print(f"peak allocated {result.peak_allocated_bytes / gib:9.3f} GiB (after rounding)")
+        print(f"peak reserved  {result.peak_reserved_bytes / gib:9.3f} GiB")
+        print(f"reserved/live  {result.ratio:9.3f}")
+        print(f"upstream calls {result.num_device_alloc} segment allocs, "
+              f"{result.num_device_free} frees")
+        print(f"OOMs           {result.num_ooms}" +
+              (f" (first: {result.first_oom})" if result.first_oom else ""))
+        if result.unknown_frees or result.duplicate_allocs:
+            print(f"trace issues   {result.unknown_frees} frees of unknown ids, "
+                  f"{result.duplicate_allocs} allocs of ids already live")
+        print(f"time           {result.ns_per_event:9.0f} ns per event")
+    if args.plot:
+        from . import plot
+
+        plot.plot_timeline(result, args.plot, title=os.path.basename(path))
+        print(f"plot           {args.plot}")
+    return 0
+
+
+def _tune(argv) -> int:
+    from . import tune as tn
+
+    ap = argparse.ArgumentParser(prog="python -m mempool tune",
+                                 description="Replay a trace on the simulated device under a "
+                                             "grid of settings and recommend the one that "
+                                             "reserves least memory.")
+    ap.add_argument("trace", nargs="?", help=f"trace file (default: bench/traces/{DEFAULT_TRACE})")
+    ap.add_argument("--limit", type=_size_arg, default=None,
+                    help="replay under this cap on reserved bytes (bytes, 40GB, or 0.5)")
+    ap.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    path = args.trace or default_trace()
+    events = _load(path)
+    results = tn.tune(events, limit=args.limit, progress=not args.quiet)
+    print(f"trace {path}: {len(events)} events, {len(results)} settings replayed on sim")
+    print(tn.report(results, top=args.top))
+    return 0
+
+
+def _plot(argv) -> int:
+    from . import plot as pl
+    from . import replay as rp
+
+    ap = argparse.ArgumentParser(prog="python -m mempool plot",
+                                 description="Draw a snapshot's segment map, or a trace's live "
+                                             "and reserved memory over time.")
+    ap.add_argument("input", nargs="?",
+                    help=f"snapshot pickle or trace file (default: bench/traces/{DEFAULT_TRACE})")
+    ap.add_argument("--out", default="mempool_plot.png", help="image file (default %(default)s)")
+    ap.add_argument("--conf", default=None, help="pool options for replaying a trace")
+    ap.add_argument("--segments", action="store_true",
+                    help="for a trace: draw the segment map at the moment reserved bytes "
+                         "reach their peak")
+    args = ap.parse_args(argv)
+    path = args.input or default_trace()
+    if args.segments:
+        events = _load(path)
+        pool, ptrs = rp.pool_at(events, conf=args.conf)
+        try:
+            pl.plot_segments(pool.snapshot(), args.out,
+                             title=f"{os.path.basename(path)}, {args.conf or 'default settings'}"
+                                   ", when reserved bytes reach their peak")
+        finally:
+            for p in ptrs:
+                pool.free(p)
+    else:
+        pl.plot(path, args.out, conf=args.conf)
+    print(args.out)
+    return 0
+
+
+COMMANDS = {"replay": _replay, "tune": _tune, "plot": _plot}
+
+
+def main(command: str, argv) -> int:
+    """Run `command` ("replay", "tune" or "plot") with its arguments; return the exit code."""
+    if command not in COMMANDS:
+        print(f"mempool: {command!r} is not a trace command (accepted: "
+              f"{', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[command](list(argv))
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        print(f"mempool {command}: {e}", file=sys.stderr)
+        return 1

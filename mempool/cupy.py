@@ -1,0 +1,54 @@
+"""CuPy on a mempool pool: the allocator hook and arrays on pool memory.
+
+``set_allocator(pool)`` makes every CuPy allocation come from the pool
+(``cupy.cuda.set_allocator(pool.malloc)``); ``use(pool)`` does it for a ``with`` block and
+restores the previous allocator after. CuPy allocates on its current stream; blocks freed by
+CuPy go back to the pool in stream order. This module imports cupy only when a function is
+called.
+"""
+import contextlib
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        raise ImportError("mempool.cupy needs CuPy (pip install cupy-cuda12x or "
+                          "cupy-cuda13x)") from None
+    return cupy
+
+
+def set_allocator(pool):
+    """Route CuPy's allocations to `pool` (None: back to CuPy's default memory pool)."""
+    cupy = _cupy()
+    if pool is None:
+        cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
+    else:
+        cupy.cuda.set_allocator(pool.malloc)
+
+
+@contextlib.contextmanager
+def use(pool):
+    """``with use(pool):`` CuPy allocates from `pool` (process-wide, as
+    ``cupy.cuda.set_allocator``); the previous allocator is restored on exit. For a
+    per-thread switch use ``cupy.cuda.using_allocator(pool.malloc)``."""
+    cupy = _cupy()
+    previous = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(pool.malloc)
+    try:
+        yield pool
+    finally:
+        cupy.cuda.set_allocator(previous)
+
+
+def from_pool(pool, shape, dtype="float32"):
+    """A new, uninitialised ``cupy.ndarray`` on `pool`'s memory (on CuPy's current
+    stream), whatever CuPy's allocator is."""
+    cupy = _cupy()
+    import numpy
+    dt = numpy.dtype(dtype)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = dt.itemsize
+    for d in shape:
+        nbytes *= d
+    return cupy.ndarray(shape, dt, memptr=pool.malloc(nbytes))

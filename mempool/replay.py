@@ -1,0 +1,410 @@
+"""Replay an allocation trace through a Pool and measure what it reserves.
+
+``replay(events, conf)`` runs every alloc and free of a trace (see :mod:`mempool.trace`)
+through a fresh :class:`mempool.Pool` and reports the peak live bytes (what the program
+asked for), the peak reserved bytes (what the pool took from its upstream) and their ratio,
+the OOMs, and the time per event. On ``backend="sim"`` nothing touches a device, so a trace
+recorded on an 80 GiB GPU replays on a laptop, deterministically.
+
+Speed: the events are converted once (:func:`prepare`) into a list of small tuples with the
+trace's ids mapped to dense slots, so the replay loop is one tuple unpack and one Pool call
+per event; :func:`mempool.tune.tune` reuses one preparation for every setting it tries.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+import numpy as np
+
+__all__ = ["Prepared", "ReplayResult", "prepare", "replay", "pool_at", "BACKENDS"]
+
+BACKENDS = ("sim", "host", "cuda")
+TIMESERIES_POINTS = 2000
+
+
+@dataclass
+class Prepared:
+    """A trace converted for fast replay (see :func:`prepare`)."""
+
+    ops: list                 # (slot, nbytes, stream) alloc; (slot, 0, free_stream) free
+    nslots: int               # most buffers live at once
+    streams: list             # the trace's stream handles, by dense index (0 first)
+    deltas: np.ndarray        # live-bytes change per op (int64)
+    partner: np.ndarray       # for an alloc op, the index of its free op (-1: never freed)
+    times_ns: np.ndarray      # time of each op (int64)
+    events: int               # events in the input (ops add implicit frees of duplicates)
+    allocs: int
+    frees: int
+    unknown_frees: int        # frees of ids with no live alloc: counted, not replayed
+    duplicate_allocs: int     # allocs of an id already live: its earlier buffer is freed first
+
+    @property
+    def peak_live_bytes(self) -> int:
+        return int(np.cumsum(self.deltas).max(initial=0))
+
+
+@dataclass
+class ReplayResult:
+    """What one replay measured. Byte figures are exact and deterministic on sim."""
+
+    backend: str
+    options: dict                     # the pool's resolved options
+    events: int
+    allocs: int
+    frees: int
+    peak_live_bytes: int              # most bytes the trace held at once (requested sizes)
+    peak_reserved_bytes: int          # most bytes the pool held from its upstream
+    peak_allocated_bytes: int         # most bytes in allocated blocks (after rounding)
+    num_ooms: int                     # allocations refused; the replay went on without them
+    unknown_frees: int
+    duplicate_allocs: int
+    num_device_alloc: int             # upstream segment allocations
+    num_device_free: int
+    ns_per_event: float               # wall time of the replay loop per event (with a time
+                                      # series, its sampling included)
+    first_oom: str | None = None      # the message of the first OutOfMemoryError
+    timeseries: dict | None = None    # see replay(timeseries=True)
+    stats: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def ratio(self) -> float:
+        """Peak reserved / peak live (1.0 = no fragmentation or rounding overhead)."""
+        return self.peak_reserved_bytes / self.peak_live_bytes if self.peak_live_bytes else 1.0
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "stats"}
+        d["ratio"] = self.ratio
+        return d
+
+    def __str__(self) -> str:
+        gib = 2.0 ** 30
+        return (f"{self.events} events on {self.backend}: peak live {self.peak_live_bytes / gib:.3f}"
+                f" GiB, peak reserved {self.peak_reserved_bytes / gib:.3f} GiB, reserved/live "
+                f"{self.ratio:.3f}, {self.num_ooms} OOMs, {self.ns_per_event:.0f} ns/event")
+
+
+def prepare(events) -> Prepared:
+    """Convert events (an iterable of :class:`mempool.trace.Event` or 5-tuples) for replay.
+
+    Ids map to dense slots, reused once freed. A free of an id that is not live is counted
+    in ``unknown_frees`` and dropped; an alloc of an id that is already live (a trace that
+    lost a free) frees the earlier buffer first and is counted in ``duplicate_allocs``.
+    """
+    if isinstance(events, Prepared):
+        return events
+    ops = []
+    deltas = []
+    times = []
+    partner = []
+    append_op, append_d, append_t, append_p = ops.append, deltas.append, times.append, partner.append
+    live = {}                 # id -> (slot, op index, nbytes, stream index)
+    spare = []                # free slots
+    nslots = 0
+    stream_index = {0: 0}
+    streams = [0]
+    n_events = allocs = frees = unknown = dups = 0
+    for ev in events:
+        n_events += 1
+        action, ident, nbytes, stream, t = ev
+        s = stream_index.get(stream)
+        if s is None:
+            s = stream_index[stream] = len(streams)
+            streams.append(stream)
+        if action == "alloc":
+            if nbytes <= 0:
+                raise ValueError(f"prepare: event {n_events - 1}: an alloc needs nbytes > 0; "
+                                 f"got {nbytes!r}")
+            prev = live.pop(ident, None)
+            if prev is not None:
+                # The trace lost this buffer's free (an address cannot be live twice).
+                dups += 1
+                pslot, pidx, pn, _ = prev
+                partner[pidx] = len(ops)
+                append_op((pslot, 0, None)); append_d(-pn); append_t(t); append_p(-1)
+                spare.append(pslot)
+            if spare:
+                slot = spare.pop()
+            else:
+                slot = nslots
+                nslots += 1
+            live[ident] = (slot, len(ops), nbytes, s)
+            append_op((slot, nbytes, s)); append_d(nbytes); append_t(t); append_p(-1)
+            allocs += 1
+        elif action == "free":
+            prev = live.pop(ident, None)
+            if prev is None:
+                unknown += 1
+                continue
+            slot, idx, pn, astream = prev
+            partner[idx] = len(ops)
+            # None frees on the block's own stream; a different stream is passed on.
+            append_op((slot, 0, None if s == astream else s))
+            append_d(-pn); append_t(t); append_p(-1)
+            spare.append(slot)
+            frees += 1
+        else:
+            raise ValueError(f"prepare: event {n_events - 1}: action must be 'alloc' or "
+                             f"'free'; got {action!r}")
+    return Prepared(ops=ops, nslots=nslots, streams=streams,
+                    deltas=np.asarray(deltas, dtype=np.int64),
+                    partner=np.asarray(partner, dtype=np.int64),
+                    times_ns=np.asarray(times, dtype=np.int64),
+                    events=n_events, allocs=allocs, frees=frees, unknown_frees=unknown,
+                    duplicate_allocs=dups)
+
+
+def _make_pool(conf, backend, limit, options):
+    import mempool
+
+    if backend not in BACKENDS:
+        raise ValueError(f"replay: backend must be one of {BACKENDS}; got {backend!r}")
+    opts = dict(options)
+    if limit is not None:
+        opts["limit"] = limit
+    if conf is None or conf == "":
+        return mempool.Pool(backend=backend, **opts)
+    if isinstance(conf, str):
+        return mempool.Pool.from_conf(conf, backend=backend, **opts)
+    if isinstance(conf, dict):
+        merged = dict(conf)
+        merged.update(opts)
+        return mempool.Pool(backend=backend, **merged)
+    raise ValueError(f"replay: conf must be None, a 'key:value,...' string or a dict of "
+                     f"options; got {type(conf).__name__}")
+
+
+def _device_streams(prep: Prepared, backend: str):
+    """Stream handles to pass to the pool, by dense index, and what keeps them alive."""
+    if backend != "cuda":
+        # Simulated and host streams are plain handles: small ints, 0 the default stream.
+        return list(range(len(prep.streams))), None
+    import cupy
+
+    keep = [cupy.cuda.Stream(non_blocking=True) for _ in prep.streams[1:]]
+    return [0] + [s.ptr for s in keep], keep
+
+
+def _run(pool, ops, handles, ptrs, oom_error, start, stop, ooms):
+    """The replay loop over ops[start:stop]. Kept small: this is the hot path."""
+    alloc = pool.alloc
+    free = pool.free
+    for i in range(start, stop):
+        slot, nbytes, s = ops[i]
+        if nbytes:
+            try:
+                ptrs[slot] = alloc(nbytes, handles[s])
+            except oom_error as e:
+                ptrs[slot] = 0
+                ooms.append((i, str(e)))
+        else:
+            p = ptrs[slot]
+            if p:
+                ptrs[slot] = 0
+                free(p, None if s is None else handles[s])
+
+
+def _fast_run(pool, ops, handles, ptrs, oom_error, ooms):
+    """The loop without index bookkeeping: one tuple unpack and one call per event."""
+    alloc = pool.alloc
+    free = pool.free
+    if len(handles) == 1:
+        h0 = handles[0]
+        for slot, nbytes, s in ops:
+            if nbytes:
+                try:
+                    ptrs[slot] = alloc(nbytes, h0)
+                except oom_error:
+                    return False      # rerun with bookkeeping from a fresh pool
+            else:
+                p = ptrs[slot]
+                if p:
+                    ptrs[slot] = 0
+                    free(p)
+        return True
+    for slot, nbytes, s in ops:
+        if nbytes:
+            try:
+                ptrs[slot] = alloc(nbytes, handles[s])
+            except oom_error:
+                return False
+        else:
+            p = ptrs[slot]
+            if p:
+                ptrs[slot] = 0
+                free(p, None if s is None else handles[s])
+    return True
+
+
+def _stat(stats: dict, key: str, default=0) -> int:
+    value = stats.get(key, default)
+    return int(value) if value is not None else default
+
+
+def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool = False,
+           check: bool = False, **options) -> ReplayResult:
+    """Replay a trace through a fresh Pool and measure it.
+
+    Parameters
+    ----------
+    events : Trace, iterable of Event, or Prepared
+        The trace (see :mod:`mempool.trace`); :func:`prepare` it once to replay it often.
+    conf : str or dict, optional
+        The pool's options: a ``"key:value,..."`` string as ``MEMPOOL_CONF`` takes, or a dict
+        of ``Pool`` keywords. None = the defaults.
+    backend : {"sim", "host", "cuda"}
+        ``"sim"`` replays at GPU scale on the simulated device; ``"cuda"`` allocates real
+        device memory (no kernels run); ``"host"`` allocates host memory.
+    limit : int, str or float, optional
+        The pool's ``limit`` (a cap on reserved bytes), e.g. to replay a trace as if on a
+        smaller GPU. Allocations it refuses are counted in ``num_ooms``; the replay goes on.
+    timeseries : bool
+        Also record live and reserved bytes over the replay (about 2,000 points; each the
+        highest value in its stretch of events) in ``result.timeseries``: a dict of numpy
+        arrays ``event`` (index of the last event of each stretch), ``time_ns``,
+        ``live_bytes``, ``reserved_bytes``.
+    check : bool
+        Call ``pool.check_invariants()`` at the end of the replay.
+    **options
+        Further ``Pool`` keywords (``capacity``, ``device``, any option); they override
+        `conf`.
+
+    Returns
+    -------
+    ReplayResult
+        Deterministic on sim except ``ns_per_event``.
+    """
+    prep = prepare(events)
+    pool = _make_pool(conf, backend, limit, options)
+    import mempool
+
+    oom_error = mempool.OutOfMemoryError
+    handles, keep_streams = _device_streams(prep, backend)
+    ops = prep.ops
+    ptrs = [0] * prep.nslots
+    ooms = []
+    series = None
+    t0 = time.perf_counter_ns()
+    if not timeseries:
+        if not _fast_run(pool, ops, handles, ptrs, oom_error, ooms):
+            # An OOM: start again on a fresh pool with the loop that records where.
+            _release(pool, ptrs, keep_streams)
+            pool = _make_pool(conf, backend, limit, options)
+            ptrs = [0] * prep.nslots
+            t0 = time.perf_counter_ns()
+            _run(pool, ops, handles, ptrs, oom_error, 0, len(ops), ooms)
+        peak_reserved = peak_allocated = None
+    else:
+        n = len(ops)
+        stride = max(1, -(-n // TIMESERIES_POINTS))
+        ends, reserved = [], []
+        peak_allocated = 0
+        for start in range(0, n, stride):
+            stop = min(n, start + stride)
+            # Peaks are reset per stretch, to plot each stretch's highest point.
+            pool.reset_peak_stats()
+            _run(pool, ops, handles, ptrs, oom_error, start, stop, ooms)
+            st = pool.stats()
+            reserved.append(_stat(st, "reserved_bytes.all.peak"))
+            peak_allocated = max(peak_allocated, _stat(st, "allocated_bytes.all.peak"))
+            ends.append(stop - 1)
+        series = (np.asarray(ends, dtype=np.int64), np.asarray(reserved, dtype=np.int64))
+        peak_reserved = int(series[1].max(initial=0))
+    elapsed = time.perf_counter_ns() - t0
+
+    stats = dict(pool.stats())
+    if peak_reserved is None:
+        peak_reserved = _stat(stats, "reserved_bytes.all.peak")
+        peak_allocated = _stat(stats, "allocated_bytes.all.peak")
+    options_used = dict(getattr(pool, "options", {}) or {})
+    if check:
+        pool.check_invariants()
+    _release(pool, ptrs, keep_streams)
+
+    deltas = prep.deltas
+    if ooms:
+        # Refused allocations held nothing, and their frees were skipped.
+        deltas = deltas.copy()
+        idx = np.fromiter((i for i, _ in ooms), dtype=np.int64, count=len(ooms))
+        deltas[idx] = 0
+        freed = prep.partner[idx]
+        deltas[freed[freed >= 0]] = 0
+    live = np.cumsum(deltas)
+    peak_live = int(live.max(initial=0))
+    if series is not None:
+        ends, reserved = series
+        starts = np.concatenate(([0], ends[:-1] + 1)) if len(ends) else ends
+        live_max = np.maximum.reduceat(live, starts) if len(live) else live
+        series = {"event": ends, "time_ns": prep.times_ns[ends] if len(ends) else ends,
+                  "live_bytes": live_max, "reserved_bytes": reserved}
+    return ReplayResult(
+        backend=backend, options=options_used, events=prep.events, allocs=prep.allocs,
+        frees=prep.frees, peak_live_bytes=peak_live, peak_reserved_bytes=peak_reserved,
+        peak_allocated_bytes=peak_allocated, num_ooms=len(ooms),
+        unknown_frees=prep.unknown_frees, duplicate_allocs=prep.duplicate_allocs,
+        num_device_alloc=_stat(stats, "num_device_alloc"),
+        num_device_free=_stat(stats, "num_device_free"),
+        ns_per_event=elapsed / max(1, len(ops)), first_oom=ooms[0][1] if ooms else None,
+        timeseries=series, stats=stats)
+
+
+def _release(pool, ptrs, keep_streams) -> None:
+    """Free what the trace left live, so the pool ends empty (and real memory returns)."""
+    for p in ptrs:
+        if p:
+            pool.free(p)
+    ptrs[:] = [0] * len(ptrs)
+    if keep_streams:
+        for s in keep_streams:
+            s.synchronize()
+    empty = getattr(pool, "empty_cache", None)
+    if empty is not None:
+        empty()
+
+
+
+def pool_at(events, stop="peak_reserved", conf=None, backend: str = "sim", limit=None,
+            **options):
+    """The pool as it stands part way through a replay, for a snapshot or a segment map.
+
+    Parameters
+    ----------
+    stop : int, "peak_reserved" or "peak_live"
+        Replay this many events (ops); or stop just after the allocation that takes
+        reserved bytes to their peak (the moment fragmentation costs most: the cached blocks
+        could not serve it), or the first moment live bytes peak.
+
+    Returns
+    -------
+    (Pool, list of int)
+        The pool and the pointers still live in it; free them (or drop the pool) when done.
+        OOMs are skipped as in :func:`replay`.
+    """
+    prep = prepare(events)
+    if backend == "cuda":
+        raise ValueError("pool_at: backend must be 'sim' or 'host' (the pool is handed back "
+                         "live, and a cuda replay's streams would not outlive this call)")
+    import mempool
+
+    oom_error = mempool.OutOfMemoryError
+    handles, _ = _device_streams(prep, backend)
+    ops = prep.ops
+    ptrs = [0] * prep.nslots
+    if stop == "peak_live":
+        live = np.cumsum(prep.deltas)
+        stop = int(live.argmax()) + 1 if len(live) else 0
+    if stop == "peak_reserved":
+        target = replay(prep, conf=conf, backend=backend, limit=limit,
+                        **options).peak_reserved_bytes
+        pool = _make_pool(conf, backend, limit, options)
+        reserved = pool.reserved_bytes
+        for i in range(len(ops)):
+            _run(pool, ops, handles, ptrs, oom_error, i, i + 1, [])
+            if ops[i][1] and reserved() >= target:
+                break
+        return pool, [p for p in ptrs if p]
+    if isinstance(stop, bool) or not isinstance(stop, int) or not 0 <= stop <= len(ops):
+        raise ValueError(f"pool_at: stop must be an int in [0, {len(ops)}], 'peak_reserved' "
+                         f"or 'peak_live'; got {stop!r}")
+    pool = _make_pool(conf, backend, limit, options)
+    _run(pool, ops, handles, ptrs, oom_error, 0, stop, [])
+    return pool, [p for p in ptrs if p]

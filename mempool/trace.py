@@ -1,0 +1,555 @@
+"""Allocation traces: record, save, load and import.
+
+A trace is a sequence of :class:`Event` s, each an allocation or a free of one buffer:
+``Event(action, id, nbytes, stream, time_ns)`` with ``action`` ``"alloc"`` or ``"free"``.
+``id`` names the buffer (a small integer, or the address it had when it was recorded); a free
+refers to the id of an earlier alloc. ``nbytes`` is the requested size, ``stream`` the stream
+the event happened on (0 = the default stream) and ``time_ns`` when it happened, in
+nanoseconds from an arbitrary origin.
+
+File format (``save`` / ``load``): JSON lines, UTF-8, optionally gzip-compressed. The first
+line is a header object::
+
+    {"format": "mempool-trace", "version": 1, "events": 22104, "fields": [...], ...}
+
+and each further line one event as a JSON array ``["alloc", 17, 4194304, 0, 1234567]``
+(arrays, not objects, to keep files small). ``"events"`` in the header is the number of event
+lines, so a truncated file is detected. Other header keys are free-form metadata (``source``,
+``description``, ...), returned as :attr:`Trace.meta`.
+
+Importers turn other tools' records into the same events: :func:`from_pool_history` (this
+pool's own recording), :func:`from_torch_snapshot` (``torch.cuda.memory._snapshot()``) and
+:func:`from_rmm_csv` (RMM's ``logging_resource_adaptor``).
+"""
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+import os
+import pickle
+import zlib
+from typing import Iterable, NamedTuple
+
+__all__ = [
+    "Event", "Trace", "FORMAT", "VERSION", "save", "load", "load_any", "from_pool_history",
+    "from_torch_snapshot", "from_rmm_csv", "save_trace",
+]
+
+FORMAT = "mempool-trace"
+VERSION = 1
+FIELDS = ["action", "id", "nbytes", "stream", "time_ns"]
+ACTIONS = ("alloc", "free")
+
+# The pool's recorded entry actions (mp_core.h, MP_TRACE_*), by number or by name; only
+# allocs and free requests are replayable: the others are the pool's own reactions
+# (segments, completions, OOMs) to them.
+_HISTORY_ACTIONS = {0: "alloc", 1: "free", "alloc": "alloc", "free_requested": "free"}
+
+
+class Event(NamedTuple):
+    """One allocation or free in a trace."""
+
+    action: str     #: "alloc" or "free"
+    id: int         #: names the buffer; a free names an earlier alloc's id
+    nbytes: int     #: requested bytes (0 when a free's size is unknown)
+    stream: int     #: stream handle the event ran on; 0 = the default stream
+    time_ns: int    #: when, in ns from an arbitrary origin
+
+
+class Trace(list):
+    """A list of :class:`Event` s with the file's header metadata in :attr:`meta`."""
+
+    def __init__(self, events: Iterable = (), meta: dict | None = None):
+        super().__init__(events)
+        self.meta = dict(meta or {})
+
+    def __repr__(self) -> str:
+        source = self.meta.get("source", "?")
+        return f"<Trace {len(self)} events, source={source!r}>"
+
+
+# ----------------------------------------------------------------------------------------
+# save / load
+
+
+def _check_event(ev, where: str) -> Event:
+    """Validate one event (a tuple or Event); `where` prefixes the message."""
+    if isinstance(ev, Event):
+        action, ident, nbytes, stream, time_ns = ev
+    else:
+        if not isinstance(ev, (list, tuple)) or len(ev) != 5:
+            raise ValueError(f"{where}: an event must be [action, id, nbytes, stream, time_ns]"
+                             f" (5 fields); got {ev!r}")
+        action, ident, nbytes, stream, time_ns = ev
+    if action not in ACTIONS:
+        raise ValueError(f"{where}: action must be 'alloc' or 'free'; got {action!r}")
+    if isinstance(ident, bool) or not isinstance(ident, (int, str)):
+        raise ValueError(f"{where}: id must be an int or a str; got {ident!r}")
+    for name, value in (("nbytes", nbytes), ("stream", stream), ("time_ns", time_ns)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{where}: {name} must be an int >= 0; got {value!r}")
+    if action == "alloc" and nbytes == 0:
+        raise ValueError(f"{where}: an alloc needs nbytes > 0; got 0")
+    return Event(action, ident, nbytes, stream, time_ns)
+
+
+def save(events: Iterable, path, meta: dict | None = None) -> int:
+    """Write events to `path` as a mempool trace; gzip-compressed when it ends in ``.gz``.
+
+    Parameters
+    ----------
+    events : iterable of Event or 5-tuples
+        ``(action, id, nbytes, stream, time_ns)``; validated before anything is written.
+    path : str or os.PathLike
+        Destination. The write is atomic: a temporary file is renamed over `path`.
+    meta : dict, optional
+        Extra header keys (JSON-serialisable); a :class:`Trace` 's own ``meta`` is used when
+        not given. ``format``, ``version``, ``events`` and ``fields`` are reserved.
+
+    Returns
+    -------
+    int
+        The number of events written.
+    """
+    path = os.fspath(path)
+    checked = [_check_event(ev, f"save: event {i}") for i, ev in enumerate(events)]
+    if meta is None:
+        meta = getattr(events, "meta", {}) or {}
+    reserved = {"format", "version", "events", "fields"} & set(meta)
+    if reserved:
+        raise ValueError(f"save: meta may not set {sorted(reserved)}; those keys are written "
+                         "by save itself")
+    header = {"format": FORMAT, "version": VERSION, "events": len(checked), "fields": FIELDS}
+    header.update(meta)
+    dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+    lines = [dumps(header)]
+    lines += [dumps(list(ev)) for ev in checked]
+    data = ("\n".join(lines) + "\n").encode("utf-8")
+    if path.endswith(".gz"):
+        # mtime=0 keeps the bytes reproducible: the same events give the same file.
+        data = gzip.compress(data, compresslevel=9, mtime=0)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    return len(checked)
+
+
+def _read_text_lines(path: str) -> list:
+    """The file's lines (gzip detected by its magic bytes); a damaged gzip stream becomes a
+    ValueError naming the line where the readable text ends."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if raw[:2] == b"\x1f\x8b":
+        d = zlib.decompressobj(wbits=31)
+        try:
+            text = d.decompress(raw)
+            complete = d.eof
+        except zlib.error:
+            complete = False
+            # Decompress what can be read, to say how far the file is intact.
+            d = zlib.decompressobj(wbits=31)
+            text = b""
+            for i in range(0, len(raw), 4096):
+                try:
+                    text += d.decompress(raw[i:i + 4096])
+                except zlib.error:
+                    break
+        if not complete:
+            line = text.count(b"\n") + 1
+            raise ValueError(f"{path}: line {line}: the gzip stream is truncated or damaged "
+                             f"({len(raw)} compressed bytes; readable text ends in this line)")
+        raw = text
+    try:
+        return raw.decode("utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: line {line}: not UTF-8 text ({e.reason})") from None
+
+
+def load(path) -> Trace:
+    """Read a mempool trace written by :func:`save` (plain or gzip JSON lines).
+
+    Raises
+    ------
+    ValueError
+        For anything that is not a complete, well-formed trace, with a message naming the
+        file and the line number: a missing or foreign header, an unsupported version, an
+        event line that is not valid JSON or has bad fields, fewer event lines than the
+        header declares (a truncated file), or a damaged gzip stream.
+    """
+    path = os.fspath(path)
+    lines = _read_text_lines(path)
+    if lines and lines[-1] == "":
+        lines.pop()                      # the newline that ends the last line
+    if not lines:
+        raise ValueError(f"{path}: line 1: empty file; expected a mempool-trace header")
+    try:
+        header = json.loads(lines[0])
+    except ValueError as e:
+        raise ValueError(f"{path}: line 1: the header is not valid JSON ({e})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise ValueError(f"{path}: line 1: not a mempool trace (expected a header with "
+                         f'"format": "{FORMAT}")')
+    if header.get("version") != VERSION:
+        raise ValueError(f"{path}: line 1: trace version {header.get('version')!r} is not "
+                         f"supported (this mempool reads version {VERSION})")
+    declared = header.get("events")
+    if declared is not None and (isinstance(declared, bool) or not isinstance(declared, int)
+                                 or declared < 0):
+        raise ValueError(f"{path}: line 1: header 'events' must be an int >= 0; "
+                         f"got {declared!r}")
+    body = lines[1:]
+    # Fast path: one json.loads over the whole body; on failure, find the bad line.
+    try:
+        rows = json.loads("[" + ",".join(body) + "]")
+        if len(rows) != len(body):
+            raise ValueError("a line holds more than one value")
+    except ValueError:
+        rows = []
+        for i, text in enumerate(body, start=2):
+            try:
+                rows.append(json.loads(text))
+            except ValueError as e:
+                hint = " (the file looks truncated)" if i == len(lines) else ""
+                raise ValueError(f"{path}: line {i}: not a valid JSON event{hint}: {e}; "
+                                 f"the line starts {text[:60]!r}") from None
+    events = Trace(meta={k: v for k, v in header.items()
+                         if k not in ("format", "version", "events", "fields")})
+    append = events.append
+    for i, row in enumerate(rows, start=2):
+        # Inline the common case; _check_event gives the precise message otherwise.
+        if (type(row) is list and len(row) == 5 and row[0] in ACTIONS
+                and type(row[2]) is int and type(row[3]) is int and type(row[4]) is int
+                and row[2] >= 0 and row[3] >= 0 and row[4] >= 0
+                and type(row[1]) in (int, str) and (row[2] > 0 or row[0] == "free")):
+            append(Event(*row))
+        else:
+            append(_check_event(row, f"{path}: line {i}"))
+    if declared is not None and declared != len(events):
+        if len(events) < declared:
+            raise ValueError(f"{path}: line {len(events) + 2}: the file ends after "
+                             f"{len(events)} of the {declared} events its header declares "
+                             "(truncated?)")
+        raise ValueError(f"{path}: line {declared + 2}: the file holds {len(events)} events "
+                         f"but its header declares {declared}")
+    return events
+
+
+# ----------------------------------------------------------------------------------------
+# the pool's own recording
+
+
+def from_pool_history(entries) -> Trace:
+    """Events from a pool's recorded history (``Pool.record_history``).
+
+    Parameters
+    ----------
+    entries : iterable of tuples
+        ``(action, ptr, nbytes, stream, time_ns)`` as ``Pool.history()`` returns them, with
+        actions named ("alloc", "free_requested", "free_completed", "segment_alloc",
+        "segment_free", "oom", "segment_map", "segment_unmap") or numbered 0..7 in that
+        order. Only allocs and free requests are kept: the rest are
+        the pool's reactions, which a replay reproduces under its own configuration.
+        Pointers become the events' ids.
+    """
+    out = Trace(meta={"source": "mempool"})
+    append = out.append
+    for n, entry in enumerate(entries):
+        try:
+            action, ptr, nbytes, stream, time_ns = entry
+        except (TypeError, ValueError):
+            raise ValueError(f"from_pool_history: entry {n} must be (action, ptr, nbytes, "
+                             f"stream, time_ns); got {entry!r}") from None
+        kind = _HISTORY_ACTIONS.get(action)
+        if kind is not None:
+            append(Event(kind, int(ptr), int(nbytes), int(stream), int(time_ns)))
+    return out
+
+
+def _pool_entries(pool):
+    """The recorded entries of `pool`, through whichever accessor the Pool offers."""
+    for name in ("history", "trace_entries", "recorded_history"):
+        getter = getattr(pool, name, None)
+        if callable(getter):
+            return getter()
+    raise TypeError(f"save_trace: {type(pool).__name__} has no recorded history; "
+                    "call pool.record_history(True) before the work to record")
+
+
+def save_trace(pool, path, meta: dict | None = None) -> int:
+    """Save what `pool` has recorded (see ``Pool.record_history``) as a trace file.
+
+    Returns the number of events written. Only allocations and free requests are saved;
+    ``meta`` adds header keys (the pool's backend and options are always included).
+    """
+    events = from_pool_history(_pool_entries(pool))
+    header = {"source": "mempool", "backend": getattr(pool, "backend", None)}
+    options = getattr(pool, "options", None)
+    if isinstance(options, dict):
+        header["options"] = {k: v for k, v in options.items()
+                             if isinstance(v, (int, float, str, bool, type(None), list))}
+    header.update(meta or {})
+    return save(events, path, meta=header)
+
+
+# ----------------------------------------------------------------------------------------
+# PyTorch snapshots
+
+
+class _SnapshotUnpickler(pickle.Unpickler):
+    """Snapshots are plain dicts, lists, tuples, strings and numbers: refuse every global,
+    so loading a snapshot file cannot run code."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"a torch memory snapshot holds only plain data; this "
+                                     f"pickle refers to {module}.{name}")
+
+
+def _read_snapshot(path_or_dict):
+    if isinstance(path_or_dict, dict):
+        return path_or_dict, "<dict>"
+    path = os.fspath(path_or_dict)
+    with open(path, "rb") as f:
+        raw = f.read()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    try:
+        snap = _SnapshotUnpickler(io.BytesIO(raw)).load()
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means "not a snapshot"
+        raise ValueError(f"{path}: not a readable torch memory snapshot pickle ({e})") from None
+    if not isinstance(snap, dict):
+        raise ValueError(f"{path}: a torch memory snapshot is a dict; got "
+                         f"{type(snap).__name__}")
+    return snap, path
+
+
+def from_torch_snapshot(path_or_dict, device: int | None = None, complete: bool = True) -> Trace:
+    """Events from a PyTorch memory snapshot (``torch.cuda.memory._snapshot()``, or the
+    pickle that ``_dump_snapshot`` writes).
+
+    Parameters
+    ----------
+    path_or_dict : str, os.PathLike or dict
+        The snapshot dict, or a pickle file of it (gzip allowed). Files are unpickled with
+        every global refused, so only plain data loads.
+    device : int, optional
+        Which entry of ``device_traces`` to import. By default the only non-empty one; a
+        snapshot with several non-empty device traces needs `device`.
+    complete : bool
+        Recording usually starts after some buffers exist. When true (the default), allocs
+        are synthesized at the start for the buffers the trace frees without allocating,
+        and for those still allocated in the snapshot's ``segments`` that the trace never
+        mentions, so the replay's live bytes match the program's.
+
+    Notes
+    -----
+    ``alloc`` and ``free_requested`` entries become events (sizes are the requested sizes,
+    as PyTorch records them; ``time_us`` becomes ``time_ns``). ``free_completed``,
+    ``segment_*`` and ``snapshot`` entries are the allocator's own reactions and are
+    dropped; ``oom`` entries are counted in ``meta["source_ooms"]``.
+    """
+    snap, where = _read_snapshot(path_or_dict)
+    traces = snap.get("device_traces")
+    if not isinstance(traces, list):
+        raise ValueError(f"{where}: the snapshot has no 'device_traces' list (was it taken "
+                         "with torch.cuda.memory._record_memory_history enabled?)")
+    if device is None:
+        nonempty = [i for i, t in enumerate(traces) if t]
+        if len(nonempty) > 1:
+            counts = ", ".join(f"device {i}: {len(traces[i])} entries" for i in nonempty)
+            raise ValueError(f"{where}: the snapshot holds traces for several devices "
+                             f"({counts}); pass device= to pick one")
+        device = nonempty[0] if nonempty else 0
+    if not isinstance(device, int) or not 0 <= device < max(len(traces), 1):
+        raise ValueError(f"{where}: device must be an int in [0, {len(traces)}); got {device!r}")
+    entries = traces[device] if traces else []
+
+    events = []
+    live = {}                 # addr -> nbytes of buffers allocated in the trace, still live
+    seen = set()              # every address the trace mentions
+    prelude = {}              # addr -> (nbytes, stream) of buffers live before the trace
+    ooms = 0
+    t0 = None
+    for n, e in enumerate(entries):
+        try:
+            action = e["action"]
+            if action == "oom":
+                ooms += 1
+                continue
+            if action not in ("alloc", "free_requested"):
+                continue
+            addr, size, stream = int(e["addr"]), int(e["size"]), int(e.get("stream", 0))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: device_traces[{device}][{n}]: a trace entry needs "
+                             f"'action', 'addr', 'size' (and 'stream'); got {e!r} ({exc})") \
+                from None
+        seen.add(addr)
+        t_us = e.get("time_us", 0) or 0
+        if t0 is None:
+            t0 = t_us
+        t_ns = max(0, int((t_us - t0) * 1000))
+        if action == "alloc":
+            if size <= 0:
+                continue          # zero-size allocs hand out no memory
+            live[addr] = size
+            events.append(Event("alloc", addr, size, stream, t_ns))
+        else:
+            if addr in live:
+                del live[addr]
+            elif addr not in prelude:
+                prelude[addr] = (size, stream)
+            else:
+                continue          # a second free of a pre-trace buffer: nothing to replay
+            events.append(Event("free", addr, size, stream, t_ns))
+    synthesized = 0
+    if complete:
+        start = [Event("alloc", addr, nbytes, stream, 0)
+                 for addr, (nbytes, stream) in prelude.items() if nbytes > 0]
+        # Buffers allocated before recording and never freed: the snapshot's segments.
+        known = set(seen)
+        for seg in snap.get("segments") or ():
+            if seg.get("device", device) != device:
+                continue
+            stream = int(seg.get("stream", 0))
+            for b in seg.get("blocks") or ():
+                if b.get("state") != "active_allocated":
+                    continue
+                addr = int(b.get("address", 0))
+                if addr in known:
+                    continue
+                nbytes = int(b.get("requested_size") or b.get("size") or 0)
+                if nbytes > 0:
+                    start.append(Event("alloc", addr, nbytes, stream, 0))
+                    known.add(addr)
+        synthesized = len(start)
+        events = start + events
+    meta = {"source": "torch-snapshot", "device": device, "source_ooms": ooms,
+            "synthesized_allocs": synthesized}
+    settings = snap.get("allocator_settings")
+    if isinstance(settings, dict) and settings.get("PYTORCH_CUDA_ALLOC_CONF"):
+        meta["pytorch_cuda_alloc_conf"] = str(settings["PYTORCH_CUDA_ALLOC_CONF"])
+    return Trace(events, meta)
+
+
+# ----------------------------------------------------------------------------------------
+# RMM logs
+
+_RMM_COLUMNS = ("Time", "Action", "Pointer", "Size", "Stream")
+
+
+def _rmm_int(text: str) -> int:
+    text = text.strip()
+    if text in ("", "(nil)", "nullptr"):
+        return 0
+    return int(text, 16) if text.lower().startswith("0x") else int(text)
+
+
+def _rmm_time_ns(text: str) -> int:
+    """RMM writes ``HH:MM:SS.ffffff`` (spdlog ``%H:%M:%S.%f``); seconds as a float also pass."""
+    text = text.strip()
+    if ":" in text:
+        h, m, s = text.split(":")
+        sec, _, frac = s.partition(".")
+        frac = (frac + "000000000")[:9]
+        return ((int(h) * 60 + int(m)) * 60 + int(sec)) * 1_000_000_000 + int(frac)
+    whole, _, frac = text.partition(".")
+    return int(whole) * 1_000_000_000 + int((frac + "000000000")[:9])
+
+
+def from_rmm_csv(path) -> Trace:
+    """Events from the CSV log of RMM's ``logging_resource_adaptor``.
+
+    The columns are found by the header (``Thread,Time,Action,Pointer,Size,Stream``);
+    actions ``allocate`` and ``free`` (or ``deallocate``) become events, ``allocate failure``
+    rows are counted in ``meta["source_ooms"]``. Pointers become ids; times
+    (``HH:MM:SS.ffffff``, wrapping at midnight) become ns from the first row.
+
+    Raises
+    ------
+    ValueError
+        Naming the file and line for a missing column, an unknown action or a value that
+        does not parse.
+    """
+    path = os.fspath(path)
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        try:
+            header = next(reader)
+        except StopIteration:
+            raise ValueError(f"{path}: line 1: empty file; expected RMM's CSV header "
+                             "Thread,Time,Action,Pointer,Size,Stream") from None
+        names = [h.strip() for h in header]
+        missing = [c for c in _RMM_COLUMNS if c not in names]
+        if missing:
+            raise ValueError(f"{path}: line 1: not an RMM log: columns {missing} are missing "
+                             f"(header {names}; expected Thread,Time,Action,Pointer,Size,Stream)")
+        col = {c: names.index(c) for c in _RMM_COLUMNS}
+        width = max(col.values()) + 1
+        events = []
+        ooms = 0
+        t0 = None
+        day = 0
+        last = None
+        for row in reader:
+            line = reader.line_num
+            if not row or (len(row) == 1 and not row[0].strip()):
+                continue
+            if len(row) < width:
+                raise ValueError(f"{path}: line {line}: expected {len(names)} columns, got "
+                                 f"{len(row)} (the file looks truncated): {row!r}")
+            action = row[col["Action"]].strip()
+            try:
+                ptr = _rmm_int(row[col["Pointer"]])
+                size = _rmm_int(row[col["Size"]])
+                stream = _rmm_int(row[col["Stream"]])
+                t = _rmm_time_ns(row[col["Time"]])
+            except ValueError as e:
+                raise ValueError(f"{path}: line {line}: a value does not parse ({e}): "
+                                 f"{row!r}") from None
+            if last is not None and t + day < last - 3600 * 10**9:
+                day += 86400 * 10**9       # the clock passed midnight
+            t += day
+            last = t
+            if t0 is None:
+                t0 = t
+            if action == "allocate":
+                events.append(Event("alloc", ptr, size, stream, t - t0))
+            elif action in ("free", "deallocate"):
+                events.append(Event("free", ptr, size, stream, t - t0))
+            elif action == "allocate failure":
+                ooms += 1
+            else:
+                raise ValueError(f"{path}: line {line}: unknown action {action!r} (RMM logs "
+                                 "'allocate', 'free' and 'allocate failure')")
+    events = [ev for ev in events if ev.action == "free" or ev.nbytes > 0]
+    return Trace(events, {"source": "rmm-csv", "source_ooms": ooms})
+
+
+# ----------------------------------------------------------------------------------------
+# any of the above, by content
+
+
+def load_any(path) -> Trace:
+    """Load a trace in any supported format, recognised by content (not only the name):
+    a mempool trace (JSON lines, optionally gzip), a torch snapshot pickle or an RMM CSV."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head[:2] == b"\x1f\x8b":
+        try:
+            with gzip.open(path, "rb") as f:
+                head = f.read(4096)
+        except (OSError, EOFError, zlib.error):
+            head = b"{"           # let load() report the damage with a line number
+    if head[:1] == b"\x80" or path.endswith((".pickle", ".pkl")):
+        return from_torch_snapshot(path)
+    if head.lstrip()[:1] == b"{":
+        return load(path)
+    first = head.split(b"\n", 1)[0].decode("utf-8", "replace")
+    if "Action" in first and "Pointer" in first:
+        return from_rmm_csv(path)
+    raise ValueError(f"{path}: line 1: not a recognised trace (expected a mempool trace "
+                     "header, a torch memory snapshot pickle, or an RMM CSV log header)")

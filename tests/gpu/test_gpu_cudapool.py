@@ -1,0 +1,222 @@
+"""The cudaMemPool behind backend="cuda": which pool, its release threshold and reuse
+policies, trimming, sharing the default pool with CuPy, and the control plane's errors."""
+import gc
+
+import pytest
+
+import mempool
+from mempool import _cuda
+
+if not _cuda.available():
+    pytest.skip("needs a CUDA device, CuPy and the CUDA driver", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+
+
+def _attrs(pool):
+    """The Pool's cudaMemPool attributes, as its stats() report them."""
+    prefix = "cuda_pool."
+    return {k[len(prefix):]: v for k, v in pool.stats().items() if k.startswith(prefix)}
+
+
+def test_segments_are_the_pools_used_memory(cuda_pool, streams):
+    pool = cuda_pool(pool_handle="create")
+    s, _ = streams
+    assert _attrs(pool)["used_current"] == 0
+    ptrs = [pool.alloc(n, stream=s) for n in (1000, 300_000, 3 * MiB, 64 * MiB)]
+    # The driver's pool hands out exactly the segments the Pool reserved.
+    assert _attrs(pool)["used_current"] == pool.reserved_bytes()
+    for p in ptrs:
+        pool.free(p, stream=s)
+    pool.empty_cache()
+    s.synchronize()
+    assert _attrs(pool)["used_current"] == 0
+
+
+def test_release_threshold_zero_gives_memory_back_at_sync(cuda_pool, streams):
+    pool = cuda_pool(pool_handle="create", release_threshold=0)
+    s, _ = streams
+    assert _attrs(pool)["release_threshold"] == 0
+    ptr = pool.alloc(64 * MiB, stream=s)
+    attrs = _attrs(pool)
+    assert attrs["used_current"] >= 64 * MiB and attrs["reserved_current"] >= 64 * MiB
+    pool.free(ptr, stream=s)  # nothing may stay cached: the segment goes back at once
+    s.synchronize()           # and the driver releases it at the sync
+    attrs = _attrs(pool)
+    assert pool.reserved_bytes() == 0
+    assert attrs["used_current"] == 0
+    assert attrs["reserved_current"] == 0
+    assert attrs["reserved_high"] >= 64 * MiB
+
+
+def test_release_threshold_keeps_memory_until_emptied(cuda_pool, streams):
+    keep = 256 * MiB
+    pool = cuda_pool(pool_handle="create", release_threshold=keep)
+    s, _ = streams
+    assert _attrs(pool)["release_threshold"] == keep  # the driver honours it too
+    ptr = pool.alloc(64 * MiB, stream=s)
+    pool.free(ptr, stream=s)
+    s.synchronize()
+    assert pool.cached_bytes() >= 64 * MiB  # under the threshold: the Pool keeps it
+    assert _attrs(pool)["reserved_current"] >= 64 * MiB
+    pool.empty_cache()  # gives the segments back and trims the cudaMemPool
+    s.synchronize()
+    assert pool.reserved_bytes() == 0
+    attrs = _attrs(pool)
+    assert attrs["used_current"] == 0
+    assert attrs["reserved_current"] == 0, "empty_cache left the memory in the cudaMemPool"
+
+
+def test_trim_to_releases_only_unused_memory(cupy_device, streams, kernels):
+    """On a bare cudaMemPool that keeps everything, trim releases what nobody holds, and with
+    sync_device also what was freed in stream order but not yet seen complete."""
+    cupy = cupy_device
+    rt = cupy.cuda.runtime
+    h, owned = _cuda.resolve_pool_handle("create", 0)
+    assert owned
+    try:
+        _cuda.configure(h, release_threshold=_cuda.KEEP_ALL)
+        s, _ = streams
+        held = rt.mallocFromPoolAsync(32 * MiB, h, s.ptr)
+        freed = rt.mallocFromPoolAsync(64 * MiB, h, s.ptr)
+        rt.freeAsync(freed, s.ptr)
+        s.synchronize()
+        before = _cuda.attributes(h)["reserved_current"]
+        assert before >= 96 * MiB  # KEEP_ALL kept the freed 64 MiB
+        _cuda.trim_to(h, 0)
+        attrs = _cuda.attributes(h)
+        assert 32 * MiB <= attrs["reserved_current"] < before
+        assert attrs["used_current"] >= 32 * MiB
+        # A free still queued behind a busy stream: sync_device waits for it first.
+        kernels.spin_copy(held, held, 4, 50, s)
+        rt.freeAsync(held, s.ptr)
+        _cuda.trim_to(h, 0, sync_device=0)
+        assert _cuda.attributes(h)["reserved_current"] == 0
+    finally:
+        _cuda.destroy(h)
+
+
+def test_reuse_policies_reach_the_cuda_pool(cuda_pool):
+    names = ("reuse_follow_event_dependencies", "reuse_allow_opportunistic",
+             "reuse_allow_internal_dependencies")
+    off = cuda_pool(pool_handle="create", **{n: False for n in names})
+    on = cuda_pool(pool_handle="create", **{n: True for n in names})
+    off_attrs, on_attrs = _attrs(off), _attrs(on)
+    for n in names:
+        assert off_attrs[n] is False, n
+        assert on_attrs[n] is True, n
+
+
+def test_default_pool_is_shared_with_cupy_memory_async_pool(streams, kernels, cupy_device):
+    cupy = cupy_device
+    default = cupy.cuda.runtime.deviceGetDefaultMemPool(0)
+    pool = mempool.Pool(backend="cuda", device=0, pool_handle="default")
+    assert _attrs(pool) == _cuda.attributes(default)
+    cupy_async = cupy.cuda.MemoryAsyncPool(pool_handles="default")
+    s, _ = streams
+    base = _cuda.attributes(default)["used_current"]
+    with s:
+        theirs = cupy_async.malloc(32 * MiB)
+    ours = pool.alloc(32 * MiB, stream=s)
+    assert _cuda.attributes(default)["used_current"] >= base + 64 * MiB  # one pool, both users
+    assert _attrs(pool) == _cuda.attributes(default)
+    kernels.fill(theirs.ptr, 32 * MiB, 1, stream=s)
+    kernels.fill(ours, 32 * MiB, 2, stream=s)
+    assert kernels.count_bad(theirs.ptr, 32 * MiB, 1, s) == 0
+    assert kernels.count_bad(ours, 32 * MiB, 2, s) == 0
+    pool.free(ours, stream=s)
+    pool.empty_cache()
+    pool.check_invariants()
+    with s:
+        del theirs
+    s.synchronize()
+    # Dropping the Pool leaves the shared pool alive for CuPy.
+    del pool
+    gc.collect()
+    with s:
+        again = cupy_async.malloc(MiB)
+        assert _cuda.attributes(default)["used_current"] >= MiB
+        del again
+    s.synchronize()
+
+
+def test_current_pool(cuda_pool, cupy_device):
+    current = cupy_device.cuda.runtime.deviceGetMemPool(0)
+    pool = cuda_pool(pool_handle="current")
+    base = _cuda.attributes(current)["used_current"]
+    ptr = pool.alloc(MiB, stream=0)
+    assert _cuda.attributes(current)["used_current"] >= base + MiB
+    assert _attrs(pool) == _cuda.attributes(current)
+    pool.free(ptr, stream=0)
+
+
+def test_external_handle_is_not_destroyed_with_the_pool(cupy_device):
+    h, owned = _cuda.resolve_pool_handle("create", 0)
+    try:
+        pool = mempool.Pool(backend="cuda", device=0, pool_handle=h)
+        ptr = pool.alloc(4 * MiB, stream=0)
+        assert _cuda.attributes(h)["used_current"] >= 4 * MiB
+        assert _attrs(pool) == _cuda.attributes(h)
+        pool.free(ptr, stream=0)
+        pool.empty_cache()
+        pool.check_invariants()
+        cupy_device.cuda.Stream.null.synchronize()
+        del pool
+        gc.collect()
+        assert _cuda.attributes(h)["used_current"] == 0  # still a live pool
+    finally:
+        _cuda.destroy(h)
+
+
+def test_pool_rejects_a_bad_pool_handle(cupy_device):
+    with pytest.raises(ValueError, match="pool_handle"):
+        mempool.Pool(backend="cuda", pool_handle="bogus")
+
+
+def test_control_plane_round_trip(cupy_device):
+    h, owned = _cuda.resolve_pool_handle("create", 0)
+    assert owned and h
+    try:
+        attrs = _cuda.attributes(h)
+        assert {"reserved_current", "reserved_high", "used_current", "used_high"} <= set(attrs)
+        assert attrs["reserved_current"] == attrs["used_current"] == 0
+        _cuda.configure(h, release_threshold=123 * MiB, reuse_allow_opportunistic=False)
+        attrs = _cuda.attributes(h)
+        assert attrs["release_threshold"] == 123 * MiB
+        assert attrs["reuse_allow_opportunistic"] is False
+        assert attrs["reuse_follow_event_dependencies"] is True  # untouched
+        # Bad input is refused before anything changes.
+        with pytest.raises(TypeError, match="reuse_allow_internal_dependencies"):
+            _cuda.configure(h, release_threshold=0, reuse_allow_internal_dependencies="yes")
+        assert _cuda.attributes(h)["release_threshold"] == 123 * MiB
+        with pytest.raises(ValueError, match="release_threshold"):
+            _cuda.configure(h, release_threshold=-1)
+        _cuda.reset_peaks(h)
+        assert _cuda.attributes(h)["reserved_high"] == 0
+        _cuda.trim_to(h, 0)
+    finally:
+        _cuda.destroy(h)
+
+
+def test_control_plane_names_the_bad_argument(cupy_device):
+    count = _cuda.device_count()
+    with pytest.raises(ValueError, match="device"):
+        _cuda.resolve_pool_handle("create", count)
+    with pytest.raises(ValueError, match="pool_handle"):
+        _cuda.resolve_pool_handle("shared", 0)
+    with pytest.raises(TypeError, match="pool_handle"):
+        _cuda.resolve_pool_handle(None, 0)
+    with pytest.raises(ValueError, match="handle"):
+        _cuda.attributes(0)
+
+
+def test_current_stream_ptr_follows_cupy(streams, cupy_device):
+    cupy = cupy_device
+    s, _ = streams
+    assert _cuda.current_stream_ptr() == cupy.cuda.get_current_stream().ptr
+    with s:
+        assert _cuda.current_stream_ptr() == s.ptr
+    with cupy.cuda.Stream.ptds:
+        assert _cuda.current_stream_ptr() == 2

@@ -1,0 +1,122 @@
+"""Expandable segments through the driver's virtual memory (cuMemAddressReserve / cuMemCreate /
+cuMemMap): a segment grows page by page (2 MiB on an H200) and kernels read and write across
+the page boundaries; releasing free pages leaves the live neighbours' data alone."""
+import pytest
+
+import mempool
+from mempool import _cuda
+
+if not _cuda.available():
+    pytest.skip("needs a CUDA device, CuPy and the CUDA driver", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+
+KiB, MiB = 1 << 10, 1 << 20
+PAGE = 2 * MiB  # the H200's minimum granularity; only used to tell whether a block straddles
+
+
+def _straddles(ptr, nbytes):
+    return ptr // PAGE != (ptr + nbytes - 1) // PAGE
+
+
+def _check_all(kernels, blocks, stream):
+    for ptr, nbytes, seed in blocks:
+        assert kernels.count_bad(ptr, nbytes, seed, stream) == 0, \
+            f"block {ptr:#x} (+{nbytes}) lost its data"
+
+
+def test_large_blocks_across_pages_of_one_grown_segment(cuda_pool, streams, kernels,
+                                                        cupy_device):
+    cupy = cupy_device
+    free_before, _ = cupy.cuda.runtime.memGetInfo()
+    pool = cuda_pool(expandable_segments=True)
+    s, _ = streams
+    sizes = [3 * MiB, 5 * MiB + 512, 7 * MiB - 4, 2 * MiB, 11 * MiB + 4 * KiB, 33 * MiB,
+             MiB + 512, 9 * MiB]
+    blocks = []
+    for i, nbytes in enumerate(sizes):
+        ptr = pool.alloc(nbytes, stream=s)
+        kernels.fill(ptr, nbytes, seed=10 + i, stream=s)
+        blocks.append((ptr, nbytes, 10 + i))
+    pool.check_invariants()
+    assert pool.stats()["segment.large_pool.current"] == 1, "the segment did not grow in place"
+    assert any(_straddles(p, n) for p, n, _ in blocks)
+    _check_all(kernels, blocks, s)
+
+    # Free every other block and give their pages back: the neighbours sharing pages with
+    # them must stay mapped and intact.
+    for ptr, _, _ in blocks[1::2]:
+        pool.free(ptr, stream=s)
+    pool.empty_cache()
+    s.synchronize()
+    pool.check_invariants()
+    kept = blocks[0::2]
+    _check_all(kernels, kept, s)
+
+    # Grow again, into released pages.
+    for i, nbytes in enumerate(sizes[1::2]):
+        ptr = pool.alloc(nbytes, stream=s)
+        kernels.fill(ptr, nbytes, seed=50 + i, stream=s)
+        kept.append((ptr, nbytes, 50 + i))
+    _check_all(kernels, kept, s)
+    pool.check_invariants()
+    for ptr, _, _ in kept:
+        pool.free(ptr, stream=s)
+    pool.empty_cache()
+    s.synchronize()
+    pool.check_invariants()
+    assert pool.reserved_bytes() == 0
+    free_after, _ = cupy.cuda.runtime.memGetInfo()
+    assert free_after >= free_before - 64 * MiB, "unmapped pages were not given back"
+
+
+def test_small_blocks_grow_a_small_segment(cuda_pool, streams, kernels):
+    pool = cuda_pool(expandable_segments=True)
+    s, _ = streams
+    blocks = []
+    for i in range(48):  # ~9.6 MiB of 200 KiB blocks: several pages of one small segment
+        nbytes = 200 * KiB + 4 * i
+        ptr = pool.alloc(nbytes, stream=s)
+        kernels.fill(ptr, nbytes, seed=i, stream=s)
+        blocks.append((ptr, nbytes, i))
+    assert pool.stats()["segment.small_pool.current"] == 1
+    assert any(_straddles(p, n) for p, n, _ in blocks)
+    _check_all(kernels, blocks, s)
+    for ptr, _, _ in blocks:
+        pool.free(ptr, stream=s)
+    pool.check_invariants()
+
+
+def test_many_growth_steps_with_cupy_arrays(cuda_pool, cupy_device):
+    """CuPy arrays on the pool (set_allocator) while the segment is mapped a page at a time."""
+    cupy = cupy_device
+    pool = cuda_pool(expandable_segments=True)
+    with cupy.cuda.using_allocator(pool.malloc):
+        arrays = [cupy.full(3 * MiB // 8 + i, i, dtype=cupy.int64) for i in range(80)]
+        pool.check_invariants()
+        for i, arr in enumerate(arrays):
+            assert int((arr != i).sum()) == 0, f"array {i} was overwritten"
+        total = cupy.concatenate(arrays).sum()  # one kernel reading every page
+        assert int(total) == sum(i * (3 * MiB // 8 + i) for i in range(80))
+        del arrays, arr, total
+    cupy.cuda.get_current_stream().synchronize()
+    pool.empty_cache()
+    pool.check_invariants()
+    assert pool.used_bytes() == 0
+
+
+def test_expandable_limit_refuses_and_recovers(cuda_pool, streams, kernels):
+    pool = cuda_pool(expandable_segments=True, limit=64 * MiB)
+    s, _ = streams
+    a = pool.alloc(40 * MiB, stream=s)
+    with pytest.raises(mempool.OutOfMemoryError):
+        pool.alloc(40 * MiB, stream=s)
+    pool.check_invariants()
+    kernels.fill(a, 40 * MiB, 9, stream=s)
+    assert kernels.count_bad(a, 40 * MiB, 9, s) == 0
+    pool.free(a, stream=s)
+    b = pool.alloc(60 * MiB, stream=s)
+    kernels.fill(b, 60 * MiB, 10, stream=s)
+    assert kernels.count_bad(b, 60 * MiB, 10, s) == 0
+    pool.free(b, stream=s)
+    pool.check_invariants()

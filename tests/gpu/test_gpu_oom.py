@@ -1,0 +1,80 @@
+"""Out of memory on a real device: under the pool's own limit, and with the device full.
+After an OutOfMemoryError the pool is unchanged and usable."""
+import pytest
+
+import mempool
+from mempool import _cuda
+
+if not _cuda.available():
+    pytest.skip("needs a CUDA device, CuPy and the CUDA driver", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def test_limit_refuses_and_pool_stays_usable(cuda_pool, streams, kernels):
+    pool = cuda_pool(limit=256 * MiB)
+    s, _ = streams
+    first = pool.alloc(200 * MiB, stream=s)
+    used, reserved = pool.used_bytes(), pool.reserved_bytes()
+    with pytest.raises(mempool.OutOfMemoryError) as info:
+        pool.alloc(100 * MiB, stream=s)
+    assert isinstance(info.value, MemoryError)
+    assert pool.used_bytes() == used and pool.reserved_bytes() == reserved
+    assert pool.stats()["num_ooms"] >= 1
+    pool.check_invariants()
+    # What fits under the limit still works, and the first block was not disturbed.
+    kernels.fill(first, 200 * MiB, 1, stream=s)
+    small = pool.alloc(40 * MiB, stream=s)
+    kernels.fill(small, 40 * MiB, 2, stream=s)
+    assert kernels.count_bad(first, 200 * MiB, 1, s) == 0
+    assert kernels.count_bad(small, 40 * MiB, 2, s) == 0
+    pool.free(first, stream=s)
+    again = pool.alloc(100 * MiB, stream=s)  # the request that failed fits now
+    pool.free(again, stream=s)
+    pool.free(small, stream=s)
+    pool.check_invariants()
+    assert pool.reserved_bytes() <= 256 * MiB
+
+
+def test_full_device_raises_then_recovers(cuda_pool, streams, kernels, cupy_device):
+    """Fill the device through the pool until it refuses, then give everything back."""
+    cupy = cupy_device
+    free_before, total = cupy.cuda.runtime.memGetInfo()
+    chunk = 2 * GiB
+    pool = cuda_pool(release_threshold=0)
+    s, _ = streams
+    held = []
+    with pytest.raises(mempool.OutOfMemoryError) as info:
+        for _ in range(total // chunk + 2):  # the device must refuse before this ends
+            held.append(pool.alloc(chunk, stream=s))
+    assert isinstance(info.value, MemoryError)
+    assert len(held) * chunk >= free_before // 2, "the pool gave up long before the device"
+    pool.check_invariants()
+    # A smaller request may still fit in what is left; either way the pool stays sound.
+    try:
+        tail = pool.alloc(256 * MiB, stream=s)
+    except mempool.OutOfMemoryError:
+        tail = None
+    pool.check_invariants()
+    # The blocks handed out before the refusal are good memory.
+    for ptr in (held[0], held[-1]):
+        kernels.fill(ptr, 256 * MiB, 3, stream=s)
+        assert kernels.count_bad(ptr, 256 * MiB, 3, s) == 0
+    for ptr in held:
+        pool.free(ptr, stream=s)
+    if tail is not None:
+        pool.free(tail, stream=s)
+    pool.empty_cache()
+    s.synchronize()
+    assert pool.reserved_bytes() == 0
+    assert pool.stats()["cuda_pool.reserved_current"] == 0
+    free_after, _ = cupy.cuda.runtime.memGetInfo()
+    assert free_after >= free_before - 512 * MiB, "device memory was not given back"
+    # The pool works as before.
+    ptr = pool.alloc(GiB, stream=s)
+    kernels.fill(ptr, 256 * MiB, 4, stream=s)
+    assert kernels.count_bad(ptr, 256 * MiB, 4, s) == 0
+    pool.free(ptr, stream=s)
+    pool.check_invariants()

@@ -1,0 +1,169 @@
+"""Pool(backend="cuda") on a real device: sizes, alignment, data integrity, stream forms,
+threads."""
+import gc
+import random
+import threading
+
+import pytest
+
+from mempool import _cuda
+
+if not _cuda.available():
+    pytest.skip("needs a CUDA device, CuPy and the CUDA driver", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [4, 511, 512, 513, 4 * KiB, 100 * KiB, MiB - 1, MiB, MiB + 1, 3 * MiB, 10 * MiB - 4,
+         10 * MiB, 10 * MiB + 4, 64 * MiB, 257 * MiB]
+
+
+def test_alloc_free_many_sizes(cuda_pool, streams, kernels):
+    pool = cuda_pool()
+    s, _ = streams
+    blocks = []
+    for i, nbytes in enumerate(SIZES):
+        ptr = pool.alloc(nbytes, stream=s)
+        assert ptr % 512 == 0, f"block of {nbytes} bytes at {ptr:#x} is not 512-byte aligned"
+        kernels.fill(ptr, nbytes, seed=i, stream=s)
+        blocks.append((ptr, nbytes, i))
+        pool.check_invariants()
+    spans = sorted((p, p + n) for p, n, _ in blocks)
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert end <= start, "two live blocks overlap"
+    assert pool.used_bytes() >= sum(SIZES)
+    # Every block still holds its own pattern: no write landed in another block.
+    for ptr, nbytes, seed in blocks:
+        assert kernels.count_bad(ptr, nbytes, seed, s) == 0
+    random.Random(0).shuffle(blocks)
+    for ptr, _, _ in blocks:
+        pool.free(ptr, stream=s)
+        pool.check_invariants()
+    assert pool.used_bytes() == 0
+    stats = pool.stats()
+    assert stats["allocated_bytes.all.current"] == 0
+    assert stats["allocation.all.allocated"] == len(SIZES)
+    pool.empty_cache()
+    s.synchronize()
+    assert pool.reserved_bytes() == 0
+
+
+def test_random_alloc_free_keeps_every_block_intact(cuda_pool, streams, kernels):
+    pool = cuda_pool()
+    s, _ = streams
+    rng = random.Random(1234)
+    live = {}
+    for step in range(400):
+        if live and (rng.random() < 0.45 or len(live) > 60):
+            ptr = rng.choice(list(live))
+            nbytes, seed = live.pop(ptr)
+            assert kernels.count_bad(ptr, nbytes, seed, s) == 0, f"step {step}: block damaged"
+            pool.free(ptr, stream=s)
+        else:
+            nbytes = rng.choice([rng.randrange(4, 64 * KiB), rng.randrange(64 * KiB, 4 * MiB),
+                                 rng.randrange(4 * MiB, 40 * MiB)])
+            ptr = pool.alloc(nbytes, stream=s)
+            kernels.fill(ptr, nbytes, seed=step, stream=s)
+            live[ptr] = (nbytes, step)
+        if step % 50 == 0:
+            pool.check_invariants()
+    for ptr, (nbytes, seed) in live.items():
+        assert kernels.count_bad(ptr, nbytes, seed, s) == 0
+        pool.free(ptr, stream=s)
+    pool.check_invariants()
+    assert pool.used_bytes() == 0
+
+
+def _stream_forms(cupy, s):
+    """(what the pool is given, the CuPy stream that orders the same work)."""
+    return {
+        "cupy-stream": (s, s),
+        "int": (s.ptr, s),
+        "null-0": (0, cupy.cuda.Stream.null),
+        "legacy-1": (1, cupy.cuda.Stream.null),
+        "per-thread-2": (2, cupy.cuda.Stream.ptds),
+    }
+
+
+@pytest.mark.parametrize("form", ["cupy-stream", "int", "null-0", "legacy-1", "per-thread-2"])
+def test_stream_forms(cuda_pool, streams, kernels, cupy_device, form):
+    pool = cuda_pool()
+    given, cupy_stream = _stream_forms(cupy_device, streams[0])[form]
+    ptrs = []
+    for i, nbytes in enumerate([4 * KiB, 2 * MiB, 24 * MiB]):
+        ptr = pool.alloc(nbytes, stream=given)
+        kernels.fill(ptr, nbytes, seed=100 + i, stream=cupy_stream)
+        ptrs.append((ptr, nbytes, 100 + i))
+    for ptr, nbytes, seed in ptrs:
+        assert kernels.count_bad(ptr, nbytes, seed, cupy_stream) == 0
+        pool.free(ptr, stream=given)
+    pool.check_invariants()
+    # Freed on that stream, a block serves the next request there at once.
+    again = pool.alloc(2 * MiB, stream=given)
+    kernels.fill(again, 2 * MiB, seed=7, stream=cupy_stream)
+    assert kernels.count_bad(again, 2 * MiB, 7, cupy_stream) == 0
+    pool.free(again, stream=given)
+    cupy_stream.synchronize()
+    pool.empty_cache()
+    pool.check_invariants()
+
+
+def test_threads_without_a_current_context(cuda_pool, kernels, cupy_device):
+    """Fresh threads have no CUDA context current: the upstream must make the device's
+    primary context current itself, and the pool must stay consistent under contention."""
+    cupy = cupy_device
+    pool = cuda_pool()
+    errors = []
+
+    def work(seed):
+        try:
+            rng = random.Random(seed)
+            with cupy.cuda.Device(0):
+                s = cupy.cuda.Stream(non_blocking=True)
+                for i in range(60):
+                    nbytes = rng.randrange(4, 3 * MiB)
+                    ptr = pool.alloc(nbytes, stream=s)
+                    kernels.fill(ptr, nbytes, seed=seed * 1000 + i, stream=s)
+                    if kernels.count_bad(ptr, nbytes, seed * 1000 + i, s):
+                        errors.append(f"thread {seed}: block {i} damaged")
+                    pool.free(ptr, stream=s)
+                s.synchronize()
+        except Exception as exc:  # reported below, in the main thread
+            errors.append(f"thread {seed}: {exc!r}")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    pool.check_invariants()
+    assert pool.used_bytes() == 0
+    # The threads' streams are destroyed by now, and the pool still caches segments freed on
+    # them: releasing those must not touch the dead stream handles.
+    del threads
+    gc.collect()
+    pool.empty_cache()
+    pool.check_invariants()
+    assert pool.reserved_bytes() == 0
+
+
+def test_alloc_from_a_thread_that_never_touched_cuda(cuda_pool, cupy_device, kernels):
+    """Only the pool's own calls run on the thread: nothing else made a context current."""
+    pool = cuda_pool()
+    out = {}
+
+    def work():
+        try:
+            ptr = pool.alloc(MiB, stream=0)
+            pool.free(ptr, stream=0)
+            out["ptr"] = ptr
+        except Exception as exc:
+            out["error"] = exc
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert "error" not in out, out.get("error")
+    assert out["ptr"] % 512 == 0
+    pool.check_invariants()

@@ -1,0 +1,100 @@
+"""``python -m mempool bench``: the summary table, the plot, and one short end-to-end run."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mempool import cli_bench
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _info(row, column, ns, order=0, ref=None, section="latency", unit="pair"):
+    return dict(section=section, row=row, column=column, ns=ns, order=order, ref=ref, unit=unit)
+
+
+INFOS = [
+    _info("bare C-method call x2 (floor)", "512 B", 70.0),
+    _info("mempool alloc/free (sim)", "512 B", 140.0, ref=1),
+    _info("mempool alloc/free (sim)", "64 KiB", 150.0, order=1, ref=1),
+    _info("mempool alloc/free (cuda)", "512 B", 200.0, ref=0),
+    _info("cudaMalloc + cudaFree", "512 B", 74000.0),
+    _info("mempool (sim)", "cold", 250_000.0, section="first step", unit="iteration", ref=1),
+]
+
+
+def test_table_takes_ratios_against_the_best_ranked_mempool_row():
+    lines = cli_bench.render_table(INFOS).splitlines()
+    # The cuda row (rank 0) is the 512 B reference; only the sim row has 64 KiB.
+    assert "relative to mempool alloc/free (cuda) / mempool alloc/free (sim)" in lines[0]
+    assert lines[1].split() == ["512", "B", "64", "KiB"]
+    cells = {}
+    for line in lines[2:6]:
+        label, *rest = re.split(r"\s{2,}", line.strip())
+        cells[label] = rest
+    assert cells == {
+        "bare C-method call x2 (floor)": ["70.0 x0.35", "-"],
+        "mempool alloc/free (sim)": ["140 x0.7", "150 x1"],
+        "mempool alloc/free (cuda)": ["200 x1", "-"],
+        "cudaMalloc + cudaFree": ["74,000 x370", "-"],
+    }
+
+
+def test_table_prints_iterations_in_microseconds_in_their_own_section():
+    text = cli_bench.render_table(INFOS)
+    section = text[text.index("first step:"):].splitlines()
+    assert "[us per iteration]" in section[0]
+    assert section[2].split()[-2:] == ["250", "x1"]
+
+
+def test_table_without_figures_says_so():
+    assert cli_bench.render_table([]) == "(no benchmark figures)"
+    assert cli_bench.render_table([{"row": "a", "column": "b"}]) == "(no benchmark figures)"
+
+
+def test_foundation_sentences_compare_floor_empty_and_populated():
+    infos = [
+        _info("bare C-method call x2 (floor)", "512 B", 70.0, section="foundation"),
+        _info("mempool alloc/free (sim), empty pool", "512 B", 140.0, section="foundation",
+              ref=1),
+        _info("mempool alloc/free (sim), 100k live + 10k cached", "512 B", 175.0,
+              section="foundation"),
+    ]
+    lines = cli_bench.foundation_lines(infos)
+    assert lines == [
+        "sim round trip 512 B: 140 ns = 2.00 x the bare-call floor (70 ns for two calls)",
+        "sim round trip 512 B with 100k live + 10k cached blocks: 175 ns = 1.25 x the empty pool",
+    ]
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "latency.png"
+    assert cli_bench.plot_latency(INFOS, path) == f"plot: {path}"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_option_is_refused_by_argparse():
+    with pytest.raises(SystemExit) as exc:
+        cli_bench.main("bench", ["--rounds", "3"])
+    assert exc.value.code == 2
+
+
+@pytest.mark.slow
+def test_end_to_end_quick_run_of_the_floor(tmp_path):
+    """A real run through ``python -m mempool bench``, narrowed to the floor benchmarks."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mempool", "bench", "--quick", "--out", str(out),
+         "-k", "test_sim_floor"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bare C-method call x2 (floor)" in proc.stdout
+    data = json.loads((out / "bench.json").read_text())
+    figures = [b["extra_info"] for b in data["benchmarks"]]
+    assert {f["column"] for f in figures} == {"512 B", "64 KiB"}
+    assert all(f["ns"] > 0 and f["per_round"] == 500 for f in figures)
+    assert (out / "table.txt").read_text().startswith("foundation:")

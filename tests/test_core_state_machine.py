@@ -1,0 +1,140 @@
+"""A hypothesis state machine over the core on the simulated device.
+
+After every step: check_invariants() (no gap or overlap, segments covered, free neighbours of
+one stream merged, free lists and counters consistent), no two live blocks overlap, and no
+block is ever handed to a stream while work of another stream that used its bytes may still
+be pending, unless the new stream is ordered after that work (device.ordered).
+"""
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import mempool
+
+STREAMS = (0, 5, 9)
+SIZES = st.one_of(st.integers(0, 4096), st.integers(4097, 1 << 20),
+                  st.integers((1 << 20) + 1, 64 << 20))
+
+
+class PoolMachine(RuleBasedStateMachine):
+    options = {}
+
+    @initialize()
+    def make_pool(self):
+        self.pool = mempool.Pool(backend="sim", capacity=512 << 20, **self.options)
+        self.dev = self.pool.device
+        self.live = {}        # ptr -> (nbytes, stream, streams recorded)
+        self.work = []        # (stream, seq, lo, hi): work that touched these bytes
+
+    def _pending(self):
+        out = []
+        for stream, seq, lo, hi in self.work:
+            if self.dev.stream_info(stream)["completed"] < seq:
+                out.append((stream, seq, lo, hi))
+        self.work = out
+        return out
+
+    @rule(nbytes=SIZES, stream=st.sampled_from(STREAMS))
+    def alloc(self, nbytes, stream):
+        try:
+            ptr = self.pool.alloc(nbytes, stream=stream)
+        except mempool.OutOfMemoryError:
+            return
+        size = self.pool.block_info(ptr)[0]
+        assert size >= max(nbytes, 1)
+        lo, hi = ptr, ptr + size
+        for q, (qn, _, _) in self.live.items():
+            assert hi <= q or q + qn <= lo, f"block {ptr:#x} overlaps live block {q:#x}"
+        for other, seq, wlo, whi in self._pending():
+            if wlo < hi and lo < whi and other != stream:
+                assert self.dev.ordered(stream, other, seq), (
+                    f"{ptr:#x} handed to stream {stream} while stream {other} may still use it")
+        self.live[ptr] = (size, stream, set())
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def use(self, data):
+        """Queue work that touches a live block, on its stream or a recorded one."""
+        ptr = data.draw(st.sampled_from(sorted(self.live)))
+        size, stream, recorded = self.live[ptr]
+        on = data.draw(st.sampled_from(sorted({stream} | recorded)))
+        seq = self.dev.launch(on)
+        self.work.append((on, seq, ptr, ptr + size))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), other=st.sampled_from(STREAMS))
+    def record(self, data, other):
+        ptr = data.draw(st.sampled_from(sorted(self.live)))
+        self.pool.record_stream(ptr, other)
+        self.live[ptr][2].add(other)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        ptr = data.draw(st.sampled_from(sorted(self.live)))
+        del self.live[ptr]
+        self.pool.free(ptr)
+
+    @rule(stream=st.sampled_from(STREAMS))
+    def complete(self, stream):
+        self.dev.complete(stream)
+
+    @rule(n=st.integers(1, 3))
+    def fail_next(self, n):
+        self.dev.fail_next(n)
+
+    @rule()
+    def empty_cache(self):
+        self.pool.empty_cache()
+
+    @rule(keep=st.integers(0, 64 << 20))
+    def trim(self, keep):
+        self.pool.trim(keep)
+        if self.pool.cached_bytes() > keep:
+            # then nothing releasable is left: no segment is wholly free
+            for seg in self.pool.layout():
+                assert any(b["state"] != 0 for b in seg["blocks"]), seg
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "pool"):
+            self.pool.check_invariants()
+            assert self.pool.used_bytes() == sum(n for n, _, _ in self.live.values())
+
+    def teardown(self):
+        if hasattr(self, "pool"):
+            for ptr in list(self.live):
+                self.pool.free(ptr)
+            self.dev.complete_all()
+            self.pool.empty_cache()
+            self.pool.check_invariants()
+            assert self.pool.reserved_bytes() == 0
+            assert self.dev.counters()["errors"] == 0
+
+
+SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+class DefaultPool(PoolMachine):
+    options = {}
+
+
+class NoCrossStreamReuse(PoolMachine):
+    options = {"cross_stream_reuse": False}
+
+
+class RoundedAndLimited(PoolMachine):
+    options = {"roundup_power2_divisions": 4, "limit": 256 << 20, "max_split_size": 32 << 20}
+
+
+class ReleaseEagerly(PoolMachine):
+    options = {"release_threshold": 0, "garbage_collection_threshold": 0.5}
+
+
+TestDefaultPool = DefaultPool.TestCase
+TestNoCrossStreamReuse = NoCrossStreamReuse.TestCase
+TestRoundedAndLimited = RoundedAndLimited.TestCase
+TestReleaseEagerly = ReleaseEagerly.TestCase
+for case in (TestDefaultPool, TestNoCrossStreamReuse, TestRoundedAndLimited, TestReleaseEagerly):
+    case.settings = SETTINGS

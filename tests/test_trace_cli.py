@@ -1,0 +1,89 @@
+"""The replay, tune and plot commands on the shipped traces and on imported formats."""
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from mempool import cli_trace
+
+from test_trace import RMM_LOG, torch_snapshot
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = os.path.join(REPO, "bench", "traces", "small.jsonl")
+
+
+def test_replay_default_trace(capsys):
+    assert cli_trace.main("replay", []) == 0
+    out = capsys.readouterr().out
+    assert "transformer_train.jsonl.gz" in out
+    assert "reserved/live" in out and "peak live" in out
+
+
+def test_replay_json_and_conf(capsys):
+    assert cli_trace.main("replay", [SMALL, "--conf", "roundup_power2_divisions:4", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["trace"] == SMALL
+    assert d["peak_reserved_bytes"] >= d["peak_live_bytes"] > 0
+    assert d["num_ooms"] == 0 and d["ratio"] >= 1.0
+
+
+def test_replay_under_a_limit_reports_ooms(capsys):
+    assert cli_trace.main("replay", [SMALL, "--limit", "20MB"]) == 0
+    out = capsys.readouterr().out
+    assert "OOMs" in out and "OOMs           0" not in out
+
+
+def test_replay_imported_formats(tmp_path, capsys):
+    snap = tmp_path / "snapshot.pickle"
+    snap.write_bytes(pickle.dumps(torch_snapshot()))
+    rmm = tmp_path / "log.csv"
+    rmm.write_text(RMM_LOG)
+    for path in (snap, rmm):
+        assert cli_trace.main("replay", [str(path)]) == 0
+        assert "reserved/live" in capsys.readouterr().out
+
+
+def test_bad_input_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"format": "mempool-trace", "version": 1}\n["alloc",1\n')
+    assert cli_trace.main("replay", [str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}: line 2" in err
+    assert cli_trace.main("nope", []) == 2
+
+
+def test_tune_small(capsys):
+    assert cli_trace.main("tune", [SMALL, "--quiet", "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "settings replayed on sim" in out and "MEMPOOL_CONF" in out
+
+
+def test_tune_default_trace_runs(capsys):
+    assert cli_trace.main("tune", ["--quiet", "--top", "3"]) == 0
+    assert "transformer_train.jsonl.gz" in capsys.readouterr().out
+
+
+def test_plot_commands(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    timeline = tmp_path / "timeline.png"
+    assert cli_trace.main("plot", [SMALL, "--out", str(timeline)]) == 0
+    segments = tmp_path / "segments.png"
+    assert cli_trace.main("plot", [SMALL, "--segments", "--out", str(segments)]) == 0
+    snap = tmp_path / "snapshot.pickle"
+    snap.write_bytes(pickle.dumps(torch_snapshot()))
+    snapmap = tmp_path / "snapmap.png"
+    assert cli_trace.main("plot", [str(snap), "--out", str(snapmap)]) == 0
+    replayed = tmp_path / "replay.png"
+    assert cli_trace.main("replay", [SMALL, "--plot", str(replayed)]) == 0
+    for p in (timeline, segments, snapmap, replayed):
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_python_dash_m_dispatch():
+    r = subprocess.run([sys.executable, "-m", "mempool", "replay", SMALL], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "reserved/live" in r.stdout
