@@ -86,8 +86,9 @@ fi
 
 # ---- benchmarks (they report; nothing gates on them)
 if [ -d bench ] && ls bench/*.py >/dev/null 2>&1; then
-    stage bench "$OUT/bench.log" timeout "$T_BENCH" "$PY" -m pytest bench -p no:cacheprovider \
-        --benchmark-enable --benchmark-json "$OUT/bench.json"
+    # BENCH_ARGS narrows the run (e.g. BENCH_ARGS="bench/test_latency.py") when time is short.
+    stage bench "$OUT/bench.log" timeout "$T_BENCH" "$PY" -m pytest ${BENCH_ARGS:-bench} \
+        -p no:cacheprovider --benchmark-enable --benchmark-json "$OUT/bench.json"
 else
     STATUS[bench]=skipped
 fi

@@ -146,7 +146,9 @@ def test_pending_frees_are_waited_for_only_as_a_last_resort(sim):
 
 def test_other_streams_free_blocks_come_before_the_upstream(sim):
     pool = sim()
-    pool.free(pool.alloc(12 * MiB, S1))
+    a = pool.alloc(12 * MiB, S1)
+    pool.device.launch(S1)                   # S1 still has work queued when a is freed
+    pool.free(a)
     pool.device.fail_next(1)
     b = pool.alloc(12 * MiB, S2)             # S1's free block, after an event wait
     assert b == BASE

@@ -92,9 +92,6 @@ def test_record_save_load_replay_matches_the_live_run(tmp_path, small, conf):
     assert r.unknown_frees == 0 and r.num_ooms == 0
 
 
-@pytest.mark.xfail(strict=True, reason="the core records the block's size for alloc and "
-                   "free_requested (MP_TRACE_ALLOC in mp_core.c), not the requested size as "
-                   "PyTorch's trace does, so a recorded trace's live bytes include rounding")
 def test_recorded_sizes_are_the_requested_sizes(small):
     pool = _record(small, "roundup_power2_divisions:4")
     recorded = mt.from_pool_history(pool.history())
