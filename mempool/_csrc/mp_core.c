@@ -459,6 +459,8 @@ static mp_block *new_segment_locked(mp_pool *p, mp_stream *s, int kind, uintptr_
 }
 
 int mp_reserve_initial(mp_pool *p, size_t nbytes) {
+    /* Expandable pools map it into their growing range, where it merges with what grows. */
+    if (p->cfg.expandable_segments) return mp_expand_reserve_initial(p, nbytes);
     nbytes = (nbytes + MP_LARGE_ROUND - 1) & ~(MP_LARGE_ROUND - 1);
     mp_lock_acquire(&p->lock);
     mp_stream *s = mp_stream_get_locked(p, 0);

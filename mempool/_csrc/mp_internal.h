@@ -87,6 +87,8 @@ struct mp_pool {
     mp_block_slab *slabs;
 
     size_t inflight_bytes;       /* segments being allocated with the lock dropped */
+    size_t mapped_high_water;    /* expandable segments: the most bytes ever mapped at once
+                                    (mp_expand.c; unlike the stats' peak, never reset) */
     uint64_t tick;               /* advances on every alloc and free */
     mp_stats stats;
 
