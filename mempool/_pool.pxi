@@ -276,6 +276,23 @@ cdef class Pool:
         if rc != MP_OK:
             raise self._pointer_error(rc, "record_stream", p)
 
+    def forget_stream(self, stream):
+        """Call before destroying a stream this pool has used.
+
+        Waits for the stream's queued work, then moves every block and segment the pool
+        keeps on it to the legacy default stream, so the pool never calls the driver with
+        the dead handle (freeing a cached segment on a destroyed stream crashes the
+        driver). At the pool's own end no call is needed: it synchronizes the device and
+        frees everything on the legacy stream.
+        """
+        cdef uintptr_t s = 0
+        self._stream_of(stream, &s)
+        cdef int rc = mp_forget_stream(self._pool, s)
+        if rc == MP_ENOMEM:
+            raise MemoryError("forget_stream: out of host memory")
+        if rc != MP_OK:
+            raise RuntimeError(f"forget_stream: synchronizing stream {s:#x} failed (error {rc})")
+
     def block_info(self, ptr):
         """``(nbytes, requested_nbytes, stream)`` of the live block at ``ptr``."""
         cdef size_t nbytes = 0, requested = 0

@@ -234,6 +234,15 @@ static int sim_stream_synchronize(void *ctx, uintptr_t stream) {
     return si == SIZE_MAX ? MP_ENOMEM : MP_OK;
 }
 
+static int sim_device_synchronize(void *ctx) {
+    mp_sim *s = ctx;
+    pthread_mutex_lock(&s->mu);
+    for (size_t i = 0; i < s->nstreams; i++) complete_upto(s, i, s->streams[i].submitted);
+    s->num_syncs++;
+    pthread_mutex_unlock(&s->mu);
+    return MP_OK;
+}
+
 static int sim_mem_info(void *ctx, size_t *free_bytes, size_t *total) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
@@ -365,6 +374,7 @@ int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
     up->stream_wait_event = sim_stream_wait_event;
     up->event_destroy = sim_event_destroy;
     up->stream_synchronize = sim_stream_synchronize;
+    up->device_synchronize = sim_device_synchronize;
     up->mem_info = sim_mem_info;
     up->granularity = granularity;
     up->va_reserve = sim_va_reserve;
