@@ -480,6 +480,7 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
             mp_block *b = new_segment_locked(p, s, KIND_LARGE, ptr, nbytes);
             if (b) {
                 b->seg->pinned = 1;
+                p->idle_bytes -= nbytes;   /* counted as idle unpinned when it was made */
                 mp_insert_free_locked(p, b);
             } else {
                 p->up.segment_free(p->up.ctx, ptr, nbytes, 0);
@@ -516,6 +517,12 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
             if (mp_reserved_now_locked(p) + seg_size > limit) return MP_ELIMIT;
         }
     }
+
+    /* Release cached segments beyond need: idle segments cannot serve this request (the
+     * search found nothing), so when they hold a new segment's worth, give that much back,
+     * oldest first, before growing. Reserved memory then tracks what the work needs instead
+     * of piling up segments of sizes it no longer asks for. */
+    if (p->idle_bytes >= seg_size) mp_release_idle_kind_locked(p, kind, seg_size, rel);
 
     uintptr_t ptr = 0;
     int rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);
