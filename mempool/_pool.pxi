@@ -144,18 +144,14 @@ cdef class Pool:
         self._pool = NULL
 
     def __init__(self, backend="cuda", device=0, capacity=None, **options):
-        granularity = options.pop("granularity", None)
         given = dict(options)
         given.update(backend=backend, device=device, capacity=capacity)
         opts = _config.normalize(given)
         self.backend = opts["backend"]
         self.device_id = opts["device"]
         self._kind = _BACKENDS[self.backend]
-        if granularity is not None and self._kind == _CUDA:
-            raise ValueError("option 'granularity' applies to backend 'sim' and 'host' only: "
-                             "on 'cuda' the driver's allocation granularity is used")
-        cdef size_t gran = _DEFAULT_GRANULARITY if granularity is None else \
-            _as_nbytes(_config.parse_size(granularity, "granularity"), "granularity")
+        granularity = opts["granularity"]
+        cdef size_t gran = _DEFAULT_GRANULARITY if granularity is None else granularity
         cdef mp_upstream up
         cdef int rc
         if self._kind == _CUDA:
@@ -189,8 +185,6 @@ cdef class Pool:
         cfg.initial_pool_size = opts["initial_pool_size"]
         cfg.gc_threshold = opts["garbage_collection_threshold"]
         cfg.expandable_segments = 1 if opts["expandable_segments"] else 0
-        if granularity is not None:
-            opts["granularity"] = gran
         self.options = opts
         rc = mp_pool_create(&cfg, &up, &self._pool)
         if rc == MP_OK:
