@@ -21,10 +21,19 @@ typedef struct sim_stream {
     size_t nwaits, cap_waits;
 } sim_stream;
 
+typedef struct sim_dep {
+    size_t other;    /* index into streams */
+    uint64_t seq;    /* work of `other` up to here */
+} sim_dep;
+
 typedef struct sim_event {
     size_t stream;   /* index into streams, SIZE_MAX until recorded */
     uint64_t target;
     int in_use;
+    /* Waits the stream had pending when the event was recorded: the event completes only
+     * after them too, as a CUDA event recorded after cudaStreamWaitEvent does. */
+    sim_dep *deps;
+    size_t ndeps, cap_deps;
 } sim_event;
 
 struct mp_sim {
@@ -117,11 +126,12 @@ static int sim_event_create(void *ctx, uintptr_t *out) {
             s->events = grown;
             s->cap_events = cap;
         }
-        s->nevents++;
+        memset(&s->events[s->nevents++], 0, sizeof(sim_event));
     }
     s->events[i].in_use = 1;
     s->events[i].stream = SIZE_MAX;
     s->events[i].target = 0;
+    s->events[i].ndeps = 0;
     s->live_events++;
     *out = i + 1;
     pthread_mutex_unlock(&s->mu);
@@ -143,8 +153,26 @@ static int sim_event_record(void *ctx, uintptr_t ev, uintptr_t stream) {
     size_t si = stream_index(s, stream);
     int rc = e && si != SIZE_MAX ? MP_OK : MP_EINVAL;
     if (rc == MP_OK) {
+        sim_stream *st = &s->streams[si];
+        if (e->cap_deps < st->nwaits) {
+            sim_dep *grown = realloc(e->deps, st->nwaits * sizeof *grown);
+            if (!grown) rc = MP_ENOMEM;
+            else {
+                e->deps = grown;
+                e->cap_deps = st->nwaits;
+            }
+        }
+    }
+    if (rc == MP_OK) {
+        sim_stream *st = &s->streams[si];
         e->stream = si;
-        e->target = s->streams[si].submitted;
+        e->target = st->submitted;
+        e->ndeps = 0;
+        for (size_t i = 0; i < st->nwaits; i++) {
+            const sim_wait *w = &st->waits[i];
+            if (s->streams[w->other].completed < w->seq)
+                e->deps[e->ndeps++] = (sim_dep){w->other, w->seq};
+        }
         s->num_records++;
     }
     pthread_mutex_unlock(&s->mu);
@@ -152,7 +180,11 @@ static int sim_event_record(void *ctx, uintptr_t ev, uintptr_t stream) {
 }
 
 static int event_done(mp_sim *s, const sim_event *e) {
-    return e->stream == SIZE_MAX || s->streams[e->stream].completed >= e->target;
+    if (e->stream == SIZE_MAX) return 1;
+    if (s->streams[e->stream].completed < e->target) return 0;
+    for (size_t i = 0; i < e->ndeps; i++)
+        if (s->streams[e->deps[i].other].completed < e->deps[i].seq) return 0;
+    return 1;
 }
 
 static int sim_event_query(void *ctx, uintptr_t ev) {
@@ -172,9 +204,12 @@ static int sim_stream_wait_event(void *ctx, uintptr_t stream, uintptr_t ev) {
     int rc = e && si != SIZE_MAX ? MP_OK : MP_EINVAL;
     s->num_waits += rc == MP_OK;
     if (rc == MP_OK && !event_done(s, e)) {
+        /* The stream now waits for the event's work and for what that work waited on. */
         sim_stream *st = &s->streams[si];
-        if (st->nwaits == st->cap_waits) {
+        size_t need = st->nwaits + 1 + e->ndeps;
+        if (need > st->cap_waits) {
             size_t cap = st->cap_waits ? st->cap_waits * 2 : 4;
+            while (cap < need) cap *= 2;
             sim_wait *grown = realloc(st->waits, cap * sizeof *grown);
             if (!grown) rc = MP_ENOMEM;
             else {
@@ -182,9 +217,12 @@ static int sim_stream_wait_event(void *ctx, uintptr_t stream, uintptr_t ev) {
                 st->cap_waits = cap;
             }
         }
-        if (rc == MP_OK) {
-            st->waits[st->nwaits].other = e->stream;
-            st->waits[st->nwaits].seq = e->target;
+        for (size_t i = 0; rc == MP_OK && i <= e->ndeps; i++) {
+            size_t other = i ? e->deps[i - 1].other : e->stream;
+            uint64_t seq = i ? e->deps[i - 1].seq : e->target;
+            if (s->streams[other].completed >= seq) continue;
+            st->waits[st->nwaits].other = other;
+            st->waits[st->nwaits].seq = seq;
             st->waits[st->nwaits].at = st->submitted;
             st->nwaits++;
         }
@@ -334,6 +372,7 @@ static void sim_destroy(void *ctx) {
     mp_ptrmap_destroy(&s->pages);
     for (size_t i = 0; i < s->nstreams; i++) free(s->streams[i].waits);
     free(s->streams);
+    for (size_t i = 0; i < s->nevents; i++) free(s->events[i].deps);
     free(s->events);
     pthread_mutex_destroy(&s->mu);
     free(s);
