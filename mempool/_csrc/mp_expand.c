@@ -529,7 +529,10 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
          * unmapped as before. Out of device memory, free pages elsewhere may make room
          * (the caller then comes back). */
         merge_unmapped_locked(p, m);
-        if (rc == MP_ENOMEM && release_pages_locked(p, plan->nbytes, plan->lo, plan->hi)) return MP_OK;
+        if (rc == MP_ENOMEM && release_pages_locked(p, plan->nbytes, plan->lo, plan->hi)) {
+            p->stats.num_alloc_retries++;
+            return MP_OK;
+        }
         return rc;
     }
     m->stream = s;
