@@ -152,6 +152,8 @@ cdef class Pool:
         self._kind = _BACKENDS[self.backend]
         granularity = opts["granularity"]
         cdef size_t gran = _DEFAULT_GRANULARITY if granularity is None else granularity
+        if self._kind != _CUDA:
+            opts["granularity"] = gran   # the page size in use, default resolved
         cdef mp_upstream up
         cdef int rc
         if self._kind == _CUDA:

@@ -331,8 +331,6 @@ def test_an_out_of_memory_error_is_traced_with_the_free_device_memory(sim):
     pool.free(a)
 
 
-@pytest.mark.xfail(strict=True, reason="mp_expand.c: a failed page map is not retried when "
-                   "nothing was released (retry 2 returns at once without pending frees)")
 def test_injected_map_failures_are_absorbed_with_expandable_segments(sim):
     pool = sim(expandable_segments=True)
     pool.device.fail_next(1)

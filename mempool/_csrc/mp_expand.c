@@ -529,7 +529,10 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
          * unmapped as before. Out of device memory, free pages elsewhere may make room
          * (the caller then comes back). */
         merge_unmapped_locked(p, m);
-        if (rc == MP_ENOMEM && release_pages_locked(p, plan->nbytes, plan->lo, plan->hi)) return MP_OK;
+        if (rc == MP_ENOMEM && release_pages_locked(p, plan->nbytes, plan->lo, plan->hi)) {
+            p->stats.num_alloc_retries++;
+            return MP_OK;
+        }
         return rc;
     }
     m->stream = s;
@@ -590,7 +593,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_block
 int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
                            mp_release_list *rel, mp_block **out) {
     (void)rel;   /* expandable pools release pages here, not whole segments */
-    int rc = MP_ENOMEM, synced = 0;
+    int rc = MP_ENOMEM, stage = 0;
     for (int round = 0; round < 32; round++) {
         if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
         rc = grow_locked(p, s, kind, size, out);
@@ -599,11 +602,21 @@ int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
             continue;
         }
         if (rc != MP_ENOMEM && rc != MP_ELIMIT) return rc;
-        if (synced || !p->npending) return rc;
-        /* Last resort: wait for the streams that hold frees pending, then try again. */
-        p->stats.num_alloc_retries++;
-        synced = 1;
-        mp_sync_pending_unlocked(p);
+        if (stage == 0 && rc == MP_ENOMEM) {
+            /* The device refused (free pages outside the growth were released meanwhile):
+             * once more, as the upstream path retries a failed segment allocation. */
+            stage = 1;
+            p->stats.num_alloc_retries++;
+            continue;
+        }
+        if (stage < 2 && p->npending) {
+            /* Last resort: wait for the streams that hold frees pending, then try again. */
+            stage = 2;
+            p->stats.num_alloc_retries++;
+            mp_sync_pending_unlocked(p);
+            continue;
+        }
+        return rc;
     }
     return MP_ENOMEM;   /* the pool kept changing under us */
 }

@@ -89,28 +89,36 @@ static int host_va_reserve(void *ctx, size_t nbytes, uintptr_t *out) {
 
 static int host_map(void *ctx, uintptr_t va, size_t nbytes) {
     mp_host *h = ctx;
+    size_t g = h->granularity, npages = nbytes / g, done = 0;
+    if (!nbytes || va % g || nbytes % g) return MP_EINVAL;
     pthread_mutex_lock(&h->mu);
-    int rc = MP_OK;
     int64_t fail_after = h->budget.fail_map_after;
     h->budget.fail_map_after = -1;
-    if (fail_after >= 0 && (size_t)fail_after * h->granularity < nbytes) {
-        h->budget.num_failed++;
-        rc = MP_ENOMEM;   /* all or nothing: the pages before the failure are not kept */
-    } else {
-        rc = mp_budget_take(&h->budget, nbytes);
-    }
+    int rc = mp_budget_take(&h->budget, nbytes);   /* fail_next and the capacity */
     pthread_mutex_unlock(&h->mu);
     if (rc != MP_OK) return rc;
-    if (mprotect((void *)va, nbytes, PROT_READ | PROT_WRITE) != 0) {
-        pthread_mutex_lock(&h->mu);
-        mp_budget_give(&h->budget, nbytes);
-        pthread_mutex_unlock(&h->mu);
-        return MP_ENOMEM;
+    /* Page by page, as the sim and the driver map; a failure part-way undoes the pages
+     * already mapped, so the map is all or nothing. */
+    for (; done < npages; done++) {
+        if ((fail_after >= 0 && (int64_t)done == fail_after) ||
+            mprotect((void *)(va + done * g), g, PROT_READ | PROT_WRITE) != 0) {
+            rc = MP_ENOMEM;
+            break;
+        }
+    }
+    if (rc != MP_OK && done) {
+        madvise((void *)va, done * g, MADV_DONTNEED);
+        mprotect((void *)va, done * g, PROT_NONE);
     }
     pthread_mutex_lock(&h->mu);
-    h->budget.num_maps++;
+    if (rc == MP_OK) {
+        h->budget.num_maps++;
+    } else {
+        mp_budget_give(&h->budget, nbytes);
+        h->budget.num_failed++;
+    }
     pthread_mutex_unlock(&h->mu);
-    return MP_OK;
+    return rc;
 }
 
 static int host_unmap(void *ctx, uintptr_t va, size_t nbytes) {
