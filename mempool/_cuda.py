@@ -315,15 +315,25 @@ def _get_current_stream():
     return cupy.cuda.get_current_stream
 
 
-def current_stream_ptr():
-    """The handle of CuPy's current stream on the current device (0 = the legacy default).
+def current_stream_ptr(device=None):
+    """The handle of CuPy's current stream (0 = the legacy default).
+
+    Parameters
+    ----------
+    device : int, optional
+        The device whose current stream to read (CuPy keeps one per device); default the
+        current device.
 
     Returns
     -------
     int
     """
+    if device is not None:
+        _check_int("device", device)
     try:
-        return _get_current_stream()().ptr
+        if device is None:
+            return _get_current_stream()().ptr
+        return _get_current_stream()(device).ptr
     except RuntimeError:
         raise
     except Exception as exc:

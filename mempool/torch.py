@@ -2,8 +2,8 @@
 
 Three ways to share one pool with PyTorch, from most to least invasive:
 
-``install(pool)``
-    Make the pool PyTorch's CUDA allocator for the whole process
+``install(pool)`` / ``install_all(pools)``
+    Make the pool (one per device) PyTorch's CUDA allocator for the whole process
     (``torch.cuda.memory.change_current_allocator``). Every CUDA tensor then comes from the
     pool and PyTorch keeps no cache of its own. Must run before PyTorch touches CUDA.
     ``torch.cuda.empty_cache()`` releases the pool's cached memory,
@@ -22,6 +22,10 @@ Three ways to share one pool with PyTorch, from most to least invasive:
     time, also after PyTorch initialised CUDA.
 ``torch.from_dlpack(pool.empty(...))``
     Zero-copy hand-off of single buffers (see :class:`mempool.Buffer`).
+
+Several GPUs: each pool serves only its own device, and PyTorch's ``device`` argument picks
+the pool; an allocation on a device with no pool is refused (a NULL, with a line on stderr
+naming the device), never served from another device's memory. See docs/multigpu.md.
 
 The entry points PyTorch calls are C functions of the ``mempool._core`` extension (the
 shared object at ``mempool._core.__file__``); they never take the GIL. This module imports
@@ -74,6 +78,100 @@ def register(pool):
     the allocator serves every registered device)."""
     _check_pool(pool)
     _core._torch_register(pool.device_id, pool)
+
+
+def routed_devices():
+    """The devices whose PyTorch allocations reach a pool (registered), ascending."""
+    return tuple(d for d in range(_core.TORCH_MAX_DEVICES) if _core._torch_is_registered(d))
+
+
+def _pools_by_device(pools):
+    """{device: pool} from a mapping or an iterable of pools, checked; registers nothing."""
+    if isinstance(pools, _core.Pool):
+        pools = [pools]
+    if hasattr(pools, "items"):
+        out = {}
+        for key, pool in pools.items():
+            if isinstance(key, bool) or not hasattr(key, "__index__"):
+                raise TypeError(f"pools: keys must be int device indices, got "
+                                f"{type(key).__name__} {key!r}")
+            device = _core._torch_check_device(key)
+            if not isinstance(pool, _core.Pool):
+                raise TypeError(f"pools[{device}]: expected a mempool.Pool, got "
+                                f"{type(pool).__name__}")
+            if pool.device_id != device:
+                raise ValueError(
+                    f"pools[{device}]: this pool allocates on device {pool.device_id}, so it "
+                    f"cannot serve device {device} (PyTorch would get device "
+                    f"{pool.device_id}'s memory for device {device}'s tensors); register it "
+                    f"under {pool.device_id}, or make Pool(backend='cuda', device={device})")
+            out[device] = pool
+    else:
+        out = {}
+        for i, pool in enumerate(pools):
+            if not isinstance(pool, _core.Pool):
+                raise TypeError(f"pools[{i}]: expected a mempool.Pool, got "
+                                f"{type(pool).__name__}")
+            if pool.device_id in out and out[pool.device_id] is not pool:
+                raise ValueError(f"pools: two pools for device {pool.device_id}; one pool "
+                                 f"per device")
+            out[pool.device_id] = pool
+    if not out:
+        raise ValueError("pools: no pools given; pass one mempool.Pool per device")
+    for device, pool in out.items():
+        if pool.backend != "cuda":
+            raise ValueError(f"pools[{device}]: PyTorch needs device memory; this pool's "
+                             f"backend is {pool.backend!r} (use Pool(backend='cuda'))")
+    return dict(sorted(out.items()))
+
+
+def install_all(pools=None):
+    """Make mempool PyTorch's CUDA allocator on several devices, one pool per device.
+
+    Parameters
+    ----------
+    pools : mapping of int to mempool.Pool, or iterable of mempool.Pool, optional
+        Each device's pool: ``{0: pool0, 1: pool1}`` or ``[pool0, pool1]`` (each pool
+        serves its own ``device_id``). Default: ``mempool.default_pool(d)`` for every device
+        PyTorch sees (``MEMPOOL_CONF`` applies), for a process that drives all its GPUs. A
+        process per GPU (DDP) installs only its own device's pool, with :func:`install`:
+        a pool holds its device's primary context, so pools on every device would cost
+        each process a context per GPU.
+
+    Returns
+    -------
+    torch.cuda.memory.CUDAPluggableAllocator
+
+    Notes
+    -----
+    An allocation on a device without a pool is refused (PyTorch gets NULL; a line on
+    stderr names the device): no pool serves another device. Every argument is checked
+    before anything is registered.
+
+    Raises
+    ------
+    TypeError
+        A value is not a ``mempool.Pool``, or a key not an int device index.
+    ValueError
+        A pool keyed under a device other than its own, two pools for one device, no pools,
+        a pool not of backend ``cuda``, or a device PyTorch does not see.
+    RuntimeError
+        As :func:`install`.
+    """
+    if pools is None:
+        torch = _torch_cuda()
+        from mempool import default_pool
+        pools = [default_pool(d) for d in range(torch.cuda.device_count())]
+        if not pools:
+            raise RuntimeError("install_all: PyTorch sees no CUDA device")
+    by_device = _pools_by_device(pools)
+    torch = _torch_cuda()
+    count = torch.cuda.device_count()   # does not initialise CUDA
+    for device in by_device:
+        if device >= count:
+            raise ValueError(f"pools[{device}]: PyTorch sees {count} CUDA device(s), so "
+                             f"there is no device {device}")
+    return install(*by_device.values())
 
 
 def unregister(device):

@@ -872,8 +872,8 @@ int mp_cuda_access_mask(const mp_upstream *up, uintptr_t addr, size_t nbytes, ui
         const size_t g = c->granularity;
         what = "cuMemGetAccess";
         m = ~(uint64_t)0;
-        for (size_t p = (addr - r->va) / g; m && e == CUDA_SUCCESS && r->va + p * g < addr + nbytes;
-             p++) {
+        const size_t last = (addr + nbytes - 1 - r->va) / g;
+        for (size_t p = (addr - r->va) / g; m && e == CUDA_SUCCESS && p <= last; p++) {
             if (!r->mapped[p]) {
                 m = 0;   /* an unmapped page: nobody reaches all of the range */
                 break;
