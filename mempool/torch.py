@@ -125,7 +125,7 @@ def _pools_by_device(pools):
     return dict(sorted(out.items()))
 
 
-def install_all(pools=None):
+def install_all(pools=None, peer_access=True):
     """Make mempool PyTorch's CUDA allocator on several devices, one pool per device.
 
     Parameters
@@ -137,6 +137,13 @@ def install_all(pools=None):
         process per GPU (DDP) installs only its own device's pool, with :func:`install`:
         a pool holds its device's primary context, so pools on every device would cost
         each process a context per GPU.
+    peer_access : bool
+        Grant each pool's device access to every other pool's memory where the two devices
+        have a peer path (``Pool.enable_peer_access``). PyTorch, once it sees a peer path,
+        runs cross-device copies that are not a plain memcpy as a kernel on one GPU that
+        reaches the other's memory, and its pluggable allocator enables only the contexts'
+        peer access, which does not reach pool memory. Grants are made once installed and
+        are not revoked.
 
     Returns
     -------
@@ -158,6 +165,8 @@ def install_all(pools=None):
     RuntimeError
         As :func:`install`.
     """
+    if not isinstance(peer_access, bool):
+        raise TypeError(f"peer_access must be True or False, got {peer_access!r}")
     if pools is None:
         torch = _torch_cuda()
         from mempool import default_pool
@@ -171,7 +180,14 @@ def install_all(pools=None):
         if device >= count:
             raise ValueError(f"pools[{device}]: PyTorch sees {count} CUDA device(s), so "
                              f"there is no device {device}")
-    return install(*by_device.values())
+    alloc = install(*by_device.values())
+    if peer_access:                     # once installed: a refused install grants nothing
+        from mempool import _cuda
+        for owner, pool in by_device.items():
+            for peer in by_device:
+                if peer != owner and _cuda.can_access_peer(peer, owner):
+                    pool.enable_peer_access(peer)
+    return alloc
 
 
 def unregister(device):
@@ -216,23 +232,31 @@ def allocator(pool, *more_pools):
 def install(pool, *more_pools):
     """Make `pool` PyTorch's CUDA allocator for this process (see the module docstring).
 
-    Returns the ``CUDAPluggableAllocator``. Calling it again with the same pools is a no-op.
+    Returns the ``CUDAPluggableAllocator``. Calling it again with the same pools is a no-op;
+    once installed, pools for devices that have none are added (as :func:`register`).
 
     Raises
     ------
     RuntimeError
         PyTorch already initialised CUDA (its default allocator is in use and cannot be
-        swapped), or another pluggable allocator is installed.
+        swapped), another pluggable allocator is installed, or mempool is installed with
+        another pool on one of the pools' devices.
     """
     global _installed
     torch = _torch_cuda()
     pools = (pool,) + more_pools
     if _installed is not None:
-        if all(_core._torch_is_registered(p.device_id, p) for p in pools):
-            return _installed
-        raise RuntimeError("install: mempool is already PyTorch's allocator with other "
-                           "pools; register(pool) adds a device, and an installed allocator "
-                           "cannot be replaced")
+        _pools_by_device(pools)         # checked before anything is registered
+        taken = [p.device_id for p in pools if _core._torch_is_registered(p.device_id)
+                 and not _core._torch_is_registered(p.device_id, p)]
+        if taken:
+            raise RuntimeError(f"install: mempool is already PyTorch's allocator, with other "
+                               f"pools on device(s) {taken}; an installed pool is not "
+                               f"replaced (unregister(device) first, once PyTorch holds none "
+                               f"of its blocks)")
+        for p in pools:
+            register(p)                 # the entry points route by the table: no reinstall
+        return _installed
     if torch.cuda.is_initialized():
         raise RuntimeError("install: PyTorch has already initialised CUDA, so its caching "
                            "allocator is in use and cannot be swapped; call "

@@ -417,6 +417,11 @@ def test_install_all_checks_its_arguments(pools, error, words):
     assert mt.routed_devices() == before
 
 
+def test_install_all_wants_a_bool_for_peer_access():
+    with pytest.raises(TypeError, match="peer_access must be True or False, got 'yes'"):
+        mt.install_all([sim_on(0)], peer_access="yes")
+
+
 def test_install_all_refuses_two_pools_for_one_device():
     with pytest.raises(ValueError, match="two pools for device 2; one pool per device"):
         mt.install_all([sim_on(2), sim_on(1), sim_on(2)])

@@ -178,11 +178,18 @@ def test_install_all_routes_each_device_to_its_pool():
         b = torch.ones(1 << 20, device="cuda:1")
         pools[0].block_info(a.data_ptr())        # raises unless a is a block of pool 0
         pools[1].block_info(b.data_ptr())
+        if torch.cuda.can_device_access_peer(0, 1):   # install_all granted the peers
+            assert pools[0].peer_devices() == (1,) and pools[1].peer_devices() == (0,)
         used0 = pools[0].used_bytes()
         c = a.to("cuda:1")                       # a copy across devices lands on device 1
         pools[1].block_info(c.data_ptr())
         assert pools[0].used_bytes() == used0
         assert (b + c).sum().item() == 2 * (1 << 20)
+        # Not a plain memcpy: with a peer path PyTorch runs the copy as a kernel on one device
+        # that reaches the other's pool memory, which faults unless that pool granted access.
+        m = torch.arange(1 << 20, device="cuda:0", dtype=torch.float32).view(1024, 1024)
+        t = m.t().to("cuda:1", dtype=torch.float16)
+        assert torch.equal(t.float().cpu(), m.t().cpu().half().float())
         side = torch.cuda.Stream(device=1)
         with torch.cuda.stream(side):
             side.wait_stream(torch.cuda.current_stream(1))
@@ -197,6 +204,27 @@ def test_install_all_routes_each_device_to_its_pool():
         print("counters", mt.counters(0), mt.counters(1))
     """)
     assert "counters" in out
+
+
+def test_installing_again_adds_devices_and_never_replaces_a_pool():
+    run_script("""
+        import torch, mempool, mempool.torch as mt
+        p0 = mempool.Pool(backend="cuda", device=0)
+        mt.install(p0)
+        x = torch.ones(1024, device="cuda:0")
+        p1 = mempool.Pool(backend="cuda", device=1)
+        mt.install_all([p0, p1])                 # adds device 1
+        y = torch.ones(1024, device="cuda:1")
+        p1.block_info(y.data_ptr())
+        try:
+            mt.install(mempool.Pool(backend="cuda", device=0))
+        except RuntimeError as exc:
+            assert "other pools on device(s) [0]" in str(exc), exc
+        else:
+            raise AssertionError("an installed pool was replaced")
+        p0.block_info(x.data_ptr())
+        print("ok")
+    """)
 
 
 def test_install_all_defaults_to_a_default_pool_per_device():
