@@ -7,7 +7,9 @@ fresh interpreter that loads the fake before the upstream first looks for the dr
 calls the upstream's C functions through ctypes: the real code, the fake hardware. What the
 real driver does is the GPU tier's to check (tests/gpu/test_gpu_multigpu.py).
 """
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +22,7 @@ SOURCE = os.path.join(ROOT, "tests", "data", "fake_libcuda.c")
 G = 2 << 20   # the fake's granularity
 
 HARNESS = r'''
-import ctypes, sys
+import ctypes, json, sys
 from ctypes import (CFUNCTYPE, POINTER, byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p,
                     create_string_buffer)
 
@@ -40,15 +42,11 @@ core.mp_cuda_peer_devices.argtypes = [c_void_p, POINTER(c_int), c_size_t]
 core.mp_cuda_peer_devices.restype = c_size_t
 core.mp_cuda_access_mask.argtypes = [c_void_p, c_size_t, c_size_t, POINTER(c_uint64), c_char_p,
                                      c_size_t]
-FNS = ("segment_alloc", "segment_free", "event_create", "event_record", "event_query",
-       "stream_wait_event", "event_destroy", "stream_synchronize", "mem_info")
+KINDS = {"pointer": c_void_p, "int": c_int, "size_t": c_size_t}
 
 
-class Upstream(ctypes.Structure):   # mp_upstream.h
-    _fields_ = ([("ctx", c_void_p), ("name", c_char_p), ("last_error", c_int)]
-                + [(n, c_void_p) for n in FNS] + [("granularity", c_size_t)]
-                + [(n, c_void_p) for n in ("va_reserve", "map", "unmap", "va_release",
-                                           "destroy")])
+class Upstream(ctypes.Structure):   # the fields of mp_upstream.h, read from the header
+    _fields_ = [(name, KINDS[kind]) for name, kind in json.loads(sys.argv[2])]
 
 
 class Cuda:
@@ -126,14 +124,36 @@ def fake_driver(tmp_path_factory):
     return lib
 
 
+def upstream_fields():
+    """[(name, "pointer" | "int" | "size_t")] of struct mp_upstream, in order, from its header,
+    so that the ctypes mirror follows the contract as it changes."""
+    with open(os.path.join(ROOT, "mempool", "_csrc", "mp_upstream.h")) as f:
+        text = f.read()
+    body = re.search(r"typedef struct mp_upstream \{(.*?)\} mp_upstream;", text, re.S).group(1)
+    body = re.sub(r"/\*.*?\*/", " ", body, flags=re.S)
+    fields = []
+    for decl in body.split(";"):
+        decl = " ".join(decl.split())
+        if not decl:
+            continue
+        fn = re.search(r"\(\*(\w+)\)", decl)
+        if fn:
+            fields.append((fn.group(1), "pointer"))
+            continue
+        typ, name = re.match(r"(.*?)(\w+)$", decl).groups()
+        fields.append((name, "pointer" if "*" in typ else typ.replace("const", "").strip()))
+    assert fields[0] == ("ctx", "pointer") and ("granularity", "size_t") in fields, fields
+    return fields
+
+
 def run_fake(lib, body, **env):
     """Run `body` after HARNESS in a fresh interpreter whose libcuda.so.1 is the fake."""
     environ = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    LD_LIBRARY_PATH=str(lib.parent) + os.pathsep
                    + os.environ.get("LD_LIBRARY_PATH", ""), **env)
     code = HARNESS + textwrap.dedent(body) + "\nprint('done')\n"
-    out = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT, env=environ)
+    out = subprocess.run([sys.executable, "-c", code, str(lib), json.dumps(upstream_fields())],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=environ)
     assert out.returncode == 0 and out.stdout.strip().endswith("done"), out.stdout + out.stderr
     return out.stdout
 

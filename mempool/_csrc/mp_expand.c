@@ -1,31 +1,134 @@
 /* Note [Expandable segments]
  *
- * Why: a caching pool fragments when a freed block cannot serve a larger request next to it;
- * memory sits reserved but unusable. With an address range reserved far beyond what is
+ * Why: a caching pool fragments when a freed block cannot serve a larger request next to
+ * it: memory sits reserved but unusable. With address space reserved far beyond what is
  * mapped, every block of a stream lives in one contiguous range, so free neighbours always
  * merge, and growth maps pages at a free edge or into an unmapped hole instead of taking a
- * new segment.
+ * new segment. reserved_bytes counts mapped bytes; the address space shows in
+ * va_reserved_bytes.
  *
- * How: a segment here is a VA reservation covering blocks of three kinds: allocated or
- * pending, free (mapped, in the owner's free list), and unmapped (in no list). Growth picks
- * the first unmapped block that, with the free block of the same stream before it (or
- * after it), holds the request, and maps just the pages needed at its start. Release unmaps
- * the whole pages inside free blocks, after synchronizing the streams that own them, since
- * an unmap does not wait for queued work. reserved_bytes counts mapped bytes; the address
- * space shows in va_reserved_bytes.
+ * Layout: one range per (stream, small/large), reserved on the stream's first request of
+ * that kind, as large as the device (p->capacity, or the request if larger), released only
+ * when the pool is destroyed. Per stream, because a block may be reused in its stream's
+ * order at once, so free neighbours of one stream merge without any event; per size kind,
+ * because small blocks left live among large ones would pin pages and split large free
+ * runs. A range holds blocks in three states: allocated or pending, free (mapped, in its
+ * owner's free list) and unmapped (in no list, page-aligned). A block taken by another
+ * stream (cross-stream reuse, or freed there) stays where it is and merges only with free
+ * blocks of its new owner.
  *
- * Limits: while pages are mapped or unmapped the lock is dropped and the unmapped block is
- * marked busy, so no other thread maps it or merges it meanwhile. max_split_size has no
- * meaning with expandable segments (the configuration refuses the pair).
+ * Growth, when no free list has a fit: among the unmapped blocks of the stream's range,
+ * take the one that, joined with the free blocks of the stream on either side of it, holds
+ * the request with the fewest new bytes (the lowest address on a tie), and map just those
+ * pages next to the free neighbour they extend. Without releases that is the edge of the
+ * mapped part, extended by the request less the free block already there; after releases,
+ * holes are refilled before the edge moves whenever that maps less.
+ *
+ * Release unmaps whole pages of free blocks, the largest runs first (fewest unmap calls and
+ * splits per byte), taking from a block's high end only as many pages as are still wanted.
+ * Unmapping does not wait for queued work, so the owner streams of those pages are
+ * synchronized first; a stream that cannot be synchronized, or pages that fail to unmap,
+ * stay free and mapped. Releases happen on demand (empty_cache, trim, release_threshold),
+ * before growing past the limit (required) or the garbage collection threshold (best
+ * effort), when the device is out of memory, and under the high-water rule below. The pages
+ * a growth is about to join are never released for it: that would only map them again.
+ * initial_pool_size pages are mapped at the start of stream 0's large range and stay
+ * mapped (the segment's pinned prefix).
+ *
+ * The high-water rule: a growth that would map more bytes than the pool has ever held at
+ * once first releases every idle whole page outside the growth, provided they add up to at
+ * least MP_HIGH_WATER_MIN_IDLE and 1/MP_HIGH_WATER_IDLE_DIV of that high-water mark. Best
+ * fit leaves holes between live blocks (freed temporaries; state created once, such as an
+ * optimizer's, among the first step's blocks); without the rule the footprint ratchets up
+ * over them. With it, physical pages move from idle holes to where they are needed, so the
+ * footprint stays within the partial pages around live blocks of the live peak. The cost
+ * is one stream sync per firing; it fires only while the footprint sets a new record and a
+ * substantial amount is idle, i.e. a few times in the first steps of a training loop
+ * (docs/expandable.md has the figures). The mark is the pool's own: reset_peak_stats()
+ * does not move it.
+ *
+ * Failures: map is all or nothing (the upstream undoes a partial map), so a failed growth
+ * leaves its range unmapped as before; out of device memory, free pages elsewhere are
+ * released and the growth tried again, then pending frees are waited for.
+ *
+ * Threads: the lock is dropped around map, unmap and stream syncs. Pages being mapped or
+ * unmapped form a block of their own marked busy: no other thread maps, merges or releases
+ * it meanwhile, and the rest of the range stays open to them. Pages being unmapped stay
+ * counted against the limit (inflight_bytes) until they are gone.
+ *
+ * Limits: max_split_size has no meaning with expandable segments (the configuration refuses
+ * the pair). Address ranges are never given back before the pool is destroyed. A stream
+ * sync inside CUDA graph capture would break the capture: releases (hence the high-water
+ * rule) must not run while a stream the pool serves is capturing.
  */
 #include <stdlib.h>
 
 #include "mp_expand.h"
 
+#define MP_HIGH_WATER_MIN_IDLE ((size_t)32 << 20)
+#define MP_HIGH_WATER_IDLE_DIV 128
+
 static size_t round_up(size_t n, size_t g) { return (n + g - 1) / g * g; }
 static size_t round_down(size_t n, size_t g) { return n / g * g; }
 
-static mp_segment *expandable_segment_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
+/* The end of a segment's pinned prefix: initial_pool_size pages, never unmapped before the
+ * pool is destroyed. */
+static uintptr_t pinned_end(const mp_pool *p, const mp_segment *seg) {
+    return seg->pinned ? seg->ptr + round_up(p->cfg.initial_pool_size, p->up.granularity) : seg->ptr;
+}
+
+/* Link new block n into b's segment, just before b (or after it). */
+static void link_block(mp_block *b, mp_block *n, int after) {
+    n->seg = b->seg;
+    if (after) {
+        n->prev = b;
+        n->next = b->next;
+        if (b->next) b->next->prev = n;
+        b->next = n;
+    } else {
+        n->next = b;
+        n->prev = b->prev;
+        if (b->prev) b->prev->next = n;
+        else b->seg->first = n;
+        b->prev = n;
+    }
+}
+
+/* Fold unmapped neighbours that are not busy into u (unmapped, not busy); u may go. */
+static void merge_unmapped_locked(mp_pool *p, mp_block *u) {
+    mp_block *n = u->next;
+    if (n && n->state == MP_BLOCK_UNMAPPED && !n->busy) {
+        u->nbytes += n->nbytes;
+        u->next = n->next;
+        if (n->next) n->next->prev = u;
+        mp_block_delete_locked(p, n);
+    }
+    mp_block *q = u->prev;
+    if (q && q->state == MP_BLOCK_UNMAPPED && !q->busy) {
+        q->nbytes += u->nbytes;
+        q->next = u->next;
+        if (u->next) u->next->prev = q;
+        mp_block_delete_locked(p, u);
+    }
+}
+
+static void count_mapped_locked(mp_pool *p, mp_segment *seg, size_t nbytes, int mapped) {
+    if (mapped) {
+        seg->mapped_bytes += nbytes;
+        mp_stat3_inc(p->stats.reserved_bytes, seg->kind, (int64_t)nbytes);
+        mp_stat_inc(&p->stats.mapped_bytes, (int64_t)nbytes);
+        if ((size_t)p->stats.mapped_bytes.current > p->mapped_high_water)
+            p->mapped_high_water = (size_t)p->stats.mapped_bytes.current;
+    } else {
+        seg->mapped_bytes -= nbytes;
+        mp_stat3_dec(p->stats.reserved_bytes, seg->kind, (int64_t)nbytes);
+        mp_stat_dec(&p->stats.mapped_bytes, (int64_t)nbytes);
+    }
+}
+
+/* The growing range of (s, kind), reserved on first use: address space for the whole
+ * device (or for `size`, if larger), nothing mapped. */
+static mp_segment *segment_of_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
     if (s->expandable[kind]) return s->expandable[kind];
     size_t g = p->up.granularity;
     size_t va = p->cfg.expandable_reserve ? p->cfg.expandable_reserve : p->capacity;
@@ -60,203 +163,153 @@ static mp_segment *expandable_segment_locked(mp_pool *p, mp_stream *s, int kind,
     return seg;
 }
 
-static int free_of(const mp_block *b, const mp_stream *s) {
-    return b && b->state == MP_BLOCK_FREE && b->stream == s;
-}
+/* ---------------------------------------------------------------- release */
 
-/* Map pages into s's segment so that a free block of at least `size` exists there. */
-static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
+/* Release works on runs: maximal sequences of adjacent free blocks. Blocks of different
+ * owners never merge, but their pages are all free, so a page shared by two of them can
+ * go too; each owner's stream is synchronized before the unmap. */
+
+/* The run starting at free block `first`: its last block, and the whole pages in it that
+ * may be unmapped, [*lo, *hi) (*hi <= *lo when there are none). */
+static mp_block *run_pages(const mp_pool *p, mp_block *first, uintptr_t *lo, uintptr_t *hi) {
     size_t g = p->up.granularity;
-    mp_segment *seg = expandable_segment_locked(p, s, kind, size);
-    if (!seg) return MP_ENOMEM;
-    mp_block *u = NULL;
-    size_t map_bytes = 0;
-    for (mp_block *b = seg->first; b; b = b->next) {
-        if (b->state != MP_BLOCK_UNMAPPED || b->busy) continue;
-        size_t have = free_of(b->prev, s) ? b->prev->nbytes : 0;
-        if (have + b->nbytes >= size) {
-            u = b;
-            map_bytes = round_up(size - (have < size ? have : size), g);
-            if (map_bytes == 0) map_bytes = g;
-            break;
-        }
-        if (free_of(b->next, s) && have + b->nbytes + b->next->nbytes >= size) {
-            u = b;
-            map_bytes = b->nbytes;
-            break;
-        }
-    }
-    if (!u) return MP_ENOMEM;   /* the address range itself is full */
-    if (p->cfg.limit != MP_UNLIMITED && mp_reserved_now_locked(p) + map_bytes > p->cfg.limit)
-        return MP_ELIMIT;
-    if (p->cfg.gc_threshold > 0) {
-        size_t base = p->cfg.limit != MP_UNLIMITED ? p->cfg.limit : p->capacity;
-        size_t threshold = (size_t)(p->cfg.gc_threshold * (double)base);
-        if (base && mp_reserved_now_locked(p) + map_bytes > threshold)
-            mp_expand_release_locked(p, mp_reserved_now_locked(p) + map_bytes - threshold);
-        if (u->state != MP_BLOCK_UNMAPPED) return MP_OK;   /* changed meanwhile: search again */
-    }
-    mp_block *m = map_bytes < u->nbytes ? mp_block_new_locked(p) : u;
-    if (!m) return MP_ENOMEM;
-
-    u->busy = 1;
-    p->inflight_bytes += map_bytes;
-    mp_lock_release(&p->lock);
-    int rc = p->up.map(p->up.ctx, u->ptr, map_bytes);
-    mp_lock_acquire(&p->lock);
-    p->inflight_bytes -= map_bytes;
-    u->busy = 0;
-    if (rc != MP_OK) {
-        if (m != u) mp_block_delete_locked(p, m);
-        return rc;
-    }
-    if (m != u) {
-        m->ptr = u->ptr;
-        m->nbytes = map_bytes;
-        m->seg = seg;
-        m->prev = u->prev;
-        m->next = u;
-        if (u->prev) u->prev->next = m;
-        else seg->first = m;
-        u->prev = m;
-        u->ptr += map_bytes;
-        u->nbytes -= map_bytes;
-    }
-    m->stream = s;
-    seg->mapped_bytes += map_bytes;
-    p->stats.num_device_alloc++;
-    mp_stat3_inc(p->stats.reserved_bytes, kind, (int64_t)map_bytes);
-    mp_stat_inc(&p->stats.mapped_bytes, (int64_t)map_bytes);
-    mp_trace_locked(p, MP_TRACE_SEGMENT_MAP, m->ptr, map_bytes, s->handle);
-    mp_insert_free_merged_locked(p, m);
-    return MP_OK;
+    mp_block *last = first;
+    while (last->next && last->next->state == MP_BLOCK_FREE) last = last->next;
+    uintptr_t a = round_up(first->ptr, g), e = round_down(last->ptr + last->nbytes, g);
+    uintptr_t pin = pinned_end(p, first->seg);
+    *lo = a < pin ? pin : a;
+    *hi = e;
+    return last;
 }
 
-int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
-                           mp_release_list *rel, mp_block **out) {
-    (void)rel;
-    int rc = MP_ENOMEM, retries = 0;
-    for (int round = 0; round < 8; round++) {
-        if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
-        rc = grow_locked(p, s, kind, size);
-        if (rc == MP_OK) continue;
-        if (rc != MP_ENOMEM && rc != MP_ELIMIT) return rc;
-        /* Out of memory or over the limit: unmap free pages elsewhere, then wait for
-         * pending frees, then give up. */
-        if (retries == 0) {
-            p->stats.num_alloc_retries++;
-            if (!mp_expand_release_locked(p, size)) retries++;
+typedef struct run_ref {
+    mp_block *first;
+    size_t nbytes;        /* whole pages in it */
+} run_ref;
+
+/* Visit the runs with pages to give, outside [keep_lo, keep_hi); stop when visit says 0. */
+typedef int (*run_visit)(void *arg, mp_block *first, uintptr_t lo, uintptr_t hi);
+
+static void each_run_locked(const mp_pool *p, uintptr_t keep_lo, uintptr_t keep_hi, run_visit visit,
+                            void *arg) {
+    for (mp_segment *seg = p->segments; seg; seg = seg->next) {
+        if (!seg->expandable) continue;
+        mp_block *b = seg->first;
+        while (b) {
+            if (b->state != MP_BLOCK_FREE) {
+                b = b->next;
+                continue;
+            }
+            uintptr_t lo, hi;
+            mp_block *last = run_pages(p, b, &lo, &hi);
+            uintptr_t end = last->ptr + last->nbytes;
+            int kept = b->ptr < keep_hi && keep_lo < end;
+            if (hi > lo && !kept && !visit(arg, b, lo, hi)) return;
+            b = last->next;
         }
-        if (retries == 1) {
-            p->stats.num_alloc_retries++;
-            if (!p->npending) return rc;
-            mp_sync_pending_unlocked(p);
-            mp_expand_release_locked(p, SIZE_MAX);
-        }
-        if (retries >= 2) return rc;
-        retries++;
     }
-    return rc;
 }
 
-/* Split free block b at addr (inside it, page-aligned) using the spare struct n: both
- * halves stay free, same owner. Returns the upper half. */
-static mp_block *split_free_at_locked(mp_pool *p, mp_block *b, uintptr_t addr, mp_block *n) {
+static int add_idle(void *arg, mp_block *first, uintptr_t lo, uintptr_t hi) {
+    (void)first;
+    *(size_t *)arg += hi - lo;
+    return 1;
+}
+
+static size_t idle_bytes_locked(const mp_pool *p, uintptr_t keep_lo, uintptr_t keep_hi) {
+    size_t n = 0;
+    each_run_locked(p, keep_lo, keep_hi, add_idle, &n);
+    return n;
+}
+
+typedef struct run_list {
+    run_ref *runs;
+    size_t n, cap;
+} run_list;
+
+static int add_run(void *arg, mp_block *first, uintptr_t lo, uintptr_t hi) {
+    run_list *l = arg;
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? 2 * l->cap : 32;
+        run_ref *grown = realloc(l->runs, cap * sizeof *grown);
+        if (!grown) return 0;
+        l->runs = grown;
+        l->cap = cap;
+    }
+    l->runs[l->n].first = first;
+    l->runs[l->n++].nbytes = hi - lo;
+    return 1;
+}
+
+/* Largest first; the lower address first among equals, so the order is deterministic. */
+static int cmp_run(const void *x, const void *y) {
+    const run_ref *a = x, *b = y;
+    if (a->nbytes != b->nbytes) return a->nbytes > b->nbytes ? -1 : 1;
+    return a->first->ptr < b->first->ptr ? -1 : a->first->ptr > b->first->ptr;
+}
+
+/* Part of a run that one owner freed: put back as it was if the pages cannot go. */
+typedef struct run_part {
+    uintptr_t ptr;
+    size_t nbytes;
+    mp_stream *owner;
+} run_part;
+
+typedef struct unmap_job {
+    mp_block *u;          /* busy unmapped block whose pages are still mapped upstream */
+    run_part *parts;      /* who freed which bytes of it, in address order */
+    size_t nparts;
+    int ok;
+    mp_stream *unsynced;  /* an owner whose sync failed */
+} unmap_job;
+
+/* Split free block b at addr (inside it) with the spare struct n: both halves stay free
+ * with b's owner. Returns the upper half. */
+static mp_block *split_free_locked(mp_pool *p, mp_block *b, uintptr_t addr, mp_block *n) {
     mp_remove_free_locked(p, b);
     n->ptr = addr;
     n->nbytes = b->ptr + b->nbytes - addr;
-    n->seg = b->seg;
     n->stream = b->stream;
-    n->prev = b;
-    n->next = b->next;
-    if (b->next) b->next->prev = n;
-    b->next = n;
+    link_block(b, n, 1);
     b->nbytes = addr - b->ptr;
     mp_insert_free_locked(p, b);
     mp_insert_free_locked(p, n);
     return n;
 }
 
-static void merge_unmapped_locked(mp_pool *p, mp_block *u) {
-    mp_block *n = u->next;
-    if (n && n->state == MP_BLOCK_UNMAPPED && !n->busy) {
-        u->nbytes += n->nbytes;
-        u->next = n->next;
-        if (n->next) n->next->prev = u;
-        mp_block_delete_locked(p, n);
-    }
-    mp_block *q = u->prev;
-    if (q && q->state == MP_BLOCK_UNMAPPED && !q->busy) {
-        q->nbytes += u->nbytes;
-        q->next = u->next;
-        if (u->next) u->next->prev = q;
-        mp_block_delete_locked(p, u);
-    }
-}
-
-typedef struct release_jobs {
-    mp_block **unmapped;        /* busy unmapped blocks to unmap after the lock is dropped */
-    size_t n, cap;
-    uintptr_t *streams;         /* owners of the pages: synchronized before any unmap */
-    size_t nstreams, cap_streams;
-    int sync_every_stream;      /* no host memory to list the owners: sync them all */
-} release_jobs;
-
-static int reserve_job(release_jobs *j) {
-    if (j->n < j->cap) return 1;
-    size_t cap = j->cap ? j->cap * 2 : 16;
-    mp_block **grown = realloc(j->unmapped, cap * sizeof *grown);
-    if (!grown) return 0;
-    j->unmapped = grown;
-    j->cap = cap;
-    return 1;
-}
-
-static void note_stream(release_jobs *j, uintptr_t h) {
-    for (size_t i = 0; i < j->nstreams; i++)
-        if (j->streams[i] == h) return;
-    if (j->nstreams == j->cap_streams) {
-        size_t cap = j->cap_streams ? j->cap_streams * 2 : 8;
-        uintptr_t *grown = realloc(j->streams, cap * sizeof *grown);
-        if (!grown) {
-            j->sync_every_stream = 1;
-            return;
-        }
-        j->streams = grown;
-        j->cap_streams = cap;
-    }
-    j->streams[j->nstreams++] = h;
-}
-
-/* Turn the whole pages [lo, hi) of a run of free blocks (of any owners: blocks of different
- * streams never merge, but their pages are all free) into one busy unmapped block. */
-static mp_block *carve_run_locked(mp_pool *p, mp_block *first, uintptr_t lo, uintptr_t hi,
-                                  release_jobs *jobs) {
-    /* Both structs a split may need are taken first: nothing changes unless all succeed. */
-    mp_block *spare1 = mp_block_new_locked(p), *spare2 = spare1 ? mp_block_new_locked(p) : NULL;
-    if (!spare2) {
-        if (spare1) mp_block_delete_locked(p, spare1);
-        return NULL;
-    }
+/* Turn pages [lo, hi) of the run starting at `first` into one busy unmapped block, noting
+ * in job who freed which part of it. 0 (nothing changed) when out of host memory. */
+static int carve_run_locked(mp_pool *p, mp_block *first, uintptr_t lo, uintptr_t hi, unmap_job *job) {
     mp_block *x = first;
     while (x->ptr + x->nbytes <= lo) x = x->next;
+    size_t nparts = 0;
+    for (mp_block *b = x; b && b->ptr < hi; b = b->next) nparts++;
+    /* Everything that can fail is taken first. */
+    run_part *parts = malloc(nparts * sizeof *parts);
+    mp_block *spare1 = mp_block_new_locked(p), *spare2 = spare1 ? mp_block_new_locked(p) : NULL;
+    if (!parts || !spare2) {
+        free(parts);
+        if (spare1) mp_block_delete_locked(p, spare1);
+        return 0;
+    }
+    size_t i = 0;
+    for (mp_block *b = x; b && b->ptr < hi; b = b->next, i++) {
+        parts[i].ptr = b->ptr < lo ? lo : b->ptr;
+        parts[i].nbytes = (b->ptr + b->nbytes < hi ? b->ptr + b->nbytes : hi) - parts[i].ptr;
+        parts[i].owner = b->stream;
+    }
     if (x->ptr < lo) {
-        x = split_free_at_locked(p, x, lo, spare1);
+        x = split_free_locked(p, x, lo, spare1);
         spare1 = NULL;
     }
     mp_block *y = x;
     while (y->ptr + y->nbytes < hi) y = y->next;
     if (y->ptr + y->nbytes > hi) {
-        split_free_at_locked(p, y, hi, spare2);
+        split_free_locked(p, y, hi, spare2);
         spare2 = NULL;
     }
     if (spare1) mp_block_delete_locked(p, spare1);
     if (spare2) mp_block_delete_locked(p, spare2);
-    /* x..y now cover exactly [lo, hi) */
-    for (mp_block *b = x;; b = b->next) {
-        note_stream(jobs, b->stream->handle);
-        if (b == y) break;
-    }
     mp_block *stop = y->next;
     mp_remove_free_locked(p, x);
     for (mp_block *b = x->next; b != stop;) {
@@ -270,61 +323,307 @@ static mp_block *carve_run_locked(mp_pool *p, mp_block *first, uintptr_t lo, uin
     x->nbytes = hi - lo;
     x->state = MP_BLOCK_UNMAPPED;
     x->busy = 1;
-    return x;
+    job->u = x;
+    job->parts = parts;
+    job->nparts = nparts;
+    job->ok = 1;
+    job->unsynced = NULL;
+    return 1;
+}
+
+/* Pages that could not go (an owner not synchronized, or the unmap failed) become free
+ * blocks again, each part with the owner that freed it. `unsynced` is an owner whose sync
+ * failed, if any. */
+static void restore_run_locked(mp_pool *p, unmap_job *job, mp_stream *unsynced) {
+    mp_block *u = job->u;
+    count_mapped_locked(p, u->seg, u->nbytes, 1);
+    u->busy = 0;
+    mp_block **more = malloc(job->nparts * sizeof *more);
+    size_t got = 1;
+    while (more && got < job->nparts && (more[got] = mp_block_new_locked(p))) got++;
+    if (got < job->nparts) {
+        /* Out of host memory for the parts: the whole run goes to the stream that was not
+         * synchronized (its own order keeps the pages safe there), else to any owner. */
+        for (size_t i = 1; more && i < got; i++) mp_block_delete_locked(p, more[i]);
+        free(more);
+        u->stream = unsynced ? unsynced : job->parts[0].owner;
+        mp_insert_free_merged_locked(p, u);
+        return;
+    }
+    u->nbytes = job->parts[0].nbytes;
+    u->stream = job->parts[0].owner;
+    mp_block *prev = u;
+    for (size_t i = 1; i < job->nparts; i++) {
+        mp_block *b = more[i];
+        b->ptr = job->parts[i].ptr;
+        b->nbytes = job->parts[i].nbytes;
+        b->stream = job->parts[i].owner;
+        b->state = MP_BLOCK_UNMAPPED;   /* until its turn below: nothing merges into it */
+        b->busy = 1;
+        link_block(prev, b, 1);
+        prev = b;
+    }
+    more[0] = u;
+    for (size_t i = 0; i < job->nparts; i++) {
+        more[i]->busy = 0;
+        mp_insert_free_merged_locked(p, more[i]);
+    }
+    free(more);
+}
+
+/* Unmap whole free pages outside [keep_lo, keep_hi) until `target` bytes are released (or
+ * nothing releasable is left), after synchronizing their owner streams. Drops and retakes
+ * the lock. Returns the bytes released. */
+static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo, uintptr_t keep_hi) {
+    if (!target) return 0;
+    run_list runs = {0};
+    each_run_locked(p, keep_lo, keep_hi, add_run, &runs);
+    unmap_job *jobs = runs.n ? malloc(runs.n * sizeof *jobs) : NULL;
+    mp_stream **owners = runs.n ? malloc(p->nstreams * sizeof *owners) : NULL;
+    int *synced = runs.n ? malloc(p->nstreams * sizeof *synced) : NULL;
+    if (!jobs || !owners || !synced) {
+        free(runs.runs);
+        free(jobs);
+        free(owners);
+        free(synced);
+        return 0;
+    }
+    qsort(runs.runs, runs.n, sizeof *runs.runs, cmp_run);
+    size_t n = 0, released = 0, nowners = 0;
+    for (size_t i = 0; i < runs.n && released < target; i++) {
+        uintptr_t lo, hi;
+        run_pages(p, runs.runs[i].first, &lo, &hi);
+        size_t want = target - released;   /* only what is still wanted, from the high end */
+        if (want < hi - lo) {
+            want = round_up(want, p->up.granularity);
+            if (want < hi - lo) lo = hi - want;
+        }
+        if (!carve_run_locked(p, runs.runs[i].first, lo, hi, &jobs[n])) break;
+        for (size_t k = 0; k < jobs[n].nparts; k++) {
+            size_t j = 0;
+            while (j < nowners && owners[j] != jobs[n].parts[k].owner) j++;
+            if (j == nowners) owners[nowners++] = jobs[n].parts[k].owner;
+        }
+        count_mapped_locked(p, jobs[n].u->seg, hi - lo, 0);
+        released += hi - lo;
+        n++;
+    }
+    free(runs.runs);
+    if (!n) {
+        free(jobs);
+        free(owners);
+        free(synced);
+        return 0;
+    }
+    p->inflight_bytes += released;   /* still held until unmapped: count it for the limit */
+    mp_lock_release(&p->lock);
+    for (size_t j = 0; j < nowners; j++)
+        synced[j] = p->up.stream_synchronize(p->up.ctx, owners[j]->handle) == MP_OK;
+    for (size_t i = 0; i < n; i++) {
+        for (size_t k = 0; k < jobs[i].nparts; k++) {
+            size_t j = 0;
+            while (owners[j] != jobs[i].parts[k].owner) j++;
+            if (!synced[j]) {
+                jobs[i].ok = 0;
+                jobs[i].unsynced = owners[j];
+            }
+        }
+        if (jobs[i].ok) jobs[i].ok = p->up.unmap(p->up.ctx, jobs[i].u->ptr, jobs[i].u->nbytes) == MP_OK;
+    }
+    mp_lock_acquire(&p->lock);
+    p->inflight_bytes -= released;
+    /* One at a time: a later job's block stays busy (so unmerged and valid) until its turn. */
+    for (size_t i = 0; i < n; i++) {
+        mp_block *u = jobs[i].u;
+        if (jobs[i].ok) {
+            u->busy = 0;
+            p->stats.num_device_free++;
+            mp_trace_locked(p, MP_TRACE_SEGMENT_UNMAP, u->ptr, u->nbytes, jobs[i].parts[0].owner->handle);
+            merge_unmapped_locked(p, u);
+        } else {
+            released -= u->nbytes;
+            restore_run_locked(p, &jobs[i], jobs[i].unsynced);
+        }
+        free(jobs[i].parts);
+    }
+    free(jobs);
+    free(owners);
+    free(synced);
+    return released;
 }
 
 size_t mp_expand_release_locked(mp_pool *p, size_t target) {
-    size_t g = p->up.granularity, released = 0;
-    release_jobs jobs = {0};
-    for (mp_segment *seg = p->segments; seg && released < target; seg = seg->next) {
-        if (!seg->expandable) continue;
-        mp_block *b = seg->first;
-        while (b && released < target) {
-            if (b->state != MP_BLOCK_FREE) {
-                b = b->next;
-                continue;
-            }
-            mp_block *last = b;
-            while (last->next && last->next->state == MP_BLOCK_FREE) last = last->next;
-            mp_block *after = last->next;
-            uintptr_t lo = round_up(b->ptr, g), hi = round_down(last->ptr + last->nbytes, g);
-            if (hi > lo) {
-                mp_block *u = reserve_job(&jobs) ? carve_run_locked(p, b, lo, hi, &jobs) : NULL;
-                if (!u) break;   /* out of host memory: release what was carved so far */
-                jobs.unmapped[jobs.n++] = u;
-                size_t bytes = hi - lo;
-                released += bytes;
-                seg->mapped_bytes -= bytes;
-                p->stats.num_device_free++;
-                mp_stat3_dec(p->stats.reserved_bytes, seg->kind, (int64_t)bytes);
-                mp_stat_dec(&p->stats.mapped_bytes, (int64_t)bytes);
-                mp_trace_locked(p, MP_TRACE_SEGMENT_UNMAP, lo, bytes, seg->stream->handle);
-            }
-            b = after;
+    return release_pages_locked(p, target, 0, 0);
+}
+
+/* ---------------------------------------------------------------- growth */
+
+typedef struct grow_plan {
+    mp_block *u;          /* the unmapped block mapped into */
+    uintptr_t at;         /* first byte mapped (page-aligned, inside u) */
+    size_t nbytes;        /* bytes mapped */
+    uintptr_t lo, hi;     /* u with the free neighbours it joins: kept out of releases */
+} grow_plan;
+
+static int free_of(const mp_block *b, const mp_stream *s) {
+    return b && b->state == MP_BLOCK_FREE && b->stream == s;
+}
+
+/* Where to map so that a free block of s holds `size`: the unmapped block that, joined with
+ * the free blocks of s beside it, needs the fewest new bytes (the lowest address on a tie).
+ * 0 when the range has no room left. */
+static int plan_growth_locked(const mp_pool *p, mp_segment *seg, mp_stream *s, size_t size,
+                              grow_plan *out) {
+    size_t g = p->up.granularity;
+    int found = 0;
+    for (mp_block *u = seg->first; u; u = u->next) {
+        if (u->state != MP_BLOCK_UNMAPPED || u->busy) continue;
+        size_t left = free_of(u->prev, s) ? u->prev->nbytes : 0;
+        size_t right = free_of(u->next, s) ? u->next->nbytes : 0;
+        if (left + u->nbytes + right < size) continue;
+        size_t n = u->nbytes;   /* the whole hole, joining both neighbours */
+        uintptr_t at = u->ptr;
+        if (left + u->nbytes >= size && round_up(size - left, g) < n) n = round_up(size - left, g);
+        if (right + u->nbytes >= size && round_up(size - right, g) < n) {
+            n = round_up(size - right, g);
+            at = u->ptr + u->nbytes - n;
         }
+        if (found && n >= out->nbytes) continue;
+        found = 1;
+        out->u = u;
+        out->at = at;
+        out->nbytes = n;
+        out->lo = left ? u->prev->ptr : u->ptr;
+        out->hi = u->ptr + u->nbytes + right;
     }
-    if (!jobs.n) {
-        free(jobs.unmapped);
-        free(jobs.streams);
-        return 0;
+    return found;
+}
+
+/* Map the planned pages and hand out the free block holding them (*out, in no list; NULL
+ * when the neighbours it joined changed while the lock was dropped: search again). */
+static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan *plan,
+                      size_t size, mp_block **out) {
+    /* The pages become a busy block of their own, so that the rest of u stays open to
+     * other threads while the lock is dropped. */
+    mp_block *u = plan->u, *m = u;
+    if (plan->nbytes < u->nbytes) {
+        if (!(m = mp_block_new_locked(p))) return MP_ENOMEM;
+        m->ptr = plan->at;
+        m->nbytes = plan->nbytes;
+        m->stream = s;
+        m->state = MP_BLOCK_UNMAPPED;
+        int after = plan->at > u->ptr;
+        link_block(u, m, after);
+        if (!after) u->ptr += plan->nbytes;
+        u->nbytes -= plan->nbytes;
     }
-    /* Out of host memory for the owner list (rare): sync every stream, with the lock held
-     * since the stream table may grow once it is dropped. */
-    if (jobs.sync_every_stream)
-        for (size_t i = 0; i < p->nstreams; i++) p->up.stream_synchronize(p->up.ctx, p->streams[i]->handle);
+    m->busy = 1;
+    p->inflight_bytes += plan->nbytes;
     mp_lock_release(&p->lock);
-    for (size_t i = 0; i < jobs.nstreams && !jobs.sync_every_stream; i++)
-        p->up.stream_synchronize(p->up.ctx, jobs.streams[i]);
-    for (size_t i = 0; i < jobs.n; i++) p->up.unmap(p->up.ctx, jobs.unmapped[i]->ptr, jobs.unmapped[i]->nbytes);
+    int rc = p->up.map(p->up.ctx, m->ptr, m->nbytes);
     mp_lock_acquire(&p->lock);
-    /* One at a time: a later job's block stays busy (unmerged, so valid) until its turn. */
-    for (size_t i = 0; i < jobs.n; i++) {
-        jobs.unmapped[i]->busy = 0;
-        merge_unmapped_locked(p, jobs.unmapped[i]);
+    p->inflight_bytes -= plan->nbytes;
+    m->busy = 0;
+    if (rc != MP_OK) {
+        /* All or nothing: the upstream undid any pages it had mapped, so the range is
+         * unmapped as before. Out of device memory, free pages elsewhere may make room
+         * (the caller then comes back). */
+        merge_unmapped_locked(p, m);
+        if (rc == MP_ENOMEM && release_pages_locked(p, plan->nbytes, plan->lo, plan->hi)) return MP_OK;
+        return rc;
     }
-    free(jobs.unmapped);
-    free(jobs.streams);
-    return released;
+    m->stream = s;
+    count_mapped_locked(p, seg, m->nbytes, 1);
+    p->stats.num_device_alloc++;
+    mp_trace_locked(p, MP_TRACE_SEGMENT_MAP, m->ptr, m->nbytes, s->handle);
+    mp_insert_free_merged_locked(p, m);   /* m absorbs its free neighbours of s */
+    if (m->nbytes >= size) {
+        mp_remove_free_locked(p, m);
+        *out = m;
+    }
+    return MP_OK;
+}
+
+/* Make a free block of at least `size` in s's range by mapping pages, and hand it out
+ * (*out; NULL when the pool changed meanwhile: search again). MP_ENOMEM / MP_ELIMIT when it
+ * cannot grow. */
+static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_block **out) {
+    *out = NULL;
+    mp_segment *seg = segment_of_locked(p, s, kind, size);
+    if (!seg) return MP_ENOMEM;
+    grow_plan plan = {0};
+    if (!plan_growth_locked(p, seg, s, size, &plan)) {
+        /* The range's address space is used up (by blocks, or by holes too small for the
+         * request): a new range takes over the growth; the old one keeps its blocks. */
+        if (!seg->mapped_bytes || size > seg->nbytes) return MP_ENOMEM;
+        s->expandable[kind] = NULL;
+        mp_segment *fresh = segment_of_locked(p, s, kind, size);
+        if (!fresh) {
+            s->expandable[kind] = seg;
+            return MP_ENOMEM;
+        }
+        seg = fresh;
+        if (!plan_growth_locked(p, seg, s, size, &plan)) return MP_ENOMEM;
+    }
+
+    /* Room first, from free pages elsewhere: down to the limit (required), below the
+     * garbage collection threshold (best effort), and all idle pages before a new high
+     * water mark when they are many (Note [Expandable segments]). */
+    size_t need = mp_reserved_now_locked(p) + plan.nbytes, excess = 0;
+    size_t limit = p->cfg.limit;
+    if (limit != MP_UNLIMITED && need > limit) excess = need - limit;
+    if (p->cfg.gc_threshold > 0) {
+        size_t base = limit != MP_UNLIMITED ? limit : p->capacity;
+        size_t threshold = (size_t)(p->cfg.gc_threshold * (double)base);
+        if (base && need > threshold && need - threshold > excess) excess = need - threshold;
+    }
+    if (need > p->mapped_high_water) {
+        size_t idle = idle_bytes_locked(p, plan.lo, plan.hi);
+        if (idle >= MP_HIGH_WATER_MIN_IDLE && idle >= p->mapped_high_water / MP_HIGH_WATER_IDLE_DIV)
+            excess = idle > excess ? idle : excess;
+    }
+    if (excess && release_pages_locked(p, excess, plan.lo, plan.hi)) return MP_OK;   /* re-plan */
+    if (limit != MP_UNLIMITED && need > limit) return MP_ELIMIT;
+    return map_locked(p, seg, s, &plan, size, out);
+}
+
+int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
+                           mp_release_list *rel, mp_block **out) {
+    (void)rel;   /* expandable pools release pages here, not whole segments */
+    int rc = MP_ENOMEM, synced = 0;
+    for (int round = 0; round < 32; round++) {
+        if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
+        rc = grow_locked(p, s, kind, size, out);
+        if (rc == MP_OK) {
+            if (*out) return MP_OK;
+            continue;
+        }
+        if (rc != MP_ENOMEM && rc != MP_ELIMIT) return rc;
+        if (synced || !p->npending) return rc;
+        /* Last resort: wait for the streams that hold frees pending, then try again. */
+        p->stats.num_alloc_retries++;
+        synced = 1;
+        mp_sync_pending_unlocked(p);
+    }
+    return MP_ENOMEM;   /* the pool kept changing under us */
+}
+
+int mp_expand_reserve_initial(mp_pool *p, size_t nbytes) {
+    mp_lock_acquire(&p->lock);
+    mp_stream *s = mp_stream_get_locked(p, 0);
+    mp_segment *seg = s ? segment_of_locked(p, s, KIND_LARGE, nbytes) : NULL;
+    mp_block *b = NULL;
+    grow_plan plan = {0};
+    /* As for plain segments, the initial reservation is not held to the limit. */
+    int rc = seg && plan_growth_locked(p, seg, s, nbytes, &plan)
+                 ? map_locked(p, seg, s, &plan, nbytes, &b) : MP_ENOMEM;
+    if (rc == MP_OK && !b) rc = MP_ENOMEM;
+    if (rc == MP_OK) {
+        seg->pinned = 1;   /* its pages up to initial_pool_size stay mapped */
+        mp_insert_free_locked(p, b);
+    }
+    mp_lock_release(&p->lock);
+    return rc;
 }
 
 void mp_segment_release_upstream(mp_pool *p, mp_segment *seg) {

@@ -1,19 +1,24 @@
 /* Expandable segments: one growing address range per (stream, small/large), mapped in pages
- * of the upstream's granularity as blocks need them. See docs/architecture.md
- * "Note [Expandable segments]". */
+ * of the upstream's granularity as blocks need them. See "Note [Expandable segments]" in
+ * mp_expand.c and docs/expandable.md. */
 #ifndef MP_EXPAND_H
 #define MP_EXPAND_H
 
 #include "mp_internal.h"
 
 /* Find or make a free block of at least `size` for stream s: the free lists first, then
- * mapping more pages, then releasing free pages elsewhere and retrying. The block returned
- * is in no free list. May drop and retake the lock. */
+ * mapping more pages (after releasing free pages elsewhere when the limit, the garbage
+ * collection threshold or the device require it), then waiting for pending frees. The
+ * block returned is in no free list. May drop and retake the lock. */
 int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
                            mp_release_list *rel, mp_block **out);
-/* Unmap whole free pages until `target` bytes are released; the owner streams of those
- * pages are synchronized first. Drops and retakes the lock. Returns the bytes unmapped. */
+/* Unmap whole free pages, largest runs first, until `target` bytes are released; the owner
+ * streams of those pages are synchronized first. Drops and retakes the lock. Returns the
+ * bytes unmapped. */
 size_t mp_expand_release_locked(mp_pool *p, size_t target);
+/* initial_pool_size for an expandable pool: map that much (rounded up to pages) at the start
+ * of stream 0's large segment and pin it there. Takes the lock. */
+int mp_expand_reserve_initial(mp_pool *p, size_t nbytes);
 /* Give a detached (or, at destroy, any) segment back to the upstream. Without the lock. */
 void mp_segment_release_upstream(mp_pool *p, mp_segment *seg);
 

@@ -25,7 +25,27 @@ typedef struct sim_event {
     size_t stream;   /* index into streams, SIZE_MAX until recorded */
     uint64_t target;
     int in_use;
+    /* What the stream waited for before the record: an event covers that too, as a CUDA
+     * event recorded after cudaStreamWaitEvent does. */
+    sim_wait *deps;
+    size_t ndeps, cap_deps;
 } sim_event;
+
+static int push_wait(sim_wait **arr, size_t *n, size_t *cap, size_t other, uint64_t seq,
+                     uint64_t at) {
+    if (*n == *cap) {
+        size_t ncap = *cap ? *cap * 2 : 4;
+        sim_wait *grown = realloc(*arr, ncap * sizeof *grown);
+        if (!grown) return MP_ENOMEM;
+        *arr = grown;
+        *cap = ncap;
+    }
+    (*arr)[*n].other = other;
+    (*arr)[*n].seq = seq;
+    (*arr)[*n].at = at;
+    (*n)++;
+    return MP_OK;
+}
 
 struct mp_sim {
     pthread_mutex_t mu;
@@ -122,9 +142,12 @@ static int sim_event_create(void *ctx, uintptr_t *out) {
             s->events = grown;
             s->cap_events = cap;
         }
+        s->events[s->nevents].deps = NULL;
+        s->events[s->nevents].cap_deps = 0;
         s->nevents++;
     }
     s->events[i].in_use = 1;
+    s->events[i].ndeps = 0;
     s->events[i].stream = SIZE_MAX;
     s->events[i].target = 0;
     s->live_events++;
@@ -150,6 +173,13 @@ static int sim_event_record(void *ctx, uintptr_t ev, uintptr_t stream) {
     if (rc == MP_OK) {
         e->stream = si;
         e->target = s->streams[si].submitted;
+        e->ndeps = 0;
+        sim_stream *st = &s->streams[si];
+        for (size_t i = 0; i < st->nwaits && rc == MP_OK; i++) {
+            sim_wait w = st->waits[i];
+            if (s->streams[w.other].completed < w.seq)
+                rc = push_wait(&e->deps, &e->ndeps, &e->cap_deps, w.other, w.seq, 0);
+        }
         s->num_records++;
     }
     pthread_mutex_unlock(&s->mu);
@@ -157,7 +187,11 @@ static int sim_event_record(void *ctx, uintptr_t ev, uintptr_t stream) {
 }
 
 static int event_done(mp_sim *s, const sim_event *e) {
-    return e->stream == SIZE_MAX || s->streams[e->stream].completed >= e->target;
+    if (e->stream == SIZE_MAX) return 1;
+    if (s->streams[e->stream].completed < e->target) return 0;
+    for (size_t i = 0; i < e->ndeps; i++)
+        if (s->streams[e->deps[i].other].completed < e->deps[i].seq) return 0;
+    return 1;
 }
 
 static int sim_event_query(void *ctx, uintptr_t ev) {
@@ -177,22 +211,13 @@ static int sim_stream_wait_event(void *ctx, uintptr_t stream, uintptr_t ev) {
     int rc = e && si != SIZE_MAX ? MP_OK : MP_EINVAL;
     s->num_waits += rc == MP_OK;
     if (rc == MP_OK && !event_done(s, e)) {
+        /* Waiting on an event is waiting on everything the event covers: flattened here so
+         * that ordered() needs no recursion. */
         sim_stream *st = &s->streams[si];
-        if (st->nwaits == st->cap_waits) {
-            size_t cap = st->cap_waits ? st->cap_waits * 2 : 4;
-            sim_wait *grown = realloc(st->waits, cap * sizeof *grown);
-            if (!grown) rc = MP_ENOMEM;
-            else {
-                st->waits = grown;
-                st->cap_waits = cap;
-            }
-        }
-        if (rc == MP_OK) {
-            st->waits[st->nwaits].other = e->stream;
-            st->waits[st->nwaits].seq = e->target;
-            st->waits[st->nwaits].at = st->submitted;
-            st->nwaits++;
-        }
+        rc = push_wait(&st->waits, &st->nwaits, &st->cap_waits, e->stream, e->target, st->submitted);
+        for (size_t i = 0; i < e->ndeps && rc == MP_OK; i++)
+            rc = push_wait(&st->waits, &st->nwaits, &st->cap_waits, e->deps[i].other,
+                           e->deps[i].seq, st->submitted);
     }
     pthread_mutex_unlock(&s->mu);
     return rc;
@@ -237,6 +262,15 @@ static int sim_stream_synchronize(void *ctx, uintptr_t stream) {
     s->num_syncs++;
     pthread_mutex_unlock(&s->mu);
     return si == SIZE_MAX ? MP_ENOMEM : MP_OK;
+}
+
+static int sim_device_synchronize(void *ctx) {
+    mp_sim *s = ctx;
+    pthread_mutex_lock(&s->mu);
+    for (size_t i = 0; i < s->nstreams; i++) complete_upto(s, i, s->streams[i].submitted);
+    s->num_syncs++;
+    pthread_mutex_unlock(&s->mu);
+    return MP_OK;
 }
 
 static int sim_mem_info(void *ctx, size_t *free_bytes, size_t *total) {
@@ -339,6 +373,7 @@ static void sim_destroy(void *ctx) {
     mp_ptrmap_destroy(&s->pages);
     for (size_t i = 0; i < s->nstreams; i++) free(s->streams[i].waits);
     free(s->streams);
+    for (size_t i = 0; i < s->nevents; i++) free(s->events[i].deps);
     free(s->events);
     pthread_mutex_destroy(&s->mu);
     free(s);
@@ -370,6 +405,7 @@ int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
     up->stream_wait_event = sim_stream_wait_event;
     up->event_destroy = sim_event_destroy;
     up->stream_synchronize = sim_stream_synchronize;
+    up->device_synchronize = sim_device_synchronize;
     up->mem_info = sim_mem_info;
     up->granularity = granularity;
     up->va_reserve = sim_va_reserve;
