@@ -69,9 +69,19 @@ mp_block *mp_block_new_locked(mp_pool *p) {
     }
     mp_block *b = p->spare_blocks;
     p->spare_blocks = b->fnext;
-    memset(b, 0, sizeof *b);
-    b->uses = b->inline_uses;
+    /* Every field set (cheaper than a memset of the struct on the hot path). */
+    b->ptr = 0;
+    b->nbytes = b->requested = 0;
+    b->seg = NULL;
+    b->prev = b->next = b->fprev = b->fnext = NULL;
+    b->stream = NULL;
+    b->cls = 0;
+    b->state = MP_BLOCK_FREE;
+    b->split_counted = b->busy = 0;
+    b->nuses = 0;
     b->cap_uses = MP_INLINE_USES;
+    b->uses = b->inline_uses;
+    b->events = NULL;
     return b;
 }
 
@@ -173,7 +183,7 @@ static int classes_exhausted(size_t max_split, size_t size, uint32_t c) {
 static mp_block *find_fit(const mp_pool *p, const mp_freelist *fl, size_t size) {
     if (!fl->count) return NULL;
     size_t max_split = p->cfg.max_split_size;
-    for (uint32_t c = mp_freelist_next_class(fl, mp_size_class(size)); c < MP_NCLASSES;
+    for (uint32_t c = mp_freelist_next_class(fl, mp_class_of(size)); c < MP_NCLASSES;
          c = mp_freelist_next_class(fl, c + 1)) {
         if (classes_exhausted(max_split, size, c)) return NULL;
         mp_block *best = NULL;
