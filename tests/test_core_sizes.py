@@ -70,14 +70,14 @@ def test_segment_sizes(rounded, segment):
     assert mempool.segment_size(rounded) == segment
 
 
-def test_size_classes_are_monotone_and_exact_below_64k():
+def test_size_classes_are_monotone_and_exact_up_to_64k():
     from mempool._core import size_class
     sizes = sorted({512 * k for k in range(1, 5000)} | {1 << k for k in range(10, 62)})
     classes = [size_class(s) for s in sizes]
     assert classes == sorted(classes)
-    assert [size_class(512 * k) for k in range(1, 128)] == list(range(1, 128))
-    # Above, a class spans under 1/64 of its sizes.
+    assert [size_class(512 * k) for k in range(1, 129)] == list(range(128))
+    # Above, a class spans 1/64 of its sizes, a power of two at its top: (lo, lo + lo/64].
     for k in range(17, 60):
         lo = 1 << k
-        assert size_class(lo + (lo >> 6) - 512) == size_class(lo)
-        assert size_class(lo + (lo >> 6)) == size_class(lo) + 1
+        assert size_class(lo + 512) == size_class(lo + (lo >> 6)) == size_class(lo) + 1
+        assert size_class(lo + (lo >> 6) + 512) == size_class(lo) + 2

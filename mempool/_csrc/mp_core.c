@@ -75,7 +75,7 @@ mp_block *mp_block_new_locked(mp_pool *p) {
     b->seg = NULL;
     b->prev = b->next = b->fprev = b->fnext = NULL;
     b->stream = NULL;
-    b->cls = 0;
+    b->cls = MP_NOT_LISTED;
     b->state = MP_BLOCK_FREE;
     b->split_counted = b->busy = 0;
     b->nuses = 0;
@@ -160,10 +160,10 @@ void mp_remove_free_locked(mp_pool *p, mp_block *b) {
 
 /* The smallest size a class can hold: the inverse of mp_size_class. */
 static size_t class_min_bytes(uint32_t c) {
-    if (c < MP_EXACT_CLASSES) return (size_t)c << 9;
+    if (c < MP_EXACT_CLASSES) return ((size_t)c + 1) << 9;
     uint32_t k = 7 + (c - MP_EXACT_CLASSES) / MP_SUBCLASSES;
     uint64_t sub = (c - MP_EXACT_CLASSES) % MP_SUBCLASSES;
-    return (size_t)((MP_SUBCLASSES + sub) << (k - 6)) << 9;
+    return ((size_t)((MP_SUBCLASSES + sub) << (k - 6)) + 1) << 9;
 }
 
 /* max_split_size policy, as PyTorch's: small requests never take oversize blocks (which
@@ -224,7 +224,6 @@ static mp_block *take_from_other_stream_locked(mp_pool *p, mp_stream *s, int kin
     /* A wait captures the event's state when issued, so the event is reusable at once. */
     mp_event_put_locked(p, ev);
     if (rc != MP_OK) return NULL;
-    mp_remove_free_locked(p, best);
     p->stats.num_cross_stream_reuse++;
     p->stats.num_event_waits += waited;
     return best;
@@ -238,37 +237,70 @@ static int should_split(const mp_pool *p, const mp_block *b, size_t size) {
     return size < p->cfg.max_split_size && remaining > MP_SMALL_SIZE;
 }
 
-/* Hand out free block b (in no list) to stream s, splitting off what it does not need. The
- * remainder stays with b's previous owner: only the part handed out moved streams. */
-static void carve_locked(mp_pool *p, mp_block *b, size_t size, size_t requested, mp_stream *s) {
+/* Hand out free block b (in its owner's list, or in none) to stream s, splitting off what
+ * it does not need. The remainder stays with b's owner: only the part handed out moves.
+ * Returns the block handed out. When the remainder stays in b's size class, b itself
+ * shrinks in place and keeps its place in the list (no list operations: the common case of
+ * a round trip on a segment's free tail). */
+static mp_block *carve_locked(mp_pool *p, mp_block *b, size_t size, size_t requested,
+                              mp_stream *s) {
     mp_segment *seg = b->seg;
+    int kind = seg->kind;
+    int listed = b->cls != MP_NOT_LISTED;
+    mp_block *a = NULL;
     if (should_split(p, b, size)) {
-        mp_block *r = mp_block_new_locked(p);
-        if (r) {   /* out of host memory for a struct: hand out the whole block instead */
-            r->ptr = b->ptr + size;
-            r->nbytes = b->nbytes - size;
-            r->seg = seg;
-            r->stream = b->stream;
-            r->prev = b;
-            r->next = b->next;
-            if (b->next) b->next->prev = r;
-            b->next = r;
-            b->nbytes = size;
-            mp_insert_free_locked(p, r);
+        size_t rest = b->nbytes - size;
+        if (listed && mp_class_of(rest) == b->cls && (a = mp_block_new_locked(p))) {
+            a->ptr = b->ptr;
+            a->nbytes = size;
+            a->seg = seg;
+            a->prev = b->prev;
+            a->next = b;
+            if (b->prev) b->prev->next = a;
+            else seg->first = a;
+            b->prev = a;
+            b->ptr += size;
+            b->nbytes = rest;
+            b->stream->lists[kind].nbytes -= size;
+            if (b->split_counted) {
+                mp_stat3_dec(p->stats.inactive_split_bytes, kind, (int64_t)size);
+            } else {
+                b->split_counted = 1;
+                mp_stat3_inc(p->stats.inactive_split, kind, 1);
+                mp_stat3_inc(p->stats.inactive_split_bytes, kind, (int64_t)rest);
+            }
+            b = a;
+        } else {
+            if (listed) mp_remove_free_locked(p, b);
+            mp_block *r = mp_block_new_locked(p);
+            if (r) {   /* out of host memory for a struct: hand out the whole block instead */
+                r->ptr = b->ptr + size;
+                r->nbytes = rest;
+                r->seg = seg;
+                r->stream = b->stream;
+                r->prev = b;
+                r->next = b->next;
+                if (b->next) b->next->prev = r;
+                b->next = r;
+                b->nbytes = size;
+                mp_insert_free_locked(p, r);
+            }
         }
+    } else if (listed) {
+        mp_remove_free_locked(p, b);
     }
     b->stream = s;
     b->state = MP_BLOCK_ALLOCATED;
     b->requested = requested;
     if (seg->nbusy++ == 0) mp_segment_idle_remove_locked(p, seg);
     mp_ptrmap_insert(&p->live, b->ptr, b);   /* capacity was reserved by the caller */
-    int kind = seg->kind;
     mp_stat3_inc(p->stats.allocation, kind, 1);
     mp_stat3_inc(p->stats.allocated_bytes, kind, (int64_t)b->nbytes);
     mp_stat3_inc(p->stats.requested_bytes, kind, (int64_t)requested);
     mp_stat3_inc(p->stats.active, kind, 1);
     mp_stat3_inc(p->stats.active_bytes, kind, (int64_t)b->nbytes);
     if (b->nbytes >= p->cfg.max_split_size) mp_stat_inc(&p->stats.oversize_allocations, 1);
+    return b;
 }
 
 static mp_block *merge_locked(mp_pool *p, mp_block *dst, mp_block *src) {
@@ -293,9 +325,46 @@ static inline int mergeable(const mp_block *b, const mp_block *n) {
 }
 
 /* Return an allocated (or completed pending) block to its owner's free list. */
+/* Fold freed block b into its one free neighbour n of the same owner without list
+ * operations, when the merged block stays in n's size class: n grows in place over b.
+ * Returns n, or NULL when the general merge is needed. */
+static mp_block *absorb_into_neighbour_locked(mp_pool *p, mp_block *b) {
+    mp_block *n;
+    if (mergeable(b, b->next) && !mergeable(b, b->prev)) n = b->next;
+    else if (mergeable(b, b->prev) && !mergeable(b, b->next)) n = b->prev;
+    else return NULL;
+    if (mp_class_of(n->nbytes + b->nbytes) != n->cls) return NULL;
+    mp_segment *seg = b->seg;
+    int kind = seg->kind;
+    if (n == b->next) {
+        n->ptr = b->ptr;
+        n->prev = b->prev;
+        if (b->prev) b->prev->next = n;
+        else seg->first = n;
+    } else {
+        n->next = b->next;
+        if (b->next) b->next->prev = n;
+    }
+    n->nbytes += b->nbytes;
+    n->stream->lists[kind].nbytes += b->nbytes;
+    /* n was split (b was its neighbour); it is whole now if it covers the segment */
+    if (n->prev || n->next) {
+        mp_stat3_inc(p->stats.inactive_split_bytes, kind, (int64_t)b->nbytes);
+    } else {
+        n->split_counted = 0;
+        mp_stat3_dec(p->stats.inactive_split, kind, 1);
+        mp_stat3_dec(p->stats.inactive_split_bytes, kind, (int64_t)(n->nbytes - b->nbytes));
+    }
+    mp_block_delete_locked(p, b);
+    return n;
+}
+
 void mp_free_block_locked(mp_pool *p, mp_block *b) {
-    mp_insert_free_merged_locked(p, b);
-    if (--b->seg->nbusy == 0) mp_segment_idle_push_locked(p, b->seg);
+    mp_segment *seg = b->seg;
+    b->state = MP_BLOCK_FREE;
+    b->requested = 0;
+    if (!absorb_into_neighbour_locked(p, b)) mp_insert_free_merged_locked(p, b);
+    if (--seg->nbusy == 0) mp_segment_idle_push_locked(p, seg);
 }
 
 /* Put b into its owner's free list, merged with free neighbours of the same owner. */
@@ -436,10 +505,7 @@ size_t mp_reserved_now_locked(const mp_pool *p) {
 
 mp_block *mp_search_lists_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
     mp_block *b = find_fit(p, &s->lists[kind], size);
-    if (b) {
-        mp_remove_free_locked(p, b);
-        return b;
-    }
+    if (b) return b;   /* still in its list: carve_locked takes it out, or shrinks it */
     if (p->cfg.cross_stream_reuse && p->nstreams > 1) return take_from_other_stream_locked(p, s, kind, size);
     return NULL;
 }
@@ -596,7 +662,7 @@ int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out) {
         if (!b) rc = grow_locked(p, s, kind, size, &rel, &b);
     }
     if (rc != MP_OK) goto oom;
-    carve_locked(p, b, size, nbytes, s);
+    b = carve_locked(p, b, size, nbytes, s);
     mp_trace_locked(p, MP_TRACE_ALLOC, b->ptr, b->requested, stream);
     *out = b->ptr;
     mp_apply_release_threshold_locked(p, &rel);

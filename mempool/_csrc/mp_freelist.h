@@ -16,6 +16,7 @@
 #define MP_SUBCLASSES 64
 #define MP_NCLASSES 3200
 #define MP_NWORDS ((MP_NCLASSES + 63) / 64)
+#define MP_NOT_LISTED UINT32_MAX   /* mp_block.cls of a block in no free list */
 
 struct mp_block;
 
@@ -29,11 +30,16 @@ typedef struct mp_freelist {
 
 /* Inline: on the allocate/free path. mp_freelist_insert/remove are in mp_internal.h, which
  * defines the block. */
+/* Classes are cut on (units - 1), so a power-of-two size is the top of its class, not the
+ * bottom: a whole 2 MiB segment and its free tail after a small allocation share a class,
+ * and a round trip on that tail shrinks and regrows the block in place. */
 static inline uint32_t mp_class_of(size_t nbytes) {
     uint64_t u = (uint64_t)nbytes >> 9;
-    if (u < MP_EXACT_CLASSES) return (uint32_t)u;
-    int k = 63 - __builtin_clzll(u);   /* >= 7 */
-    uint32_t sub = (uint32_t)((u >> (k - 6)) & (MP_SUBCLASSES - 1));
+    if (u == 0) return 0;
+    uint64_t v = u - 1;
+    if (v < MP_EXACT_CLASSES) return (uint32_t)v;
+    int k = 63 - __builtin_clzll(v);   /* >= 7 */
+    uint32_t sub = (uint32_t)((v >> (k - 6)) & (MP_SUBCLASSES - 1));
     return MP_EXACT_CLASSES + (uint32_t)(k - 7) * MP_SUBCLASSES + sub;
 }
 

@@ -25,7 +25,7 @@ struct mp_block {
     mp_block *prev, *next;       /* neighbours in address order within the segment */
     mp_block *fprev, *fnext;     /* free: bin links; pending: pending-list links */
     mp_stream *stream;           /* owner: the stream whose order makes reuse safe */
-    uint32_t cls;                /* size class while in a free list */
+    uint32_t cls;                /* size class while in a free list, else MP_NOT_LISTED */
     uint8_t state;               /* MP_BLOCK_* */
     uint8_t split_counted;       /* counted in inactive_split while free */
     uint8_t busy;                /* unmapped: being mapped or unmapped with the lock dropped */
@@ -122,6 +122,7 @@ static inline void mp_freelist_remove(mp_freelist *fl, mp_block *b) {
         if (!fl->bits[c >> 6]) fl->summary &= ~(1ull << (c >> 6));
     }
     b->fprev = b->fnext = NULL;
+    b->cls = MP_NOT_LISTED;
     fl->count--;
     fl->nbytes -= b->nbytes;
 }
