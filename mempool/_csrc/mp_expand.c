@@ -9,7 +9,9 @@
  *
  * Layout: one range per (stream, small/large), reserved on the stream's first request of
  * that kind, as large as the device (p->capacity, or the request if larger), released only
- * when the pool is destroyed. Per stream, because a block may be reused in its stream's
+ * when the pool is destroyed. Should a range's address space be used up (its holes too
+ * small for a request the device could still hold), a new range takes over the growth
+ * and the old one keeps its blocks. Per stream, because a block may be reused in its stream's
  * order at once, so free neighbours of one stream merge without any event; per size kind,
  * because small blocks left live among large ones would pin pages and split large free
  * runs. A range holds blocks in three states: allocated or pending, free (mapped, in its
@@ -24,11 +26,12 @@
  * mapped part, extended by the request less the free block already there; after releases,
  * holes are refilled before the edge moves whenever that maps less.
  *
- * Release unmaps whole pages of free blocks, the largest runs first (fewest unmap calls and
- * splits per byte), taking from a block's high end only as many pages as are still wanted.
- * Unmapping does not wait for queued work, so the owner streams of those pages are
- * synchronized first; a stream that cannot be synchronized, or pages that fail to unmap,
- * stay free and mapped. Releases happen on demand (empty_cache, trim, release_threshold),
+ * Release unmaps whole pages of runs of free blocks (adjacent free blocks of any owners:
+ * blocks of two streams never merge, but a page they share is free all the same), the
+ * largest runs first (fewest unmap calls and splits per byte), taking from a run's high end
+ * only as many pages as are still wanted. Unmapping does not wait for queued work, so the
+ * streams that freed those pages are synchronized first, each once; pages of a stream that
+ * cannot be synchronized, or that fail to unmap, become free blocks of their owners again. Releases happen on demand (empty_cache, trim, release_threshold),
  * before growing past the limit (required) or the garbage collection threshold (best
  * effort), when the device is out of memory, and under the high-water rule below. The pages
  * a growth is about to join are never released for it: that would only map them again.
@@ -375,7 +378,10 @@ static void restore_run_locked(mp_pool *p, unmap_job *job, mp_stream *unsynced) 
  * nothing releasable is left), after synchronizing their owner streams. Drops and retakes
  * the lock. Returns the bytes released. */
 static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo, uintptr_t keep_hi) {
-    if (!target) return 0;
+    /* Less than a page free in all: no whole page to find (the common case under a
+     * release_threshold, checked on every free), so skip the walk over the blocks. */
+    int64_t free_bytes = p->stats.reserved_bytes[MP_STAT_ALL].current - p->stats.active_bytes[MP_STAT_ALL].current;
+    if (!target || free_bytes < (int64_t)p->up.granularity) return 0;
     run_list runs = {0};
     each_run_locked(p, keep_lo, keep_hi, add_run, &runs);
     unmap_job *jobs = runs.n ? malloc(runs.n * sizeof *jobs) : NULL;
