@@ -90,6 +90,7 @@ cdef extern from "mp_core.h" nogil:
     int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out)
     int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream)
     int mp_record_stream(mp_pool *p, uintptr_t ptr, uintptr_t stream)
+    int mp_forget_stream(mp_pool *p, uintptr_t stream)
     int mp_block_info(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested, uintptr_t *stream)
     int mp_empty_cache(mp_pool *p)
     int mp_trim(mp_pool *p, size_t keep)

@@ -438,6 +438,11 @@ OPTIONS: dict[str, Option] = {
         False, "bool",
         "one growing address-space reservation per stream and size class, mapped page by page",
         _parse_bool, "True", pytorch="`expandable_segments`"),
+    "granularity": Option(
+        None, "size or None",
+        "page size of expandable segments on backend 'sim' and 'host' (None = 2 MiB; "
+        "'cuda' uses the driver's granularity)",
+        _parse_optional_size, "4MiB"),
     "pool_handle": Option(
         "create", "'create', 'default', 'current' or int",
         "which cudaMemPool supplies segments: a new one, the device's default or current "
@@ -581,6 +586,10 @@ def _check_combination(out: dict[str, Any], given: Mapping[str, Any]) -> None:
             f"options 'expandable_segments' and 'max_split_size' "
             f"({out['max_split_size']!r}) do not combine: expandable segments grow in place "
             "and never split-limit; drop max_split_size or turn expandable_segments off")
+    if out["backend"] == "cuda" and out["granularity"] is not None:
+        raise ValueError(
+            f"option 'granularity' ({out['granularity']!r}) applies to backend 'sim' and "
+            "'host' only: on 'cuda' the driver's allocation granularity is used")
     if out["backend"] != "cuda":
         for name, opt in OPTIONS.items():
             if opt.cuda_only and name in given and out[name] != _default(name):

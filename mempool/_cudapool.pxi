@@ -47,7 +47,8 @@ def _cuda_set_release_threshold(Pool pool):
 
 def _cuda_trim(Pool pool, keep):
     from mempool import _cuda
-    _cuda.trim_to(pool._cuda_handle, keep)
+    # The driver trims only frees it has seen complete: sync the device first.
+    _cuda.trim_to(pool._cuda_handle, keep, sync_device=pool.device_id)
 
 
 def _cuda_stats(Pool pool):

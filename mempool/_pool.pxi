@@ -144,18 +144,14 @@ cdef class Pool:
         self._pool = NULL
 
     def __init__(self, backend="cuda", device=0, capacity=None, **options):
-        granularity = options.pop("granularity", None)
         given = dict(options)
         given.update(backend=backend, device=device, capacity=capacity)
         opts = _config.normalize(given)
         self.backend = opts["backend"]
         self.device_id = opts["device"]
         self._kind = _BACKENDS[self.backend]
-        if granularity is not None and self._kind == _CUDA:
-            raise ValueError("option 'granularity' applies to backend 'sim' and 'host' only: "
-                             "on 'cuda' the driver's allocation granularity is used")
-        cdef size_t gran = _DEFAULT_GRANULARITY if granularity is None else \
-            _as_nbytes(_config.parse_size(granularity, "granularity"), "granularity")
+        granularity = opts["granularity"]
+        cdef size_t gran = _DEFAULT_GRANULARITY if granularity is None else granularity
         cdef mp_upstream up
         cdef int rc
         if self._kind == _CUDA:
@@ -189,8 +185,6 @@ cdef class Pool:
         cfg.initial_pool_size = opts["initial_pool_size"]
         cfg.gc_threshold = opts["garbage_collection_threshold"]
         cfg.expandable_segments = 1 if opts["expandable_segments"] else 0
-        if granularity is not None:
-            opts["granularity"] = gran
         self.options = opts
         rc = mp_pool_create(&cfg, &up, &self._pool)
         if rc == MP_OK:
@@ -275,6 +269,23 @@ cdef class Pool:
         cdef int rc = mp_record_stream(self._pool, p, s)
         if rc != MP_OK:
             raise self._pointer_error(rc, "record_stream", p)
+
+    def forget_stream(self, stream):
+        """Call before destroying a stream this pool has used.
+
+        Waits for the stream's queued work, then moves every block and segment the pool
+        keeps on it to the legacy default stream, so the pool never calls the driver with
+        the dead handle (freeing a cached segment on a destroyed stream crashes the
+        driver). At the pool's own end no call is needed: it synchronizes the device and
+        frees everything on the legacy stream.
+        """
+        cdef uintptr_t s = 0
+        self._stream_of(stream, &s)
+        cdef int rc = mp_forget_stream(self._pool, s)
+        if rc == MP_ENOMEM:
+            raise MemoryError("forget_stream: out of host memory")
+        if rc != MP_OK:
+            raise RuntimeError(f"forget_stream: synchronizing stream {s:#x} failed (error {rc})")
 
     def block_info(self, ptr):
         """``(nbytes, requested_nbytes, stream)`` of the live block at ``ptr``."""

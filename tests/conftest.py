@@ -28,16 +28,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture
-def sim():
-    """A fresh pool on the simulated device; its invariants are checked after the test."""
+def _pool_factory(backend):
+    """Make pools of one backend; their invariants are checked after the test."""
     pools = []
 
     def make(**options):
-        pool = mempool.Pool(backend="sim", **options)
+        pool = mempool.Pool(backend=backend, **options)
         pools.append(pool)
         return pool
 
+    return make, pools
+
+
+@pytest.fixture
+def sim():
+    """Factory of fresh pools on the simulated device."""
+    make, pools = _pool_factory("sim")
     yield make
     for pool in pools:
         pool.check_invariants()
@@ -45,13 +51,8 @@ def sim():
 
 @pytest.fixture
 def host():
-    pools = []
-
-    def make(**options):
-        pool = mempool.Pool(backend="host", **options)
-        pools.append(pool)
-        return pool
-
+    """Factory of fresh pools on host memory."""
+    make, pools = _pool_factory("host")
     yield make
     for pool in pools:
         pool.check_invariants()

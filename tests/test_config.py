@@ -29,6 +29,7 @@ DEFAULTS = {
     "initial_pool_size": 0,
     "garbage_collection_threshold": 0.0,
     "expandable_segments": False,
+    "granularity": None,
     "pool_handle": "create",
     "reuse_follow_event_dependencies": True,
     "reuse_allow_opportunistic": True,
@@ -578,3 +579,10 @@ def test_every_documented_example_parses():
         assert name in parse_conf(f"{name}:{opt.example}")
     for alias, example in cfg._ALIAS_EXAMPLES.items():
         assert parse_conf(f"{alias}:{example}")
+
+
+def test_granularity_is_for_the_simulated_and_host_devices():
+    assert normalize({"backend": "sim", "granularity": "4MiB"})["granularity"] == 4 << 20
+    assert parse_conf("backend:host,granularity:8MB") == {"backend": "host", "granularity": 8 << 20}
+    with pytest.raises(ValueError, match="granularity.*'sim' and 'host' only"):
+        normalize({"backend": "cuda", "granularity": "4MiB"})

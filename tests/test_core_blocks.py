@@ -105,8 +105,6 @@ def test_max_split_size_keeps_oversize_blocks_whole(sim):
     pool = sim(max_split_size=64 * MiB)
     a = pool.alloc(100 * MiB)
     pool.free(a)
-    b = pool.alloc(30 * MiB)                          # may not take (and split) the 100 MiB block
-    assert b != a
     c = pool.alloc(90 * MiB)                          # oversize request: a block < 90+20 MiB
     assert c == a
     assert pool.block_info(c)[0] == 100 * MiB          # never split
@@ -114,8 +112,11 @@ def test_max_split_size_keeps_oversize_blocks_whole(sim):
     assert stats["oversize_allocations.current"] == 1
     assert stats["oversize_segments.current"] == 1
     assert stats["max_split_size"] == 64 * MiB
-    pool.free(b)
     pool.free(c)
+    b = pool.alloc(30 * MiB)                          # may not take (and split) the 100 MiB block:
+    assert b != a                                     # a new segment, and the idle oversize one,
+    assert pool.reserved_bytes() == 30 * MiB          # unusable for it, goes back
+    pool.free(b)
 
 
 def test_zero_bytes_is_a_distinct_valid_pointer(sim):

@@ -53,8 +53,9 @@ def test_cross_stream_reuse_off_takes_a_new_segment(sim):
     pool.device.launch(S)
     pool.free(a)
     b = pool.alloc(4096, stream=T)
-    assert b == BASE + 2 * MiB
-    assert pool.reserved_bytes() == 4 * MiB
+    assert b == BASE + 2 * MiB                       # a segment of T's own; S's idle one,
+    assert pool.reserved_bytes() == 2 * MiB          # which T may not use, went back
+    assert pool.stats()["num_event_waits"] == 0
     pool.free(b)
 
 
@@ -171,3 +172,27 @@ def test_stream_objects(sim):
         a = pool.alloc(512, stream=obj)
         assert pool.block_info(a)[2] == handle
         pool.free(a, stream=obj)
+
+
+def test_forget_stream_hands_everything_to_the_legacy_stream(sim):
+    pool = sim()
+    a = pool.alloc(4096, stream=S)
+    b = pool.alloc(8192, stream=S)
+    pool.record_stream(b, U)
+    pool.device.launch(S)
+    pool.free(a)
+    syncs = pool.device.counters()["syncs"]
+    pool.forget_stream(S)
+    assert pool.device.counters()["syncs"] == syncs + 1           # S drained once
+    assert pool.device.stream_info(S)["completed"] == 1
+    owners = {blk["stream"] for seg in pool.layout() for blk in seg["blocks"]}
+    assert owners == {0}
+    assert {seg["stream"] for seg in pool.layout()} == {0}
+    assert pool.block_info(b)[2] == 0
+    assert pool.alloc(4096, stream=0) == a                        # legacy reuses it, no wait
+    assert pool.stats()["num_event_waits"] == 0
+    pool.free(b)
+    pool.free(a)
+    pool.forget_stream(S)                                         # again: nothing to do
+    pool.forget_stream(0)
+

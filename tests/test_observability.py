@@ -518,3 +518,20 @@ def test_record_history_refuses_bad_sizes_and_keeps_recording_as_it_was(sim, max
 def test_record_history_refuses_a_non_bool_enabled(sim):
     with pytest.raises(TypeError, match="enabled must be True or False"):
         sim().record_history("yes")
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def test_the_examples_of_docs_retention_run(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    import pathlib
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "retention.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 4
+    monkeypatch.chdir(tmp_path)              # the last example writes files
+    namespace = {}
+    with redirect_stdout(io.StringIO()):
+        for code in blocks:
+            exec(compile(code, "docs/retention.md", "exec"), namespace)
+    assert (tmp_path / "timeline.html").exists() and (tmp_path / "snap.pickle").exists()

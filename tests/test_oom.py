@@ -147,13 +147,14 @@ def test_pending_frees_are_waited_for_only_as_a_last_resort(sim):
 def test_other_streams_free_blocks_come_before_the_upstream(sim):
     pool = sim()
     a = pool.alloc(12 * MiB, S1)
-    pool.device.launch(S1)                   # S1 still has work queued when a is freed
+    seq = pool.device.launch(S1)             # S1 still has work queued when a is freed
     pool.free(a)
     pool.device.fail_next(1)
     b = pool.alloc(12 * MiB, S2)             # S1's free block, after an event wait
     assert b == BASE
     assert device(pool, "allocs", "failed", "waits", "syncs") == \
         {"allocs": 1, "failed": 0, "waits": 1, "syncs": 0}
+    assert pool.device.ordered(S2, S1, seq)  # S2's work now runs after S1's
     assert pool.stats()["num_cross_stream_reuse"] == 1
     c = pool.alloc(12 * MiB, S2)             # now the upstream: the injection strikes here
     assert c == BASE + 12 * MiB and pool.stats()["num_alloc_retries"] == 1

@@ -303,11 +303,23 @@ def test_gc_does_nothing_below_its_threshold(sim):
     pool.free(d)
 
 
-def test_gc_off_keeps_the_cache_until_the_device_is_full(sim):
+def test_gc_off_keeps_idle_segments_worth_less_than_a_new_one(sim):
+    pool = sim(capacity="100MiB")
+    three_idle_segments(pool, (12,))
+    d = pool.alloc(20 * MiB)                 # 12 MiB idle < the 20 MiB segment: kept
+    assert segments(pool) == [(0, 12 * MiB, False), (12 * MiB, 20 * MiB, False)]
+    assert pool.device.counters()["frees"] == 0
+    pool.free(d)
+
+
+def test_idle_segments_worth_a_new_one_are_released_first_oldest_first(sim):
     pool = sim(capacity="100MiB")
     three_idle_segments(pool, (12, 14, 16))
-    d = pool.alloc(20 * MiB)
-    assert len(segments(pool)) == 4 and pool.device.counters()["frees"] == 0
+    d = pool.alloc(20 * MiB)                 # none fits; 42 MiB idle: release 12 + 14 >= 20
+    assert segments(pool) == [(26 * MiB, 16 * MiB, False), (42 * MiB, 20 * MiB, False)]
+    assert device(pool, "frees") == {"frees": 2}
+    assert counters(pool, "num_alloc_retries", "num_ooms") == \
+        {"num_alloc_retries": 0, "num_ooms": 0}
     pool.free(d)
 
 
@@ -323,12 +335,10 @@ def test_gc_ages_a_segment_from_its_last_use(sim):
     pool = sim(capacity="100MiB", garbage_collection_threshold=0.5)
     a, b = three_idle_segments(pool, (12, 14))
     pool.free(pool.alloc(12 * MiB))          # a is used again: now b has gone unused longest
-    c = pool.alloc(16 * MiB)                 # 26 + 16 <= 50: no collection yet
-    d = pool.alloc(20 * MiB)                 # 42 + 20 > 50: 12 MiB to release -> b (14)
-    assert segments(pool) == [(0, 12 * MiB, False), (26 * MiB, 16 * MiB, False),
-                              (42 * MiB, 20 * MiB, False)]
+    # 26 MiB idle < a 30 MiB segment, so only the collection releases: 26 + 30 > 50
+    c = pool.alloc(30 * MiB)                 # 6 MiB over: the longest unused, b (14), goes
+    assert segments(pool) == [(0, 12 * MiB, False), (26 * MiB, 30 * MiB, False)]
     pool.free(c)
-    pool.free(d)
 
 
 # --------------------------------------------------------------------------- empty_cache

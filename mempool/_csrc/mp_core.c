@@ -328,8 +328,14 @@ int mp_pool_create(const mp_config *cfg, const mp_upstream *up, mp_pool **out) {
 void mp_pool_destroy(mp_pool *p) {
     mp_lock_acquire(&p->lock);
     /* Every block is dropped with its segment: nothing may use the pool's memory now.
-     * Unmapping does not wait for queued work, so expandable pools drain their streams. */
-    if (p->cfg.expandable_segments)
+     * Streams the pool saw may be destroyed by now (a CuPy stream that went out of scope),
+     * and a call on a dead handle crashes the driver: so drain the whole device, which needs
+     * no handle, and free every segment on the legacy stream. Only without a device sync
+     * are the streams themselves drained (expandable pools: unmap does not wait). */
+    mp_stream *legacy = NULL;
+    if (p->up.device_synchronize && p->up.device_synchronize(p->up.ctx) == MP_OK)
+        legacy = mp_stream_get_locked(p, 0);
+    if (!legacy && p->cfg.expandable_segments)
         for (size_t i = 0; i < p->nstreams; i++) p->up.stream_synchronize(p->up.ctx, p->streams[i]->handle);
     mp_segment *seg = p->segments;
     while (seg) {
@@ -344,6 +350,7 @@ void mp_pool_destroy(mp_pool *p) {
             free(b->events);
             b = bn;
         }
+        if (legacy) seg->stream = legacy;
         mp_segment_release_upstream(p, seg);
         free(seg);
         seg = next;
@@ -473,6 +480,7 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
             mp_block *b = new_segment_locked(p, s, KIND_LARGE, ptr, nbytes);
             if (b) {
                 b->seg->pinned = 1;
+                p->idle_bytes -= nbytes;   /* counted as idle unpinned when it was made */
                 mp_insert_free_locked(p, b);
             } else {
                 p->up.segment_free(p->up.ctx, ptr, nbytes, 0);
@@ -509,6 +517,12 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
             if (mp_reserved_now_locked(p) + seg_size > limit) return MP_ELIMIT;
         }
     }
+
+    /* Release cached segments beyond need: idle segments cannot serve this request (the
+     * search found nothing), so when they hold a new segment's worth, give that much back,
+     * oldest first, before growing. Reserved memory then tracks what the work needs instead
+     * of piling up segments of sizes it no longer asks for. */
+    if (p->idle_bytes >= seg_size) mp_release_idle_kind_locked(p, kind, seg_size, rel);
 
     uintptr_t ptr = 0;
     int rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);
@@ -775,4 +789,62 @@ int mp_block_info(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested,
     }
     mp_lock_release(&p->lock);
     return rc;
+}
+
+/* ---------------------------------------------------------------- streams going away */
+
+/* Re-merge free neighbours of one owner after ownership moved (in lists, classes right). */
+static void remerge_segment_locked(mp_pool *p, mp_segment *seg) {
+    for (mp_block *b = seg->first; b; b = b->next) {
+        while (b->state == MP_BLOCK_FREE && mergeable(b, b->next)) {
+            mp_remove_free_locked(p, b);
+            merge_locked(p, b, b->next);
+            mp_insert_free_locked(p, b);
+        }
+    }
+}
+
+int mp_forget_stream(mp_pool *p, uintptr_t handle) {
+    if (handle == 0) return MP_OK;   /* the legacy stream is never destroyed */
+    mp_lock_acquire(&p->lock);
+    mp_stream *s = NULL;
+    for (size_t i = 0; i < p->nstreams && !s; i++)
+        if (p->streams[i]->handle == handle) s = p->streams[i];
+    if (!s) {
+        mp_lock_release(&p->lock);
+        return MP_OK;
+    }
+    mp_lock_release(&p->lock);
+    /* The stream is still alive here: let its queued work finish, then nothing of the pool
+     * needs ordering on it again. */
+    int rc = p->up.stream_synchronize(p->up.ctx, handle);
+    mp_lock_acquire(&p->lock);
+    mp_stream *legacy = rc == MP_OK ? mp_stream_get_locked(p, 0) : NULL;
+    if (!legacy) {
+        mp_lock_release(&p->lock);
+        return rc == MP_OK ? MP_ENOMEM : rc;
+    }
+    for (mp_segment *seg = p->segments; seg; seg = seg->next) {
+        int moved = 0;
+        if (seg->stream == s) seg->stream = legacy;
+        for (mp_block *b = seg->first; b; b = b->next) {
+            if (b->state == MP_BLOCK_ALLOCATED) remove_use(b, s);
+            if (b->stream != s) continue;
+            moved = 1;
+            if (b->state == MP_BLOCK_FREE) {
+                mp_remove_free_locked(p, b);
+                b->stream = legacy;
+                mp_insert_free_locked(p, b);
+            } else {
+                b->stream = legacy;
+            }
+        }
+        if (moved) remerge_segment_locked(p, seg);
+    }
+    for (int k = 0; k < 2; k++) {
+        if (s->expandable[k] && !legacy->expandable[k]) legacy->expandable[k] = s->expandable[k];
+        s->expandable[k] = NULL;
+    }
+    mp_lock_release(&p->lock);
+    return MP_OK;
 }

@@ -93,6 +93,10 @@ int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
 int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream);
 /* Declare that a live block is used on `stream` too: at free it waits for that stream. */
 int mp_record_stream(mp_pool *p, uintptr_t ptr, uintptr_t stream);
+/* Before a stream the pool has used is destroyed: wait for its queued work, then hand every
+ * block and segment the pool keeps on it to the legacy stream (0), so that no later call is
+ * made on the dead handle. Handle 0 and unknown handles are a no-op. */
+int mp_forget_stream(mp_pool *p, uintptr_t stream);
 /* Size and stream of a live block (MP_ENOTFOUND otherwise). */
 int mp_block_info(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested,
                   uintptr_t *stream);

@@ -99,6 +99,7 @@ static struct {
     CUresult (*MemAllocAsync)(CUdeviceptr *, size_t, CUstream);
     CUresult (*MemFreeAsync)(CUdeviceptr, CUstream);
     CUresult (*MemPoolDestroy)(CUmemoryPool);
+    CUresult (*CtxSynchronize)(void);
     CUresult (*EventCreate)(CUevent *, unsigned int);
     CUresult (*EventRecord)(CUevent, CUstream);
     CUresult (*EventQuery)(CUevent);
@@ -150,6 +151,7 @@ static void d_resolve(void) {
         {(void **)&D.MemAllocAsync, "cuMemAllocAsync", 1},
         {(void **)&D.MemFreeAsync, "cuMemFreeAsync", 1},
         {(void **)&D.MemPoolDestroy, "cuMemPoolDestroy", 1},
+        {(void **)&D.CtxSynchronize, "cuCtxSynchronize", 1},
         {(void **)&D.EventCreate, "cuEventCreate", 1},
         {(void **)&D.EventRecord, "cuEventRecord", 1},
         {(void **)&D.EventQuery, "cuEventQuery", 1},
@@ -325,6 +327,13 @@ static int cu_stream_synchronize(void *ctx, uintptr_t stream) {
     mp_cuda *c = ctx;
     CUresult r;
     CU_CALL(c, r, D.StreamSynchronize((CUstream)stream));
+    return check(c, r);
+}
+
+static int cu_device_synchronize(void *ctx) {
+    mp_cuda *c = ctx;
+    CUresult r;
+    CU_CALL(c, r, D.CtxSynchronize());
     return check(c, r);
 }
 
@@ -681,6 +690,7 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
     up->stream_wait_event = cu_stream_wait_event;
     up->event_destroy = cu_event_destroy;
     up->stream_synchronize = cu_stream_synchronize;
+    up->device_synchronize = cu_device_synchronize;
     up->mem_info = cu_mem_info;
     up->granularity = c->granularity;
     if (c->granularity) {

@@ -203,6 +203,10 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
               (unsigned long)seg->ptr);
     }
     CHECK(nsegs == p->nsegments, "segment count %zu, counted %zu", p->nsegments, nsegs);
+    size_t idle_bytes = 0;
+    for (mp_segment *i = p->idle_head; i; i = i->inext)
+        if (!i->pinned) idle_bytes += i->nbytes;
+    CHECK(idle_bytes == p->idle_bytes, "idle bytes %zu, counted %zu", p->idle_bytes, idle_bytes);
     if (bounds && !r.failed && nsegs) {
         qsort(bounds, nsegs, 2 * sizeof *bounds, cmp_uintptr);
         for (size_t i = 1; i < nsegs; i++)

@@ -76,6 +76,7 @@ struct mp_pool {
     mp_ptrmap live;              /* allocated blocks by address */
     mp_segment *segments;        /* all segments */
     mp_segment *idle_head, *idle_tail;
+    size_t idle_bytes;           /* in idle segments that are not pinned */
     size_t nsegments;
     mp_block *pending_head, *pending_tail;
     size_t npending;
@@ -122,6 +123,9 @@ void mp_detach_segment_locked(mp_pool *p, mp_segment *s, mp_release_list *out);
  * left: idle segments oldest first (pinned ones never), then free pages of expandable
  * segments. Returns the bytes released. May drop and retake the lock (expandable pages). */
 size_t mp_release_idle_locked(mp_pool *p, size_t target, mp_release_list *out);
+/* Release idle segments of one kind (small/large), oldest first, at least `target` bytes,
+ * but only when that kind's idle segments hold that much: "release beyond need". */
+size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_release_list *out);
 void mp_release_finish(mp_pool *p, mp_release_list *list);  /* call WITHOUT the lock */
 int mp_process_pending_locked(mp_pool *p);
 void mp_apply_release_threshold_locked(mp_pool *p, mp_release_list *out);

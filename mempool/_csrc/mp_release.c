@@ -14,6 +14,7 @@
 void mp_segment_idle_push_locked(mp_pool *p, mp_segment *s) {
     if (s->expandable) return;   /* expandable segments release pages, never whole */
     s->idle_since = p->tick;
+    if (!s->pinned) p->idle_bytes += s->nbytes;
     s->inext = NULL;
     s->iprev = p->idle_tail;
     if (p->idle_tail) p->idle_tail->inext = s;
@@ -23,6 +24,7 @@ void mp_segment_idle_push_locked(mp_pool *p, mp_segment *s) {
 
 void mp_segment_idle_remove_locked(mp_pool *p, mp_segment *s) {
     if (s->expandable) return;
+    if (!s->pinned) p->idle_bytes -= s->nbytes;
     if (s->iprev) s->iprev->inext = s->inext;
     else p->idle_head = s->inext;
     if (s->inext) s->inext->iprev = s->iprev;
@@ -93,6 +95,24 @@ size_t mp_release_idle_locked(mp_pool *p, size_t target, mp_release_list *out) {
     }
     if (released < target && p->cfg.expandable_segments)
         released += mp_expand_release_locked(p, target - released);
+    return released;
+}
+
+size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_release_list *out) {
+    size_t idle = 0;
+    for (mp_segment *seg = p->idle_head; seg; seg = seg->inext)
+        if (!seg->pinned && seg->kind == kind) idle += seg->nbytes;
+    if (idle < target) return 0;   /* not a new segment's worth of this kind: keep them */
+    size_t released = 0;
+    mp_segment *seg = p->idle_head;
+    while (seg && released < target) {
+        mp_segment *next = seg->inext;
+        if (!seg->pinned && seg->kind == kind) {
+            released += seg->nbytes;
+            mp_detach_segment_locked(p, seg, out);
+        }
+        seg = next;
+    }
     return released;
 }
 

@@ -21,20 +21,31 @@ typedef struct sim_stream {
     size_t nwaits, cap_waits;
 } sim_stream;
 
-typedef struct sim_dep {
-    size_t other;    /* index into streams */
-    uint64_t seq;    /* work of `other` up to here */
-} sim_dep;
-
 typedef struct sim_event {
     size_t stream;   /* index into streams, SIZE_MAX until recorded */
     uint64_t target;
     int in_use;
-    /* Waits the stream had pending when the event was recorded: the event completes only
-     * after them too, as a CUDA event recorded after cudaStreamWaitEvent does. */
-    sim_dep *deps;
+    /* What the stream waited for before the record: an event covers that too, as a CUDA
+     * event recorded after cudaStreamWaitEvent does. */
+    sim_wait *deps;
     size_t ndeps, cap_deps;
 } sim_event;
+
+static int push_wait(sim_wait **arr, size_t *n, size_t *cap, size_t other, uint64_t seq,
+                     uint64_t at) {
+    if (*n == *cap) {
+        size_t ncap = *cap ? *cap * 2 : 4;
+        sim_wait *grown = realloc(*arr, ncap * sizeof *grown);
+        if (!grown) return MP_ENOMEM;
+        *arr = grown;
+        *cap = ncap;
+    }
+    (*arr)[*n].other = other;
+    (*arr)[*n].seq = seq;
+    (*arr)[*n].at = at;
+    (*n)++;
+    return MP_OK;
+}
 
 struct mp_sim {
     pthread_mutex_t mu;
@@ -126,12 +137,14 @@ static int sim_event_create(void *ctx, uintptr_t *out) {
             s->events = grown;
             s->cap_events = cap;
         }
-        memset(&s->events[s->nevents++], 0, sizeof(sim_event));
+        s->events[s->nevents].deps = NULL;
+        s->events[s->nevents].cap_deps = 0;
+        s->nevents++;
     }
     s->events[i].in_use = 1;
+    s->events[i].ndeps = 0;
     s->events[i].stream = SIZE_MAX;
     s->events[i].target = 0;
-    s->events[i].ndeps = 0;
     s->live_events++;
     *out = i + 1;
     pthread_mutex_unlock(&s->mu);
@@ -153,25 +166,14 @@ static int sim_event_record(void *ctx, uintptr_t ev, uintptr_t stream) {
     size_t si = stream_index(s, stream);
     int rc = e && si != SIZE_MAX ? MP_OK : MP_EINVAL;
     if (rc == MP_OK) {
-        sim_stream *st = &s->streams[si];
-        if (e->cap_deps < st->nwaits) {
-            sim_dep *grown = realloc(e->deps, st->nwaits * sizeof *grown);
-            if (!grown) rc = MP_ENOMEM;
-            else {
-                e->deps = grown;
-                e->cap_deps = st->nwaits;
-            }
-        }
-    }
-    if (rc == MP_OK) {
-        sim_stream *st = &s->streams[si];
         e->stream = si;
-        e->target = st->submitted;
+        e->target = s->streams[si].submitted;
         e->ndeps = 0;
-        for (size_t i = 0; i < st->nwaits; i++) {
-            const sim_wait *w = &st->waits[i];
-            if (s->streams[w->other].completed < w->seq)
-                e->deps[e->ndeps++] = (sim_dep){w->other, w->seq};
+        sim_stream *st = &s->streams[si];
+        for (size_t i = 0; i < st->nwaits && rc == MP_OK; i++) {
+            sim_wait w = st->waits[i];
+            if (s->streams[w.other].completed < w.seq)
+                rc = push_wait(&e->deps, &e->ndeps, &e->cap_deps, w.other, w.seq, 0);
         }
         s->num_records++;
     }
@@ -204,28 +206,13 @@ static int sim_stream_wait_event(void *ctx, uintptr_t stream, uintptr_t ev) {
     int rc = e && si != SIZE_MAX ? MP_OK : MP_EINVAL;
     s->num_waits += rc == MP_OK;
     if (rc == MP_OK && !event_done(s, e)) {
-        /* The stream now waits for the event's work and for what that work waited on. */
+        /* Waiting on an event is waiting on everything the event covers: flattened here so
+         * that ordered() needs no recursion. */
         sim_stream *st = &s->streams[si];
-        size_t need = st->nwaits + 1 + e->ndeps;
-        if (need > st->cap_waits) {
-            size_t cap = st->cap_waits ? st->cap_waits * 2 : 4;
-            while (cap < need) cap *= 2;
-            sim_wait *grown = realloc(st->waits, cap * sizeof *grown);
-            if (!grown) rc = MP_ENOMEM;
-            else {
-                st->waits = grown;
-                st->cap_waits = cap;
-            }
-        }
-        for (size_t i = 0; rc == MP_OK && i <= e->ndeps; i++) {
-            size_t other = i ? e->deps[i - 1].other : e->stream;
-            uint64_t seq = i ? e->deps[i - 1].seq : e->target;
-            if (s->streams[other].completed >= seq) continue;
-            st->waits[st->nwaits].other = other;
-            st->waits[st->nwaits].seq = seq;
-            st->waits[st->nwaits].at = st->submitted;
-            st->nwaits++;
-        }
+        rc = push_wait(&st->waits, &st->nwaits, &st->cap_waits, e->stream, e->target, st->submitted);
+        for (size_t i = 0; i < e->ndeps && rc == MP_OK; i++)
+            rc = push_wait(&st->waits, &st->nwaits, &st->cap_waits, e->deps[i].other,
+                           e->deps[i].seq, st->submitted);
     }
     pthread_mutex_unlock(&s->mu);
     return rc;
@@ -270,6 +257,15 @@ static int sim_stream_synchronize(void *ctx, uintptr_t stream) {
     s->num_syncs++;
     pthread_mutex_unlock(&s->mu);
     return si == SIZE_MAX ? MP_ENOMEM : MP_OK;
+}
+
+static int sim_device_synchronize(void *ctx) {
+    mp_sim *s = ctx;
+    pthread_mutex_lock(&s->mu);
+    for (size_t i = 0; i < s->nstreams; i++) complete_upto(s, i, s->streams[i].submitted);
+    s->num_syncs++;
+    pthread_mutex_unlock(&s->mu);
+    return MP_OK;
 }
 
 static int sim_mem_info(void *ctx, size_t *free_bytes, size_t *total) {
@@ -404,6 +400,7 @@ int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
     up->stream_wait_event = sim_stream_wait_event;
     up->event_destroy = sim_event_destroy;
     up->stream_synchronize = sim_stream_synchronize;
+    up->device_synchronize = sim_device_synchronize;
     up->mem_info = sim_mem_info;
     up->granularity = granularity;
     up->va_reserve = sim_va_reserve;

@@ -21,9 +21,12 @@ void mp_trace_record_locked(mp_pool *p, int action, uintptr_t ptr, size_t nbytes
         size_t free_bytes = 0, total = 0;
         if (p->up.mem_info && p->up.mem_info(p->up.ctx, &free_bytes, &total) == MP_OK) ptr = free_bytes;
     }
-    mp_trace_entry *e = &p->trace[(p->trace_head + p->trace_len) % p->trace_cap];
+    /* head < cap and len <= cap: one compare wraps the index, no division on the path. */
+    size_t i = p->trace_head + p->trace_len;
+    if (i >= p->trace_cap) i -= p->trace_cap;
+    mp_trace_entry *e = &p->trace[i];
     if (p->trace_len < p->trace_cap) p->trace_len++;
-    else p->trace_head = (p->trace_head + 1) % p->trace_cap;
+    else if (++p->trace_head == p->trace_cap) p->trace_head = 0;
     e->action = action;
     e->ptr = ptr;
     e->nbytes = nbytes;

@@ -57,6 +57,9 @@ typedef struct mp_upstream {
 
     /* Block the host until all work queued on `stream` has completed. */
     int (*stream_synchronize)(void *ctx, uintptr_t stream);
+    /* Block the host until all work on the device has completed (optional, may be NULL).
+     * Needs no stream handle: the pool uses it at destroy, when streams it saw may be gone. */
+    int (*device_synchronize)(void *ctx);
 
     /* Device memory: *free_bytes and *total_bytes as the device reports them. */
     int (*mem_info)(void *ctx, size_t *free_bytes, size_t *total_bytes);
