@@ -114,7 +114,7 @@ class ExpandableMachine(RuleBasedStateMachine):
         return self.options.get("initial_pool_size", 0) > 0
 
     def _page(self):
-        return self.pool.options.get("granularity", 2 * MiB)
+        return self.pool.options["granularity"] or 2 * MiB
 
     def _whole_free_pages(self):
         """Whole pages in runs of free blocks, past any pinned prefix: releasable now."""
