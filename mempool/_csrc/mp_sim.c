@@ -249,11 +249,22 @@ static void complete_upto(mp_sim *s, size_t si, uint64_t seq) {
     }
 }
 
+/* Everything queued on a stream so far, waits issued after its last launch included: what
+ * a stream sync waits for (complete_upto(submitted) leaves those trailing waits). */
+static void drain(mp_sim *s, size_t si) {
+    complete_upto(s, si, s->streams[si].submitted);
+    while (s->streams[si].nwaits) {
+        sim_stream *st = &s->streams[si];
+        sim_wait w = st->waits[--st->nwaits];
+        complete_upto(s, w.other, w.seq);
+    }
+}
+
 static int sim_stream_synchronize(void *ctx, uintptr_t stream) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
     size_t si = stream_index(s, stream);
-    if (si != SIZE_MAX) complete_upto(s, si, s->streams[si].submitted);
+    if (si != SIZE_MAX) drain(s, si);
     s->num_syncs++;
     pthread_mutex_unlock(&s->mu);
     return si == SIZE_MAX ? MP_ENOMEM : MP_OK;
@@ -262,7 +273,7 @@ static int sim_stream_synchronize(void *ctx, uintptr_t stream) {
 static int sim_device_synchronize(void *ctx) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
-    for (size_t i = 0; i < s->nstreams; i++) complete_upto(s, i, s->streams[i].submitted);
+    for (size_t i = 0; i < s->nstreams; i++) drain(s, i);
     s->num_syncs++;
     pthread_mutex_unlock(&s->mu);
     return MP_OK;
@@ -424,13 +435,13 @@ uint64_t mp_sim_launch(mp_sim *s, uintptr_t stream) {
 void mp_sim_complete(mp_sim *s, uintptr_t stream) {
     pthread_mutex_lock(&s->mu);
     size_t si = stream_index(s, stream);
-    if (si != SIZE_MAX) complete_upto(s, si, s->streams[si].submitted);
+    if (si != SIZE_MAX) drain(s, si);
     pthread_mutex_unlock(&s->mu);
 }
 
 void mp_sim_complete_all(mp_sim *s) {
     pthread_mutex_lock(&s->mu);
-    for (size_t i = 0; i < s->nstreams; i++) complete_upto(s, i, s->streams[i].submitted);
+    for (size_t i = 0; i < s->nstreams; i++) drain(s, i);
     pthread_mutex_unlock(&s->mu);
 }
 
