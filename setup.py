@@ -8,7 +8,7 @@ core = Extension(
     "mempool._core",
     sources=["mempool/_core.pyx"] + sorted(glob.glob("mempool/_csrc/*.c")),
     include_dirs=["mempool/_csrc"],
-    extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],
+    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function"],
     libraries=["dl", "pthread"],
 )
 

@@ -53,7 +53,7 @@ def on_sim():
                              ctypes.c_void_p)(ep["alloc"])
     free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int,
                             ctypes.c_void_p)(ep["free"])
-    pools = [mempool.Pool(backend="sim", capacity="80GB") for _ in range(2)]
+    pools = [mempool.Pool(backend="sim", device=dev, capacity="80GB") for dev in range(2)]
     for dev, pool in enumerate(pools):
         mempool._core._torch_register(dev, pool)   # what mt.register does for cuda pools
     held = [(alloc(n << 20, dev, None), n << 20, dev) for dev in (0, 1) for n in (1, 8, 64)]

@@ -29,6 +29,8 @@ def default_pool(device=0):
     the simulated device otherwise.
     """
     from mempool import _config, _cuda
+    # One pool per device ordinal: "1", True or 1.0 must not make a second pool for device 1.
+    device = _config.OPTIONS["device"].parse(device, "device")
     with _default_lock:
         pool = _default_pools.get(device)
         if pool is None:

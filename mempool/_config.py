@@ -136,24 +136,24 @@ def _is_none_word(value: Any) -> bool:
     return value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS)
 
 
-def _parse_optional_size(value: Any, key: str) -> int | None:
+def _size_or_none(value: Any, key: str, accepted: str) -> int | None:
+    """None for the none-words, else a size; a bad value's error names `accepted`."""
     if _is_none_word(value):
         return None
     try:
         return parse_size(value, key)
     except _OptionError as e:
-        raise _error(key, value, _SIZE_ACCEPTED + ", or None / 'none' / 'unlimited'", e.why) from None
+        raise _error(key, value, accepted, e.why) from None
+
+
+def _parse_optional_size(value: Any, key: str) -> int | None:
+    return _size_or_none(value, key, _SIZE_ACCEPTED + ", or None / 'none' / 'unlimited'")
 
 
 def _parse_max_split_size(value: Any, key: str) -> int | None:
     accepted = "a size of at least 20 MiB, or None / 'none' / 'unlimited' (split every block)"
-    if _is_none_word(value):
-        return None
-    try:
-        n = parse_size(value, key)
-    except _OptionError as e:
-        raise _error(key, value, accepted, e.why) from None
-    if n < MIN_MAX_SPLIT_SIZE:
+    n = _size_or_none(value, key, accepted)
+    if n is not None and n < MIN_MAX_SPLIT_SIZE:
         raise _error(key, value, accepted,
                      f"{n} bytes is below 20 MiB: 1-10 MiB requests take 20 MiB segments, "
                      "which such a limit would make unsplittable")
@@ -166,12 +166,7 @@ def _parse_nonnegative_size(value: Any, key: str) -> int:
 
 def _parse_capacity(value: Any, key: str) -> int | None:
     accepted = "a size > 0, or None for the device's own"
-    if _is_none_word(value):
-        return None
-    try:
-        n = parse_size(value, key)
-    except _OptionError as e:
-        raise _error(key, value, accepted, e.why) from None
+    n = _size_or_none(value, key, accepted)
     if n == 0:
         raise _error(key, value, accepted, "zero")
     return n

@@ -2,14 +2,15 @@
 """The compiled core of mempool: the Pool class over the C data plane, and its devices.
 
 Split by concern into include files: _pool.pxi (the Pool), _devices.pxi (the simulated and
-host devices' test controls), _buffer.pxi (the DLPack bridge), _torch.pxi (the PyTorch
-pluggable allocator's registry).
+host devices' test controls), _peers.pxi (several devices: peer access), _buffer.pxi (the
+DLPack bridge), _torch.pxi (the PyTorch pluggable allocator's registry).
 """
 from mempool._cdefs cimport *
 
 include "_cuda.pxi"
 include "_pool.pxi"
 include "_cudapool.pxi"
+include "_peers.pxi"
 include "_devices.pxi"
 include "_buffer.pxi"
 include "_torch.pxi"

@@ -17,6 +17,7 @@ __all__ = [
     "POOL_HANDLES",
     "attributes",
     "available",
+    "can_access_peer",
     "configure",
     "current_stream_ptr",
     "destroy",
@@ -102,6 +103,23 @@ def device_count():
     """
     rt = _runtime()
     return _call("counting CUDA devices (cudaGetDeviceCount)", rt.getDeviceCount)
+
+
+def can_access_peer(device, peer_device):
+    """Whether kernels on `device` can be given access to `peer_device`'s memory
+    (``cudaDeviceCanAccessPeer``): a peer path between the two exists.
+
+    Returns
+    -------
+    bool
+    """
+    _check_device(device)
+    _check_device(peer_device)
+    if device == peer_device:
+        return False
+    rt = _runtime()
+    return bool(_call(f"asking whether device {device} can access device {peer_device} "
+                      "(cudaDeviceCanAccessPeer)", rt.deviceCanAccessPeer, device, peer_device))
 
 
 def _check_device(device):
@@ -315,15 +333,25 @@ def _get_current_stream():
     return cupy.cuda.get_current_stream
 
 
-def current_stream_ptr():
-    """The handle of CuPy's current stream on the current device (0 = the legacy default).
+def current_stream_ptr(device=None):
+    """The handle of CuPy's current stream (0 = the legacy default).
+
+    Parameters
+    ----------
+    device : int, optional
+        The device whose current stream to read (CuPy keeps one per device); default the
+        current device.
 
     Returns
     -------
     int
     """
+    if device is not None:
+        _check_int("device", device)
     try:
-        return _get_current_stream()().ptr
+        if device is None:
+            return _get_current_stream()().ptr
+        return _get_current_stream()(device).ptr
     except RuntimeError:
         raise
     except Exception as exc:

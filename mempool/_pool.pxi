@@ -152,6 +152,8 @@ cdef class Pool:
         self._kind = _BACKENDS[self.backend]
         granularity = opts["granularity"]
         cdef size_t gran = _DEFAULT_GRANULARITY if granularity is None else granularity
+        if self._kind != _CUDA:
+            opts["granularity"] = gran   # the page size in use, default resolved
         cdef mp_upstream up
         cdef int rc
         if self._kind == _CUDA:
@@ -167,6 +169,8 @@ cdef class Pool:
                                  f"{'512' if self._kind == _SIM else 'the page size'}")
             if rc != MP_OK:
                 raise MemoryError(f"could not create the {self.backend} device (error {rc})")
+            if self._kind == _SIM:
+                _sim_place(&up, self.device_id)   # several devices: mempool/_peers.pxi
         cdef size_t free_b = 0, total = 0
         up.mem_info(up.ctx, &free_b, &total)
         self.capacity = total
@@ -221,7 +225,7 @@ cdef class Pool:
 
     cdef inline int _stream_of(self, object stream, uintptr_t *out) except -1:
         if stream is None:
-            out[0] = _cuda_current_stream() if self._kind == _CUDA else 0
+            out[0] = _cuda_current_stream(self.device_id) if self._kind == _CUDA else 0
         else:
             out[0] = PyLong_AsSize_t(stream_handle(stream))
         return 0
@@ -372,6 +376,41 @@ cdef class Pool:
             f"stream {stream:#x}, refused by {where}; the pool has {_fmt(reserved)} reserved, "
             f"{_fmt(used)} used, {_fmt(cached)} cached, largest free block {_fmt(largest)}. "
             f"Hint: {advice}.")
+
+    # ---- several devices (mempool/_peers.pxi, docs/multigpu.md) ----
+    def enable_peer_access(self, peer_device):
+        """Let device ``peer_device`` read and write this pool's memory.
+
+        Covers every block, those handed out already and those to come: on ``cuda`` the
+        cudaMemPool's access (``cudaMemPoolSetAccess``) and, with expandable segments, every
+        mapped page and every page mapped later (``cuMemSetAccess``); ``sim`` records the
+        same. Without it a kernel on another device faults on this memory. Enabling twice is
+        a no-op; access is not revoked for the pool's life.
+
+        Raises
+        ------
+        TypeError
+            ``peer_device`` is not an int.
+        ValueError
+            It is negative, the pool's own device, or not a device of this machine (or of the
+            simulated ones); or the backend is ``host``.
+        RuntimeError
+            The driver refused (no peer path between the devices, or a driver error).
+        """
+        _enable_peer_access(self, peer_device)
+
+    def peer_devices(self):
+        """The devices granted access by :meth:`enable_peer_access`, ascending (a tuple)."""
+        return _peer_devices(self)
+
+    def access_devices(self, ptr):
+        """The devices that may read and write all of the live block at ``ptr``, ascending.
+
+        Asked of the driver on ``cuda`` (``cuMemGetAccess`` for expandable pages,
+        ``cuMemPoolGetAccess`` otherwise); what ``sim`` recorded; ``()`` on ``host``.
+        """
+        return _access_devices(self, ptr)
+    # ---- end several devices ----
 
     # ------------------------------------------------------------------ retention
 

@@ -37,6 +37,9 @@ def _torch_register(device, Pool pool):
     registered). Raises RuntimeError if another pool is registered there and torch still
     holds blocks of it."""
     cdef int d = _torch_check_device(device)
+    if pool.device_id != d:
+        raise ValueError(f"device {d}: the pool allocates on device {pool.device_id}; torch's "
+                         f"allocations on device {d} need a pool of that device")
     cdef int rc
     with nogil:
         rc = mp_torch_register(d, pool._pool)

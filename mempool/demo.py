@@ -53,16 +53,20 @@ def _streams():
 
 
 def _fragmentation():
+    from mempool import replay, trace
+    from mempool.cli_trace import default_trace
     try:
-        from mempool import replay, trace
-        events = trace.load(trace.default_trace_path())
-    except Exception as exc:   # traces are optional in a minimal install
+        path = default_trace()
+    except FileNotFoundError as exc:   # the traces ship with a source checkout only
         print(f"\n(fragmentation replay skipped: {exc})")
         return
-    print("\nfragmentation on a transformer training trace (peak reserved / peak live, sim):")
+    events = trace.load_any(path)
+    print(f"\nfragmentation replaying {path.rsplit('/', 1)[-1]} "
+          f"({len(events):,} events; peak reserved / peak live, sim):")
     for label, opts in (("default", {}), ("expandable_segments", {"expandable_segments": True})):
         result = replay.replay(events, backend="sim", **opts)
-        print(f"  {label:24} {result.peak_reserved / result.peak_live:.3f}")
+        print(f"  {label:24} {result.ratio:.3f}  ({result.peak_live_bytes / 2**30:.2f} GiB live, "
+              f"{result.peak_reserved_bytes / 2**30:.2f} GiB reserved)")
 
 
 def main(command="demo", argv=()):

@@ -2,8 +2,8 @@
 
 Three ways to share one pool with PyTorch, from most to least invasive:
 
-``install(pool)``
-    Make the pool PyTorch's CUDA allocator for the whole process
+``install(pool)`` / ``install_all(pools)``
+    Make the pool (one per device) PyTorch's CUDA allocator for the whole process
     (``torch.cuda.memory.change_current_allocator``). Every CUDA tensor then comes from the
     pool and PyTorch keeps no cache of its own. Must run before PyTorch touches CUDA.
     ``torch.cuda.empty_cache()`` releases the pool's cached memory,
@@ -22,6 +22,10 @@ Three ways to share one pool with PyTorch, from most to least invasive:
     time, also after PyTorch initialised CUDA.
 ``torch.from_dlpack(pool.empty(...))``
     Zero-copy hand-off of single buffers (see :class:`mempool.Buffer`).
+
+Several GPUs: each pool serves only its own device, and PyTorch's ``device`` argument picks
+the pool; an allocation on a device with no pool is refused (a NULL, with a line on stderr
+naming the device), never served from another device's memory. See docs/multigpu.md.
 
 The entry points PyTorch calls are C functions of the ``mempool._core`` extension (the
 shared object at ``mempool._core.__file__``); they never take the GIL. This module imports
@@ -76,6 +80,116 @@ def register(pool):
     _core._torch_register(pool.device_id, pool)
 
 
+def routed_devices():
+    """The devices whose PyTorch allocations reach a pool (registered), ascending."""
+    return tuple(d for d in range(_core.TORCH_MAX_DEVICES) if _core._torch_is_registered(d))
+
+
+def _pools_by_device(pools):
+    """{device: pool} from a mapping or an iterable of pools, checked; registers nothing."""
+    if isinstance(pools, _core.Pool):
+        pools = [pools]
+    if hasattr(pools, "items"):
+        out = {}
+        for key, pool in pools.items():
+            if isinstance(key, bool) or not hasattr(key, "__index__"):
+                raise TypeError(f"pools: keys must be int device indices, got "
+                                f"{type(key).__name__} {key!r}")
+            device = _core._torch_check_device(key)
+            if not isinstance(pool, _core.Pool):
+                raise TypeError(f"pools[{device}]: expected a mempool.Pool, got "
+                                f"{type(pool).__name__}")
+            if pool.device_id != device:
+                raise ValueError(
+                    f"pools[{device}]: this pool allocates on device {pool.device_id}, so it "
+                    f"cannot serve device {device} (PyTorch would get device "
+                    f"{pool.device_id}'s memory for device {device}'s tensors); register it "
+                    f"under {pool.device_id}, or make Pool(backend='cuda', device={device})")
+            out[device] = pool
+    else:
+        out = {}
+        for i, pool in enumerate(pools):
+            if not isinstance(pool, _core.Pool):
+                raise TypeError(f"pools[{i}]: expected a mempool.Pool, got "
+                                f"{type(pool).__name__}")
+            if pool.device_id in out and out[pool.device_id] is not pool:
+                raise ValueError(f"pools: two pools for device {pool.device_id}; one pool "
+                                 f"per device")
+            out[pool.device_id] = pool
+    if not out:
+        raise ValueError("pools: no pools given; pass one mempool.Pool per device")
+    for device, pool in out.items():
+        if pool.backend != "cuda":
+            raise ValueError(f"pools[{device}]: PyTorch needs device memory; this pool's "
+                             f"backend is {pool.backend!r} (use Pool(backend='cuda'))")
+    return dict(sorted(out.items()))
+
+
+def install_all(pools=None, peer_access=True):
+    """Make mempool PyTorch's CUDA allocator on several devices, one pool per device.
+
+    Parameters
+    ----------
+    pools : mapping of int to mempool.Pool, or iterable of mempool.Pool, optional
+        Each device's pool: ``{0: pool0, 1: pool1}`` or ``[pool0, pool1]`` (each pool
+        serves its own ``device_id``). Default: ``mempool.default_pool(d)`` for every device
+        PyTorch sees (``MEMPOOL_CONF`` applies), for a process that drives all its GPUs. A
+        process per GPU (DDP) installs only its own device's pool, with :func:`install`:
+        a pool holds its device's primary context, so pools on every device would cost
+        each process a context per GPU.
+    peer_access : bool
+        Grant each pool's device access to every other pool's memory where the two devices
+        have a peer path (``Pool.enable_peer_access``). PyTorch, once it sees a peer path,
+        runs cross-device copies that are not a plain memcpy as a kernel on one GPU that
+        reaches the other's memory, and its pluggable allocator enables only the contexts'
+        peer access, which does not reach pool memory. Grants are made once installed and
+        are not revoked.
+
+    Returns
+    -------
+    torch.cuda.memory.CUDAPluggableAllocator
+
+    Notes
+    -----
+    An allocation on a device without a pool is refused (PyTorch gets NULL; a line on
+    stderr names the device): no pool serves another device. Every argument is checked
+    before anything is registered.
+
+    Raises
+    ------
+    TypeError
+        A value is not a ``mempool.Pool``, or a key not an int device index.
+    ValueError
+        A pool keyed under a device other than its own, two pools for one device, no pools,
+        a pool not of backend ``cuda``, or a device PyTorch does not see.
+    RuntimeError
+        As :func:`install`.
+    """
+    if not isinstance(peer_access, bool):
+        raise TypeError(f"peer_access must be True or False, got {peer_access!r}")
+    if pools is None:
+        torch = _torch_cuda()
+        from mempool import default_pool
+        pools = [default_pool(d) for d in range(torch.cuda.device_count())]
+        if not pools:
+            raise RuntimeError("install_all: PyTorch sees no CUDA device")
+    by_device = _pools_by_device(pools)
+    torch = _torch_cuda()
+    count = torch.cuda.device_count()   # does not initialise CUDA
+    for device in by_device:
+        if device >= count:
+            raise ValueError(f"pools[{device}]: PyTorch sees {count} CUDA device(s), so "
+                             f"there is no device {device}")
+    alloc = install(*by_device.values())
+    if peer_access:                     # once installed: a refused install grants nothing
+        from mempool import _cuda
+        for owner, pool in by_device.items():
+            for peer in by_device:
+                if peer != owner and _cuda.can_access_peer(peer, owner):
+                    pool.enable_peer_access(peer)
+    return alloc
+
+
 def unregister(device):
     """Stop routing `device`. RuntimeError while PyTorch still holds blocks there."""
     _core._torch_unregister(device)
@@ -118,23 +232,31 @@ def allocator(pool, *more_pools):
 def install(pool, *more_pools):
     """Make `pool` PyTorch's CUDA allocator for this process (see the module docstring).
 
-    Returns the ``CUDAPluggableAllocator``. Calling it again with the same pools is a no-op.
+    Returns the ``CUDAPluggableAllocator``. Calling it again with the same pools is a no-op;
+    once installed, pools for devices that have none are added (as :func:`register`).
 
     Raises
     ------
     RuntimeError
         PyTorch already initialised CUDA (its default allocator is in use and cannot be
-        swapped), or another pluggable allocator is installed.
+        swapped), another pluggable allocator is installed, or mempool is installed with
+        another pool on one of the pools' devices.
     """
     global _installed
     torch = _torch_cuda()
     pools = (pool,) + more_pools
     if _installed is not None:
-        if all(_core._torch_is_registered(p.device_id, p) for p in pools):
-            return _installed
-        raise RuntimeError("install: mempool is already PyTorch's allocator with other "
-                           "pools; register(pool) adds a device, and an installed allocator "
-                           "cannot be replaced")
+        _pools_by_device(pools)         # checked before anything is registered
+        taken = [p.device_id for p in pools if _core._torch_is_registered(p.device_id)
+                 and not _core._torch_is_registered(p.device_id, p)]
+        if taken:
+            raise RuntimeError(f"install: mempool is already PyTorch's allocator, with other "
+                               f"pools on device(s) {taken}; an installed pool is not "
+                               f"replaced (unregister(device) first, once PyTorch holds none "
+                               f"of its blocks)")
+        for p in pools:
+            register(p)                 # the entry points route by the table: no reinstall
+        return _installed
     if torch.cuda.is_initialized():
         raise RuntimeError("install: PyTorch has already initialised CUDA, so its caching "
                            "allocator is in use and cannot be swapped; call "

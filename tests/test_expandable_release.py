@@ -76,12 +76,12 @@ def test_a_page_shared_by_free_blocks_of_two_streams_goes_after_both_syncs(sim):
     x = pool.alloc(3 * MiB, stream=S)                    # [0, 3); [3, 4) stays free, S's
     pool.device.launch(S)
     pool.device.launch(T)
-    pool.free(x, stream=T)                               # last used on T: now T's
-    assert layout(pool)[:2] == [(0, 3 * MiB, FREE), (3 * MiB, MiB, FREE)]   # unmerged
-    pool.empty_cache()                                   # page [2, 4) is free on both sides
-    assert mapped(pool) == 0
+    pool.free(x, stream=T)                               # last used on T: T's once S's
+    assert layout(pool)[:2] == [(0, 3 * MiB, PENDING), (3 * MiB, MiB, FREE)]  # work is done
+    pool.empty_cache()             # syncs S for the pending free; page [2, 4) is then free on
+    assert mapped(pool) == 0       # both sides, and goes after syncing both owners
     assert synced(pool, S) and synced(pool, T)
-    assert counters(pool, "syncs", "unmaps") == (2, 1)
+    assert counters(pool, "syncs", "unmaps") == (3, 1)
 
 
 def test_trim_releases_just_enough_from_the_high_end(sim):

@@ -285,3 +285,17 @@ def test_a_bad_mempool_conf_names_the_variable_key_and_value(fresh_default_pools
     assert mempool._default_pools == {}                     # nothing half-made was kept
     fresh_default_pools.setenv("MEMPOOL_CONF", "backend:sim")
     assert mempool.default_pool(device=1).backend == "sim"
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, -1, "one"])
+def test_default_pool_device_is_an_ordinal(monkeypatch, bad):
+    monkeypatch.setenv("MEMPOOL_CONF", "backend:sim")
+    with pytest.raises((TypeError, ValueError), match="device"):
+        mempool.default_pool(bad)
+
+
+def test_default_pool_is_one_per_ordinal(monkeypatch):
+    monkeypatch.setenv("MEMPOOL_CONF", "backend:sim")
+    monkeypatch.setattr(mempool, "_default_pools", {})
+    assert mempool.default_pool("3") is mempool.default_pool(3)
+    assert mempool.default_pool(3).device_id == 3

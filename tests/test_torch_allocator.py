@@ -67,7 +67,7 @@ def sim(capacity="1GB", **kw):
 
 def test_each_device_routes_to_its_own_pool(table):
     a = table(0, sim())
-    b = table(3, sim())
+    b = table(3, sim(device=3))
     pa = alloc(4 * MiB, 0, None)
     pb = alloc(1 * MiB, 3, None)
     assert pa and pb
@@ -173,7 +173,7 @@ def test_record_stream_hook_delays_reuse_until_the_stream_is_done(table):
 
 def test_record_stream_finds_the_pool_without_a_device(table):
     table(0, sim())
-    q = table(2, sim())
+    q = table(2, sim(device=2))
     ptr = alloc(MiB, 2, 0x10)
     record_stream(ptr, 0x20)
     q.device.launch(0x20)
@@ -199,7 +199,7 @@ def test_memory_fraction_hook_sets_the_limit(table):
 
 def test_reset_hook_empties_every_registered_cache(table):
     a = table(0, sim())
-    b = table(1, sim())
+    b = table(1, sim(device=1))
     for dev in (0, 1):
         free(alloc(8 * MiB, dev, None), 8 * MiB, dev, None)
     assert a.cached_bytes() > 0 and b.cached_bytes() > 0
@@ -222,7 +222,7 @@ def test_base_alloc_hook(table):
 
 def test_concurrent_alloc_free_on_many_threads(table):
     p = table(0, sim(capacity="8GB"))
-    q = table(1, mempool.Pool(backend="host", capacity="256MB"))
+    q = table(1, mempool.Pool(backend="host", device=1, capacity="256MB"))
     errors = []
 
     def worker(seed):
@@ -284,7 +284,7 @@ def test_unregister_racing_entry_points_is_safe(table):
             # Either change may be refused when a block is out at that instant; what must
             # never happen is a crash or a block of a dead pool.
             try:
-                table(5, sim())
+                table(5, sim(device=5))
                 changes += 1
             except RuntimeError as exc:
                 assert "still holds" in str(exc)
@@ -476,3 +476,9 @@ def test_from_pool_gives_a_tensor_on_pool_memory():
     del t
     gc.collect()
     assert pool.used_bytes() == 0
+
+
+def test_a_pool_is_registered_only_for_its_own_device():
+    pool = sim(device=1)
+    with pytest.raises(ValueError, match="device 0: the pool allocates on device 1"):
+        _core._torch_register(0, pool)

@@ -69,9 +69,19 @@ mp_block *mp_block_new_locked(mp_pool *p) {
     }
     mp_block *b = p->spare_blocks;
     p->spare_blocks = b->fnext;
-    memset(b, 0, sizeof *b);
-    b->uses = b->inline_uses;
+    /* Every field set (cheaper than a memset of the struct on the hot path). */
+    b->ptr = 0;
+    b->nbytes = b->requested = 0;
+    b->seg = NULL;
+    b->prev = b->next = b->fprev = b->fnext = NULL;
+    b->stream = NULL;
+    b->cls = 0;
+    b->state = MP_BLOCK_FREE;
+    b->split_counted = b->busy = 0;
+    b->nuses = 0;
     b->cap_uses = MP_INLINE_USES;
+    b->uses = b->inline_uses;
+    b->events = NULL;
     return b;
 }
 
@@ -173,7 +183,7 @@ static int classes_exhausted(size_t max_split, size_t size, uint32_t c) {
 static mp_block *find_fit(const mp_pool *p, const mp_freelist *fl, size_t size) {
     if (!fl->count) return NULL;
     size_t max_split = p->cfg.max_split_size;
-    for (uint32_t c = mp_freelist_next_class(fl, mp_size_class(size)); c < MP_NCLASSES;
+    for (uint32_t c = mp_freelist_next_class(fl, mp_class_of(size)); c < MP_NCLASSES;
          c = mp_freelist_next_class(fl, c + 1)) {
         if (classes_exhausted(max_split, size, c)) return NULL;
         mp_block *best = NULL;
@@ -628,6 +638,26 @@ static void remove_use(mp_block *b, mp_stream *s) {
     }
 }
 
+static int has_use(const mp_block *b, const mp_stream *s) {
+    for (uint16_t i = 0; i < b->nuses; i++)
+        if (b->uses[i] == s) return 1;
+    return 0;
+}
+
+/* Room for one more recorded stream on b (MP_ENOMEM / MP_EINVAL when there is none). */
+static int reserve_use(mp_block *b) {
+    if (b->nuses < b->cap_uses) return MP_OK;
+    if (b->cap_uses >= 32768) return MP_EINVAL;
+    uint16_t cap = (uint16_t)(b->cap_uses * 2);
+    mp_stream **grown = malloc(cap * sizeof *grown);
+    if (!grown) return MP_ENOMEM;
+    memcpy(grown, b->uses, b->nuses * sizeof *grown);
+    if (b->uses != b->inline_uses) free(b->uses);
+    b->uses = grown;
+    b->cap_uses = cap;
+    return MP_OK;
+}
+
 static void pending_push_locked(mp_pool *p, mp_block *b) {
     b->fprev = p->pending_tail;
     b->fnext = NULL;
@@ -687,12 +717,22 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
         return rc == MP_OK ? MP_ENOTFOUND : rc;
     }
     mp_stream *fs = has_stream ? mp_stream_get_locked(p, stream) : b->stream;
+    /* Freed on another stream: that stream's use is the last one ordered by the caller,
+     * but work the owner queued may still be pending, so the owner becomes a use, waited
+     * for like a recorded stream, and the block then belongs to the freeing stream. */
+    int moving = fs && fs != b->stream;
+    int rc = fs ? MP_OK : MP_ENOMEM;
+    if (moving) rc = reserve_use(b);
+    size_t nuses_after = b->nuses + (size_t)moving - (size_t)(moving && has_use(b, fs));
     uintptr_t *events = NULL;
-    if (fs && fs != b->stream) remove_use(b, fs);
-    if (fs && b->nuses) events = malloc(b->nuses * sizeof *events);
-    if (!fs || (b->nuses && !events)) {
+    if (rc == MP_OK && nuses_after && !(events = malloc(nuses_after * sizeof *events))) rc = MP_ENOMEM;
+    if (rc != MP_OK) {
         mp_lock_release(&p->lock);
-        return MP_ENOMEM;   /* nothing changed: the block is still live */
+        return rc;   /* nothing changed: the block is still live */
+    }
+    if (moving) {
+        remove_use(b, fs);
+        b->uses[b->nuses++] = b->stream;
     }
     /* Nothing can fail from here on. */
     mp_ptrmap_remove(&p->live, ptr);
@@ -701,8 +741,7 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
     mp_stat3_dec(p->stats.allocated_bytes, kind, (int64_t)b->nbytes);
     if (b->nbytes >= p->cfg.max_split_size) mp_stat_dec(&p->stats.oversize_allocations, 1);
     mp_trace_locked(p, MP_TRACE_FREE_REQUESTED, b->ptr, b->requested, fs->handle);
-    /* Freed on another stream: the block's last use is there, so it becomes that stream's
-     * (stream-ordered free, as cudaFreeAsync). */
+    /* The freeing stream owns the block from now on (stream-ordered free, as cudaFreeAsync). */
     b->stream = fs;
     if (!b->nuses) {
         complete_free_locked(p, b);
@@ -714,6 +753,10 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
             uintptr_t ev;
             if (mp_event_get_locked(p, &ev) == MP_OK &&
                 p->up.event_record(p->up.ctx, ev, b->uses[i]->handle) == MP_OK) {
+                if (p->up.event_query(p->up.ctx, ev) == MP_OK) {
+                    mp_event_put_locked(p, ev);   /* that stream is past the free already */
+                    continue;
+                }
                 b->uses[n] = b->uses[i];
                 events[n++] = ev;
             } else {
@@ -751,26 +794,8 @@ int mp_record_stream(mp_pool *p, uintptr_t ptr, uintptr_t stream) {
         rc = MP_ENOMEM;
         goto done;
     }
-    if (s == b->stream) goto done;
-    for (uint16_t i = 0; i < b->nuses; i++)
-        if (b->uses[i] == s) goto done;
-    if (b->nuses == b->cap_uses) {
-        if (b->cap_uses >= 32768) {
-            rc = MP_EINVAL;
-            goto done;
-        }
-        uint16_t cap = (uint16_t)(b->cap_uses * 2);
-        mp_stream **grown = malloc(cap * sizeof *grown);
-        if (!grown) {
-            rc = MP_ENOMEM;
-            goto done;
-        }
-        memcpy(grown, b->uses, b->nuses * sizeof *grown);
-        if (b->uses != b->inline_uses) free(b->uses);
-        b->uses = grown;
-        b->cap_uses = cap;
-    }
-    b->uses[b->nuses++] = s;
+    if (s == b->stream || has_use(b, s)) goto done;
+    if ((rc = reserve_use(b)) == MP_OK) b->uses[b->nuses++] = s;
 done:
     mp_lock_release(&p->lock);
     return rc;

@@ -17,7 +17,21 @@
  * unmap any page-aligned sub-range of what it mapped, and a page-sized handle can always be
  * unmapped and released alone; a handle per map call would have to be split. The price is
  * one cuMemCreate + cuMemMap per page on growth, which is what PyTorch's expandable
- * segments pay too. Access is set once per map call over the whole range.
+ * segments pay too. Access is set once per map call over the whole range, for the device and
+ * its peers (Note [Peer access]).
+ *
+ * Note [Peer access]
+ * Another device reaches this device's memory only where access was granted to it; without
+ * it a kernel there faults. The two kinds of memory grant it differently:
+ *   - cudaMemPool segments: cuMemPoolSetAccess on the pool, which covers every allocation of
+ *     the pool, present and future, so it is set once per peer. The pool's setting is the
+ *     driver's, shared with everyone allocating from the same pool ("default"/"current").
+ *   - expandable segments: access is per mapping. cuMemSetAccess goes over every run of
+ *     pages mapped now, and `access` (the device itself, then every peer) is what cu_map
+ *     grants each range it maps later; both under vmm_lock, so no page is mapped between.
+ * Enabling is all or nothing: the pages are granted first (their grants are ours alone and
+ * revocable), the pool last; a failure revokes what was granted. Peer access is never
+ * revoked otherwise: a pool's memory may be in use on the peer at any time.
  */
 #include "mp_cuda.h"
 
@@ -52,6 +66,7 @@ enum {
 #define CU_MEM_ALLOCATION_TYPE_PINNED 0x1
 #define CU_MEM_HANDLE_TYPE_NONE 0x0
 #define CU_MEM_LOCATION_TYPE_DEVICE 0x1
+#define CU_MEM_ACCESS_FLAGS_PROT_NONE 0x0
 #define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 0x3
 #define CU_MEM_ALLOC_GRANULARITY_MINIMUM 0x0
 
@@ -119,6 +134,12 @@ static struct {
                        unsigned long long);
     CUresult (*MemUnmap)(CUdeviceptr, size_t);
     CUresult (*MemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+    /* Peer access: optional (enable_peer_access says so when missing). */
+    CUresult (*DeviceCanAccessPeer)(int *, CUdevice, CUdevice);
+    CUresult (*DeviceGetMemPool)(CUmemoryPool *, CUdevice);
+    CUresult (*MemPoolSetAccess)(CUmemoryPool, const CUmemAccessDesc *, size_t);
+    CUresult (*MemPoolGetAccess)(int *, CUmemoryPool, CUmemLocation *);
+    CUresult (*MemGetAccess)(unsigned long long *, const CUmemLocation *, CUdeviceptr);
     int has_vmm;
 } D;
 
@@ -136,49 +157,55 @@ static void d_resolve(void) {
                  why ? why : "unknown reason");
         return;
     }
-    struct { void **slot; const char *name; int required; } table[] = {
-        {(void **)&D.Init, "cuInit", 1},
-        {(void **)&D.DeviceGetCount, "cuDeviceGetCount", 1},
-        {(void **)&D.DeviceGet, "cuDeviceGet", 1},
-        {(void **)&D.DeviceGetAttribute, "cuDeviceGetAttribute", 1},
-        {(void **)&D.DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", 1},
-        {(void **)&D.DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", 1},
-        {(void **)&D.CtxGetCurrent, "cuCtxGetCurrent", 1},
-        {(void **)&D.CtxSetCurrent, "cuCtxSetCurrent", 1},
-        {(void **)&D.GetErrorName, "cuGetErrorName", 1},
-        {(void **)&D.GetErrorString, "cuGetErrorString", 1},
-        {(void **)&D.MemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", 1},
-        {(void **)&D.MemAllocAsync, "cuMemAllocAsync", 1},
-        {(void **)&D.MemFreeAsync, "cuMemFreeAsync", 1},
-        {(void **)&D.MemPoolDestroy, "cuMemPoolDestroy", 1},
-        {(void **)&D.CtxSynchronize, "cuCtxSynchronize", 1},
-        {(void **)&D.EventCreate, "cuEventCreate", 1},
-        {(void **)&D.EventRecord, "cuEventRecord", 1},
-        {(void **)&D.EventQuery, "cuEventQuery", 1},
-        {(void **)&D.EventDestroy, "cuEventDestroy_v2", 1},
-        {(void **)&D.StreamWaitEvent, "cuStreamWaitEvent", 1},
-        {(void **)&D.StreamSynchronize, "cuStreamSynchronize", 1},
-        {(void **)&D.MemGetInfo, "cuMemGetInfo_v2", 1},
-        {(void **)&D.MemGetAllocationGranularity, "cuMemGetAllocationGranularity", 0},
-        {(void **)&D.MemAddressReserve, "cuMemAddressReserve", 0},
-        {(void **)&D.MemAddressFree, "cuMemAddressFree", 0},
-        {(void **)&D.MemCreate, "cuMemCreate", 0},
-        {(void **)&D.MemRelease, "cuMemRelease", 0},
-        {(void **)&D.MemMap, "cuMemMap", 0},
-        {(void **)&D.MemUnmap, "cuMemUnmap", 0},
-        {(void **)&D.MemSetAccess, "cuMemSetAccess", 0},
+    enum { REQUIRED, VMM, PEER };   /* what lacks when the symbol does */
+    struct { void **slot; const char *name; int kind; } table[] = {
+        {(void **)&D.Init, "cuInit", REQUIRED},
+        {(void **)&D.DeviceGetCount, "cuDeviceGetCount", REQUIRED},
+        {(void **)&D.DeviceGet, "cuDeviceGet", REQUIRED},
+        {(void **)&D.DeviceGetAttribute, "cuDeviceGetAttribute", REQUIRED},
+        {(void **)&D.DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", REQUIRED},
+        {(void **)&D.DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", REQUIRED},
+        {(void **)&D.CtxGetCurrent, "cuCtxGetCurrent", REQUIRED},
+        {(void **)&D.CtxSetCurrent, "cuCtxSetCurrent", REQUIRED},
+        {(void **)&D.GetErrorName, "cuGetErrorName", REQUIRED},
+        {(void **)&D.GetErrorString, "cuGetErrorString", REQUIRED},
+        {(void **)&D.MemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", REQUIRED},
+        {(void **)&D.MemAllocAsync, "cuMemAllocAsync", REQUIRED},
+        {(void **)&D.MemFreeAsync, "cuMemFreeAsync", REQUIRED},
+        {(void **)&D.MemPoolDestroy, "cuMemPoolDestroy", REQUIRED},
+        {(void **)&D.CtxSynchronize, "cuCtxSynchronize", REQUIRED},
+        {(void **)&D.EventCreate, "cuEventCreate", REQUIRED},
+        {(void **)&D.EventRecord, "cuEventRecord", REQUIRED},
+        {(void **)&D.EventQuery, "cuEventQuery", REQUIRED},
+        {(void **)&D.EventDestroy, "cuEventDestroy_v2", REQUIRED},
+        {(void **)&D.StreamWaitEvent, "cuStreamWaitEvent", REQUIRED},
+        {(void **)&D.StreamSynchronize, "cuStreamSynchronize", REQUIRED},
+        {(void **)&D.MemGetInfo, "cuMemGetInfo_v2", REQUIRED},
+        {(void **)&D.MemGetAllocationGranularity, "cuMemGetAllocationGranularity", VMM},
+        {(void **)&D.MemAddressReserve, "cuMemAddressReserve", VMM},
+        {(void **)&D.MemAddressFree, "cuMemAddressFree", VMM},
+        {(void **)&D.MemCreate, "cuMemCreate", VMM},
+        {(void **)&D.MemRelease, "cuMemRelease", VMM},
+        {(void **)&D.MemMap, "cuMemMap", VMM},
+        {(void **)&D.MemUnmap, "cuMemUnmap", VMM},
+        {(void **)&D.MemSetAccess, "cuMemSetAccess", VMM},
+        {(void **)&D.DeviceCanAccessPeer, "cuDeviceCanAccessPeer", PEER},
+        {(void **)&D.DeviceGetMemPool, "cuDeviceGetMemPool", PEER},
+        {(void **)&D.MemPoolSetAccess, "cuMemPoolSetAccess", PEER},
+        {(void **)&D.MemPoolGetAccess, "cuMemPoolGetAccess", PEER},
+        {(void **)&D.MemGetAccess, "cuMemGetAccess", PEER},
     };
     int has_vmm = 1;
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
         *table[i].slot = dlsym(lib, table[i].name);
         if (*table[i].slot) continue;
-        if (table[i].required) {
+        if (table[i].kind == REQUIRED) {
             snprintf(d_error, sizeof d_error,
                      "the CUDA driver lacks %s (stream-ordered allocation needs driver 11.2+)",
                      table[i].name);
             return;  /* lib stays open: harmless, and other users may share it */
         }
-        has_vmm = 0;
+        if (table[i].kind == VMM) has_vmm = 0;
     }
     D.has_vmm = has_vmm;
 }
@@ -197,9 +224,13 @@ typedef struct {
     unsigned char *mapped;
 } mp_cuda_range;
 
+/* The device itself and its peers: bounded by the 64-bit masks of mp_cuda_access_mask. */
+#define MP_CUDA_MAX_ACCESS 64
+
 typedef struct {
     CUdevice dev;
     int ordinal;
+    int ndevices;                /* devices visible at creation; immutable */
     CUcontext ctx;               /* the retained primary context; immutable */
     CUmemoryPool pool;           /* NULL = the device's current pool; immutable */
     int owns_pool;               /* atomic; destroy destroys `pool` (mp_cuda_own_pool) */
@@ -207,8 +238,12 @@ typedef struct {
     int *error_slot;             /* atomic; NULL until mp_cuda_bind_errors */
     size_t granularity;          /* 0 without virtual memory management; immutable */
     CUmemAllocationProp prop;    /* physical pages: pinned device memory on dev; immutable */
-    CUmemAccessDesc access;      /* read/write for dev; immutable */
-    pthread_mutex_t vmm_lock;    /* guards ranges, nranges, cap and every range's tables */
+    pthread_mutex_t vmm_lock;    /* guards access, naccess, ranges, nranges, cap and every
+                                    range's tables */
+    /* Read/write for dev ([0]), then for each peer in the order enabled: what every mapped
+     * range is granted (Note [Peer access]). */
+    CUmemAccessDesc access[MP_CUDA_MAX_ACCESS];
+    size_t naccess;
     mp_cuda_range *ranges;
     size_t nranges, cap;
 } mp_cuda;
@@ -460,7 +495,7 @@ static int cu_map(void *ctx, uintptr_t va, size_t nbytes) {
         r->mapped[first + done] = 1;
         r->nmapped++;
     }
-    if (e == CUDA_SUCCESS) e = D.MemSetAccess(va, nbytes, &c->access, 1);
+    if (e == CUDA_SUCCESS) e = D.MemSetAccess(va, nbytes, c->access, c->naccess);
     if (e != CUDA_SUCCESS) pages_release_locked(c, r, first, done);  /* all or nothing */
     ctx_leave(prev);
     rc = check(c, e);
@@ -651,8 +686,10 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
     c->prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
     c->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     c->prop.location.id = device;
-    c->access.location = c->prop.location;
-    c->access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    c->ndevices = count;
+    c->access[0].location = c->prop.location;
+    c->access[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    c->naccess = 1;
     if (pthread_mutex_init(&c->vmm_lock, NULL) != 0) {
         free(c);
         set_err(err, errlen, "could not initialise a mutex");
@@ -701,4 +738,181 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
     }
     up->destroy = cu_destroy;
     return MP_OK;
+}
+
+/* ---- Peer access (Note [Peer access]). ---- */
+
+/* Apply `desc` to the first `limit` runs of mapped pages of every range, in order; *done
+ * receives how many were applied. Caller holds vmm_lock and has the context current. */
+static CUresult runs_set_access_locked(mp_cuda *c, const CUmemAccessDesc *desc, size_t limit,
+                                       size_t *done) {
+    const size_t g = c->granularity;
+    size_t n = 0;
+    CUresult e = CUDA_SUCCESS;
+    for (size_t i = 0; i < c->nranges && e == CUDA_SUCCESS; i++) {
+        mp_cuda_range *r = &c->ranges[i];
+        size_t p = 0;
+        while (p < r->npages && e == CUDA_SUCCESS) {
+            if (!r->mapped[p]) {
+                p++;
+                continue;
+            }
+            size_t end = p;
+            while (end < r->npages && r->mapped[end]) end++;
+            if (n == limit) goto out;
+            e = D.MemSetAccess(r->va + p * g, (end - p) * g, desc, 1);
+            if (e == CUDA_SUCCESS) n++;
+            p = end;
+        }
+    }
+out:
+    *done = n;
+    return e;
+}
+
+/* The cudaMemPool the segments come from (the device's current one when none was given). */
+static CUresult pool_of(mp_cuda *c, CUmemoryPool *pool) {
+    *pool = c->pool;
+    if (*pool) return CUDA_SUCCESS;
+    return D.DeviceGetMemPool ? D.DeviceGetMemPool(pool, c->dev) : CUDA_ERROR_INVALID_VALUE;
+}
+
+int mp_cuda_enable_peer_access(mp_upstream *up, int peer, char *err, size_t errlen) {
+    mp_cuda *c = up->ctx;
+    if (peer < 0 || peer >= c->ndevices) {
+        set_err(err, errlen, "peer_device must be a device ordinal in [0, %d), got %d",
+                c->ndevices, peer);
+        return MP_EINVAL;
+    }
+    if (peer == c->ordinal) {
+        set_err(err, errlen, "peer_device %d is the pool's own device, which always has access",
+                peer);
+        return MP_EINVAL;
+    }
+    if (!D.DeviceCanAccessPeer || !D.MemPoolSetAccess || (c->granularity && !D.MemSetAccess)) {
+        set_err(err, errlen, "the CUDA driver lacks cuDeviceCanAccessPeer or cuMemPoolSetAccess");
+        return MP_EUNSUPPORTED;
+    }
+    CUdevice peer_dev;
+    int can = 0;
+    CUresult e = D.DeviceGet(&peer_dev, peer);
+    if (e == CUDA_SUCCESS) e = D.DeviceCanAccessPeer(&can, peer_dev, c->dev);
+    if (e != CUDA_SUCCESS) return describe(err, errlen, "cuDeviceCanAccessPeer", e);
+    if (!can) {
+        set_err(err, errlen, "device %d cannot access the memory of device %d "
+                "(cuDeviceCanAccessPeer: no peer path between them)", peer, c->ordinal);
+        return MP_EUNSUPPORTED;
+    }
+    int rc = MP_OK;
+    pthread_mutex_lock(&c->vmm_lock);
+    for (size_t i = 1; i < c->naccess; i++)
+        if (c->access[i].location.id == peer) goto out;   /* enabled already */
+    if (c->naccess == MP_CUDA_MAX_ACCESS) {
+        set_err(err, errlen, "at most %d peer devices are supported", MP_CUDA_MAX_ACCESS - 1);
+        rc = MP_EUNSUPPORTED;
+        goto out;
+    }
+    CUmemAccessDesc grant = {{CU_MEM_LOCATION_TYPE_DEVICE, peer},
+                             CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    CUmemAccessDesc revoke = {{CU_MEM_LOCATION_TYPE_DEVICE, peer}, CU_MEM_ACCESS_FLAGS_PROT_NONE};
+    CUcontext prev;
+    size_t granted = 0, undone = 0;
+    const char *what = "cuCtxSetCurrent";
+    e = ctx_enter(c, &prev);
+    if (e == CUDA_SUCCESS) {
+        what = "cuMemSetAccess (expandable segments)";
+        e = runs_set_access_locked(c, &grant, SIZE_MAX, &granted);
+        if (e == CUDA_SUCCESS) {
+            CUmemoryPool pool;
+            what = "cuMemPoolSetAccess";
+            e = pool_of(c, &pool);
+            if (e == CUDA_SUCCESS) e = D.MemPoolSetAccess(pool, &grant, 1);
+        }
+        if (e != CUDA_SUCCESS) runs_set_access_locked(c, &revoke, granted, &undone);
+        ctx_leave(prev);
+    }
+    if (e != CUDA_SUCCESS) {
+        rc = describe(err, errlen, what, e);
+        goto out;
+    }
+    c->access[c->naccess++] = grant;
+out:
+    pthread_mutex_unlock(&c->vmm_lock);
+    return rc;
+}
+
+size_t mp_cuda_peer_devices(const mp_upstream *up, int *out, size_t cap) {
+    mp_cuda *c = up->ctx;
+    int peers[MP_CUDA_MAX_ACCESS];
+    pthread_mutex_lock(&c->vmm_lock);
+    size_t n = c->naccess - 1;
+    for (size_t i = 0; i < n; i++) peers[i] = c->access[i + 1].location.id;
+    pthread_mutex_unlock(&c->vmm_lock);
+    for (size_t i = 1; i < n; i++)   /* a handful of entries: insertion sort */
+        for (size_t j = i; j > 0 && peers[j - 1] > peers[j]; j--) {
+            int t = peers[j];
+            peers[j] = peers[j - 1];
+            peers[j - 1] = t;
+        }
+    for (size_t i = 0; i < n && i < cap; i++) out[i] = peers[i];
+    return n;
+}
+
+int mp_cuda_access_mask(const mp_upstream *up, uintptr_t addr, size_t nbytes, uint64_t *mask,
+                        char *err, size_t errlen) {
+    mp_cuda *c = up->ctx;
+    const int ndev = c->ndevices < 64 ? c->ndevices : 64;
+    if (nbytes == 0) nbytes = 1;
+    uint64_t m = 0;
+    int rc = MP_OK;
+    CUresult e = CUDA_SUCCESS;
+    const char *what = "cuCtxSetCurrent";
+    pthread_mutex_lock(&c->vmm_lock);
+    mp_cuda_range *r = c->granularity ? range_find_locked(c, addr, nbytes) : NULL;
+    if (r ? !D.MemGetAccess : !D.MemPoolGetAccess) {
+        set_err(err, errlen, "the CUDA driver lacks %s",
+                r ? "cuMemGetAccess" : "cuMemPoolGetAccess");
+        rc = MP_EUNSUPPORTED;
+        goto out;
+    }
+    CUcontext prev;
+    e = ctx_enter(c, &prev);
+    if (e != CUDA_SUCCESS) goto out;
+    if (r) {
+        const size_t g = c->granularity;
+        what = "cuMemGetAccess";
+        m = ~(uint64_t)0;
+        const size_t last = (addr + nbytes - 1 - r->va) / g;
+        for (size_t p = (addr - r->va) / g; m && e == CUDA_SUCCESS && p <= last; p++) {
+            if (!r->mapped[p]) {
+                m = 0;   /* an unmapped page: nobody reaches all of the range */
+                break;
+            }
+            for (int d = 0; d < ndev && e == CUDA_SUCCESS; d++) {
+                unsigned long long flags = 0;
+                CUmemLocation loc = {CU_MEM_LOCATION_TYPE_DEVICE, d};
+                e = D.MemGetAccess(&flags, &loc, r->va + p * g);
+                if (e == CUDA_SUCCESS && flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+                    m &= ~((uint64_t)1 << d);
+            }
+        }
+        if (ndev < 64) m &= ((uint64_t)1 << ndev) - 1;
+    } else {
+        CUmemoryPool pool;
+        what = "cuMemPoolGetAccess";
+        e = pool_of(c, &pool);
+        for (int d = 0; d < ndev && e == CUDA_SUCCESS; d++) {
+            int flags = 0;
+            CUmemLocation loc = {CU_MEM_LOCATION_TYPE_DEVICE, d};
+            e = D.MemPoolGetAccess(&flags, pool, &loc);
+            if (e == CUDA_SUCCESS && flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+                m |= (uint64_t)1 << d;
+        }
+    }
+    ctx_leave(prev);
+out:
+    pthread_mutex_unlock(&c->vmm_lock);
+    if (rc == MP_OK && e != CUDA_SUCCESS) rc = describe(err, errlen, what, e);
+    if (rc == MP_OK) *mask = m;
+    return rc;
 }

@@ -53,4 +53,26 @@ void mp_cuda_own_pool(mp_upstream *up);
 /* "CUDA_ERROR_NAME: description" for a CUresult (or -1, see mp_cuda_last_error), into buf. */
 void mp_cuda_error_string(int code, char *buf, size_t buflen);
 
+/* ---- Peer access (see "Note [Peer access]" in mp_cuda.c and docs/multigpu.md) ---- */
+
+/* Let device ordinal `peer` read and write the upstream's memory: the cudaMemPool's (through
+ * cuMemPoolSetAccess, which covers every allocation of the pool, made or to be made) and
+ * every expandable-segment page, those mapped now and those mapped later. Idempotent.
+ * Returns MP_OK; MP_EINVAL for a peer outside [0, device count) or the upstream's own
+ * device; MP_EUNSUPPORTED when the peer cannot access this device's memory
+ * (cuDeviceCanAccessPeer) or the driver lacks the calls; MP_EUPSTREAM on a driver failure.
+ * On failure nothing changed, and a message is in err (when errlen > 0). */
+int mp_cuda_enable_peer_access(mp_upstream *up, int peer, char *err, size_t errlen);
+
+/* The peers enabled so far, ascending, into out[0 .. cap); returns how many there are. */
+size_t mp_cuda_peer_devices(const mp_upstream *up, int *out, size_t cap);
+
+/* In *mask, bit d set when device d may read and write all of [addr, addr + nbytes): from
+ * cuMemGetAccess for expandable-segment pages (and'ed over the pages), else from
+ * cuMemPoolGetAccess of the upstream's cudaMemPool. Devices from 64 on are not reported.
+ * MP_EUNSUPPORTED when the driver lacks the calls; MP_EUPSTREAM on a driver failure, with a
+ * message in err. */
+int mp_cuda_access_mask(const mp_upstream *up, uintptr_t addr, size_t nbytes, uint64_t *mask,
+                        char *err, size_t errlen);
+
 #endif

@@ -27,9 +27,16 @@ typedef struct mp_freelist {
     size_t nbytes;      /* their total size */
 } mp_freelist;
 
-uint32_t mp_size_class(size_t nbytes);
-void mp_freelist_insert(mp_freelist *fl, struct mp_block *b);
-void mp_freelist_remove(mp_freelist *fl, struct mp_block *b);
+/* Inline: on the allocate/free path. mp_freelist_insert/remove are in mp_internal.h, which
+ * defines the block. */
+static inline uint32_t mp_class_of(size_t nbytes) {
+    uint64_t u = (uint64_t)nbytes >> 9;
+    if (u < MP_EXACT_CLASSES) return (uint32_t)u;
+    int k = 63 - __builtin_clzll(u);   /* >= 7 */
+    uint32_t sub = (uint32_t)((u >> (k - 6)) & (MP_SUBCLASSES - 1));
+    return MP_EXACT_CLASSES + (uint32_t)(k - 7) * MP_SUBCLASSES + sub;
+}
+
 /* First non-empty class >= cls, or MP_NCLASSES when there is none. */
 uint32_t mp_freelist_next_class(const mp_freelist *fl, uint32_t cls);
 

@@ -98,6 +98,35 @@ struct mp_pool {
     size_t trace_cap, trace_len, trace_head;
 };
 
+/* mp_freelist.h's list operations, here where the block is defined. */
+static inline void mp_freelist_insert(mp_freelist *fl, mp_block *b) {
+    uint32_t c = mp_class_of(b->nbytes);
+    b->cls = c;
+    b->fprev = NULL;
+    b->fnext = fl->head[c];
+    if (b->fnext) b->fnext->fprev = b;
+    fl->head[c] = b;
+    fl->bits[c >> 6] |= 1ull << (c & 63);
+    fl->summary |= 1ull << (c >> 6);
+    fl->count++;
+    fl->nbytes += b->nbytes;
+}
+
+static inline void mp_freelist_remove(mp_freelist *fl, mp_block *b) {
+    uint32_t c = b->cls;
+    if (b->fprev) b->fprev->fnext = b->fnext;
+    else fl->head[c] = b->fnext;
+    if (b->fnext) b->fnext->fprev = b->fprev;
+    if (!fl->head[c]) {
+        fl->bits[c >> 6] &= ~(1ull << (c & 63));
+        if (!fl->bits[c >> 6]) fl->summary &= ~(1ull << (c >> 6));
+    }
+    b->fprev = b->fnext = NULL;
+    fl->count--;
+    fl->nbytes -= b->nbytes;
+}
+
+
 /* mp_core.c */
 int mp_reserve_initial(mp_pool *p, size_t nbytes);
 void mp_insert_free_merged_locked(mp_pool *p, mp_block *b);
@@ -126,9 +155,16 @@ size_t mp_release_idle_locked(mp_pool *p, size_t target, mp_release_list *out);
 /* Release idle segments of one kind (small/large), oldest first, at least `target` bytes,
  * but only when that kind's idle segments hold that much: "release beyond need". */
 size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_release_list *out);
-void mp_release_finish(mp_pool *p, mp_release_list *list);  /* call WITHOUT the lock */
+void mp_release_finish_slow(mp_pool *p, mp_release_list *list);
+/* Free what was detached, upstream; call WITHOUT the lock. Inline: usually nothing to do. */
+static inline void mp_release_finish(mp_pool *p, mp_release_list *list) {
+    if (list->head) mp_release_finish_slow(p, list);
+}
 int mp_process_pending_locked(mp_pool *p);
-void mp_apply_release_threshold_locked(mp_pool *p, mp_release_list *out);
+void mp_apply_release_threshold_slow_locked(mp_pool *p, mp_release_list *out);
+static inline void mp_apply_release_threshold_locked(mp_pool *p, mp_release_list *out) {
+    if (p->cfg.release_threshold != MP_UNLIMITED) mp_apply_release_threshold_slow_locked(p, out);
+}
 void mp_segment_idle_push_locked(mp_pool *p, mp_segment *s);
 void mp_segment_idle_remove_locked(mp_pool *p, mp_segment *s);
 

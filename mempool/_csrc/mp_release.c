@@ -116,7 +116,7 @@ size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_relea
     return released;
 }
 
-void mp_release_finish(mp_pool *p, mp_release_list *list) {
+void mp_release_finish_slow(mp_pool *p, mp_release_list *list) {
     mp_segment *seg = list->head;
     while (seg) {
         mp_segment *next = seg->inext;
@@ -133,9 +133,8 @@ static size_t cached_locked(const mp_pool *p) {
                     p->stats.active_bytes[MP_STAT_ALL].current);
 }
 
-void mp_apply_release_threshold_locked(mp_pool *p, mp_release_list *out) {
+void mp_apply_release_threshold_slow_locked(mp_pool *p, mp_release_list *out) {
     size_t threshold = p->cfg.release_threshold;
-    if (threshold == MP_UNLIMITED) return;
     size_t cached = cached_locked(p);
     if (cached > threshold) mp_release_idle_locked(p, cached - threshold, out);
 }

@@ -21,31 +21,20 @@ typedef struct sim_stream {
     size_t nwaits, cap_waits;
 } sim_stream;
 
+typedef struct sim_dep {
+    size_t other;    /* index into streams */
+    uint64_t seq;    /* work of `other` up to here */
+} sim_dep;
+
 typedef struct sim_event {
     size_t stream;   /* index into streams, SIZE_MAX until recorded */
     uint64_t target;
     int in_use;
-    /* What the stream waited for before the record: an event covers that too, as a CUDA
-     * event recorded after cudaStreamWaitEvent does. */
-    sim_wait *deps;
+    /* Waits the stream had pending when the event was recorded: the event completes only
+     * after them too, as a CUDA event recorded after cudaStreamWaitEvent does. */
+    sim_dep *deps;
     size_t ndeps, cap_deps;
 } sim_event;
-
-static int push_wait(sim_wait **arr, size_t *n, size_t *cap, size_t other, uint64_t seq,
-                     uint64_t at) {
-    if (*n == *cap) {
-        size_t ncap = *cap ? *cap * 2 : 4;
-        sim_wait *grown = realloc(*arr, ncap * sizeof *grown);
-        if (!grown) return MP_ENOMEM;
-        *arr = grown;
-        *cap = ncap;
-    }
-    (*arr)[*n].other = other;
-    (*arr)[*n].seq = seq;
-    (*arr)[*n].at = at;
-    (*n)++;
-    return MP_OK;
-}
 
 struct mp_sim {
     pthread_mutex_t mu;
@@ -54,13 +43,18 @@ struct mp_sim {
     uintptr_t next_addr;
     mp_ptrmap segments;       /* ptr -> size */
     mp_ptrmap reservations;   /* va -> size */
-    mp_ptrmap pages;          /* mapped page address -> 1 */
+    mp_ptrmap pages;          /* mapped page address -> access mask (own device's bit set) */
     sim_stream *streams;
     size_t nstreams, cap_streams;
     sim_event *events;
     size_t nevents, cap_events, live_events;
     uint64_t num_syncs, num_records, num_waits, num_errors;
+    int device;               /* the simulated device's ordinal */
+    uint64_t peers;           /* devices granted access (bit d = device d) */
 };
+
+/* The access a page gets when mapped: the device itself and every peer granted so far. */
+static uint64_t own_access(const mp_sim *s) { return s->peers | (uint64_t)1 << s->device; }
 
 static size_t stream_index(mp_sim *s, uintptr_t id) {
     for (size_t i = 0; i < s->nstreams; i++)
@@ -137,14 +131,12 @@ static int sim_event_create(void *ctx, uintptr_t *out) {
             s->events = grown;
             s->cap_events = cap;
         }
-        s->events[s->nevents].deps = NULL;
-        s->events[s->nevents].cap_deps = 0;
-        s->nevents++;
+        memset(&s->events[s->nevents++], 0, sizeof(sim_event));
     }
     s->events[i].in_use = 1;
-    s->events[i].ndeps = 0;
     s->events[i].stream = SIZE_MAX;
     s->events[i].target = 0;
+    s->events[i].ndeps = 0;
     s->live_events++;
     *out = i + 1;
     pthread_mutex_unlock(&s->mu);
@@ -166,14 +158,25 @@ static int sim_event_record(void *ctx, uintptr_t ev, uintptr_t stream) {
     size_t si = stream_index(s, stream);
     int rc = e && si != SIZE_MAX ? MP_OK : MP_EINVAL;
     if (rc == MP_OK) {
-        e->stream = si;
-        e->target = s->streams[si].submitted;
-        e->ndeps = 0;
         sim_stream *st = &s->streams[si];
-        for (size_t i = 0; i < st->nwaits && rc == MP_OK; i++) {
-            sim_wait w = st->waits[i];
-            if (s->streams[w.other].completed < w.seq)
-                rc = push_wait(&e->deps, &e->ndeps, &e->cap_deps, w.other, w.seq, 0);
+        if (e->cap_deps < st->nwaits) {
+            sim_dep *grown = realloc(e->deps, st->nwaits * sizeof *grown);
+            if (!grown) rc = MP_ENOMEM;
+            else {
+                e->deps = grown;
+                e->cap_deps = st->nwaits;
+            }
+        }
+    }
+    if (rc == MP_OK) {
+        sim_stream *st = &s->streams[si];
+        e->stream = si;
+        e->target = st->submitted;
+        e->ndeps = 0;
+        for (size_t i = 0; i < st->nwaits; i++) {
+            const sim_wait *w = &st->waits[i];
+            if (s->streams[w->other].completed < w->seq)
+                e->deps[e->ndeps++] = (sim_dep){w->other, w->seq};
         }
         s->num_records++;
     }
@@ -206,13 +209,31 @@ static int sim_stream_wait_event(void *ctx, uintptr_t stream, uintptr_t ev) {
     int rc = e && si != SIZE_MAX ? MP_OK : MP_EINVAL;
     s->num_waits += rc == MP_OK;
     if (rc == MP_OK && !event_done(s, e)) {
-        /* Waiting on an event is waiting on everything the event covers: flattened here so
-         * that ordered() needs no recursion. */
+        /* The stream now waits for the event's work and for what that work waited on. */
         sim_stream *st = &s->streams[si];
-        rc = push_wait(&st->waits, &st->nwaits, &st->cap_waits, e->stream, e->target, st->submitted);
-        for (size_t i = 0; i < e->ndeps && rc == MP_OK; i++)
-            rc = push_wait(&st->waits, &st->nwaits, &st->cap_waits, e->deps[i].other,
-                           e->deps[i].seq, st->submitted);
+        size_t need = st->nwaits + 1 + e->ndeps;
+        if (need > st->cap_waits) {
+            size_t cap = st->cap_waits ? st->cap_waits * 2 : 4;
+            while (cap < need) cap *= 2;
+            sim_wait *grown = realloc(st->waits, cap * sizeof *grown);
+            if (!grown) rc = MP_ENOMEM;
+            else {
+                st->waits = grown;
+                st->cap_waits = cap;
+            }
+        }
+        /* The wait is an operation in the stream's queue, as cudaStreamWaitEvent's is: a
+         * sync of the stream, or an event recorded after it, covers what it waits for. */
+        if (rc == MP_OK) st->submitted++;
+        for (size_t i = 0; rc == MP_OK && i <= e->ndeps; i++) {
+            size_t other = i ? e->deps[i - 1].other : e->stream;
+            uint64_t seq = i ? e->deps[i - 1].seq : e->target;
+            if (s->streams[other].completed >= seq) continue;
+            st->waits[st->nwaits].other = other;
+            st->waits[st->nwaits].seq = seq;
+            st->waits[st->nwaits].at = st->submitted - 1;
+            st->nwaits++;
+        }
     }
     pthread_mutex_unlock(&s->mu);
     return rc;
@@ -249,22 +270,11 @@ static void complete_upto(mp_sim *s, size_t si, uint64_t seq) {
     }
 }
 
-/* Everything queued on a stream so far, waits issued after its last launch included: what
- * a stream sync waits for (complete_upto(submitted) leaves those trailing waits). */
-static void drain(mp_sim *s, size_t si) {
-    complete_upto(s, si, s->streams[si].submitted);
-    while (s->streams[si].nwaits) {
-        sim_stream *st = &s->streams[si];
-        sim_wait w = st->waits[--st->nwaits];
-        complete_upto(s, w.other, w.seq);
-    }
-}
-
 static int sim_stream_synchronize(void *ctx, uintptr_t stream) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
     size_t si = stream_index(s, stream);
-    if (si != SIZE_MAX) drain(s, si);
+    if (si != SIZE_MAX) complete_upto(s, si, s->streams[si].submitted);
     s->num_syncs++;
     pthread_mutex_unlock(&s->mu);
     return si == SIZE_MAX ? MP_ENOMEM : MP_OK;
@@ -273,7 +283,7 @@ static int sim_stream_synchronize(void *ctx, uintptr_t stream) {
 static int sim_device_synchronize(void *ctx) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
-    for (size_t i = 0; i < s->nstreams; i++) drain(s, i);
+    for (size_t i = 0; i < s->nstreams; i++) complete_upto(s, i, s->streams[i].submitted);
     s->num_syncs++;
     pthread_mutex_unlock(&s->mu);
     return MP_OK;
@@ -341,7 +351,7 @@ static int sim_map(void *ctx, uintptr_t va, size_t nbytes) {
             rc = MP_ENOMEM;
             break;
         }
-        if (mp_ptrmap_insert(&s->pages, page, (void *)1) != MP_OK) {
+        if (mp_ptrmap_insert(&s->pages, page, (void *)(uintptr_t)own_access(s)) != MP_OK) {
             rc = MP_ENOMEM;
             break;
         }
@@ -435,13 +445,13 @@ uint64_t mp_sim_launch(mp_sim *s, uintptr_t stream) {
 void mp_sim_complete(mp_sim *s, uintptr_t stream) {
     pthread_mutex_lock(&s->mu);
     size_t si = stream_index(s, stream);
-    if (si != SIZE_MAX) drain(s, si);
+    if (si != SIZE_MAX) complete_upto(s, si, s->streams[si].submitted);
     pthread_mutex_unlock(&s->mu);
 }
 
 void mp_sim_complete_all(mp_sim *s) {
     pthread_mutex_lock(&s->mu);
-    for (size_t i = 0; i < s->nstreams; i++) drain(s, i);
+    for (size_t i = 0; i < s->nstreams; i++) complete_upto(s, i, s->streams[i].submitted);
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -476,3 +486,71 @@ uint64_t mp_sim_num_event_records(mp_sim *s) { return s->num_records; }
 uint64_t mp_sim_num_waits(mp_sim *s) { return s->num_waits; }
 uint64_t mp_sim_num_errors(mp_sim *s) { return s->num_errors; }
 size_t mp_sim_live_events(mp_sim *s) { return s->live_events; }
+
+/* ---------------------------------------------------------------- several devices */
+
+int mp_sim_set_device(mp_sim *s, int device) {
+    if (device < 0 || device >= MP_SIM_MAX_DEVICES) return MP_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    /* Addresses already handed out would lie outside the new device's window. */
+    int rc = s->next_addr != MP_SIM_BASE + (uintptr_t)s->device * MP_SIM_DEVICE_SPAN
+                 ? MP_EBUSY : MP_OK;
+    if (rc == MP_OK) {
+        s->device = device;
+        s->peers &= ~((uint64_t)1 << device);
+        s->next_addr = MP_SIM_BASE + (uintptr_t)device * MP_SIM_DEVICE_SPAN;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+int mp_sim_device(mp_sim *s) { return s->device; }
+
+int mp_sim_enable_peer(mp_sim *s, int peer) {
+    if (peer < 0 || peer >= MP_SIM_MAX_DEVICES) return MP_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    int rc = peer == s->device ? MP_EINVAL : MP_OK;
+    if (rc == MP_OK && !(s->peers & (uint64_t)1 << peer)) {
+        s->peers |= (uint64_t)1 << peer;
+        /* Pages mapped so far get the peer too, as cuMemSetAccess over every mapped range. */
+        for (size_t i = 0; i <= s->pages.mask; i++)
+            if (s->pages.slots[i].key)
+                s->pages.slots[i].value =
+                    (void *)((uintptr_t)s->pages.slots[i].value | (uintptr_t)1 << peer);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+uint64_t mp_sim_peer_mask(mp_sim *s) {
+    pthread_mutex_lock(&s->mu);
+    uint64_t m = s->peers;
+    pthread_mutex_unlock(&s->mu);
+    return m;
+}
+
+uint64_t mp_sim_access_mask(mp_sim *s, uintptr_t addr, size_t nbytes) {
+    if (nbytes == 0) nbytes = 1;
+    uint64_t mask = 0;
+    pthread_mutex_lock(&s->mu);
+    /* A segment: the whole device's access, as a cudaMemPool's setting covers all of it. */
+    for (size_t i = 0; i <= s->segments.mask; i++) {
+        uintptr_t p = s->segments.slots[i].key;
+        size_t n = (size_t)(uintptr_t)s->segments.slots[i].value;
+        if (p && addr >= p && addr - p < n && nbytes <= n - (addr - p)) {
+            mask = own_access(s);
+            goto out;
+        }
+    }
+    /* Expandable pages: each keeps what it was granted. */
+    const size_t g = s->granularity;
+    mask = ~(uint64_t)0;
+    for (uintptr_t page = addr / g * g; page < addr + nbytes; page += g) {
+        void *v = mp_ptrmap_get(&s->pages, page);
+        mask &= (uint64_t)(uintptr_t)v;   /* an unmapped page makes the range inaccessible */
+        if (!mask) break;
+    }
+out:
+    pthread_mutex_unlock(&s->mu);
+    return mask;
+}

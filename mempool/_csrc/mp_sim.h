@@ -11,7 +11,14 @@
 
 typedef struct mp_sim mp_sim;
 
-#define MP_SIM_BASE ((uintptr_t)1 << 40)   /* first address handed out */
+#define MP_SIM_BASE ((uintptr_t)1 << 40)   /* first address handed out (device 0) */
+
+/* Several simulated devices. Device k hands out addresses from MP_SIM_BASE + k *
+ * MP_SIM_DEVICE_SPAN, so that memory of different devices never shares an address, as under
+ * CUDA's unified addressing (pointer lookups across per-device pools, as the torch allocator
+ * does, depend on it). Two sims of one device do share addresses, as before. */
+#define MP_SIM_MAX_DEVICES 64
+#define MP_SIM_DEVICE_SPAN ((uintptr_t)1 << 46)
 
 /* The sim context behind an upstream made by mp_sim_upstream (up->ctx). Test controls: */
 uint64_t mp_sim_launch(mp_sim *sim, uintptr_t stream);          /* queue work; its sequence no. */
@@ -30,5 +37,22 @@ uint64_t mp_sim_num_event_records(mp_sim *sim);
 uint64_t mp_sim_num_waits(mp_sim *sim);
 uint64_t mp_sim_num_errors(mp_sim *sim);   /* contract breaches seen (double map, bad free) */
 size_t mp_sim_live_events(mp_sim *sim);
+
+/* ---- several devices (see docs/multigpu.md) ---- */
+/* Make the sim device ordinal `device` (0 at creation): its addresses move to that device's
+ * window. Only before the first segment or reservation: MP_EBUSY after; MP_EINVAL for a
+ * device outside [0, MP_SIM_MAX_DEVICES). */
+int mp_sim_set_device(mp_sim *sim, int device);
+int mp_sim_device(mp_sim *sim);
+/* Let device `peer` access the sim's memory, as cudaMemPoolSetAccess and cuMemSetAccess do:
+ * every segment, every mapped page, and every page mapped later. Idempotent. MP_EINVAL for a
+ * peer outside [0, MP_SIM_MAX_DEVICES) or the sim's own device (nothing changes). */
+int mp_sim_enable_peer(mp_sim *sim, int peer);
+/* Bit d set: device d was granted access (the own device is not included). */
+uint64_t mp_sim_peer_mask(mp_sim *sim);
+/* Bit d set: device d may read and write all of [addr, addr + nbytes): the own device and
+ * the peers for segment memory; for expandable pages what each page was granted (when it was
+ * mapped, or since), and'ed over the pages. 0 when some byte of the range is not backed. */
+uint64_t mp_sim_access_mask(mp_sim *sim, uintptr_t addr, size_t nbytes);
 
 #endif

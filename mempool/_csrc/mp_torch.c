@@ -110,11 +110,31 @@ uint64_t mp_torch_failed_allocs(int device) {
 
 /* ---- the entry points -------------------------------------------------------------------- */
 
+/* An allocation on a device that routes nowhere. PyTorch gives the NULL on as a tensor, so
+ * this line is all the user learns: it names the device and the fix. Each pool serves only
+ * its own device, so falling back to another device's pool would hand out the wrong GPU's
+ * memory. */
+static void *refuse_unrouted(ssize_t size, int device) {
+    if (valid_device(device))
+        fprintf(stderr,
+                "mempool: torch allocation of %zd bytes on device %d refused: no pool is "
+                "registered for device %d (mempool.torch.register(Pool(backend='cuda', "
+                "device=%d)) or mempool.torch.install_all)\n",
+                size, device, device, device);
+    else
+        fprintf(stderr,
+                "mempool: torch allocation of %zd bytes on device %d refused: devices are "
+                "routed in [0, %d)\n",
+                size, device, MP_TORCH_MAX_DEVICES);
+    return NULL;
+}
+
 void *mempool_torch_alloc(ssize_t size, int device, void *stream) {
-    if (size <= 0 || !valid_device(device)) return NULL;
+    if (size <= 0) return NULL;
+    if (!valid_device(device)) return refuse_unrouted(size, device);
     mp_torch_slot *s = &slots[device];
     mp_pool *p = slot_enter(s);
-    if (!p) return NULL;
+    if (!p) return refuse_unrouted(size, device);
     uintptr_t ptr = 0;
     int rc = mp_alloc(p, (size_t)size, (uintptr_t)stream, &ptr);
     if (rc == MP_OK) {

@@ -39,8 +39,9 @@ uint64_t mp_torch_failed_allocs(int device);
 /* ---- the entry points (called by torch, without the GIL) -------------------------------- */
 
 /* torch's alloc_fn. NULL for size 0, an unregistered device, or when the pool is out of
- * memory (then one line on stderr says so: torch's pluggable allocator has no other channel
- * for the reason). */
+ * memory (for the last two one line on stderr says why: torch's pluggable allocator has no
+ * other channel for the reason). An unregistered device never falls back to another
+ * device's pool. */
 MP_TORCH_API void *mempool_torch_alloc(ssize_t size, int device, void *stream);
 /* torch's free_fn. Frees in stream order on the block's own stream; streams declared with
  * record_stream are waited for before reuse. A NULL or unknown pointer is ignored. */

@@ -1,0 +1,259 @@
+/* A stand-in for the CUDA driver (libcuda.so.1), for testing the bookkeeping of
+ * mempool/_csrc/mp_cuda.c on a machine with no GPU: the entry points the upstream resolves,
+ * over four fake devices of which 0, 1 and 3 are peers of each other and 2 reaches no one.
+ * Virtual memory is modelled page by page (which device may access each mapped page, as
+ * cuMemSetAccess leaves it), and so is each memory pool's access (cuMemPoolSetAccess). No
+ * memory is ever touched.
+ *
+ * Built by tests/test_cuda_fake_driver.py as libcuda.so.1; the fake_* functions are its
+ * controls and probes. FAKE_NO_VMM=1 in the environment turns virtual memory off. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+
+enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, INVALID_DEVICE = 101, NOT_MAPPED = 211,
+       UNKNOWN = 999 };
+
+#define NDEV 4
+#define GRAN ((size_t)2 << 20)
+#define MAX_PAGES 4096
+#define MAX_HANDLES 4096
+#define MAX_POOLS 16
+
+typedef struct { int type, id; } Loc;
+typedef struct { Loc location; int flags; } AccessDesc;
+typedef struct {
+    int type, requestedHandleTypes;
+    Loc location;
+    void *win32;
+    unsigned char flags[8];
+} AllocProp;
+
+static struct { CUdeviceptr addr; unsigned mask; int owner, used; } pages[MAX_PAGES];
+static struct { int owner, used; } handles[MAX_HANDLES];
+static struct { int owner; unsigned mask; } pools[MAX_POOLS];
+static int npools;
+static CUdeviceptr next_va = 0x7f0000000000ull, next_seg = 0x600000000000ull;
+static uintptr_t next_event = 1;
+static __thread void *current;
+static int set_access_calls, pool_set_access_calls;
+static int fail_set_access_after = -1, fail_pool_access = 0;
+
+static int can_access(int dev, int peer) { return dev != peer && dev != 2 && peer != 2; }
+
+static int page_index(CUdeviceptr addr) {
+    for (int i = 0; i < MAX_PAGES; i++)
+        if (pages[i].used && pages[i].addr == addr) return i;
+    return -1;
+}
+
+/* ---- controls and probes ---- */
+
+/* A new pool owned by `device`, accessible from it alone; returns its handle. */
+uintptr_t fake_make_pool(int device) {
+    pools[npools].owner = device;
+    pools[npools].mask = 1u << device;
+    return 0x5000 + (uintptr_t)npools++;
+}
+/* Devices that may access the mapped page at addr (bit d), or -1 when it is not mapped. */
+int fake_page_access(CUdeviceptr addr) {
+    int i = page_index(addr);
+    return i < 0 ? -1 : (int)pages[i].mask;
+}
+int fake_pool_access(uintptr_t pool) { return (int)pools[pool - 0x5000].mask; }
+int fake_mapped_pages(void) {
+    int n = 0;
+    for (int i = 0; i < MAX_PAGES; i++) n += pages[i].used;
+    return n;
+}
+int fake_set_access_calls(void) { return set_access_calls; }
+int fake_pool_set_access_calls(void) { return pool_set_access_calls; }
+/* The cuMemSetAccess call after the next n succeeds fails (with CUDA_ERROR_UNKNOWN). */
+void fake_fail_set_access_after(int n) { fail_set_access_after = n; }
+/* The next cuMemPoolSetAccess fails (with CUDA_ERROR_UNKNOWN). */
+void fake_fail_pool_access(void) { fail_pool_access = 1; }
+
+/* ---- the driver ---- */
+
+CUresult cuInit(unsigned flags) { (void)flags; return OK; }
+CUresult cuDeviceGetCount(int *n) { *n = NDEV; return OK; }
+CUresult cuDeviceGet(int *dev, int ordinal) {
+    if (ordinal < 0 || ordinal >= NDEV) return INVALID_DEVICE;
+    *dev = ordinal;
+    return OK;
+}
+CUresult cuDeviceGetAttribute(int *v, int attr, int dev) {
+    (void)dev;
+    const char *novmm = getenv("FAKE_NO_VMM");
+    *v = attr == 115 ? 1 : attr == 102 ? !(novmm && novmm[0] == '1') : 0;
+    return OK;
+}
+CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) {
+    *ctx = (void *)(uintptr_t)(0x100 + 16 * dev);
+    return OK;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(int dev) { (void)dev; return OK; }
+CUresult cuCtxGetCurrent(void **ctx) { *ctx = current; return OK; }
+CUresult cuCtxSetCurrent(void *ctx) { current = ctx; return OK; }
+CUresult cuGetErrorName(CUresult r, const char **s) {
+    *s = r == INVALID_VALUE ? "CUDA_ERROR_INVALID_VALUE" : r == INVALID_DEVICE
+         ? "CUDA_ERROR_INVALID_DEVICE" : r == UNKNOWN ? "CUDA_ERROR_UNKNOWN" : "CUDA_ERROR_OTHER";
+    return OK;
+}
+CUresult cuGetErrorString(CUresult r, const char **s) {
+    (void)r;
+    *s = "fake driver error";
+    return OK;
+}
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, void *pool, void *stream) {
+    (void)pool; (void)stream;
+    *p = next_seg;
+    next_seg += (n + GRAN - 1) / GRAN * GRAN;
+    return OK;
+}
+CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, void *stream) {
+    return cuMemAllocFromPoolAsync(p, n, NULL, stream);
+}
+CUresult cuMemFreeAsync(CUdeviceptr p, void *stream) { (void)p; (void)stream; return OK; }
+CUresult cuMemPoolDestroy(void *pool) { (void)pool; return OK; }
+CUresult cuEventCreate(void **e, unsigned flags) {
+    (void)flags;
+    *e = (void *)next_event++;
+    return OK;
+}
+CUresult cuEventRecord(void *e, void *s) { (void)e; (void)s; return OK; }
+CUresult cuEventQuery(void *e) { (void)e; return OK; }
+CUresult cuEventDestroy_v2(void *e) { (void)e; return OK; }
+CUresult cuStreamWaitEvent(void *s, void *e, unsigned f) { (void)s; (void)e; (void)f; return OK; }
+CUresult cuStreamSynchronize(void *s) { (void)s; return OK; }
+CUresult cuCtxSynchronize(void) { return OK; }
+CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+    *free_bytes = *total = (size_t)80 << 30;
+    return OK;
+}
+
+CUresult cuMemGetAllocationGranularity(size_t *g, const AllocProp *prop, int option) {
+    (void)prop; (void)option;
+    *g = GRAN;
+    return OK;
+}
+CUresult cuMemAddressReserve(CUdeviceptr *p, size_t n, size_t align, CUdeviceptr addr,
+                             unsigned long long flags) {
+    (void)align; (void)addr; (void)flags;
+    if (n % GRAN) return INVALID_VALUE;
+    *p = next_va;
+    next_va += n + GRAN;   /* a gap: reservations are never adjacent */
+    return OK;
+}
+CUresult cuMemAddressFree(CUdeviceptr p, size_t n) { (void)p; (void)n; return OK; }
+CUresult cuMemCreate(unsigned long long *h, size_t n, const AllocProp *prop,
+                     unsigned long long flags) {
+    (void)flags;
+    if (n != GRAN) return INVALID_VALUE;
+    for (int i = 1; i < MAX_HANDLES; i++)
+        if (!handles[i].used) {
+            handles[i].used = 1;
+            handles[i].owner = prop->location.id;
+            *h = (unsigned long long)i;
+            return OK;
+        }
+    return OUT_OF_MEMORY;
+}
+CUresult cuMemRelease(unsigned long long h) {
+    if (h == 0 || h >= MAX_HANDLES || !handles[h].used) return INVALID_VALUE;
+    handles[h].used = 0;
+    return OK;
+}
+CUresult cuMemMap(CUdeviceptr p, size_t n, size_t offset, unsigned long long h,
+                  unsigned long long flags) {
+    (void)offset; (void)flags;
+    if (n != GRAN || p % GRAN || page_index(p) >= 0) return INVALID_VALUE;
+    if (h == 0 || h >= MAX_HANDLES || !handles[h].used) return INVALID_VALUE;
+    for (int i = 0; i < MAX_PAGES; i++)
+        if (!pages[i].used) {
+            pages[i].used = 1;
+            pages[i].addr = p;
+            pages[i].owner = handles[h].owner;
+            pages[i].mask = 0;   /* as the driver: nobody has access until cuMemSetAccess */
+            return OK;
+        }
+    return OUT_OF_MEMORY;
+}
+CUresult cuMemUnmap(CUdeviceptr p, size_t n) {
+    for (CUdeviceptr a = p; a < p + n; a += GRAN) {
+        int i = page_index(a);
+        if (i < 0) return INVALID_VALUE;
+        pages[i].used = 0;
+    }
+    return OK;
+}
+CUresult cuMemSetAccess(CUdeviceptr p, size_t n, const AccessDesc *desc, size_t count) {
+    if (fail_set_access_after == 0) {
+        fail_set_access_after = -1;
+        return UNKNOWN;
+    }
+    if (fail_set_access_after > 0) fail_set_access_after--;
+    if (n == 0 || n % GRAN) return INVALID_VALUE;
+    for (CUdeviceptr a = p; a < p + n; a += GRAN) {
+        int i = page_index(a);
+        if (i < 0) return INVALID_VALUE;   /* the range must be fully mapped */
+        for (size_t k = 0; k < count; k++) {
+            int d = desc[k].location.id;
+            if (desc[k].location.type != 1 || d < 0 || d >= NDEV) return INVALID_DEVICE;
+            if (d != pages[i].owner && !can_access(d, pages[i].owner)) return INVALID_DEVICE;
+        }
+    }
+    set_access_calls++;
+    for (CUdeviceptr a = p; a < p + n; a += GRAN) {
+        int i = page_index(a);
+        for (size_t k = 0; k < count; k++) {
+            unsigned bit = 1u << desc[k].location.id;
+            pages[i].mask = desc[k].flags == 3 ? pages[i].mask | bit : pages[i].mask & ~bit;
+        }
+    }
+    return OK;
+}
+CUresult cuMemGetAccess(unsigned long long *flags, const Loc *loc, CUdeviceptr p) {
+    int i = page_index(p / GRAN * GRAN);
+    if (i < 0) return NOT_MAPPED;
+    *flags = pages[i].mask >> loc->id & 1 ? 3 : 0;
+    return OK;
+}
+
+CUresult cuDeviceCanAccessPeer(int *can, int dev, int peer) {
+    if (dev < 0 || dev >= NDEV || peer < 0 || peer >= NDEV) return INVALID_DEVICE;
+    *can = can_access(dev, peer);
+    return OK;
+}
+CUresult cuDeviceGetMemPool(void **pool, int dev) {
+    (void)pool; (void)dev;
+    return INVALID_VALUE;   /* the tests always pass a pool */
+}
+CUresult cuMemPoolSetAccess(void *pool, const AccessDesc *desc, size_t count) {
+    size_t i = (uintptr_t)pool - 0x5000;
+    if (i >= (size_t)npools) return INVALID_VALUE;
+    if (fail_pool_access) {
+        fail_pool_access = 0;
+        return UNKNOWN;
+    }
+    for (size_t k = 0; k < count; k++) {
+        int d = desc[k].location.id;
+        if (d < 0 || d >= NDEV || d == pools[i].owner || !can_access(d, pools[i].owner))
+            return INVALID_DEVICE;
+    }
+    pool_set_access_calls++;
+    for (size_t k = 0; k < count; k++) {
+        unsigned bit = 1u << desc[k].location.id;
+        pools[i].mask = desc[k].flags == 3 ? pools[i].mask | bit : pools[i].mask & ~bit;
+    }
+    return OK;
+}
+CUresult cuMemPoolGetAccess(int *flags, void *pool, Loc *loc) {
+    size_t i = (uintptr_t)pool - 0x5000;
+    if (i >= (size_t)npools || loc->id < 0 || loc->id >= NDEV) return INVALID_VALUE;
+    *flags = pools[i].mask >> loc->id & 1 ? 3 : 0;
+    return OK;
+}

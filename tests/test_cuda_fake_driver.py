@@ -1,0 +1,277 @@
+"""Peer access in the CUDA upstream (mempool/_csrc/mp_cuda.c), on a stand-in driver.
+
+The upstream resolves its driver calls from libcuda.so.1 at run time, so a fake driver
+(tests/data/fake_libcuda.c: four devices, of which 0, 1 and 3 are peers, with access recorded
+per page and per memory pool) stands in for one on a machine with no GPU. Each test runs in a
+fresh interpreter that loads the fake before the upstream first looks for the driver, and
+calls the upstream's C functions through ctypes: the real code, the fake hardware. What the
+real driver does is the GPU tier's to check (tests/gpu/test_gpu_multigpu.py).
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCE = os.path.join(ROOT, "tests", "data", "fake_libcuda.c")
+G = 2 << 20   # the fake's granularity
+
+HARNESS = r'''
+import ctypes, json, sys
+from ctypes import (CFUNCTYPE, POINTER, byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p,
+                    create_string_buffer)
+
+fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)   # found again as libcuda.so.1
+for name, res in [("fake_make_pool", c_size_t), ("fake_pool_access", c_int),
+                  ("fake_page_access", c_int), ("fake_mapped_pages", c_int),
+                  ("fake_set_access_calls", c_int), ("fake_pool_set_access_calls", c_int)]:
+    getattr(fake, name).restype = res
+fake.fake_page_access.argtypes = [c_uint64]
+fake.fake_pool_access.argtypes = [c_size_t]
+
+from mempool import _core
+core = ctypes.CDLL(_core.__file__)
+core.mp_cuda_upstream.argtypes = [c_void_p, c_int, c_size_t, c_char_p, c_size_t]
+core.mp_cuda_enable_peer_access.argtypes = [c_void_p, c_int, c_char_p, c_size_t]
+core.mp_cuda_peer_devices.argtypes = [c_void_p, POINTER(c_int), c_size_t]
+core.mp_cuda_peer_devices.restype = c_size_t
+core.mp_cuda_access_mask.argtypes = [c_void_p, c_size_t, c_size_t, POINTER(c_uint64), c_char_p,
+                                     c_size_t]
+KINDS = {"pointer": c_void_p, "int": c_int, "size_t": c_size_t}
+
+
+class Upstream(ctypes.Structure):   # the fields of mp_upstream.h, read from the header
+    _fields_ = [(name, KINDS[kind]) for name, kind in json.loads(sys.argv[2])]
+
+
+class Cuda:
+    """The cuda-pool upstream of `device` over a fresh fake cudaMemPool."""
+
+    def __init__(self, device=0):
+        self.pool = fake.fake_make_pool(device)
+        self.up = Upstream()
+        err = create_string_buffer(512)
+        rc = core.mp_cuda_upstream(byref(self.up), device, self.pool, err, 512)
+        assert rc == 0, err.value
+        self.g = self.up.granularity
+
+    def _fn(self, name, *types):
+        return CFUNCTYPE(c_int, c_void_p, *types)(getattr(self.up, name))
+
+    def reserve(self, nbytes):
+        out = c_size_t()
+        assert self._fn("va_reserve", c_size_t, POINTER(c_size_t))(self.up.ctx, nbytes,
+                                                                 byref(out)) == 0
+        return out.value
+
+    def map(self, va, nbytes):
+        return self._fn("map", c_size_t, c_size_t)(self.up.ctx, va, nbytes)
+
+    def unmap(self, va, nbytes):
+        return self._fn("unmap", c_size_t, c_size_t)(self.up.ctx, va, nbytes)
+
+    def release(self, va, nbytes):
+        return self._fn("va_release", c_size_t, c_size_t)(self.up.ctx, va, nbytes)
+
+    def segment(self, nbytes):
+        out = c_size_t()
+        fn = self._fn("segment_alloc", c_size_t, c_size_t, POINTER(c_size_t))
+        assert fn(self.up.ctx, nbytes, 0, byref(out)) == 0
+        return out.value
+
+    def enable(self, peer):
+        err = create_string_buffer(512)
+        rc = core.mp_cuda_enable_peer_access(byref(self.up), peer, err, 512)
+        return rc, err.value.decode()
+
+    def peers(self):
+        out = (c_int * 64)()
+        n = core.mp_cuda_peer_devices(byref(self.up), out, 64)
+        return list(out[:n])
+
+    def access(self, addr, nbytes):
+        mask = c_uint64(0)
+        err = create_string_buffer(512)
+        rc = core.mp_cuda_access_mask(byref(self.up), addr, nbytes, byref(mask), err, 512)
+        return rc, mask.value
+
+    def pages(self, va, n):
+        """Access mask of pages va .. va + n pages (-1: unmapped)."""
+        return [fake.fake_page_access(va + i * self.g) for i in range(n)]
+
+    def destroy(self):
+        CFUNCTYPE(None, c_void_p)(self.up.destroy)(self.up.ctx)
+
+
+OK, EINVAL, EUPSTREAM, EUNSUPPORTED = 0, 3, 8, 9
+'''
+
+
+@pytest.fixture(scope="module")
+def fake_driver(tmp_path_factory):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler to build the stand-in driver")
+    folder = tmp_path_factory.mktemp("fake_cuda")
+    lib = folder / "libcuda.so.1"
+    subprocess.run([cc, "-shared", "-fPIC", "-std=gnu11", "-O1", "-Wl,-soname,libcuda.so.1",
+                    "-o", str(lib), SOURCE], check=True, capture_output=True)
+    return lib
+
+
+def upstream_fields():
+    """[(name, "pointer" | "int" | "size_t")] of struct mp_upstream, in order, from its header,
+    so that the ctypes mirror follows the contract as it changes."""
+    with open(os.path.join(ROOT, "mempool", "_csrc", "mp_upstream.h")) as f:
+        text = f.read()
+    body = re.search(r"typedef struct mp_upstream \{(.*?)\} mp_upstream;", text, re.S).group(1)
+    body = re.sub(r"/\*.*?\*/", " ", body, flags=re.S)
+    fields = []
+    for decl in body.split(";"):
+        decl = " ".join(decl.split())
+        if not decl:
+            continue
+        fn = re.search(r"\(\*(\w+)\)", decl)
+        if fn:
+            fields.append((fn.group(1), "pointer"))
+            continue
+        typ, name = re.match(r"(.*?)(\w+)$", decl).groups()
+        fields.append((name, "pointer" if "*" in typ else typ.replace("const", "").strip()))
+    assert fields[0] == ("ctx", "pointer") and ("granularity", "size_t") in fields, fields
+    return fields
+
+
+def run_fake(lib, body, **env):
+    """Run `body` after HARNESS in a fresh interpreter whose libcuda.so.1 is the fake."""
+    environ = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   LD_LIBRARY_PATH=str(lib.parent) + os.pathsep
+                   + os.environ.get("LD_LIBRARY_PATH", ""), **env)
+    code = HARNESS + textwrap.dedent(body) + "\nprint('done')\n"
+    out = subprocess.run([sys.executable, "-c", code, str(lib), json.dumps(upstream_fields())],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=environ)
+    assert out.returncode == 0 and out.stdout.strip().endswith("done"), out.stdout + out.stderr
+    return out.stdout
+
+
+def test_pages_mapped_before_and_after_enabling_get_the_peer(fake_driver):
+    run_fake(fake_driver, f"""
+        c = Cuda(0)
+        g = c.g
+        assert g == {G}
+        va = c.reserve(8 * g)
+        assert c.map(va, 2 * g) == OK
+        assert c.pages(va, 3) == [1, 1, -1]           # mapped for device 0 alone
+        assert c.peers() == [] and fake.fake_pool_access(c.pool) == 1
+
+        assert c.enable(1) == (OK, "")
+        assert c.pages(va, 3) == [3, 3, -1]           # the pages mapped before: granted
+        assert fake.fake_pool_access(c.pool) == 3     # and the cudaMemPool's segments
+        assert c.map(va + 4 * g, 2 * g) == OK
+        assert c.pages(va + 4 * g, 2) == [3, 3]       # pages mapped after: granted at map
+        assert c.peers() == [1]
+
+        assert c.access(va, 2 * g) == (OK, 3)
+        assert c.access(va + 4 * g + 512, 1024) == (OK, 3)
+        assert c.access(va + g, 4 * g) == (OK, 0)     # crosses unmapped pages
+        assert c.access(c.segment(1 << 20), 1 << 20) == (OK, 3)   # pool memory
+
+        calls = (fake.fake_set_access_calls(), fake.fake_pool_set_access_calls())
+        assert c.enable(1) == (OK, "")                # idempotent: nothing more asked
+        assert (fake.fake_set_access_calls(), fake.fake_pool_set_access_calls()) == calls
+
+        assert c.unmap(va, g) == OK and c.map(va, g) == OK
+        assert c.pages(va, 1) == [3]                  # re-mapped after a release: granted
+        assert c.unmap(va, 2 * g) == OK and c.unmap(va + 4 * g, 2 * g) == OK
+        assert c.release(va, 8 * g) == OK
+        c.destroy()
+    """)
+
+
+def test_every_run_of_mapped_pages_is_granted(fake_driver):
+    run_fake(fake_driver, """
+        c = Cuda(0)
+        g = c.g
+        a, b = c.reserve(8 * g), c.reserve(4 * g)
+        for va, page in [(a, 0), (a, 2), (a, 3), (a, 7), (b, 1)]:
+            assert c.map(va + page * g, g) == OK
+        before = fake.fake_set_access_calls()
+        assert c.enable(3) == (OK, "")
+        # runs: a[0], a[2:4], a[7], b[1]: one cuMemSetAccess each (a run spans its pages)
+        assert fake.fake_set_access_calls() - before == 4
+        assert c.pages(a, 8) == [9, -1, 9, 9, -1, -1, -1, 9]   # devices 0 and 3
+        assert c.pages(b, 4) == [-1, 9, -1, -1]
+        assert c.enable(1) == (OK, "")
+        assert c.peers() == [1, 3]                    # ascending, whatever the order enabled
+        assert c.pages(a, 1) == [11] and fake.fake_pool_access(c.pool) == 11
+        assert c.map(b + 3 * g, g) == OK and c.pages(b + 3 * g, 1) == [11]
+    """)
+
+
+def test_bad_peers_are_refused_and_change_nothing(fake_driver):
+    run_fake(fake_driver, """
+        c = Cuda(0)
+        va = c.reserve(4 * c.g)
+        assert c.map(va, c.g) == OK
+        calls = fake.fake_set_access_calls()
+        for peer, code, words in [(-1, EINVAL, "in [0, 4), got -1"),
+                                  (4, EINVAL, "in [0, 4), got 4"),
+                                  (0, EINVAL, "peer_device 0 is the pool's own device"),
+                                  (2, EUNSUPPORTED, "device 2 cannot access the memory of "
+                                                    "device 0")]:
+            rc, msg = c.enable(peer)
+            assert rc == code and words in msg, (peer, rc, msg)
+        assert c.peers() == [] and c.pages(va, 1) == [1]
+        assert fake.fake_pool_access(c.pool) == 1 and fake.fake_set_access_calls() == calls
+    """)
+
+
+def test_enabling_is_all_or_nothing(fake_driver):
+    run_fake(fake_driver, """
+        c = Cuda(0)
+        g = c.g
+        va = c.reserve(8 * g)
+        for page in (0, 2, 4):                        # three separate runs
+            assert c.map(va + page * g, g) == OK
+        fake.fake_fail_set_access_after(1)            # the second run's grant fails
+        rc, msg = c.enable(1)
+        assert rc == EUPSTREAM and "cuMemSetAccess" in msg and "CUDA_ERROR_UNKNOWN" in msg, msg
+        assert c.pages(va, 5) == [1, -1, 1, -1, 1]    # the first run's grant was revoked
+        assert fake.fake_pool_access(c.pool) == 1 and c.peers() == []
+
+        fake.fake_fail_pool_access()                  # the pages pass, the pool fails
+        rc, msg = c.enable(1)
+        assert rc == EUPSTREAM and "cuMemPoolSetAccess" in msg, msg
+        assert c.pages(va, 5) == [1, -1, 1, -1, 1] and c.peers() == []
+        assert c.map(va + 6 * g, g) == OK and c.pages(va + 6 * g, 1) == [1]   # not granted
+
+        assert c.enable(1) == (OK, "")                # nothing half-done stands in the way
+        assert c.pages(va, 7) == [3, -1, 3, -1, 3, -1, 3] and c.peers() == [1]
+    """)
+
+
+def test_an_upstream_on_device_1_grants_device_0(fake_driver):
+    run_fake(fake_driver, """
+        c = Cuda(1)
+        va = c.reserve(2 * c.g)
+        assert c.map(va, c.g) == OK and c.pages(va, 1) == [2]
+        assert c.enable(1)[0] == EINVAL               # its own device
+        assert c.enable(0) == (OK, "")
+        assert c.pages(va, 1) == [3] and fake.fake_pool_access(c.pool) == 3
+        assert c.access(va, c.g) == (OK, 3)
+    """)
+
+
+def test_without_virtual_memory_the_pool_alone_is_granted(fake_driver):
+    run_fake(fake_driver, """
+        c = Cuda(0)
+        assert c.g == 0                               # no expandable segments
+        assert c.enable(3) == (OK, "")
+        assert fake.fake_pool_access(c.pool) == 9 and fake.fake_set_access_calls() == 0
+        assert c.peers() == [3]
+        assert c.access(c.segment(4096), 4096) == (OK, 9)
+    """, FAKE_NO_VMM="1")
