@@ -80,17 +80,12 @@ class ExpandableMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data(), on=st.sampled_from((None,) + STREAMS))
     def free(self, data, on):
-        """Free on the block's stream (None), or on a recorded stream that used it last.
-
-        Freeing on stream F says F's order comes after every use: the pool waits for the
-        other recorded streams, but the block's own stream must be done with it already,
-        or the program is wrong (as with cudaFreeAsync on F)."""
+        """Free on the block's stream (None), or on a recorded stream that used it last: the
+        pool then waits for the block's own stream and the other recorded ones."""
         ptr = data.draw(st.sampled_from(sorted(self.live)))
-        size, stream, recorded = self.live.pop(ptr)
-        busy_on_own = any(w[0] == stream and w[2] < ptr + size and ptr < w[3]
-                          for w in self._pending())
-        if on != stream and (on not in recorded or busy_on_own):
-            on = None
+        _, stream, recorded = self.live.pop(ptr)
+        if on is not None and on != stream and on not in recorded:
+            on = None          # freeing on a stream that never used it is not a valid program
         self.pool.free(ptr, stream=on)
 
     @rule(stream=st.sampled_from(STREAMS))
