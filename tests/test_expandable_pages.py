@@ -132,6 +132,15 @@ def test_granularity_is_refused_when_not_a_multiple_of_512_or_on_cuda():
         mempool.Pool(backend="cuda", expandable_segments=True, granularity="2MB")
 
 
+def test_granularity_is_a_conf_key():
+    pool = mempool.Pool.from_conf("backend:sim,expandable_segments:true,granularity:64KiB",
+                                  capacity=GiB)
+    assert pool.options["granularity"] == 64 << 10
+    p = pool.alloc(MiB + 1)
+    assert pool.reserved_bytes() == MiB + 64 * 1024
+    pool.free(p)
+
+
 def test_conf_string_turns_expandable_segments_on():
     pool = mempool.Pool.from_conf("backend:sim,expandable_segments:true", capacity=GiB)
     assert pool.options["expandable_segments"] is True

@@ -80,7 +80,8 @@ class ExpandableMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data(), on=st.sampled_from((None,) + STREAMS))
     def free(self, data, on):
-        """Free on the block's stream (None) or on the stream that used it last."""
+        """Free on the block's stream (None), or on a recorded stream that used it last: the
+        pool then waits for the block's own stream and the other recorded ones."""
         ptr = data.draw(st.sampled_from(sorted(self.live)))
         _, stream, recorded = self.live.pop(ptr)
         if on is not None and on != stream and on not in recorded:
@@ -114,7 +115,7 @@ class ExpandableMachine(RuleBasedStateMachine):
         return self.options.get("initial_pool_size", 0) > 0
 
     def _page(self):
-        return self.pool.options.get("granularity", 2 * MiB)
+        return self.pool.options["granularity"] or 2 * MiB
 
     def _whole_free_pages(self):
         """Whole pages in runs of free blocks, past any pinned prefix: releasable now."""

@@ -140,3 +140,16 @@ def test_concurrent_streams_never_share_live_bytes(sim):
     pool.device.complete_all()
     pool.empty_cache()
     assert pool.reserved_bytes() == 0 and pool.device.counters()["errors"] == 0
+
+
+def test_pages_taken_through_an_event_wait_go_after_the_work_that_was_waited_for(sim):
+    pool = sim(expandable_segments=True, capacity=GiB, granularity=MiB)
+    a = pool.alloc(512)                                  # stream 0's small range, one page
+    seq = pool.device.launch(0)
+    pool.free(a)
+    b = pool.alloc(MiB, stream=T)                        # the whole page, after an event wait
+    assert b == a and pool.device.ordered(T, 0, seq)
+    pool.free(b)                                         # T's now; T itself launched nothing
+    pool.empty_cache()                                   # syncing T waits for 0's work too
+    assert pool.reserved_bytes() == 0
+    assert pool.device.stream_info(0)["completed"] == seq
