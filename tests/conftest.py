@@ -65,3 +65,13 @@ def blocks(pool):
         for b in seg["blocks"]:
             out.append((b["address"] - BASE, b["size"], b["state"]))
     return out
+
+
+def run_threads(target, argsets):
+    """Run target(*args) in one thread per argument tuple, started together, all joined."""
+    import threading
+    threads = [threading.Thread(target=target, args=tuple(args)) for args in argsets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 import mempool
+from conftest import run_threads
 
 MiB = 1 << 20
 
@@ -42,12 +43,7 @@ def test_threads_fill_and_verify(options):
     pool = mempool.Pool(backend="host", capacity=2 << 30, **options)
     errors = []
     streams = (0, 1, 2)
-    threads = [threading.Thread(target=worker, args=(pool, seed, 1500, errors, streams))
-               for seed in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(worker, [(pool, seed, 1500, errors, streams) for seed in range(6)])
     assert errors == []
     pool.check_invariants()
     assert pool.used_bytes() == 0
@@ -71,11 +67,7 @@ def test_threads_on_the_simulated_device():
                 mine.append(pool.alloc(rnd.randrange(1, 1 << 21), stream=seed % 2))
         results.append(mine)
 
-    threads = [threading.Thread(target=run, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(run, [(s,) for s in range(4)])
     ptrs = [p for mine in results for p in mine]
     assert len(ptrs) == len(set(ptrs))               # nothing handed out twice
     pool.check_invariants()

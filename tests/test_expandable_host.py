@@ -7,11 +7,11 @@ remap would show as a wrong pattern.
 """
 import ctypes
 import random
-import threading
 
 import pytest
 
 import mempool
+from conftest import run_threads
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = 64 * KiB
@@ -164,12 +164,7 @@ def worker(pool, seed, rounds, errors):
 def test_threads_grow_release_and_verify(host, options):
     pool = host(expandable_segments=True, capacity=512 * MiB, granularity=PAGE, **options)
     errors = []
-    threads = [threading.Thread(target=worker, args=(pool, seed, 600, errors))
-               for seed in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(worker, [(pool, seed, 600, errors) for seed in range(4)])
     assert errors == []
     pool.check_invariants()
     assert pool.used_bytes() == 0
