@@ -17,11 +17,16 @@ SIZES = st.one_of(st.integers(0, 4096), st.integers(4097, 1 << 20),
 
 
 class PoolMachine(RuleBasedStateMachine):
+    """The shared model; subclasses set `options` (and may add rules and checks)."""
     options = {}
+    capacity = 512 << 20
+
+    def pool_options(self):
+        return dict(self.options)
 
     @initialize()
     def make_pool(self):
-        self.pool = mempool.Pool(backend="sim", capacity=512 << 20, **self.options)
+        self.pool = mempool.Pool(backend="sim", capacity=self.capacity, **self.pool_options())
         self.dev = self.pool.device
         self.live = {}        # ptr -> (nbytes, stream, streams recorded)
         self.work = []        # (stream, seq, lo, hi): work that touched these bytes
@@ -69,11 +74,15 @@ class PoolMachine(RuleBasedStateMachine):
         self.live[ptr][2].add(other)
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def free(self, data):
+    @rule(data=st.data(), on=st.sampled_from((None,) + STREAMS))
+    def free(self, data, on):
+        """Free on the block's stream (None), or on a recorded stream that used it last: the
+        pool then waits for the block's own stream and the other recorded ones."""
         ptr = data.draw(st.sampled_from(sorted(self.live)))
-        del self.live[ptr]
-        self.pool.free(ptr)
+        _, stream, recorded = self.live.pop(ptr)
+        if on is not None and on != stream and on not in recorded:
+            on = None          # freeing on a stream that never used it is not a valid program
+        self.pool.free(ptr, stream=on)
 
     @rule(stream=st.sampled_from(STREAMS))
     def complete(self, stream):

@@ -16,85 +16,21 @@ work, inject failures (the next N upstream calls, or a map that fails part-way),
 """
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import invariant, rule
 
-import mempool
+from test_core_state_machine import PoolMachine
 
 MiB = 1 << 20
-STREAMS = (0, 5, 9)
-SIZES = st.one_of(st.integers(0, 4096), st.integers(4097, 1 << 20),
-                  st.integers((1 << 20) + 1, 24 << 20))
 UNMAPPED = 3
 
 
-class ExpandableMachine(RuleBasedStateMachine):
-    options = {}
+class ExpandableMachine(PoolMachine):
+    """The core's model (tests/test_core_state_machine.py) with expandable segments on, a
+    smaller device, map failures part-way, and the page checks above."""
     capacity = 160 * MiB
 
-    @initialize()
-    def make_pool(self):
-        self.pool = mempool.Pool(backend="sim", capacity=self.capacity, expandable_segments=True,
-                                 **self.options)
-        self.dev = self.pool.device
-        self.live = {}        # ptr -> (nbytes, stream, streams recorded)
-        self.work = []        # (stream, seq, lo, hi): queued work that touched these bytes
-
-    def _pending(self):
-        self.work = [w for w in self.work if self.dev.stream_info(w[0])["completed"] < w[1]]
-        return self.work
-
-    @rule(nbytes=SIZES, stream=st.sampled_from(STREAMS))
-    def alloc(self, nbytes, stream):
-        try:
-            ptr = self.pool.alloc(nbytes, stream=stream)
-        except mempool.OutOfMemoryError:
-            return
-        size = self.pool.block_info(ptr)[0]
-        assert size >= max(nbytes, 1)
-        lo, hi = ptr, ptr + size
-        for q, (qn, _, _) in self.live.items():
-            assert hi <= q or q + qn <= lo, f"block {ptr:#x} overlaps live block {q:#x}"
-        for other, seq, wlo, whi in self._pending():
-            if wlo < hi and lo < whi and other != stream:
-                assert self.dev.ordered(stream, other, seq), (
-                    f"{ptr:#x} handed to stream {stream} while stream {other} may still use it")
-        self.live[ptr] = (size, stream, set())
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def use(self, data):
-        """Queue work that touches a live block, on its stream or a recorded one."""
-        ptr = data.draw(st.sampled_from(sorted(self.live)))
-        size, stream, recorded = self.live[ptr]
-        on = data.draw(st.sampled_from(sorted({stream} | recorded)))
-        seq = self.dev.launch(on)
-        self.work.append((on, seq, ptr, ptr + size))
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data(), other=st.sampled_from(STREAMS))
-    def record(self, data, other):
-        ptr = data.draw(st.sampled_from(sorted(self.live)))
-        self.pool.record_stream(ptr, other)
-        self.live[ptr][2].add(other)
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data(), on=st.sampled_from((None,) + STREAMS))
-    def free(self, data, on):
-        """Free on the block's stream (None), or on a recorded stream that used it last: the
-        pool then waits for the block's own stream and the other recorded ones."""
-        ptr = data.draw(st.sampled_from(sorted(self.live)))
-        _, stream, recorded = self.live.pop(ptr)
-        if on is not None and on != stream and on not in recorded:
-            on = None          # freeing on a stream that never used it is not a valid program
-        self.pool.free(ptr, stream=on)
-
-    @rule(stream=st.sampled_from(STREAMS))
-    def complete(self, stream):
-        self.dev.complete(stream)
-
-    @rule(n=st.integers(1, 3))
-    def fail_next(self, n):
-        self.dev.fail_next(n)
+    def pool_options(self):
+        return dict(self.options, expandable_segments=True)
 
     @rule(pages=st.integers(0, 6))
     def fail_map_after(self, pages):
@@ -138,9 +74,8 @@ class ExpandableMachine(RuleBasedStateMachine):
     def consistent(self):
         if not hasattr(self, "pool"):
             return
+        super().consistent()
         pool, dev = self.pool, self.dev
-        pool.check_invariants()
-        assert pool.used_bytes() == sum(n for n, _, _ in self.live.values())
         layout = pool.layout()
         mapped = sum(b["size"] for s in layout for b in s["blocks"] if b["state"] != UNMAPPED)
         counters = dev.counters()
