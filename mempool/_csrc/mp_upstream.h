@@ -4,9 +4,11 @@
  * primitive layer. Every function
  *   - returns an int error code: MP_OK (0) on success, an MP_E* code otherwise;
  *   - never raises, never calls into Python and never needs the GIL;
- *   - may be called from any thread, but never concurrently on the same context unless the
- *     upstream says so (the pool serialises its own calls; see docs/architecture.md,
- *     "Note [Lock order]").
+ *   - may be called from any thread and concurrently on the same context: the pool calls
+ *     segment allocation and release, syncs and map/unmap with its lock dropped, and the
+ *     DLPack hand-off makes event calls outside the pool lock (see docs/architecture.md,
+ *     "Note [Lock order]"). The sim and host upstreams guard their state with a mutex; the
+ *     CUDA driver is thread-safe.
  * Handles (pointers, streams, events, address ranges) are plain uintptr_t values.
  *
  * Implementations: mp_sim.c (simulated device), mp_host.c (host memory), mp_cuda.c
