@@ -126,6 +126,14 @@ def worker_host(rank, world, port, steps, expandable):
         dist.all_reduce(x)
         assert bool((x == want).all()), f"rank {rank} step {step}: got {x[:4].tolist()}"
         del x                           # the DLPack deleter frees the block
+    # gloo's work object may hold the last tensor a moment longer, on its own thread: the
+    # deleter runs wherever the last reference goes, so wait for it (bounded).
+    import gc
+    import time
+    deadline = time.monotonic() + 10
+    while pool.used_bytes() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
     st = pool.stats()
     assert st["allocation.all.allocated"] == 1 + steps and st["allocation.all.freed"] == 1 + steps
     assert pool.used_bytes() == 0
