@@ -22,6 +22,18 @@ SPIN_MS = 50
 A_SEED, B_SEED = 0xA0A0A0A0, 0x0B0B0B0B
 
 
+def _written_on_a_read_on_b(pool, a, b, kernels, result, cupy):
+    """A block allocated and filled on A, then read on B for ~50 ms (B ordered after A's
+    write by an event): the shape of every test below."""
+    blk = pool.alloc(N, stream=a)
+    kernels.fill(blk, N, A_SEED, stream=a)
+    written = cupy.cuda.Event(disable_timing=True)
+    written.record(a)
+    b.wait_event(written)
+    kernels.spin_copy(blk, result.data.ptr, N, SPIN_MS, stream=b)
+    return blk
+
+
 @pytest.fixture
 def result(cupy_device):
     """Where a racing reader copies what it saw: CuPy's own memory, outside the pool."""
@@ -54,12 +66,7 @@ def test_record_stream_holds_the_block_for_the_other_stream(cuda_pool, streams, 
     cupy = cupy_device
     pool = cuda_pool()
     a, b = streams
-    blk = pool.alloc(N, stream=a)
-    kernels.fill(blk, N, A_SEED, stream=a)
-    written = cupy.cuda.Event(disable_timing=True)
-    written.record(a)
-    b.wait_event(written)
-    kernels.spin_copy(blk, result.data.ptr, N, SPIN_MS, stream=b)  # B reads blk ~50 ms on
+    blk = _written_on_a_read_on_b(pool, a, b, kernels, result, cupy)   # B still reading it
     pool.record_stream(blk, b)
     pool.free(blk)  # on its own stream A, whose work with it is done; B's is not
     blk2 = pool.alloc(N, stream=a)
@@ -82,12 +89,7 @@ def test_free_on_the_stream_of_last_use(cuda_pool, streams, kernels, result, cup
     cupy = cupy_device
     pool = cuda_pool()
     a, b = streams
-    blk = pool.alloc(N, stream=a)
-    kernels.fill(blk, N, A_SEED, stream=a)
-    written = cupy.cuda.Event(disable_timing=True)
-    written.record(a)
-    b.wait_event(written)
-    kernels.spin_copy(blk, result.data.ptr, N, SPIN_MS, stream=b)
+    blk = _written_on_a_read_on_b(pool, a, b, kernels, result, cupy)
     pool.free(blk, stream=b)  # B is where the block was last used
     blk2 = pool.alloc(N, stream=a)
     kernels.fill(blk2, N, B_SEED, stream=a)
@@ -107,12 +109,7 @@ def test_control_without_record_stream_the_race_is_real(cuda_pool, streams, kern
     cupy = cupy_device
     pool = cuda_pool()
     a, b = streams
-    blk = pool.alloc(N, stream=a)
-    kernels.fill(blk, N, A_SEED, stream=a)
-    written = cupy.cuda.Event(disable_timing=True)
-    written.record(a)
-    b.wait_event(written)
-    kernels.spin_copy(blk, result.data.ptr, N, SPIN_MS, stream=b)
+    blk = _written_on_a_read_on_b(pool, a, b, kernels, result, cupy)
     pool.free(blk)
     blk2 = pool.alloc(N, stream=a)
     assert blk2 == blk, "stream order lets A reuse its own freed block at once"
