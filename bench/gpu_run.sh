@@ -18,18 +18,27 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+export PY OUT  # the fragmentation stage runs in a child shell
 export PYTHONUNBUFFERED=1
 
-# Stage time limits in seconds (about 7 minutes together).
+# Stage time limits in seconds (about 9 minutes together), and which stages run
+# (e.g. STAGES="build tests bench" when there is no time for memcheck).
 T_BUILD=${T_BUILD:-100}
-T_TESTS=${T_TESTS:-100}
+T_TESTS=${T_TESTS:-150}
 T_SANITIZER=${T_SANITIZER:-240}
-T_BENCH=${T_BENCH:-60}
+T_BENCH=${T_BENCH:-240}
+T_FRAG=${T_FRAG:-120}
+STAGES=" ${STAGES:-build tests sanitizer bench fragmentation} "
+wants() { [[ $STAGES == *" $1 "* ]]; }
 
 declare -A STATUS
 stage() {  # stage NAME LOG CMD...: run CMD with its output tee'd to LOG, record its status
     local name=$1 log=$2
     shift 2
+    if ! wants "$name"; then
+        STATUS[$name]="not selected"
+        return
+    fi
     echo "=== $name: $*" | tee "$log"
     "$@" 2>&1 | tee -a "$log"
     local rc=$?
@@ -77,7 +86,9 @@ stage tests "$OUT/tests.log" timeout "$T_TESTS" "$PY" -m pytest -m gpu tests "${
 # ---- the GPU tier under memcheck: out-of-bounds and misaligned device accesses, and bad
 # frees, anywhere in kernels that touch pool memory. Failing API calls are not reported:
 # the tests make them on purpose (out of memory, invalid handles).
-if command -v compute-sanitizer >/dev/null; then
+if ! wants sanitizer; then
+    STATUS[sanitizer]="not selected"
+elif command -v compute-sanitizer >/dev/null; then
     stage sanitizer "$OUT/sanitizer.log" timeout "$T_SANITIZER" compute-sanitizer --tool memcheck \
         --target-processes all --report-api-errors no --error-exitcode 99 --print-limit 200 \
         --log-file "$OUT/sanitizer-report.%p.txt" \
@@ -88,19 +99,24 @@ else
 fi
 
 # ---- benchmarks (they report; nothing gates on them)
-if [ -d bench ] && ls bench/*.py >/dev/null 2>&1; then
-    # BENCH_ARGS narrows the run (e.g. BENCH_ARGS="bench/test_latency.py") when time is short.
-    stage bench "$OUT/bench.log" timeout "$T_BENCH" "$PY" -m pytest ${BENCH_ARGS:-bench} \
-        -p no:cacheprovider --benchmark-enable --benchmark-json "$OUT/bench.json"
-else
-    STATUS[bench]=skipped
-fi
+# `python -m mempool bench` writes bench.json, bench.log, table.txt and latency.png under
+# OUTDIR/bench; BENCH_ARGS narrows it (e.g. BENCH_ARGS="-k latency") when time is short.
+stage bench "$OUT/bench-stage.log" timeout "$T_BENCH" "$PY" -m mempool bench --out "$OUT/bench" \
+    ${BENCH_ARGS:-}
+
+# ---- fragmentation: the shipped traces through mempool, PyTorch and CuPy on the device,
+# then the largest batch that fits under a fixed limit with and without expandable segments.
+frag() {
+    "$PY" bench/fragmentation_gpu.py --out "$OUT/fragmentation_gpu.json" || return
+    "$PY" bench/largest_batch.py --backend cuda --out "$OUT/largest_batch.json"
+}
+stage fragmentation "$OUT/fragmentation.log" timeout "$T_FRAG" bash -c "$(declare -f frag); frag"
 
 # ---- summary
 {
     cat "$OUT/versions.txt"
     echo
-    for name in build tests sanitizer bench; do
+    for name in build tests sanitizer bench fragmentation; do
         echo "stage $name: ${STATUS[$name]:-not run} (0 = passed; 124 = over its time limit)"
     done
     echo
