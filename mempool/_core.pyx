@@ -5,6 +5,7 @@ Split by concern into include files: _pool.pxi (the Pool), _devices.pxi (the sim
 host devices' test controls), _peers.pxi (several devices: peer access), _buffer.pxi (the
 DLPack bridge), _torch.pxi (the PyTorch pluggable allocator's registry).
 """
+cimport cython
 from mempool._cdefs cimport *
 
 include "_cuda.pxi"

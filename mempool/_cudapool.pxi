@@ -31,14 +31,14 @@ cdef object _make_cuda(mp_upstream *up, int device, dict opts):
     return handle
 
 
-cdef uintptr_t _cuda_current_stream(int device) except? 0:
-    """CuPy's current stream on `device`, the pool's own: CuPy keeps one per device, and the
-    current device's may belong to another GPU than the pool's."""
+cdef object _cuda_current_stream(int device):
+    """CuPy's current stream object on `device`, the pool's own: CuPy keeps one per device,
+    and the current device's may belong to another GPU than the pool's."""
     global _current_stream_fn
     if _current_stream_fn is None:
         import cupy.cuda
         _current_stream_fn = cupy.cuda.get_current_stream
-    return _current_stream_fn(device).ptr
+    return _current_stream_fn(device)
 
 
 def _cuda_set_release_threshold(Pool pool):

@@ -138,10 +138,18 @@ cdef class Pool:
     cdef readonly dict options
     cdef readonly object device
     cdef object _cuda_handle
+    # Note [Pinned streams]: every stream object the pool is given (a CuPy stream, an
+    # object with __cuda_stream__, CuPy's current stream) is kept alive while the pool may
+    # still call the driver with its handle (events for cross-stream reuse, freeing cached
+    # segments on it): a destroyed handle reaching the driver crashes it. Raw ints are the
+    # caller's to keep valid. forget_stream() lets go of one.
+    cdef dict _pinned_streams        # handle -> the stream object
+    cdef object _last_pinned         # the object pinned last: the common case, one compare
     cdef object __weakref__
 
     def __cinit__(self, *args, **kwargs):
         self._pool = NULL
+        self._pinned_streams = {}
 
     def __init__(self, backend="cuda", device=0, capacity=None, **options):
         given = dict(options)
@@ -225,10 +233,31 @@ cdef class Pool:
 
     cdef inline int _stream_of(self, object stream, uintptr_t *out) except -1:
         if stream is None:
-            out[0] = _cuda_current_stream(self.device_id) if self._kind == _CUDA else 0
+            if self._kind != _CUDA:
+                out[0] = 0
+                return 0
+            stream = _cuda_current_stream(self.device_id)
+            out[0] = stream.ptr
+        elif type(stream) is int:
+            out[0] = PyLong_AsSize_t(stream_handle(stream))
+            return 0
         else:
             out[0] = PyLong_AsSize_t(stream_handle(stream))
+        if stream is not self._last_pinned:
+            self._pin_stream(stream, out[0])
         return 0
+
+    cdef int _pin_stream(self, object stream, uintptr_t handle) except -1:
+        """Note [Pinned streams]. Handles 0, 1 and 2 name default streams: never destroyed."""
+        if handle > 2 and handle not in self._pinned_streams:
+            self._pinned_streams[handle] = stream
+        self._last_pinned = stream
+        return 0
+
+    @property
+    def pinned_streams(self):
+        """The stream objects this pool keeps alive, by handle (Note [Pinned streams])."""
+        return dict(self._pinned_streams)
 
     def alloc(self, nbytes, stream=None):
         """Allocate ``nbytes`` on ``stream`` (None: the current stream) and return the address.
@@ -275,16 +304,21 @@ cdef class Pool:
             raise self._pointer_error(rc, "record_stream", p)
 
     def forget_stream(self, stream):
-        """Call before destroying a stream this pool has used.
+        """Let go of a stream: call it before destroying a raw stream handle the pool has
+        used, or to let a stream object the pool keeps alive go.
 
         Waits for the stream's queued work, then moves every block and segment the pool
         keeps on it to the legacy default stream, so the pool never calls the driver with
         the dead handle (freeing a cached segment on a destroyed stream crashes the
-        driver). At the pool's own end no call is needed: it synchronizes the device and
-        frees everything on the legacy stream.
+        driver), and drops the pool's reference to the stream object. Stream objects
+        (CuPy streams, ``__cuda_stream__`` objects) need no call: the pool keeps them alive
+        while it may use their handles (``pinned_streams``). At the pool's own end no call is
+        needed either: it synchronizes the device and frees everything on the legacy stream.
         """
         cdef uintptr_t s = 0
         self._stream_of(stream, &s)
+        self._pinned_streams.pop(s, None)
+        self._last_pinned = None
         cdef int rc = mp_forget_stream(self._pool, s)
         if rc == MP_ENOMEM:
             raise MemoryError("forget_stream: out of host memory")
@@ -688,29 +722,33 @@ def size_class(nbytes):
 
 # --------------------------------------------------------------------- the CuPy hook
 
-cdef object _cupy_mod = None
+cdef object _MemoryPointer = None     # cupy.cuda.MemoryPointer, looked up once
+cdef object _UnownedMemory = None
 
 
+@cython.no_gc_clear   # the block must be freed even when a collected cycle holds it
 cdef class _Allocation:
-    """Owner of a block handed to CuPy: frees it when CuPy's memory object dies."""
-    cdef mp_pool *_pool
+    """Owner of a block handed to CuPy: frees it when CuPy's memory object dies.
+
+    It keeps the Pool object alive with a plain reference (no atomic C refcount on this
+    path: the hook runs at every cupy.empty), and the Pool keeps the C pool."""
+    cdef Pool _owner
     cdef uintptr_t ptr
 
     def __dealloc__(self):
-        if self._pool != NULL:
-            mp_free(self._pool, self.ptr, 0, 0)
-            mp_pool_release(self._pool)
+        if self._owner is not None:
+            mp_free(self._owner._pool, self.ptr, 0, 0)
 
 
 cdef object _cupy_malloc(Pool pool, object nbytes):
-    global _cupy_mod
-    if _cupy_mod is None:
+    global _MemoryPointer, _UnownedMemory
+    if _MemoryPointer is None:
         import cupy.cuda
-        _cupy_mod = cupy.cuda
+        _MemoryPointer, _UnownedMemory = cupy.cuda.MemoryPointer, cupy.cuda.UnownedMemory
     cdef size_t n = _as_nbytes(nbytes, "nbytes")
     if n == 0:
         # As CuPy's own pools: an empty allocation is a null pointer, freeing nothing.
-        return _cupy_mod.MemoryPointer(_cupy_mod.UnownedMemory(0, 0, None, pool.device_id), 0)
+        return _MemoryPointer(_UnownedMemory(0, 0, None, pool.device_id), 0)
     cdef uintptr_t s = 0
     pool._stream_of(None, &s)
     cdef uintptr_t ptr = 0
@@ -718,10 +756,9 @@ cdef object _cupy_malloc(Pool pool, object nbytes):
     if rc != MP_OK:
         raise pool._alloc_error(rc, n, s)
     cdef _Allocation owner = _Allocation.__new__(_Allocation)
-    mp_pool_retain(pool._pool)
-    owner._pool = pool._pool
+    owner._owner = pool
     owner.ptr = ptr
-    return _cupy_mod.MemoryPointer(_cupy_mod.UnownedMemory(ptr, n, owner, pool.device_id), 0)
+    return _MemoryPointer(_UnownedMemory(ptr, n, owner, pool.device_id), 0)
 
 
 class _CupyAllocatorScope:

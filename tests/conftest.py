@@ -1,4 +1,8 @@
 """Shared fixtures. The CPU tier runs everywhere; tests marked ``gpu`` need a CUDA device."""
+import faulthandler
+import os
+import sys
+
 import pytest
 
 import mempool
@@ -17,6 +21,15 @@ def gpu_available():
 
 
 requires_gpu = pytest.mark.skipif(not gpu_available(), reason="needs a CUDA device")
+
+
+def pytest_unconfigure(config):
+    """MEMPOOL_TEST_EXIT_WATCHDOG=N: if the process has not exited N seconds after the run
+    ends (a pool teardown or a driver call stuck at interpreter exit), print every
+    thread's stack and exit, so the hang is seen rather than cut by an outer time limit."""
+    seconds = os.environ.get("MEMPOOL_TEST_EXIT_WATCHDOG")
+    if seconds:
+        faulthandler.dump_traceback_later(float(seconds), exit=True, file=sys.stderr)
 
 
 def pytest_collection_modifyitems(config, items):

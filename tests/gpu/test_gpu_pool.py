@@ -139,8 +139,10 @@ def test_threads_without_a_current_context(cuda_pool, kernels, cupy_device):
     assert errors == []
     pool.check_invariants()
     assert pool.used_bytes() == 0
-    # The threads' streams are destroyed by now, and the pool still caches segments freed on
-    # them: releasing those must not touch the dead stream handles.
+    # The threads are gone and so are their references to their streams; the pool caches
+    # segments freed on them, so it keeps those streams alive (Note [Pinned streams]) and
+    # releasing the segments calls the driver with live handles only.
+    assert len(pool.pinned_streams) == 4
     del threads
     gc.collect()
     pool.empty_cache()
@@ -166,4 +168,31 @@ def test_alloc_from_a_thread_that_never_touched_cuda(cuda_pool, cupy_device, ker
     t.join()
     assert "error" not in out, out.get("error")
     assert out["ptr"] % 512 == 0
+    pool.check_invariants()
+
+
+def test_a_dropped_cupy_stream_stays_valid_for_cross_stream_reuse(cuda_pool, cupy_device,
+                                                                   kernels):
+    """A block cached on a stream the user has dropped is taken by another stream: the pool
+    records an event on the dropped stream's handle, which must still be a live stream."""
+    cupy = cupy_device
+    pool = cuda_pool()
+    first = cupy.cuda.Stream(non_blocking=True)
+    ptr = pool.alloc(8 * MiB, stream=first)
+    kernels.fill(ptr, 8 * MiB, seed=3, stream=first)
+    pool.free(ptr, stream=first)
+    handle = first.ptr
+    del first
+    gc.collect()
+    assert handle in pool.pinned_streams
+    other = cupy.cuda.Stream(non_blocking=True)
+    again = pool.alloc(8 * MiB, stream=other)         # the only fit: the dropped stream's block
+    assert again == ptr and pool.stats()["num_cross_stream_reuse"] == 1
+    kernels.fill(again, 8 * MiB, seed=4, stream=other)
+    assert kernels.count_bad(again, 8 * MiB, 4, other) == 0
+    pool.free(again, stream=other)
+    other.synchronize()
+    pool.forget_stream(handle)
+    assert handle not in pool.pinned_streams
+    pool.empty_cache()
     pool.check_invariants()
