@@ -14,9 +14,10 @@ import os
 import sys
 from pathlib import Path
 
-SECTION_ORDER = ["latency", "foundation", "streams", "scale", "threads", "first step"]
+SECTION_ORDER = ["latency", "torch.empty", "foundation", "streams", "scale", "threads", "first step"]
 SECTION_TEXT = {
     "latency": "one malloc+free pair by size",
+    "torch.empty": "torch.empty + drop, each allocator in a process of its own",
     "foundation": "foundation targets on sim: the floor, an empty and a populated pool",
     "streams": "64 KiB pairs over several streams",
     "scale": "512 B pairs with many blocks live",

@@ -1,0 +1,56 @@
+"""``torch.empty`` through mempool's pluggable allocator against PyTorch's own caching
+allocator, each in a fresh process (bench/torch_empty_child.py says why), by size.
+
+The figures are the children's own timings (the same loop shape and round count as the rest
+of the suite); pytest-benchmark's timer here sees one run of the child process and is not
+the figure of record (``extra_info["measured_in"] == "subprocess"``).
+"""
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .benchkit import GPU_MARKS, ROUNDS, SIZES, pairs_for
+
+pytestmark = GPU_MARKS
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_empty_child.py")
+ROWS = {"caching": "torch.empty, PyTorch caching allocator (own process)",
+        "mempool": "torch.empty through mempool.torch.install (own process)"}
+
+
+@functools.lru_cache(maxsize=None)
+def run_child(allocator, rounds, pairs):
+    """The child's figures for every size (one process per allocator, shared by the sizes)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(CHILD)), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, CHILD, allocator, str(rounds), str(pairs),
+                           *map(str, SIZES.values())],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("column", list(SIZES))
+@pytest.mark.parametrize("allocator", list(ROWS))
+def test_torch_empty(benchmark, allocator, column):
+    pytest.importorskip("torch", reason="PyTorch is not installed")
+    pairs = pairs_for(benchmark)
+    rounds = ROUNDS if not benchmark.disabled else 1
+    result = benchmark.pedantic(run_child, args=(allocator, rounds, pairs), rounds=1,
+                                iterations=1)
+    if allocator == "mempool":
+        # Every tensor went through the pool: warm-up and timed rounds, each size.
+        assert result["pool_allocations"] >= (rounds + 1) * pairs * len(SIZES)
+    if benchmark.disabled:
+        return
+    figure = result[str(SIZES[column])]
+    benchmark.group = f"torch.empty {column}"
+    benchmark.extra_info.update(section="torch.empty", row=ROWS[allocator], column=column,
+                                unit="pair", measured_in="subprocess", nbytes=SIZES[column],
+                                ref=0 if allocator == "mempool" else None,
+                                order=list(SIZES).index(column), ns=figure["ns_per_pair"],
+                                ns_per_pair=figure["ns_per_pair"],
+                                min_ns_per_pair=figure["min_ns_per_pair"])

@@ -1,0 +1,53 @@
+"""Time ``torch.empty(n, dtype=uint8, device="cuda")`` + drop in a process of its own.
+
+    python bench/torch_empty_child.py {caching,mempool} ROUNDS PAIRS SIZE [SIZE ...]
+
+PyTorch reads its allocator once, before the first CUDA allocation, so the pluggable
+allocator (``mempool.torch.install``) and PyTorch's own caching allocator are each timed in
+a fresh process; test_torch_empty.py runs both and puts them side by side. Prints one JSON
+object: {size: {"ns_per_pair": median, "min_ns_per_pair": min}}, the median of ROUNDS
+rounds of PAIRS pairs in a tight loop (after one warm-up round), as the rest of the suite.
+"""
+import json
+import statistics
+import sys
+import time
+
+
+def main(argv):
+    allocator, rounds, pairs = argv[0], int(argv[1]), int(argv[2])
+    sizes = [int(s) for s in argv[3:]]
+    import torch
+
+    pool = None
+    if allocator == "mempool":
+        import mempool
+        import mempool.torch
+
+        pool = mempool.Pool(backend="cuda", device=0)
+        mempool.torch.install(pool)
+    elif allocator != "caching":
+        raise SystemExit(f"allocator must be 'caching' or 'mempool', got {allocator!r}")
+    empty, uint8 = torch.empty, torch.uint8
+    out = {}
+    for nbytes in sizes:
+        per_round = []
+        for r in range(rounds + 1):
+            t0 = time.perf_counter_ns()
+            for _ in range(pairs):
+                empty(nbytes, dtype=uint8, device="cuda")
+            if r:                                   # round 0 warms up
+                per_round.append((time.perf_counter_ns() - t0) / pairs)
+        out[nbytes] = {"ns_per_pair": statistics.median(per_round),
+                       "min_ns_per_pair": min(per_round)}
+    torch.cuda.synchronize()
+    if pool is not None:
+        stats = pool.stats()
+        assert stats["allocation.all.current"] == 0, "a tensor's block was not returned"
+        out["pool_allocations"] = stats["allocation.all.allocated"]
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
