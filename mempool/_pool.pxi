@@ -317,9 +317,10 @@ cdef class Pool:
         """
         cdef uintptr_t s = 0
         self._stream_of(stream, &s)
+        cdef int rc = mp_forget_stream(self._pool, s)
+        # Only now may the stream object go: the call above synchronized its handle.
         self._pinned_streams.pop(s, None)
         self._last_pinned = None
-        cdef int rc = mp_forget_stream(self._pool, s)
         if rc == MP_ENOMEM:
             raise MemoryError("forget_stream: out of host memory")
         if rc != MP_OK:

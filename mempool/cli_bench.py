@@ -317,7 +317,11 @@ def main(command, argv):
         print(f"mempool bench: pytest produced no results (exit {rc}); see {log_path}",
               file=sys.stderr)
         return rc or 1
-    data = json.loads(json_path.read_text())
+    text = json_path.read_text()
+    if not text.strip():   # pytest-benchmark leaves it empty when -k selected nothing
+        print(f"mempool bench: no benchmark ran (exit {rc}); see {log_path}", file=sys.stderr)
+        return rc or 1
+    data = json.loads(text)
     infos = [b["extra_info"] for b in data.get("benchmarks", [])]
     table = render_table(infos)
     sentences = foundation_lines(infos)
