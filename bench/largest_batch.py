@@ -287,7 +287,7 @@ def torch_rows(traces: Traces, limit: int, start: int, max_batch: int,
     rows = []
     for label, conf in TORCH_CONFS:
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
-        env.pop("PYTORCH_ALLOC_CONF", None)      # the newer name would take precedence
+        env.pop("PYTORCH_ALLOC_CONF", None)      # the newer name, if set, could override it
         row = {"allocator": label, "conf": conf}
         try:
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--torch-worker",
