@@ -40,14 +40,21 @@ def _trace_path(name):
     return name if os.path.exists(name) else os.path.join(HERE, "traces", name)
 
 
-def torch_replay(path: str) -> dict:
-    """Replay in this process through PyTorch's caching allocator (its conf from the env)."""
+def torch_replay(trace) -> dict:
+    """Replay in this process through PyTorch's caching allocator (its conf from the env).
+
+    `trace` is a trace file or what :func:`mempool.replay.prepare` takes. The cache is
+    emptied before and after, so that several replays in one process (one per batch size in
+    bench/largest_batch.py) each start from an empty allocator, as a fresh process would.
+    """
     import torch
 
-    prep = rp.prepare(mtrace.load(path))
+    prep = rp.prepare(mtrace.load(trace) if isinstance(trace, str) else trace)
     streams = [None] + [torch.cuda.Stream() for _ in prep.streams[1:]]
     alloc, delete = torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete
     ptrs = [0] * prep.nslots
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     ooms = 0
     t0 = time.perf_counter_ns()
@@ -62,7 +69,11 @@ def torch_replay(path: str) -> dict:
             ptrs[slot] = 0
     elapsed = time.perf_counter_ns() - t0
     st = torch.cuda.memory_stats()
+    for p in ptrs:                     # a trace cut short leaves buffers live
+        if p:
+            delete(p)
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     return {"peak_reserved_bytes": st["reserved_bytes.all.peak"],
             "peak_allocated_bytes": st["allocated_bytes.all.peak"],
             "peak_live_bytes": prep.peak_live_bytes, "num_ooms": ooms,
