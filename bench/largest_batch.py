@@ -382,6 +382,9 @@ def table(result: dict) -> str:
 
 
 def _commit() -> str | None:
+    # bench/gpu_run.sh's MEMPOOL_COMMIT: a tree copied without its history names its commit.
+    if os.environ.get("MEMPOOL_COMMIT"):
+        return os.environ["MEMPOOL_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True,
                               text=True, check=True).stdout.strip()
