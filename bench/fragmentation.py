@@ -20,13 +20,13 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from bench.provenance import commit  # noqa: E402
 from mempool import replay as rp  # noqa: E402
 from mempool import trace as mtrace  # noqa: E402
 
@@ -119,14 +119,6 @@ def _gpu_results() -> list:
         return []
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", nargs="*", default=list(TRACES),
@@ -143,7 +135,7 @@ def main(argv=None) -> int:
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"commit": _commit(), "python": platform.python_version(),
+            json.dump({"commit": commit(), "python": platform.python_version(),
                        "machine": platform.machine(), "backend": "sim", "rows": rows},
                       f, indent=2)
             f.write("\n")

@@ -45,6 +45,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import make_traces  # noqa: E402
+from bench.provenance import commit  # noqa: E402
 from mempool import replay as rp  # noqa: E402
 from mempool._config import format_size, parse_size  # noqa: E402
 
@@ -321,7 +322,7 @@ def run(limit, backend: str = "sim", model: dict | None = None, start: int | Non
                  for label, conf in TORCH_CONFS]
     else:
         rows += torch_rows(traces, limit, first, max_batch, check_above, torch_timeout)
-    return {"commit": _commit(), "python": platform.python_version(), "backend": backend,
+    return {"commit": commit(), "python": platform.python_version(), "backend": backend,
             "limit_bytes": limit, "trace": {"generator": "bench/make_traces.py transformer()",
                                             "params": traces.model},
             "search": {"start": first, "max_batch": max_batch, "check_above": check_above},
@@ -379,17 +380,6 @@ def table(result: dict) -> str:
                      f"{t['peak_reserved_bytes'] / limit:>14.3f} {len(row['trials']):>6}")
     lines += notes
     return "\n".join(lines)
-
-
-def _commit() -> str | None:
-    # bench/gpu_run.sh's MEMPOOL_COMMIT: a tree copied without its history names its commit.
-    if os.environ.get("MEMPOOL_COMMIT"):
-        return os.environ["MEMPOOL_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main(argv=None) -> int:

@@ -5,8 +5,6 @@ import weakref
 
 import pytest
 
-import mempool
-
 S_HANDLE, T_HANDLE = 0x5100, 0x5200
 
 
