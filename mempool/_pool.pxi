@@ -145,6 +145,7 @@ cdef class Pool:
     # caller's to keep valid. forget_stream() lets go of one.
     cdef dict _pinned_streams        # handle -> the stream object
     cdef object _last_pinned         # the object pinned last: the common case, one compare
+    cdef uintptr_t _last_pinned_handle
     cdef object __weakref__
 
     def __cinit__(self, *args, **kwargs):
@@ -237,14 +238,16 @@ cdef class Pool:
                 out[0] = 0
                 return 0
             stream = _cuda_current_stream(self.device_id)
-            out[0] = stream.ptr
         elif type(stream) is int:
             out[0] = PyLong_AsSize_t(stream_handle(stream))
             return 0
-        else:
-            out[0] = PyLong_AsSize_t(stream_handle(stream))
-        if stream is not self._last_pinned:
-            self._pin_stream(stream, out[0])
+        if stream is self._last_pinned:
+            # The object named last: its handle is known (a stream object's handle is fixed
+            # for its life), which saves reading it again on every call.
+            out[0] = self._last_pinned_handle
+            return 0
+        out[0] = PyLong_AsSize_t(stream_handle(stream))
+        self._pin_stream(stream, out[0])
         return 0
 
     cdef int _pin_stream(self, object stream, uintptr_t handle) except -1:
@@ -252,6 +255,7 @@ cdef class Pool:
         if handle > 2 and handle not in self._pinned_streams:
             self._pinned_streams[handle] = stream
         self._last_pinned = stream
+        self._last_pinned_handle = handle
         return 0
 
     @property

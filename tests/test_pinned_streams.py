@@ -91,3 +91,24 @@ def test_a_bad_stream_object_pins_nothing(sim):
     assert pool.pinned_streams == {}
     pool.check_invariants()
     assert pool.used_bytes() == 0
+
+
+def test_the_stream_named_last_is_not_asked_for_its_handle_again(sim):
+    calls = []
+
+    class Counting(ProtocolStream):
+        def __cuda_stream__(self):
+            calls.append(self.handle)
+            return (0, self.handle)
+
+    pool = sim()
+    s, t = Counting(S_HANDLE), Counting(T_HANDLE)
+    for _ in range(3):
+        pool.free(pool.alloc(512, stream=s), stream=s)
+    assert calls == [S_HANDLE]
+    pool.free(pool.alloc(512, stream=t), stream=t)   # another object: asked once, then known
+    pool.free(pool.alloc(512, stream=s), stream=s)
+    assert calls == [S_HANDLE, T_HANDLE, S_HANDLE]
+    ptr = pool.alloc(512, stream=s)
+    assert pool.block_info(ptr)[2] == S_HANDLE
+    pool.free(ptr)
