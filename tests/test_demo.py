@@ -4,6 +4,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+from mempool import _cuda
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -23,6 +27,17 @@ def test_demo_on_the_simulated_device():
     ratios = dict(re.findall(r"^\s+(default|expandable_segments)\s+(\d\.\d{3})", text, re.M))
     assert set(ratios) == {"default", "expandable_segments"}
     assert 1.0 <= float(ratios["expandable_segments"]) < float(ratios["default"])
+    assert "mempool memory summary" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device")
+def test_demo_picks_the_gpu_when_there_is_one():
+    out = run("demo")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "demo on backend 'cuda'\n" in text
+    assert re.search(r"mempool Pool\.alloc/free\s+\d+ns", text)
     assert "mempool memory summary" in text
 
 
