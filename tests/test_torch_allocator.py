@@ -113,6 +113,27 @@ def test_out_of_memory_returns_null_and_says_why(table, capfd):
     assert "mempool: torch allocation of 536870912 bytes" in capfd.readouterr().err
 
 
+def test_live_block_count_follows_only_blocks_handed_out(table):
+    """The slot's count of torch's blocks (what keeps a pool registered) moves with real
+    blocks only: not with a refused allocation, nor a free of a pointer the pool does not
+    know, nor a second free."""
+    p = table(0, sim(capacity="64MB"))
+    live = lambda: _core._torch_counters(0)["live_blocks"]   # noqa: E731
+    a = alloc(MiB, 0, None)
+    assert live() == 1
+    assert alloc(512 * MiB, 0, None) is None             # refused: out of memory
+    assert live() == 1
+    free(a + 512, MiB, 0, None)                          # inside a block: not a block
+    free(0xDEAD000, MiB, 0, None)                        # unknown
+    assert live() == 1
+    free(a, MiB, 0, None)
+    assert live() == 0
+    free(a, MiB, 0, None)                                # freed already
+    assert live() == 0 and p.used_bytes() == 0
+    _core._torch_unregister(0)                           # nothing out: allowed
+    p.check_invariants()
+
+
 def test_registration_keeps_the_pool_alive(table):
     p = sim()
     table(0, p)

@@ -9,6 +9,16 @@
  * ever uses a pool that is being destroyed, and none sees a half-made change. Every access
  * is sequentially consistent. Changes are serialised by `table_lock`; entry points never
  * take it.
+ *
+ * The two hot entry points, alloc and free, announce themselves in `live` instead of
+ * `active` (one atomic add each way instead of three): a change swaps a pool only when
+ * `live` is 0, so an alloc or free that has announced itself (and so counts as a block out)
+ * holds the pool in place exactly as a block does. alloc keeps its announcement when it
+ * returns a block; free takes back its own and the block's. As for `active`, the order is
+ * announce, then read `closing` (the changer writes `closing`, then reads `live`): with
+ * sequentially consistent accesses one of the two sees the other. The price is that a change
+ * racing an alloc or free in flight is refused as if torch held a block (it soon will, or
+ * just did).
  */
 #include <pthread.h>
 #include <sched.h>
@@ -48,6 +58,20 @@ static mp_pool *slot_enter(mp_torch_slot *s) {
 }
 
 static void slot_exit(mp_torch_slot *s) { ADD(s->active, -1); }
+
+/* Enter a slot for alloc or free: announce in `live`, then as slot_enter. On a non-NULL
+ * return the caller owes ADD(s->live, -1) unless an allocation keeps the announcement. */
+static mp_pool *slot_enter_live(mp_torch_slot *s) {
+    for (;;) {
+        ADD(s->live, 1);
+        if (!LOAD(s->closing)) break;
+        ADD(s->live, -1);
+        while (LOAD(s->closing)) sched_yield();
+    }
+    mp_pool *p = LOAD(s->pool);
+    if (!p) ADD(s->live, -1);
+    return p;
+}
 
 /* Put `p` (NULL: none) in the slot unless torch still holds blocks of the pool there now.
  * Called with table_lock held; on MP_OK *old is the pool taken out (to release). */
@@ -133,18 +157,14 @@ void *mempool_torch_alloc(ssize_t size, int device, void *stream) {
     if (size <= 0) return NULL;
     if (!valid_device(device)) return refuse_unrouted(size, device);
     mp_torch_slot *s = &slots[device];
-    mp_pool *p = slot_enter(s);
+    mp_pool *p = slot_enter_live(s);
     if (!p) return refuse_unrouted(size, device);
     uintptr_t ptr = 0;
     int rc = mp_alloc(p, (size_t)size, (uintptr_t)stream, &ptr);
-    if (rc == MP_OK) {
-        ADD(s->live, 1);   /* inside the slot: a change sees it (Note [Torch table lifetime]) */
-        slot_exit(s);
-        return (void *)ptr;
-    }
+    if (rc == MP_OK) return (void *)ptr;   /* the announcement is the block's count now */
     ADD(s->failed, 1);
     size_t reserved = mp_reserved_bytes(p), used = mp_used_bytes(p);
-    slot_exit(s);
+    ADD(s->live, -1);
     fprintf(stderr,
             "mempool: torch allocation of %zd bytes on device %d failed (%s); pool reserved "
             "%zu bytes, %zu in use\n",
@@ -160,10 +180,10 @@ void mempool_torch_free(void *ptr, ssize_t size, int device, void *stream) {
     (void)stream;   /* the block knows its stream; torch passes the allocation's stream */
     if (!ptr || !valid_device(device)) return;
     mp_torch_slot *s = &slots[device];
-    mp_pool *p = slot_enter(s);
+    mp_pool *p = slot_enter_live(s);
     if (!p) return;
-    if (mp_free(p, (uintptr_t)ptr, 0, 0) == MP_OK) ADD(s->live, -1);
-    slot_exit(s);
+    /* Our announcement, and the block's count when it was this pool's. */
+    ADD(s->live, mp_free(p, (uintptr_t)ptr, 0, 0) == MP_OK ? -2 : -1);
 }
 
 void mempool_torch_record_stream(void *ptr, void *stream) {
