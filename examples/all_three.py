@@ -150,6 +150,7 @@ def table(results):
     total_m = m["pool_reserved_peak"] + m["jax_peak"]
     total_n = n["torch_reserved_peak"] + n["cupy_reserved"] + n["jax_reserved"]
     print(f"   {'sum':<28}{mib(total_m):>16}{mib(total_n):>16}")
+    print(f"   one pool reserves less than the three side by side: {total_m < total_n}")
     print(f"   {'device memory in use':<28}{mib(m['device_used']):>16}{mib(n['device_used']):>16}")
     same = all(abs(m[k] - n[k]) <= 1e-3 * max(1.0, abs(n[k])) for k in ("energy", "jax"))
     print(f"\n   results agree across modes: {same} (loss {m['loss']:.5f} vs {n['loss']:.5f})")

@@ -71,4 +71,6 @@ def test_example_on_gpu(name):
 @gpu
 def test_all_three_on_gpu():
     out = run_example("all_three.py", "--steps", "3")
+    print(out)   # the side-by-side table, kept in the log of a GPU run (pytest -rP)
     assert "reserved bytes, side by side" in out and "results agree across modes: True" in out
+    assert "one pool reserves less than the three side by side: True" in out
