@@ -73,7 +73,7 @@ stage build "$OUT/build.log" build
 # A test stuck in a driver call is cut by pytest-timeout (60 s; memcheck makes everything
 # slower, but the whole tier takes about 150 s under it).
 # -rP keeps what passing tests print (the side-by-side tables of the examples).
-PYTEST_OPTS=(-p no:cacheprovider -ra -rP -v --durations 20)
+PYTEST_OPTS=(-p no:cacheprovider -raP -v --durations 20)
 export MEMPOOL_TEST_EXIT_WATCHDOG=30   # tests/conftest.py: stacks of a hang at exit
 if "$PY" -c "import xdist" 2>/dev/null; then
     PYTEST_OPTS+=(-n 1)
