@@ -9,6 +9,7 @@ cimport cython
 from mempool._cdefs cimport *
 
 include "_cuda.pxi"
+include "_streams.pxi"
 include "_pool.pxi"
 include "_cudapool.pxi"
 include "_peers.pxi"

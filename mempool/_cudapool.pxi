@@ -1,6 +1,5 @@
 # The Pool's use of the CUDA upstream: choosing and configuring the cudaMemPool (through
 # mempool/_cuda.py, CuPy's runtime bindings) and reading its attributes into stats().
-cdef object _current_stream_fn = None
 
 _UINT64_MAX = 2 ** 64 - 1
 
@@ -31,14 +30,17 @@ cdef object _make_cuda(mp_upstream *up, int device, dict opts):
     return handle
 
 
-cdef object _cuda_current_stream(int device):
-    """CuPy's current stream object on `device`, the pool's own: CuPy keeps one per device,
-    and the current device's may belong to another GPU than the pool's."""
-    global _current_stream_fn
-    if _current_stream_fn is None:
-        import cupy.cuda
-        _current_stream_fn = cupy.cuda.get_current_stream
-    return _current_stream_fn(device)
+cdef _CurrentStream _cuda_current_stream(int device):
+    """The lookup of CuPy's current stream on `device`, the pool's own (CuPy keeps one per
+    device, and the current device's may belong to another GPU than the pool's), through
+    CuPy's C layer where it can be read (Note [Current stream], _streams.pxi)."""
+    import cupy.cuda
+    try:
+        import cupy_backends.cuda.stream as backend
+        capi = getattr(backend, "__pyx_capi__", None)
+    except ImportError:
+        capi = None
+    return _CurrentStream(cupy.cuda.get_current_stream, capi, device)
 
 
 def _cuda_set_release_threshold(Pool pool):

@@ -146,6 +146,7 @@ cdef class Pool:
     cdef dict _pinned_streams        # handle -> the stream object
     cdef object _last_pinned         # the object pinned last: the common case, one compare
     cdef uintptr_t _last_pinned_handle
+    cdef _CurrentStream _current     # cuda: CuPy's current stream (Note [Current stream])
     cdef object __weakref__
 
     def __cinit__(self, *args, **kwargs):
@@ -167,6 +168,7 @@ cdef class Pool:
         cdef int rc
         if self._kind == _CUDA:
             self._cuda_handle = _make_cuda(&up, self.device_id, opts)
+            self._current = _cuda_current_stream(self.device_id)
         else:
             cap = opts["capacity"] if opts["capacity"] is not None else _DEFAULT_CAPACITY[self.backend]
             if self._kind == _SIM:
@@ -237,7 +239,12 @@ cdef class Pool:
             if self._kind != _CUDA:
                 out[0] = 0
                 return 0
-            stream = _cuda_current_stream(self.device_id)
+            stream = self._current.find(self.device_id, out)
+            if stream is None:            # the same stream as last time: pinned already
+                return 0
+            if stream is not self._last_pinned:
+                self._pin_stream(stream, out[0])
+            return 0
         elif type(stream) is int:
             out[0] = PyLong_AsSize_t(stream_handle(stream))
             return 0
@@ -325,6 +332,8 @@ cdef class Pool:
         # Only now may the stream object go: the call above synchronized its handle.
         self._pinned_streams.pop(s, None)
         self._last_pinned = None
+        if self._current is not None:
+            self._current.forget()
         if rc == MP_ENOMEM:
             raise MemoryError("forget_stream: out of host memory")
         if rc != MP_OK:
