@@ -266,6 +266,11 @@ cdef class Pool:
         return 0
 
     @property
+    def _current_stream_lookup(self):
+        """cuda: the lookup of CuPy's current stream (Note [Current stream]); else None."""
+        return self._current
+
+    @property
     def pinned_streams(self):
         """The stream objects this pool keeps alive, by handle (Note [Pinned streams])."""
         return dict(self._pinned_streams)

@@ -196,3 +196,34 @@ def test_a_dropped_cupy_stream_stays_valid_for_cross_stream_reuse(cuda_pool, cup
     assert handle not in pool.pinned_streams
     pool.empty_cache()
     pool.check_invariants()
+
+
+def test_stream_none_follows_cupys_current_stream(cuda_pool, cupy_device):
+    """Note [Current stream]: with CuPy's C layer read to tell an unchanged stream, every
+    switch of CuPy's current stream still reaches the pool."""
+    cupy = cupy_device
+    pool = cuda_pool()
+    lookup = pool._current_stream_lookup
+    import cupy_backends.cuda.stream as backend
+    exported = "get_stream_ptr" in getattr(backend, "__pyx_capi__", {})
+    assert lookup.fast == exported      # CuPy 14.2 exports the reader; it must agree and be used
+    first, second = (cupy.cuda.Stream(non_blocking=True) for _ in range(2))
+    seen = []
+    for stream in (first, first, second, cupy.cuda.Stream.null, second, cupy.cuda.Stream.ptds):
+        with stream:
+            ptr = pool.alloc(4096)
+            seen.append((pool.block_info(ptr)[2], stream.ptr))
+            pool.free(ptr)
+    assert all(got == want for got, want in seen), seen
+    assert first.ptr in pool.pinned_streams and second.ptr in pool.pinned_streams
+    before = lookup.slow_lookups
+    with first:
+        for _ in range(100):
+            pool.free(pool.alloc(512))
+    python_lookups = lookup.slow_lookups - before
+    if lookup.fast:
+        assert python_lookups <= 1      # the stream did not change: CuPy's C layer says so
+    else:
+        assert python_lookups == 100
+    first.synchronize()
+    second.synchronize()
