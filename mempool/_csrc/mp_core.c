@@ -237,6 +237,21 @@ static int should_split(const mp_pool *p, const mp_block *b, size_t size) {
     return size < p->cfg.max_split_size && remaining > MP_SMALL_SIZE;
 }
 
+/* The block b, taken for a request of `requested` bytes, becomes live: the pointer map (its
+ * room reserved by the caller) and the counters. */
+static void hand_out_locked(mp_pool *p, mp_block *b, size_t requested) {
+    int kind = b->seg->kind;
+    b->state = MP_BLOCK_ALLOCATED;
+    b->requested = requested;
+    mp_ptrmap_insert(&p->live, b->ptr, b);
+    mp_stat3_inc(p->stats.allocation, kind, 1);
+    mp_stat3_inc(p->stats.allocated_bytes, kind, (int64_t)b->nbytes);
+    mp_stat3_inc(p->stats.requested_bytes, kind, (int64_t)requested);
+    mp_stat3_inc(p->stats.active, kind, 1);
+    mp_stat3_inc(p->stats.active_bytes, kind, (int64_t)b->nbytes);
+    if (b->nbytes >= p->cfg.max_split_size) mp_stat_inc(&p->stats.oversize_allocations, 1);
+}
+
 /* Hand out free block b (in its owner's list, or in none) to stream s, splitting off what
  * it does not need. The remainder stays with b's owner: only the part handed out moves.
  * Returns the block handed out. When the remainder stays in b's size class, b itself
@@ -290,16 +305,8 @@ static mp_block *carve_locked(mp_pool *p, mp_block *b, size_t size, size_t reque
         mp_remove_free_locked(p, b);
     }
     b->stream = s;
-    b->state = MP_BLOCK_ALLOCATED;
-    b->requested = requested;
     if (seg->nbusy++ == 0) mp_segment_idle_remove_locked(p, seg);
-    mp_ptrmap_insert(&p->live, b->ptr, b);   /* capacity was reserved by the caller */
-    mp_stat3_inc(p->stats.allocation, kind, 1);
-    mp_stat3_inc(p->stats.allocated_bytes, kind, (int64_t)b->nbytes);
-    mp_stat3_inc(p->stats.requested_bytes, kind, (int64_t)requested);
-    mp_stat3_inc(p->stats.active, kind, 1);
-    mp_stat3_inc(p->stats.active_bytes, kind, (int64_t)b->nbytes);
-    if (b->nbytes >= p->cfg.max_split_size) mp_stat_inc(&p->stats.oversize_allocations, 1);
+    hand_out_locked(p, b, requested);
     return b;
 }
 
@@ -361,6 +368,7 @@ static mp_block *absorb_into_neighbour_locked(mp_pool *p, mp_block *b) {
 
 void mp_free_block_locked(mp_pool *p, mp_block *b) {
     mp_segment *seg = b->seg;
+    b->stream->frees++;   /* Note [Hot blocks]: the stream's lists changed */
     b->state = MP_BLOCK_FREE;
     b->requested = 0;
     if (!absorb_into_neighbour_locked(p, b)) mp_insert_free_merged_locked(p, b);
@@ -374,6 +382,65 @@ void mp_insert_free_merged_locked(mp_pool *p, mp_block *b) {
     if (mergeable(b, b->prev)) merge_locked(p, b, b->prev);
     if (mergeable(b, b->next)) merge_locked(p, b, b->next);
     mp_insert_free_locked(p, b);
+}
+
+/* ---------------------------------------------------------------- hot blocks */
+
+/* Note [Hot blocks] (docs/architecture.md). A block freed with no other stream to wait for
+ * is parked on its stream instead of being merged into the free lists: the next request
+ * of its exact size on that stream takes it back with none of the split, merge, list and
+ * idle-segment work of a round trip. Any other request on the stream, any view of the pool
+ * and any path that gives memory back or grows folds it in first, just as the plain free
+ * would have done it then, so the layout every caller can observe is the plain one. Its
+ * counters are those of a free block from the moment it is parked; its segment stays busy
+ * until it is folded in. Not used with expandable segments or a release threshold, whose
+ * bookkeeping runs at each free. */
+
+static void hot_flush_stream_locked(mp_pool *p, mp_stream *s) {
+    mp_block *h = s->hot;
+    if (!h) return;
+    s->hot = NULL;
+    p->nhot--;
+    mp_free_block_locked(p, h);
+}
+
+void mp_hot_flush_locked(mp_pool *p) {
+    for (size_t i = 0; p->nhot && i < p->nstreams; i++) hot_flush_stream_locked(p, p->streams[i]);
+}
+
+static inline int hot_allowed(const mp_pool *p) {
+    return !p->cfg.expandable_segments && p->cfg.release_threshold == MP_UNLIMITED;
+}
+
+/* The completed free of b (counters and trace as complete_free_locked), parked hot. */
+static void park_hot_locked(mp_pool *p, mp_block *b) {
+    int kind = b->seg->kind;
+    mp_stat3_dec(p->stats.active, kind, 1);
+    mp_stat3_dec(p->stats.active_bytes, kind, (int64_t)b->nbytes);
+    mp_stat3_dec(p->stats.requested_bytes, kind, (int64_t)b->requested);
+    mp_trace_locked(p, MP_TRACE_FREE_COMPLETED, b->ptr, b->requested, b->stream->handle);
+    b->state = MP_BLOCK_HOT;   /* not FREE: no merge may fold it while it is parked */
+    b->requested = 0;
+    mp_stream *s = b->stream;
+    if (s->hot) hot_flush_stream_locked(p, s);
+    s->hot = b;
+    s->hot_frees = s->frees;
+    p->nhot++;
+}
+
+/* A request of `size` bytes on s: its hot block when that has exactly the size and no other
+ * free has completed on s since it was parked (returned taken out of the stream), else
+ * NULL, with the hot block folded in. */
+static inline mp_block *take_hot_locked(mp_pool *p, mp_stream *s, size_t size) {
+    mp_block *h = s->hot;
+    if (!h) return NULL;
+    if (h->nbytes != size || s->frees != s->hot_frees) {
+        hot_flush_stream_locked(p, s);
+        return NULL;
+    }
+    s->hot = NULL;
+    p->nhot--;
+    return h;
 }
 
 /* ---------------------------------------------------------------- pool lifetime */
@@ -406,6 +473,7 @@ int mp_pool_create(const mp_config *cfg, const mp_upstream *up, mp_pool **out) {
 
 void mp_pool_destroy(mp_pool *p) {
     mp_lock_acquire(&p->lock);
+    mp_hot_flush_locked(p);
     /* Every block is dropped with its segment: nothing may use the pool's memory now.
      * Streams the pool saw may be destroyed by now (a CuPy stream that went out of scope),
      * and a call on a dead handle crashes the driver: so drain the whole device, which needs
@@ -506,7 +574,10 @@ size_t mp_reserved_now_locked(const mp_pool *p) {
 mp_block *mp_search_lists_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
     mp_block *b = find_fit(p, &s->lists[kind], size);
     if (b) return b;   /* still in its list: carve_locked takes it out, or shrinks it */
-    if (p->cfg.cross_stream_reuse && p->nstreams > 1) return take_from_other_stream_locked(p, s, kind, size);
+    if (p->cfg.cross_stream_reuse && p->nstreams > 1) {
+        if (p->nhot) mp_hot_flush_locked(p);   /* Note [Hot blocks]: other streams' too */
+        return take_from_other_stream_locked(p, s, kind, size);
+    }
     return NULL;
 }
 
@@ -576,6 +647,10 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
     size_t seg_size = mp_segment_size(size);
     size_t limit = p->cfg.limit;
 
+    if (p->nhot) {   /* Note [Hot blocks]: parked blocks may serve, or merge into, this */
+        mp_hot_flush_locked(p);
+        if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
+    }
     if (p->cfg.gc_threshold > 0) {
         size_t base = limit != MP_UNLIMITED ? limit : p->capacity;
         size_t threshold = (size_t)(p->cfg.gc_threshold * (double)base);
@@ -654,7 +729,15 @@ int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out) {
     if (p->npending) mp_process_pending_locked(p);
 
     int kind = size <= MP_SMALL_SIZE ? KIND_SMALL : KIND_LARGE;
-    mp_block *b;
+    mp_block *b = s->hot ? take_hot_locked(p, s, size) : NULL;
+    if (b) {
+        /* Note [Hot blocks]: its segment stayed busy and it is in no list. */
+        hand_out_locked(p, b, nbytes);
+        mp_trace_locked(p, MP_TRACE_ALLOC, b->ptr, b->requested, stream);
+        *out = b->ptr;
+        mp_lock_release(&p->lock);
+        return MP_OK;
+    }
     if (p->cfg.expandable_segments) {
         rc = mp_expand_alloc_locked(p, s, kind, size, &rel, &b);
     } else {
@@ -810,7 +893,8 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
     /* The freeing stream owns the block from now on (stream-ordered free, as cudaFreeAsync). */
     b->stream = fs;
     if (!b->nuses) {
-        complete_free_locked(p, b);
+        if (hot_allowed(p)) park_hot_locked(p, b);
+        else complete_free_locked(p, b);
     } else {
         /* Note [Stream reuse]: the block returns to a free list only once every stream that
          * used it has passed the point of this free. */
@@ -898,6 +982,7 @@ static void remerge_segment_locked(mp_pool *p, mp_segment *seg) {
 int mp_forget_stream(mp_pool *p, uintptr_t handle) {
     if (handle == 0) return MP_OK;   /* the legacy stream is never destroyed */
     mp_lock_acquire(&p->lock);
+    mp_hot_flush_locked(p);
     mp_stream *s = NULL;
     for (size_t i = 0; i < p->nstreams && !s; i++)
         if (p->streams[i]->handle == handle) s = p->streams[i];

@@ -9,6 +9,7 @@
 
 void mp_get_stats(mp_pool *p, mp_stats *out) {
     mp_lock_acquire(&p->lock);
+    mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     *out = p->stats;
     mp_lock_release(&p->lock);
 }
@@ -57,6 +58,7 @@ size_t mp_cached_bytes(mp_pool *p) {
 size_t mp_largest_free_block(mp_pool *p) {
     size_t best = 0;
     mp_lock_acquire(&p->lock);
+    mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     for (size_t i = 0; i < p->nstreams; i++) {
         for (int k = 0; k < 2; k++) {
             const mp_freelist *fl = &p->streams[i]->lists[k];
@@ -112,10 +114,12 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
     report r = {msg, msglen, 0};
     if (msglen) msg[0] = 0;
     mp_lock_acquire(&p->lock);
+    /* Hot blocks are checked where they are (Note [Hot blocks]), not folded in first, so
+     * that a caller checking after every step sees them persist across steps. */
     int64_t alloc_n[3] = {0}, alloc_b[3] = {0}, req_b[3] = {0}, active_n[3] = {0},
             active_b[3] = {0}, split_n[3] = {0}, split_b[3] = {0}, seg_n[3] = {0},
             reserved_b[3] = {0};
-    size_t nfree = 0, free_bytes = 0, npending = 0, nsegs = 0;
+    size_t nfree = 0, free_bytes = 0, npending = 0, nsegs = 0, nhot = 0;
     uintptr_t *bounds = malloc(2 * (p->nsegments + 1) * sizeof *bounds);
 
     for (mp_segment *seg = p->segments; seg && !r.failed; seg = seg->next) {
@@ -180,6 +184,20 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
                 active_n[k]++;
                 active_b[k] += (int64_t)b->nbytes;
                 break;
+            case MP_BLOCK_HOT:
+                busy++;   /* its segment stays busy while it is parked */
+                nhot++;
+                CHECK(b->stream->hot == b && b->stream->hot_frees <= b->stream->frees,
+                      "hot block %#lx: not its stream's hot block", (unsigned long)b->ptr);
+                CHECK(!seg->expandable && !in_list(&b->stream->lists[seg->kind], b),
+                      "hot block %#lx: in a free list, or in an expandable segment",
+                      (unsigned long)b->ptr);
+                CHECK(mp_ptrmap_get(&p->live, b->ptr) == NULL, "hot block %#lx: still live",
+                      (unsigned long)b->ptr);
+                CHECK(b->requested == 0 && b->nuses == 0 && !b->split_counted,
+                      "hot block %#lx: left with a request, uses or a split count",
+                      (unsigned long)b->ptr);
+                break;
             case MP_BLOCK_UNMAPPED:
                 CHECK(seg->expandable, "block %#lx: unmapped in a plain segment", (unsigned long)b->ptr);
                 CHECK(p->up.granularity && b->ptr % p->up.granularity == 0 &&
@@ -203,6 +221,7 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
               (unsigned long)seg->ptr);
     }
     CHECK(nsegs == p->nsegments, "segment count %zu, counted %zu", p->nsegments, nsegs);
+    CHECK(nhot == p->nhot, "hot blocks: %zu counted, %zu recorded", nhot, p->nhot);
     size_t idle_bytes = 0;
     for (mp_segment *i = p->idle_head; i; i = i->inext)
         if (!i->pinned) idle_bytes += i->nbytes;
@@ -251,6 +270,7 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
 int mp_layout_take(mp_pool *p, mp_layout *out) {
     memset(out, 0, sizeof *out);
     mp_lock_acquire(&p->lock);
+    mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     size_t nblocks = 0;
     for (mp_segment *s = p->segments; s; s = s->next)
         for (mp_block *b = s->first; b; b = b->next) nblocks++;

@@ -51,8 +51,16 @@ struct mp_segment {
     uint64_t idle_since;
 };
 
+/* Note [Hot blocks]: a freed block parked on its stream, unmerged and in no list, for the
+ * next request of the same size there. Never seen outside the core: every view and every
+ * release path folds hot blocks back first (mp_hot_flush_locked). */
+#define MP_BLOCK_HOT 4
+
 struct mp_stream {
     uintptr_t handle;
+    mp_block *hot;               /* Note [Hot blocks]: at most one per stream */
+    uint64_t frees;              /* frees completed into this stream's lists, ever */
+    uint64_t hot_frees;          /* `frees` when `hot` was parked */
     mp_freelist lists[2];        /* KIND_SMALL, KIND_LARGE */
     mp_segment *expandable[2];   /* the growing segment per kind, when expandable */
 };
@@ -71,6 +79,7 @@ struct mp_pool {
 
     mp_stream **streams;         /* never freed before the pool; pointers stay valid */
     size_t nstreams, cap_streams;
+    size_t nhot;                 /* streams holding a hot block (Note [Hot blocks]) */
     mp_stream *last_stream;      /* one-entry cache for the stream lookup */
 
     mp_ptrmap live;              /* allocated blocks by address */
@@ -195,5 +204,8 @@ static inline void mp_stat3_dec(mp_stat *s, int kind, int64_t n) {
     mp_stat_dec(&s[MP_STAT_ALL], n);
     mp_stat_dec(&s[kind == KIND_SMALL ? MP_STAT_SMALL : MP_STAT_LARGE], n);
 }
+
+/* Note [Hot blocks]: free every parked block as the plain free path would have. */
+void mp_hot_flush_locked(mp_pool *p);
 
 #endif

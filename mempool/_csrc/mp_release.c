@@ -142,6 +142,7 @@ void mp_apply_release_threshold_slow_locked(mp_pool *p, mp_release_list *out) {
 int mp_trim(mp_pool *p, size_t keep) {
     mp_release_list rel = {0};
     mp_lock_acquire(&p->lock);
+    mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     mp_process_pending_locked(p);
     size_t cached = cached_locked(p);
     if (cached > keep) mp_release_idle_locked(p, cached - keep, &rel);
@@ -158,6 +159,7 @@ int mp_trim(mp_pool *p, size_t keep) {
 int mp_empty_cache(mp_pool *p) {
     mp_release_list rel = {0};
     mp_lock_acquire(&p->lock);
+    mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     mp_process_pending_locked(p);
     mp_sync_pending_unlocked(p);
     mp_release_idle_locked(p, SIZE_MAX, &rel);
@@ -168,6 +170,7 @@ int mp_empty_cache(mp_pool *p) {
 
 int mp_set_limit(mp_pool *p, size_t limit) {
     mp_lock_acquire(&p->lock);
+    mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     p->cfg.limit = limit;
     mp_lock_release(&p->lock);
     return MP_OK;
@@ -176,6 +179,7 @@ int mp_set_limit(mp_pool *p, size_t limit) {
 int mp_set_release_threshold(mp_pool *p, size_t threshold) {
     mp_release_list rel = {0};
     mp_lock_acquire(&p->lock);
+    mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     p->cfg.release_threshold = threshold;
     mp_apply_release_threshold_locked(p, &rel);
     mp_lock_release(&p->lock);

@@ -1,0 +1,130 @@
+"""Note [Hot blocks]: a block freed with nothing to wait for is parked on its stream and
+handed back to that stream's next request of its size; everything else sees the pool as if
+it had been freed the plain way."""
+import pytest
+
+import mempool
+
+from conftest import MiB
+
+S, T = 11, 22
+KiB = 1 << 10
+
+
+def three_blocks(pool, stream=S):
+    """Blocks a, b, c of 4 KiB at the front of one segment, c next to its free tail."""
+    a, b, c = (pool.alloc(4 * KiB, stream=stream) for _ in range(3))
+    assert b == a + 4 * KiB and c == b + 4 * KiB
+    return a, b, c
+
+
+def test_the_block_freed_last_serves_its_streams_next_request_of_its_size(sim):
+    pool = sim()
+    a, b, c = three_blocks(pool)
+    pool.free(a)        # parked, then folded in when c is parked: a hole before b
+    pool.free(c)        # parked: the plain free would merge it into the segment's tail
+    # Best fit over the plain lists would give the hole a; the hot block c comes first.
+    assert pool.alloc(4 * KiB, stream=S) == c
+    pool.check_invariants()
+    assert pool.alloc(4 * KiB, stream=S) == a
+    pool.check_invariants()
+
+
+def test_any_other_request_folds_the_hot_block_in_first(sim):
+    pool = sim()
+    a, b, c = three_blocks(pool)
+    pool.free(c)
+    d = pool.alloc(8 * KiB, stream=S)   # another size: c merged back into the tail first
+    assert d == c
+    pool.check_invariants()
+
+
+def test_a_free_completing_later_on_the_stream_takes_precedence(sim):
+    pool = sim()
+    a, b, c = three_blocks(pool)
+    pool.record_stream(a, T)
+    pool.device.launch(T)
+    pool.free(a)        # waits for T
+    pool.free(c)        # parked hot
+    pool.device.complete(T)
+    # a's free completes in this call: the stream's lists changed after c was parked, so
+    # the request takes the plain path (best fit: the hole a).
+    assert pool.alloc(4 * KiB, stream=S) == a
+    pool.check_invariants()
+
+
+def test_another_stream_sees_hot_blocks_as_free_memory(sim):
+    pool = sim()
+    x = pool.alloc(6 * MiB, stream=S)             # the front of a 20 MiB segment
+    pool.free(x)                                  # parked on S, next to the free tail
+    y = pool.alloc(4 * MiB, stream=T)             # taken across streams, as after a plain free:
+    assert y == x                                 # the front of the merged segment
+    assert pool.stats()["num_cross_stream_reuse"] == 1
+    pool.free(y)
+    pool.check_invariants()
+
+
+def test_growing_folds_hot_blocks_in_first(sim):
+    pool = sim(capacity=20 * MiB, cross_stream_reuse=False)
+    x = pool.alloc(6 * MiB, stream=S)             # the device's only segment
+    pool.free(x)                                  # parked on S: the segment would look busy
+    y = pool.alloc(6 * MiB, stream=T)             # needs that segment released and made again
+    assert y
+    pool.free(y)
+    pool.check_invariants()
+
+
+def test_a_hot_block_freed_again_is_a_double_free(sim):
+    pool = sim()
+    a = pool.alloc(4 * KiB, stream=S)
+    pool.free(a)
+    with pytest.raises(ValueError, match="already freed"):
+        pool.free(a)
+    pool.check_invariants()
+    assert pool.alloc(4 * KiB, stream=S) == a
+    pool.free(a)
+
+
+@pytest.mark.parametrize("release", ["empty_cache", "trim", "stats", "snapshot"])
+def test_views_and_releases_see_the_plain_layout(sim, release):
+    pool = sim()
+    a = pool.alloc(4 * KiB, stream=S)
+    pool.free(a)
+    getattr(pool, release)()
+    if release in ("empty_cache", "trim"):
+        assert pool.reserved_bytes() == 0
+    else:
+        assert pool.stats()["inactive_split.all.current"] == 0   # one whole free segment
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("options", [dict(expandable_segments=True),
+                                     dict(release_threshold=0)], ids=["expandable", "threshold"])
+def test_pools_whose_free_path_keeps_books_park_nothing(sim, options):
+    pool = sim(**options)
+    a, b, c = three_blocks(pool)
+    pool.free(a)
+    pool.free(c)
+    assert pool.alloc(4 * KiB, stream=S) == a      # plain best fit: the hole
+    pool.check_invariants()
+
+
+def test_hot_blocks_across_many_streams_and_sizes_stay_consistent(sim):
+    import random
+    pool = sim()
+    rng = random.Random(7)
+    live = []
+    for step in range(3000):
+        if live and rng.random() < 0.5:
+            ptr, stream = live.pop(rng.randrange(len(live)))
+            pool.free(ptr, stream=rng.choice([None, stream]))
+        else:
+            stream = rng.choice([S, T, 33])
+            live.append((pool.alloc(rng.choice([512, 4 * KiB, 4 * KiB, 64 * KiB, 3 * MiB]),
+                                    stream=stream), stream))
+        if step % 97 == 0:
+            pool.check_invariants()
+    for ptr, _ in live:
+        pool.free(ptr)
+    pool.check_invariants()
+    assert pool.used_bytes() == 0
