@@ -412,13 +412,18 @@ static inline int hot_allowed(const mp_pool *p) {
     return !p->cfg.expandable_segments && p->cfg.release_threshold == MP_UNLIMITED;
 }
 
-/* The completed free of b (counters and trace as complete_free_locked), parked hot. */
-static void park_hot_locked(mp_pool *p, mp_block *b) {
+/* A free of b completes: it is no longer active (counters and trace). */
+static void count_free_completed_locked(mp_pool *p, mp_block *b) {
     int kind = b->seg->kind;
     mp_stat3_dec(p->stats.active, kind, 1);
     mp_stat3_dec(p->stats.active_bytes, kind, (int64_t)b->nbytes);
     mp_stat3_dec(p->stats.requested_bytes, kind, (int64_t)b->requested);
     mp_trace_locked(p, MP_TRACE_FREE_COMPLETED, b->ptr, b->requested, b->stream->handle);
+}
+
+/* The completed free of b, parked hot instead of folded into the lists. */
+static void park_hot_locked(mp_pool *p, mp_block *b) {
+    count_free_completed_locked(p, b);
     b->state = MP_BLOCK_HOT;   /* not FREE: no merge may fold it while it is parked */
     b->requested = 0;
     mp_stream *s = b->stream;
@@ -826,11 +831,7 @@ static void pending_remove_locked(mp_pool *p, mp_block *b) {
 }
 
 static void complete_free_locked(mp_pool *p, mp_block *b) {
-    int kind = b->seg->kind;
-    mp_stat3_dec(p->stats.active, kind, 1);
-    mp_stat3_dec(p->stats.active_bytes, kind, (int64_t)b->nbytes);
-    mp_stat3_dec(p->stats.requested_bytes, kind, (int64_t)b->requested);
-    mp_trace_locked(p, MP_TRACE_FREE_COMPLETED, b->ptr, b->requested, b->stream->handle);
+    count_free_completed_locked(p, b);
     mp_free_block_locked(p, b);
 }
 

@@ -28,7 +28,7 @@
 
 typedef struct mp_torch_slot {
     mp_pool *pool;       /* atomic; one reference while registered */
-    int active;          /* atomic; entry points inside this slot now */
+    int64_t active;      /* atomic; entry points inside this slot now */
     int closing;         /* atomic; a change is under way: entry points wait */
     int64_t live;        /* atomic; blocks handed to torch and not yet freed */
     uint64_t failed;     /* atomic; allocations that returned NULL for want of memory */
@@ -44,34 +44,27 @@ static int max_device = -1;   /* atomic; highest index ever registered (pointer 
 
 static int valid_device(int device) { return device >= 0 && device < MP_TORCH_MAX_DEVICES; }
 
-/* Enter a slot: its pool, usable until slot_exit, or NULL (and nothing to exit). */
-static mp_pool *slot_enter(mp_torch_slot *s) {
+/* Enter a slot counted in *count (the slot's `active`, or `live` for alloc and free): its
+ * pool, usable until the count is taken back, or NULL (and nothing to take back). */
+static mp_pool *slot_enter_counted(mp_torch_slot *s, int64_t *count) {
     for (;;) {
-        ADD(s->active, 1);
+        __atomic_add_fetch(count, 1, __ATOMIC_SEQ_CST);
         if (!LOAD(s->closing)) break;
-        ADD(s->active, -1);
+        __atomic_add_fetch(count, -1, __ATOMIC_SEQ_CST);
         while (LOAD(s->closing)) sched_yield();
     }
     mp_pool *p = LOAD(s->pool);
-    if (!p) ADD(s->active, -1);
+    if (!p) __atomic_add_fetch(count, -1, __ATOMIC_SEQ_CST);
     return p;
 }
+
+static mp_pool *slot_enter(mp_torch_slot *s) { return slot_enter_counted(s, &s->active); }
 
 static void slot_exit(mp_torch_slot *s) { ADD(s->active, -1); }
 
-/* Enter a slot for alloc or free: announce in `live`, then as slot_enter. On a non-NULL
- * return the caller owes ADD(s->live, -1) unless an allocation keeps the announcement. */
-static mp_pool *slot_enter_live(mp_torch_slot *s) {
-    for (;;) {
-        ADD(s->live, 1);
-        if (!LOAD(s->closing)) break;
-        ADD(s->live, -1);
-        while (LOAD(s->closing)) sched_yield();
-    }
-    mp_pool *p = LOAD(s->pool);
-    if (!p) ADD(s->live, -1);
-    return p;
-}
+/* Enter a slot for alloc or free: announced in `live`. On a non-NULL return the caller
+ * owes ADD(s->live, -1) unless an allocation keeps the announcement. */
+static mp_pool *slot_enter_live(mp_torch_slot *s) { return slot_enter_counted(s, &s->live); }
 
 /* Put `p` (NULL: none) in the slot unless torch still holds blocks of the pool there now.
  * Called with table_lock held; on MP_OK *old is the pool taken out (to release). */
