@@ -237,13 +237,12 @@ static int should_split(const mp_pool *p, const mp_block *b, size_t size) {
     return size < p->cfg.max_split_size && remaining > MP_SMALL_SIZE;
 }
 
-/* The block b, taken for a request of `requested` bytes, becomes live: the pointer map (its
- * room reserved by the caller) and the counters. */
+/* The block b, taken for a request of `requested` bytes, becomes live: its state and the
+ * counters (the caller puts it in the pointer map, or finds it there: Note [Hot blocks]). */
 static void hand_out_locked(mp_pool *p, mp_block *b, size_t requested) {
     int kind = b->seg->kind;
     b->state = MP_BLOCK_ALLOCATED;
     b->requested = requested;
-    mp_ptrmap_insert(&p->live, b->ptr, b);
     mp_stat3_inc(p->stats.allocation, kind, 1);
     mp_stat3_inc(p->stats.allocated_bytes, kind, (int64_t)b->nbytes);
     mp_stat3_inc(p->stats.requested_bytes, kind, (int64_t)requested);
@@ -306,6 +305,7 @@ static mp_block *carve_locked(mp_pool *p, mp_block *b, size_t size, size_t reque
     }
     b->stream = s;
     if (seg->nbusy++ == 0) mp_segment_idle_remove_locked(p, seg);
+    mp_ptrmap_insert(&p->live, b->ptr, b);   /* capacity was reserved by the caller */
     hand_out_locked(p, b, requested);
     return b;
 }
@@ -391,16 +391,17 @@ void mp_insert_free_merged_locked(mp_pool *p, mp_block *b) {
  * of its exact size on that stream takes it back with none of the split, merge, list and
  * idle-segment work of a round trip. Any other request on the stream, any view of the pool
  * and any path that gives memory back or grows folds it in first, just as the plain free
- * would have done it then, so the layout every caller can observe is the plain one. Its
- * counters are those of a free block from the moment it is parked; its segment stays busy
- * until it is folded in. Not used with expandable segments or a release threshold, whose
- * bookkeeping runs at each free. */
+ * would have done it then. Its counters are those of a free block from the moment it is
+ * parked; its segment stays busy and its entry stays in the pointer map (marked by its
+ * state: live_block_locked does not see it) until it is taken back or folded in. Not used
+ * with expandable segments or a release threshold, whose bookkeeping runs at each free. */
 
 static void hot_flush_stream_locked(mp_pool *p, mp_stream *s) {
     mp_block *h = s->hot;
     if (!h) return;
     s->hot = NULL;
     p->nhot--;
+    mp_ptrmap_remove(&p->live, h->ptr);
     mp_free_block_locked(p, h);
 }
 
@@ -768,6 +769,13 @@ oom:
 
 /* ---------------------------------------------------------------- free */
 
+/* The live block at ptr, or NULL. The pointer map also holds hot blocks (Note [Hot
+ * blocks]), which are not live. */
+static inline mp_block *live_block_locked(mp_pool *p, uintptr_t ptr) {
+    mp_block *b = mp_ptrmap_get(&p->live, ptr);
+    return b && b->state == MP_BLOCK_ALLOCATED ? b : NULL;
+}
+
 /* Why a pointer is not a live block: unknown, inside a block, or already freed. */
 static int classify_bad_pointer_locked(mp_pool *p, uintptr_t ptr) {
     for (mp_segment *seg = p->segments; seg; seg = seg->next) {
@@ -860,7 +868,7 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
     mp_release_list rel = {0};
     mp_lock_acquire(&p->lock);
     p->tick++;
-    mp_block *b = mp_ptrmap_get(&p->live, ptr);
+    mp_block *b = live_block_locked(p, ptr);
     if (!b) {
         int rc = classify_bad_pointer_locked(p, ptr);
         mp_lock_release(&p->lock);
@@ -885,7 +893,8 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
         b->uses[b->nuses++] = b->stream;
     }
     /* Nothing can fail from here on. */
-    mp_ptrmap_remove(&p->live, ptr);
+    int park = !b->nuses && hot_allowed(p);   /* Note [Hot blocks]: keeps its map entry */
+    if (!park) mp_ptrmap_remove(&p->live, ptr);
     int kind = b->seg->kind;
     mp_stat3_dec(p->stats.allocation, kind, 1);
     mp_stat3_dec(p->stats.allocated_bytes, kind, (int64_t)b->nbytes);
@@ -894,7 +903,7 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
     /* The freeing stream owns the block from now on (stream-ordered free, as cudaFreeAsync). */
     b->stream = fs;
     if (!b->nuses) {
-        if (hot_allowed(p)) park_hot_locked(p, b);
+        if (park) park_hot_locked(p, b);
         else complete_free_locked(p, b);
     } else {
         /* Note [Stream reuse]: the block returns to a free list only once every stream that
@@ -933,7 +942,7 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
 
 int mp_record_stream(mp_pool *p, uintptr_t ptr, uintptr_t stream) {
     mp_lock_acquire(&p->lock);
-    mp_block *b = mp_ptrmap_get(&p->live, ptr);
+    mp_block *b = live_block_locked(p, ptr);
     int rc = MP_OK;
     if (!b) {
         rc = classify_bad_pointer_locked(p, ptr);
@@ -955,7 +964,7 @@ done:
 int mp_block_info(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested,
                   uintptr_t *stream) {
     mp_lock_acquire(&p->lock);
-    mp_block *b = mp_ptrmap_get(&p->live, ptr);
+    mp_block *b = live_block_locked(p, ptr);
     int rc = MP_ENOTFOUND;
     if (b) {
         if (nbytes) *nbytes = b->nbytes;

@@ -192,7 +192,7 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
                 CHECK(!seg->expandable && !in_list(&b->stream->lists[seg->kind], b),
                       "hot block %#lx: in a free list, or in an expandable segment",
                       (unsigned long)b->ptr);
-                CHECK(mp_ptrmap_get(&p->live, b->ptr) == NULL, "hot block %#lx: still live",
+                CHECK(mp_ptrmap_get(&p->live, b->ptr) == b, "hot block %#lx: not in the pointer map",
                       (unsigned long)b->ptr);
                 CHECK(b->requested == 0 && b->nuses == 0 && !b->split_counted,
                       "hot block %#lx: left with a request, uses or a split count",
@@ -242,8 +242,9 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
     CHECK(list_count == nfree && list_bytes == free_bytes,
           "free lists hold %zu blocks / %zu bytes, segments %zu / %zu", list_count, list_bytes, nfree, free_bytes);
     CHECK(npending == p->npending, "pending list %zu, counted %zu", p->npending, npending);
-    CHECK(p->live.count == (size_t)(alloc_n[1] + alloc_n[2]), "live map holds %zu, counted %lld",
-          p->live.count, (long long)(alloc_n[1] + alloc_n[2]));
+    CHECK(p->live.count == (size_t)(alloc_n[1] + alloc_n[2]) + nhot,
+          "live map holds %zu, counted %lld and %zu hot", p->live.count,
+          (long long)(alloc_n[1] + alloc_n[2]), nhot);
 
     const mp_stats *st = &p->stats;
     struct { const char *name; const mp_stat *stat; const int64_t *counted; } rows[] = {
