@@ -85,6 +85,18 @@ def test_a_hot_block_freed_again_is_a_double_free(sim):
     pool.free(a)
 
 
+def test_a_hot_block_is_not_live_to_record_stream_or_block_info(sim):
+    pool = sim()
+    a = pool.alloc(4 * KiB, stream=S)
+    pool.free(a)                                  # parked, its map entry kept
+    with pytest.raises(ValueError, match="already freed"):
+        pool.record_stream(a, T)
+    with pytest.raises(ValueError, match="not a live block"):
+        pool.block_info(a)
+    assert pool.used_bytes() == 0
+    pool.check_invariants()
+
+
 @pytest.mark.parametrize("release", ["empty_cache", "trim", "stats", "snapshot"])
 def test_views_and_releases_see_the_plain_layout(sim, release):
     pool = sim()
