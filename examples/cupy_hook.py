@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mempool                      # noqa: E402
 import mempool.cupy as mc           # noqa: E402
-from _common import mib, parse_backend, report   # noqa: E402
+from _common import parse_backend, report   # noqa: E402
 
 
 def on_gpu(stream):

@@ -8,8 +8,6 @@
 """
 import pytest
 
-import mempool
-
 from conftest import BASE, MiB
 
 S, T, U = 11, 22, 33

@@ -10,7 +10,6 @@ import random
 
 import pytest
 
-import mempool
 from conftest import run_threads
 
 KiB, MiB = 1 << 10, 1 << 20

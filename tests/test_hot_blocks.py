@@ -1,9 +1,7 @@
 """Note [Hot blocks]: a block freed with nothing to wait for is parked on its stream and
-handed back to that stream's next request of its size; everything else sees the pool as if
-it had been freed the plain way."""
+handed back to that stream's next request of its size; anything else folds it into the free
+lists first, as the plain free would have."""
 import pytest
-
-import mempool
 
 from conftest import MiB
 

@@ -16,7 +16,7 @@ import ctypes
 import pytest
 
 import mempool
-from conftest import BASE, GiB, MiB
+from conftest import BASE, MiB
 
 S1, S2 = 7, 9
 
