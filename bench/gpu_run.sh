@@ -25,10 +25,15 @@ export PYTHONUNBUFFERED=1
 # (e.g. STAGES="build tests bench" when there is no time for memcheck).
 T_BUILD=${T_BUILD:-100}
 T_TESTS=${T_TESTS:-150}
-T_SANITIZER=${T_SANITIZER:-240}
+T_SANITIZER=${T_SANITIZER:-240}   # for each group of SANITIZER_GROUPS
 T_BENCH=${T_BENCH:-240}
 T_FRAG=${T_FRAG:-120}
 STAGES=" ${STAGES:-build tests sanitizer bench fragmentation} "
+# SANITIZER_GROUPS: a file with one line of pytest arguments per memcheck process (default:
+# one process for all of tests/gpu). A group that hangs or runs over its limit then costs
+# only its own results; pytest prints every thread's stack of a test still running after
+# 3/4 of the limit, so a hang shows where it waits.
+SANITIZER_GROUPS=${SANITIZER_GROUPS:-}
 wants() { [[ $STAGES == *" $1 "* ]]; }
 
 declare -A STATUS
@@ -92,10 +97,23 @@ stage tests "$OUT/tests.log" timeout "$T_TESTS" "$PY" -m pytest -m gpu tests "${
 if ! wants sanitizer; then
     STATUS[sanitizer]="not selected"
 elif command -v compute-sanitizer >/dev/null; then
-    stage sanitizer "$OUT/sanitizer.log" timeout "$T_SANITIZER" compute-sanitizer --tool memcheck \
-        --target-processes all --report-api-errors no --error-exitcode 99 --print-limit 200 \
-        --log-file "$OUT/sanitizer-report.%p.txt" \
-        "$PY" -m pytest -m gpu tests/gpu "${PYTEST_OPTS[@]}" --junitxml "$OUT/junit-sanitizer.xml"
+    memcheck_groups() {
+        local i=0 rc=0 args
+        while read -r -a args; do
+            [ ${#args[@]} -eq 0 ] && continue
+            i=$((i + 1))
+            echo "--- memcheck group $i: ${args[*]}"
+            timeout "$T_SANITIZER" compute-sanitizer --tool memcheck \
+                --target-processes all --report-api-errors no --error-exitcode 99 \
+                --print-limit 200 --log-file "$OUT/sanitizer-report.$i.%p.txt" \
+                "$PY" -m pytest -m gpu "${args[@]}" "${PYTEST_OPTS[@]}" \
+                -o faulthandler_timeout=$((T_SANITIZER * 3 / 4)) \
+                --junitxml "$OUT/junit-sanitizer-$i.xml" || rc=$?
+            echo "--- memcheck group $i: exit status $rc"
+        done < <(if [ -n "$SANITIZER_GROUPS" ]; then cat "$SANITIZER_GROUPS"; else echo tests/gpu; fi)
+        return $rc
+    }
+    stage sanitizer "$OUT/sanitizer.log" memcheck_groups
 else
     echo "compute-sanitizer not found: memcheck stage skipped" | tee "$OUT/sanitizer.log"
     STATUS[sanitizer]=skipped

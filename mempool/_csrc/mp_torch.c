@@ -10,15 +10,18 @@
  * is sequentially consistent. Changes are serialised by `table_lock`; entry points never
  * take it.
  *
- * The two hot entry points, alloc and free, announce themselves in `live` instead of
- * `active` (one atomic add each way instead of three): a change swaps a pool only when
- * `live` is 0, so an alloc or free that has announced itself (and so counts as a block out)
- * holds the pool in place exactly as a block does. alloc keeps its announcement when it
- * returns a block; free takes back its own and the block's. As for `active`, the order is
+ * The two hot entry points take one atomic add each. alloc announces itself in `live`
+ * instead of `active`: a change swaps a pool only when `live` is 0, so an alloc that has
+ * announced itself (and so counts as a block out) holds the pool in place exactly as a block
+ * does, and keeps the announcement when it returns a block. As for `active`, the order is
  * announce, then read `closing` (the changer writes `closing`, then reads `live`): with
- * sequentially consistent accesses one of the two sees the other. The price is that a change
- * racing an alloc or free in flight is refused as if torch held a block (it soon will, or
- * just did).
+ * sequentially consistent accesses one of the two sees the other. free announces nothing:
+ * the block it frees is counted in `live` until it is back in the pool, and that count
+ * holds the pool in place while free uses it; free then takes the block's count back. So
+ * free's precondition is torch's own: the pointer is one alloc returned and not yet freed
+ * (anything else is ignored, but only a block out pins the pool while free looks it up).
+ * The price is that a change racing an alloc in flight is refused as if torch held a block
+ * (it soon will).
  */
 #include <pthread.h>
 #include <sched.h>
@@ -62,8 +65,8 @@ static mp_pool *slot_enter(mp_torch_slot *s) { return slot_enter_counted(s, &s->
 
 static void slot_exit(mp_torch_slot *s) { ADD(s->active, -1); }
 
-/* Enter a slot for alloc or free: announced in `live`. On a non-NULL return the caller
- * owes ADD(s->live, -1) unless an allocation keeps the announcement. */
+/* Enter a slot for alloc: announced in `live`. On a non-NULL return the caller owes
+ * ADD(s->live, -1) unless the allocation keeps the announcement. */
 static mp_pool *slot_enter_live(mp_torch_slot *s) { return slot_enter_counted(s, &s->live); }
 
 /* Put `p` (NULL: none) in the slot unless torch still holds blocks of the pool there now.
@@ -173,10 +176,9 @@ void mempool_torch_free(void *ptr, ssize_t size, int device, void *stream) {
     (void)stream;   /* the block knows its stream; torch passes the allocation's stream */
     if (!ptr || !valid_device(device)) return;
     mp_torch_slot *s = &slots[device];
-    mp_pool *p = slot_enter_live(s);
-    if (!p) return;
-    /* Our announcement, and the block's count when it was this pool's. */
-    ADD(s->live, mp_free(p, (uintptr_t)ptr, 0, 0) == MP_OK ? -2 : -1);
+    /* No announcement: the block's own count in `live` pins the pool (Note above). */
+    mp_pool *p = LOAD(s->pool);
+    if (p && mp_free(p, (uintptr_t)ptr, 0, 0) == MP_OK) ADD(s->live, -1);
 }
 
 void mempool_torch_record_stream(void *ptr, void *stream) {

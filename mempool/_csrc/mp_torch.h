@@ -44,7 +44,9 @@ uint64_t mp_torch_failed_allocs(int device);
  * device's pool. */
 MP_TORCH_API void *mempool_torch_alloc(ssize_t size, int device, void *stream);
 /* torch's free_fn. Frees in stream order on the block's own stream; streams declared with
- * record_stream are waited for before reuse. A NULL or unknown pointer is ignored. */
+ * record_stream are waited for before reuse. Precondition (torch's own): ptr is NULL or a
+ * block alloc returned and not yet freed; a NULL or unknown pointer is ignored, but only a
+ * block torch holds pins the pool against a concurrent register/unregister (mp_torch.c). */
 MP_TORCH_API void mempool_torch_free(void *ptr, ssize_t size, int device, void *stream);
 /* set_record_stream_fn: Tensor.record_stream(s). torch passes no device, so the pointer is
  * looked up in each registered pool. */
