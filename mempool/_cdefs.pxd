@@ -15,6 +15,7 @@ cdef extern from "mp_upstream.h" nogil:
         MP_EUPSTREAM
         MP_EUNSUPPORTED
         MP_EBUSY
+        MP_ERETIRED
 
     ctypedef struct mp_upstream:
         void *ctx

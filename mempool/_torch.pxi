@@ -18,6 +18,9 @@ cdef extern from "mp_torch.h" nogil:
     void mempool_torch_memory_fraction(double fraction, int device)
     void *mempool_torch_base_alloc(void *ptr, size_t *size)
 
+cdef extern from "mp_core.h" nogil:
+    int mp_alloc_torch(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out)
+
 TORCH_MAX_DEVICES = MP_TORCH_MAX_DEVICES
 
 
@@ -89,3 +92,25 @@ def _torch_entry_points():
         "memory_fraction": <uintptr_t>&mempool_torch_memory_fraction,
         "base_alloc": <uintptr_t>&mempool_torch_base_alloc,
     }
+
+
+def _torch_pool_address(device):
+    """The address of the pool routed to `device` (0 for none): what an entry point reads
+    from the table. For tests of Note [Torch table lifetime]."""
+    return <uintptr_t>mp_torch_registered(_torch_check_device(device))
+
+
+def _torch_alloc_at(uintptr_t address, size_t nbytes):
+    """For tests: the PyTorch entry point's allocation on the pool at `address`, as an entry
+    point does that read the table just before a change; ``(code, pointer)``, the code
+    ``"retired"`` when the pool has left the table. The address must be one that
+    ``_torch_pool_address`` returned (the struct of such a pool is never freed)."""
+    cdef uintptr_t ptr = 0
+    cdef int rc
+    if address == 0:
+        raise ValueError("address: 0 is no pool")
+    with nogil:
+        rc = mp_alloc_torch(<mp_pool *>address, nbytes, 0, &ptr)
+    if rc == MP_ERETIRED:
+        return "retired", 0
+    return ("ok" if rc == MP_OK else f"error {rc}"), ptr

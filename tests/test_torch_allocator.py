@@ -156,6 +156,53 @@ def test_unregister_refused_while_torch_holds_blocks(table):
     assert alloc(MiB, 0, None) is None
 
 
+def test_a_pool_out_of_the_table_refuses_entry_points_that_read_it_before(table):
+    """Note [Torch table lifetime]: an alloc that read the slot just before a change finds
+    the pool retired (and reads the slot again) instead of handing out a block PyTorch would
+    free to another pool; the struct of a pool that was in the table outlives the pool."""
+    p = table(0, sim())
+    address = _core._torch_pool_address(0)
+    assert address != 0
+    code, ptr = _core._torch_alloc_at(address, MiB)     # in the table: an ordinary block
+    assert code == "ok" and ptr
+    assert _core._torch_counters(0)["live_blocks"] == 1
+    free(ptr, MiB, 0, None)
+    assert _core._torch_counters(0)["live_blocks"] == 0
+
+    _core._torch_unregister(0)
+    assert _core._torch_alloc_at(address, MiB) == ("retired", 0)
+    assert p.used_bytes() == 0                          # nothing was handed out
+    table(0, p)                                         # back in: served again
+    code, ptr = _core._torch_alloc_at(address, MiB)
+    assert code == "ok"
+    free(ptr, MiB, 0, None)
+
+    _core._torch_unregister(0)
+    del p
+    gc.collect()                                        # destroyed: its struct stays behind
+    assert _core._torch_alloc_at(address, MiB) == ("retired", 0)
+
+
+def test_torch_blocks_are_marked_in_the_pool(table):
+    """The pool counts PyTorch's blocks itself (what a change checks), and check_invariants
+    holds that count against the blocks marked as PyTorch's."""
+    p = table(0, sim())
+    ptrs = [alloc(n, 0, None) for n in (512, 3 * MiB, 40 * MiB)]
+    own = p.alloc(4096)                                 # not PyTorch's: not counted
+    assert _core._torch_counters(0)["live_blocks"] == 3
+    p.check_invariants()
+    for ptr, n in zip(ptrs, (512, 3 * MiB, 40 * MiB)):
+        free(ptr, n, 0, None)
+        p.check_invariants()
+    assert _core._torch_counters(0)["live_blocks"] == 0
+    p.free(own)
+    again = alloc(512, 0, None)                         # the hot block, PyTorch's again
+    assert _core._torch_counters(0)["live_blocks"] == 1
+    p.check_invariants()
+    free(again, 512, 0, None)
+    assert _core._torch_counters(0)["live_blocks"] == 0
+
+
 def test_reregistering_the_same_pool_is_a_no_op(table):
     p = table(0, sim())
     ptr = alloc(MiB, 0, None)

@@ -77,7 +77,7 @@ mp_block *mp_block_new_locked(mp_pool *p) {
     b->stream = NULL;
     b->cls = MP_NOT_LISTED;
     b->state = MP_BLOCK_FREE;
-    b->split_counted = b->busy = 0;
+    b->split_counted = b->busy = b->torch = 0;
     b->nuses = 0;
     b->cap_uses = MP_INLINE_USES;
     b->uses = b->inline_uses;
@@ -519,9 +519,12 @@ void mp_pool_destroy(mp_pool *p) {
     }
     mp_ptrmap_destroy(&p->live);
     free(p->trace);
+    int kept = p->torch_kept;
     mp_lock_release(&p->lock);
     if (p->up.destroy) p->up.destroy(p->up.ctx);
-    free(p);
+    /* Note [Torch table lifetime]: a pool that was in PyTorch's table leaves its struct
+     * behind, retired, for an entry point that read it from the table just before. */
+    if (!kept) free(p);
 }
 
 void mp_pool_retain(mp_pool *p) { __atomic_add_fetch(&p->refcount, 1, __ATOMIC_RELAXED); }
@@ -709,11 +712,30 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
     return MP_OK;
 }
 
-int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out) {
+/* The release of a torch allocation's count that could not be dropped under the lock it
+ * held (Note [Torch table lifetime]): it must be the caller's last touch of the pool. */
+static void torch_uncount(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    p->torch_blocks--;
+    mp_lock_release(&p->lock);
+}
+
+/* mp_alloc, and for torch != 0 mp_alloc_torch: the allocation counts in torch_blocks from
+ * the retired check on, so the table cannot retire the pool while it runs (the lock is
+ * dropped to grow), and the block it returns is PyTorch's. */
+static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, int torch,
+                             uintptr_t *out) {
     size_t size = nbytes > MP_MAX_ALLOC ? nbytes : mp_round_size(&p->cfg, nbytes);
     mp_release_list rel = {0};
     int rc = MP_OK;
     mp_lock_acquire(&p->lock);
+    if (torch) {
+        if (p->torch_retired) {
+            mp_lock_release(&p->lock);
+            return MP_ERETIRED;
+        }
+        p->torch_blocks++;
+    }
     p->tick++;
     if (size > MP_MAX_ALLOC) {
         rc = MP_ENOMEM;
@@ -739,6 +761,7 @@ int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out) {
     if (b) {
         /* Note [Hot blocks]: its segment stayed busy and it is in no list. */
         hand_out_locked(p, b, nbytes);
+        b->torch = (uint8_t)torch;
         mp_trace_locked(p, MP_TRACE_ALLOC, b->ptr, b->requested, stream);
         *out = b->ptr;
         mp_lock_release(&p->lock);
@@ -752,6 +775,7 @@ int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out) {
     }
     if (rc != MP_OK) goto oom;
     b = carve_locked(p, b, size, nbytes, s);
+    b->torch = (uint8_t)torch;
     mp_trace_locked(p, MP_TRACE_ALLOC, b->ptr, b->requested, stream);
     *out = b->ptr;
     mp_apply_release_threshold_locked(p, &rel);
@@ -764,7 +788,38 @@ oom:
     mp_trace_locked(p, MP_TRACE_OOM, 0, nbytes, stream);
     mp_lock_release(&p->lock);
     mp_release_finish(p, &rel);
+    if (torch) torch_uncount(p);
     return rc;
+}
+
+int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out) {
+    return alloc_impl(p, nbytes, stream, 0, out);
+}
+
+int mp_alloc_torch(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out) {
+    return alloc_impl(p, nbytes, stream, 1, out);
+}
+
+int mp_torch_retire(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    int busy = p->torch_blocks != 0;
+    if (!busy) p->torch_retired = 1;
+    mp_lock_release(&p->lock);
+    return busy ? MP_EBUSY : MP_OK;
+}
+
+void mp_torch_admit(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    p->torch_retired = 0;
+    p->torch_kept = 1;
+    mp_lock_release(&p->lock);
+}
+
+int64_t mp_torch_blocks(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    int64_t n = p->torch_blocks;
+    mp_lock_release(&p->lock);
+    return n;
 }
 
 /* ---------------------------------------------------------------- free */
@@ -893,6 +948,8 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
         b->uses[b->nuses++] = b->stream;
     }
     /* Nothing can fail from here on. */
+    int torch = b->torch;   /* Note [Torch table lifetime]: uncounted at the very end */
+    b->torch = 0;
     int park = !b->nuses && hot_allowed(p);   /* Note [Hot blocks]: keeps its map entry */
     if (!park) mp_ptrmap_remove(&p->live, ptr);
     int kind = b->seg->kind;
@@ -935,8 +992,13 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
         }
     }
     mp_apply_release_threshold_locked(p, &rel);
+    if (torch && !rel.head) {   /* nothing left to do with the pool after the unlock */
+        p->torch_blocks--;
+        torch = 0;
+    }
     mp_lock_release(&p->lock);
     mp_release_finish(p, &rel);
+    if (torch) torch_uncount(p);
     return MP_OK;
 }
 

@@ -87,6 +87,16 @@ void mp_pool_retain(mp_pool *p);
 void mp_pool_release(mp_pool *p);
 
 int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
+/* For PyTorch's device table (mp_torch.c, Note [Torch table lifetime]). mp_alloc_torch is
+ * mp_alloc for a block handed to PyTorch: counted in the pool's torch blocks until freed,
+ * and refused with MP_ERETIRED once the pool has left the table. mp_torch_retire takes the
+ * pool out (MP_EBUSY while PyTorch holds any of its blocks or an mp_alloc_torch runs);
+ * mp_torch_admit puts it in, and from then on mp_pool_destroy keeps the pool's struct, so an
+ * entry point that read the pool from the table just before it left only finds it retired. */
+int mp_alloc_torch(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
+int mp_torch_retire(mp_pool *p);
+void mp_torch_admit(mp_pool *p);
+int64_t mp_torch_blocks(mp_pool *p);
 /* Free a live block. `stream` is where it was last used when has_stream, else the stream it
  * was allocated on (or last freed to). MP_ENOTFOUND / MP_EINTERIOR / MP_EDOUBLEFREE for a
  * pointer that is not the start of a live block; nothing changes then. */

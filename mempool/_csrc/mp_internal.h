@@ -29,6 +29,7 @@ struct mp_block {
     uint8_t state;               /* MP_BLOCK_* */
     uint8_t split_counted;       /* counted in inactive_split while free */
     uint8_t busy;                /* unmapped: being mapped or unmapped with the lock dropped */
+    uint8_t torch;               /* allocated: handed to PyTorch (counted in torch_blocks) */
     uint16_t nuses;              /* streams recorded by record_stream (never the owner) */
     uint16_t cap_uses;
     mp_stream *inline_uses[MP_INLINE_USES];
@@ -101,6 +102,11 @@ struct mp_pool {
                                     (mp_expand.c; unlike the stats' peak, never reset) */
     uint64_t tick;               /* advances on every alloc and free */
     mp_stats stats;
+
+    /* PyTorch's device table (Note [Torch table lifetime]), guarded by the lock. */
+    int64_t torch_blocks;        /* allocated blocks handed to PyTorch */
+    uint8_t torch_retired;       /* out of the table: mp_alloc_torch refuses (MP_ERETIRED) */
+    uint8_t torch_kept;          /* was in the table: destroy keeps the struct (a zombie) */
 
     /* Trace recording (mp_trace.c): NULL when off, so it costs one branch. */
     mp_trace_entry *trace;

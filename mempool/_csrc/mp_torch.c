@@ -1,27 +1,24 @@
 /* PyTorch's pluggable allocator: the device table and the C-ABI entry points (mp_torch.h).
  *
- * Note [Torch table lifetime]: an entry point reads a slot's pool while another thread may
- * register or unregister one. Each slot counts the entry points inside it (`active`). A
- * change first closes the slot (`closing`: entry points arriving now wait, they do not fail)
- * and waits for `active` to drain; with nobody inside, `live` (torch's outstanding blocks)
- * cannot move, so the check "no blocks of the old pool are still out" is exact; then the
- * pool is swapped, the slot reopened, and the old pool's reference dropped. So no entry point
- * ever uses a pool that is being destroyed, and none sees a half-made change. Every access
- * is sequentially consistent. Changes are serialised by `table_lock`; entry points never
- * take it.
+ * Note [Torch table lifetime] (docs/architecture.md): an entry point reads a slot's pool
+ * while another thread may register or unregister one.
  *
- * The two hot entry points take one atomic add each. alloc announces itself in `live`
- * instead of `active`: a change swaps a pool only when `live` is 0, so an alloc that has
- * announced itself (and so counts as a block out) holds the pool in place exactly as a block
- * does, and keeps the announcement when it returns a block. As for `active`, the order is
- * announce, then read `closing` (the changer writes `closing`, then reads `live`): with
- * sequentially consistent accesses one of the two sees the other. free announces nothing:
- * the block it frees is counted in `live` until it is back in the pool, and that count
- * holds the pool in place while free uses it; free then takes the block's count back. So
- * free's precondition is torch's own: the pointer is one alloc returned and not yet freed
- * (anything else is ignored, but only a block out pins the pool while free looks it up).
- * The price is that a change racing an alloc in flight is refused as if torch held a block
- * (it soon will).
+ * alloc and free, called for every tensor, take no atomic of their own. alloc reads the
+ * slot and calls mp_alloc_torch, which counts the allocation among the pool's torch blocks
+ * under the pool's lock, from its first step to the block's free, and refuses once the pool
+ * is retired; alloc then reads the slot again. free reads the slot and frees: the block's
+ * count holds the pool in the table until the free is done with it. A change retires the
+ * old pool under its lock, which fails while it counts any torch block or allocation in
+ * flight, so torch never holds a block of a pool that left the table, and swaps the slot
+ * after. An alloc that read the old pool just before finds it retired. Its struct is still
+ * there even if the pool has been destroyed since: a pool that was ever in the table keeps
+ * its struct (a few kilobytes each).
+ *
+ * The rarely called entry points (record_stream, reset, memory fraction, base allocation)
+ * count themselves in the slot's `active` instead: a change first closes the slot (entry
+ * points arriving then wait, they do not fail), waits for `active` to drain, swaps, reopens,
+ * and only then drops the old pool's reference. Changes are serialised by `table_lock`;
+ * entry points never take it. Every access to a slot is sequentially consistent.
  */
 #include <pthread.h>
 #include <sched.h>
@@ -31,9 +28,8 @@
 
 typedef struct mp_torch_slot {
     mp_pool *pool;       /* atomic; one reference while registered */
-    int64_t active;      /* atomic; entry points inside this slot now */
-    int closing;         /* atomic; a change is under way: entry points wait */
-    int64_t live;        /* atomic; blocks handed to torch and not yet freed */
+    int64_t active;      /* atomic; rare entry points inside this slot now */
+    int closing;         /* atomic; a change is under way: rare entry points wait */
     uint64_t failed;     /* atomic; allocations that returned NULL for want of memory */
 } mp_torch_slot;
 
@@ -47,38 +43,31 @@ static int max_device = -1;   /* atomic; highest index ever registered (pointer 
 
 static int valid_device(int device) { return device >= 0 && device < MP_TORCH_MAX_DEVICES; }
 
-/* Enter a slot counted in *count (the slot's `active`, or `live` for alloc and free): its
- * pool, usable until the count is taken back, or NULL (and nothing to take back). */
-static mp_pool *slot_enter_counted(mp_torch_slot *s, int64_t *count) {
+/* Enter a slot for a rare entry point: its pool, usable until slot_exit, or NULL (and
+ * nothing to exit). The order is announce, then read `closing`; a change writes `closing`,
+ * then reads `active`: one of the two sees the other. */
+static mp_pool *slot_enter(mp_torch_slot *s) {
     for (;;) {
-        __atomic_add_fetch(count, 1, __ATOMIC_SEQ_CST);
+        ADD(s->active, 1);
         if (!LOAD(s->closing)) break;
-        __atomic_add_fetch(count, -1, __ATOMIC_SEQ_CST);
+        ADD(s->active, -1);
         while (LOAD(s->closing)) sched_yield();
     }
     mp_pool *p = LOAD(s->pool);
-    if (!p) __atomic_add_fetch(count, -1, __ATOMIC_SEQ_CST);
+    if (!p) ADD(s->active, -1);
     return p;
 }
 
-static mp_pool *slot_enter(mp_torch_slot *s) { return slot_enter_counted(s, &s->active); }
-
 static void slot_exit(mp_torch_slot *s) { ADD(s->active, -1); }
-
-/* Enter a slot for alloc: announced in `live`. On a non-NULL return the caller owes
- * ADD(s->live, -1) unless the allocation keeps the announcement. */
-static mp_pool *slot_enter_live(mp_torch_slot *s) { return slot_enter_counted(s, &s->live); }
 
 /* Put `p` (NULL: none) in the slot unless torch still holds blocks of the pool there now.
  * Called with table_lock held; on MP_OK *old is the pool taken out (to release). */
 static int slot_change_locked(mp_torch_slot *s, mp_pool *p, mp_pool **old) {
+    mp_pool *cur = LOAD(s->pool);
+    if (cur && cur != p && mp_torch_retire(cur) != MP_OK) return MP_EBUSY;
+    if (p) mp_torch_admit(p);
     STORE(s->closing, 1);
     while (LOAD(s->active) != 0) sched_yield();
-    mp_pool *cur = LOAD(s->pool);
-    if (cur && cur != p && LOAD(s->live) != 0) {
-        STORE(s->closing, 0);
-        return MP_EBUSY;
-    }
     STORE(s->pool, p);
     STORE(s->closing, 0);
     *old = cur;
@@ -121,7 +110,13 @@ mp_pool *mp_torch_registered(int device) {
 }
 
 int64_t mp_torch_live_blocks(int device) {
-    return valid_device(device) ? LOAD(slots[device].live) : 0;
+    if (!valid_device(device)) return 0;
+    mp_torch_slot *s = &slots[device];
+    mp_pool *p = slot_enter(s);
+    if (!p) return 0;
+    int64_t n = mp_torch_blocks(p);
+    slot_exit(s);
+    return n;
 }
 
 uint64_t mp_torch_failed_allocs(int device) {
@@ -153,14 +148,22 @@ void *mempool_torch_alloc(ssize_t size, int device, void *stream) {
     if (size <= 0) return NULL;
     if (!valid_device(device)) return refuse_unrouted(size, device);
     mp_torch_slot *s = &slots[device];
-    mp_pool *p = slot_enter_live(s);
-    if (!p) return refuse_unrouted(size, device);
     uintptr_t ptr = 0;
-    int rc = mp_alloc(p, (size_t)size, (uintptr_t)stream, &ptr);
-    if (rc == MP_OK) return (void *)ptr;   /* the announcement is the block's count now */
+    mp_pool *p;
+    int rc;
+    for (;;) {
+        p = LOAD(s->pool);
+        if (!p) return refuse_unrouted(size, device);
+        rc = mp_alloc_torch(p, (size_t)size, (uintptr_t)stream, &ptr);
+        if (rc != MP_ERETIRED) break;
+        sched_yield();   /* retired since it was read: the change swaps the slot next */
+    }
+    if (rc == MP_OK) return (void *)ptr;
     ADD(s->failed, 1);
+    p = slot_enter(s);   /* the failed allocation no longer pins the pool */
+    if (!p) return NULL;
     size_t reserved = mp_reserved_bytes(p), used = mp_used_bytes(p);
-    ADD(s->live, -1);
+    slot_exit(s);
     fprintf(stderr,
             "mempool: torch allocation of %zd bytes on device %d failed (%s); pool reserved "
             "%zu bytes, %zu in use\n",
@@ -175,10 +178,9 @@ void mempool_torch_free(void *ptr, ssize_t size, int device, void *stream) {
     (void)size;
     (void)stream;   /* the block knows its stream; torch passes the allocation's stream */
     if (!ptr || !valid_device(device)) return;
-    mp_torch_slot *s = &slots[device];
-    /* No announcement: the block's own count in `live` pins the pool (Note above). */
-    mp_pool *p = LOAD(s->pool);
-    if (p && mp_free(p, (uintptr_t)ptr, 0, 0) == MP_OK) ADD(s->live, -1);
+    /* The block's own count pins the pool (Note above). */
+    mp_pool *p = LOAD(slots[device].pool);
+    if (p) (void)mp_free(p, (uintptr_t)ptr, 0, 0);
 }
 
 void mempool_torch_record_stream(void *ptr, void *stream) {

@@ -25,14 +25,16 @@
 
 /* Route `device` to `p` (retained while registered). Re-registering the same pool is a
  * no-op. MP_EINVAL: device outside [0, MP_TORCH_MAX_DEVICES). MP_EBUSY: another pool is
- * registered there and torch still holds blocks of it. */
+ * registered there and torch still holds blocks of it (or is allocating from it). A pool
+ * that was ever registered keeps its struct when destroyed (mp_torch.c). */
 int mp_torch_register(int device, mp_pool *p);
 /* Stop routing `device` (its pool's reference is dropped). MP_OK when nothing was
  * registered. MP_EBUSY while torch still holds blocks of the pool. */
 int mp_torch_unregister(int device);
 /* The pool routed to `device`, or NULL; borrowed (for checks, not for use). */
 mp_pool *mp_torch_registered(int device);
-/* Blocks handed to torch on `device` and not yet freed, and allocations refused there. */
+/* Blocks handed to torch on `device` and not yet freed (with allocations in flight), and
+ * allocations refused there. */
 int64_t mp_torch_live_blocks(int device);
 uint64_t mp_torch_failed_allocs(int device);
 
