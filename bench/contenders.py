@@ -150,6 +150,28 @@ def mempool_raw(backend):
                      close=pool_close(pool))
 
 
+def mempool_raw_on_stream():
+    """``pool.alloc(n, stream)`` + ``pool.free(p)`` on a CuPy stream the caller names: no
+    lookup of CuPy's current stream (the stream object named last costs one identity
+    compare), which is what ``stream=None`` pays on a cuda pool."""
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    pool = new_pool("cuda")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    alloc, free = pool.alloc, pool.free
+
+    def fixed(nbytes):
+        def loop(pairs):
+            for _ in range(pairs):
+                free(alloc(nbytes, stream))
+        return loop
+
+    def mix(sizes, live):
+        pytest.skip("the stream-passed row has no mix variant")
+
+    return Contender(alloc, free, fixed=fixed, mix=mix, check=pool_check(pool),
+                     info=pool_info(pool), close=pool_close(pool))
+
+
 def mempool_cloop(backend):
     """mp_alloc + mp_free in a compiled loop: the core's own cost, no interpreter."""
     import numpy as np
@@ -447,6 +469,8 @@ LATENCY = [
     Entry("mempool-host", "mempool alloc/free (host)", P(mempool_raw, "host"), backend="host"),
     Entry("mempool-cuda", "mempool alloc/free (cuda)", P(mempool_raw, "cuda"), gpu=True,
           backend="cuda", ref=0),
+    Entry("mempool-cuda-stream", "mempool alloc/free (cuda, a CuPy stream passed)",
+          mempool_raw_on_stream, gpu=True, backend="cuda"),
     Entry("cloop-sim", "mempool C loop (sim)", P(mempool_cloop, "sim"), backend="sim"),
     Entry("cloop-host", "mempool C loop (host)", P(mempool_cloop, "host"), backend="host"),
     Entry("cloop-cuda", "mempool C loop (cuda)", P(mempool_cloop, "cuda"), gpu=True,
