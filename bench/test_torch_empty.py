@@ -53,4 +53,6 @@ def test_torch_empty(benchmark, allocator, column):
                                 ref=0 if allocator == "mempool" else None,
                                 order=list(SIZES).index(column), ns=figure["ns_per_pair"],
                                 ns_per_pair=figure["ns_per_pair"],
-                                min_ns_per_pair=figure["min_ns_per_pair"])
+                                min_ns_per_pair=figure["min_ns_per_pair"],
+                                child_context=result["context"],
+                                pool_counters=result.get("pool_counters"))

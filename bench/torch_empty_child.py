@@ -9,9 +9,24 @@ object: {size: {"ns_per_pair": median, "min_ns_per_pair": min}}, the median of R
 rounds of PAIRS pairs in a tight loop (after one warm-up round), as the rest of the suite.
 """
 import json
+import os
 import statistics
 import sys
 import time
+
+
+COUNTERS = ("num_device_alloc", "num_device_free", "num_event_waits", "num_cross_stream_reuse",
+            "num_sync_all_streams", "segment.all.allocated")
+
+
+def context():
+    """What the machine looked like around the timing: a child slower inside the full suite
+    than alone is either this process's doing (its counters) or the machine's (these)."""
+    t0, n = time.perf_counter_ns(), 200_000
+    for _ in range(n):          # a fixed amount of interpreter work, the CPU's pace now
+        pass
+    return {"loadavg": os.getloadavg(), "cpus": len(os.sched_getaffinity(0)),
+            "empty_loop_ns": (time.perf_counter_ns() - t0) / n}
 
 
 def main(argv):
@@ -29,7 +44,7 @@ def main(argv):
     elif allocator != "caching":
         raise SystemExit(f"allocator must be 'caching' or 'mempool', got {allocator!r}")
     empty, uint8 = torch.empty, torch.uint8
-    out = {}
+    out = {"context": context()}
     for nbytes in sizes:
         per_round = []
         for r in range(rounds + 1):
@@ -45,6 +60,10 @@ def main(argv):
         stats = pool.stats()
         assert stats["allocation.all.current"] == 0, "a tensor's block was not returned"
         out["pool_allocations"] = stats["allocation.all.allocated"]
+        # Upstream traffic: a hot path that serves every pair leaves these at their
+        # warm-up values, whatever the number of pairs.
+        out["pool_counters"] = {key: stats[key] for key in COUNTERS}
+    out["context"]["after"] = context()
     print(json.dumps(out))
     return 0
 

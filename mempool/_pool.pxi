@@ -3,6 +3,10 @@
 cdef extern from "Python.h":
     size_t PyLong_AsSize_t(object) except? -1
     object PyLong_FromSize_t(size_t)
+    # The same function with no error check of Cython's: the fast paths below test for the
+    # error themselves and clear it, which costs less than a try block's exception save.
+    size_t _PyLong_AsSize_t_unchecked "PyLong_AsSize_t"(object)
+# PyErr_Clear and PyErr_Occurred: cimported in _streams.pxi, included before this file.
 from libc.stdint cimport uintptr_t, uint64_t
 from libc.stdlib cimport free as c_free
 
@@ -44,11 +48,12 @@ cdef size_t _size_slow(object value, str name) except? 0:
 
 cdef inline size_t _as_nbytes(object nbytes, str name) except? 0:
     """A size argument: a non-negative integer below 2**64 (bool and float refused)."""
+    cdef size_t n
     if type(nbytes) is int:
-        try:
-            return PyLong_AsSize_t(nbytes)   # raises OverflowError when negative or too big
-        except OverflowError:
-            pass
+        n = _PyLong_AsSize_t_unchecked(nbytes)   # (size_t)-1 and OverflowError when out of range
+        if n != <size_t>-1 or PyErr_Occurred() == NULL:
+            return n
+        PyErr_Clear()    # _size_slow says which bound it broke
     return _size_slow(nbytes, name)
 
 
@@ -62,11 +67,12 @@ cdef size_t _pointer_slow(object ptr) except? 0:
 
 
 cdef inline uintptr_t _as_pointer(object ptr) except? 0:
+    cdef size_t p
     if type(ptr) is int:
-        try:
-            return PyLong_AsSize_t(ptr)
-        except OverflowError:
-            pass
+        p = _PyLong_AsSize_t_unchecked(ptr)
+        if p != <size_t>-1 or PyErr_Occurred() == NULL:
+            return p
+        PyErr_Clear()
     return _pointer_slow(ptr)
 
 
