@@ -19,19 +19,52 @@ COUNTERS = ("num_device_alloc", "num_device_free", "num_event_waits", "num_cross
             "num_sync_all_streams", "segment.all.allocated")
 
 
+def cpu_jiffies():
+    """(busy, total) jiffies of all CPUs from /proc/stat (None where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields) - idle, sum(fields)
+
+
 def context():
     """What the machine looked like around the timing: a child slower inside the full suite
-    than alone is either this process's doing (its counters) or the machine's (these)."""
-    t0, n = time.perf_counter_ns(), 200_000
-    for _ in range(n):          # a fixed amount of interpreter work, the CPU's pace now
+    than alone is either this process's doing (its counters, its threads) or the machine's
+    (the other CPUs' load while it ran, the CPU it ran on, involuntary switches)."""
+    import resource
+
+    before, usage = cpu_jiffies(), resource.getrusage(resource.RUSAGE_SELF)
+    t0, n = time.perf_counter_ns(), 2_000_000
+    for _ in range(n):          # a fixed amount of interpreter work: the CPU's pace now
         pass
-    return {"loadavg": os.getloadavg(), "cpus": len(os.sched_getaffinity(0)),
-            "empty_loop_ns": (time.perf_counter_ns() - t0) / n}
+    elapsed = time.perf_counter_ns() - t0
+    after, usage_after = cpu_jiffies(), resource.getrusage(resource.RUSAGE_SELF)
+    busy = None
+    if before and after and after[1] > before[1]:
+        # CPUs busy on average over the loop, this one included (total jiffies / CPUs
+        # = the loop's wall time in jiffies).
+        ncpu = os.cpu_count() or 1
+        busy = round((after[0] - before[0]) / ((after[1] - before[1]) / ncpu), 2)
+    try:
+        with open("/proc/self/stat") as f:
+            on_cpu = int(f.read().rsplit(")", 1)[1].split()[36])
+        threads = len(os.listdir("/proc/self/task"))
+    except (OSError, IndexError, ValueError):
+        on_cpu = threads = None
+    return {"empty_loop_ns": elapsed / n, "cpus_busy": busy, "on_cpu": on_cpu,
+            "threads": threads, "loadavg": os.getloadavg(),
+            "cpus": len(os.sched_getaffinity(0)),
+            "involuntary_switches": usage_after.ru_nivcsw - usage.ru_nivcsw,
+            "trace": sys.gettrace() is not None or sys.getprofile() is not None}
 
 
 def main(argv):
     allocator, rounds, pairs = argv[0], int(argv[1]), int(argv[2])
     sizes = [int(s) for s in argv[3:]]
+    at_start = context()
     import torch
 
     pool = None
@@ -44,7 +77,7 @@ def main(argv):
     elif allocator != "caching":
         raise SystemExit(f"allocator must be 'caching' or 'mempool', got {allocator!r}")
     empty, uint8 = torch.empty, torch.uint8
-    out = {"context": context()}
+    out = {"context": {"start": at_start, "before": context()}}
     for nbytes in sizes:
         per_round = []
         for r in range(rounds + 1):

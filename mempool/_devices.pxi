@@ -88,6 +88,27 @@ cdef class SimDevice(_DeviceBase):
         to ``seq``: that work is complete, or ``stream`` waits on an event covering it."""
         return bool(mp_sim_ordered(self._sim, stream_handle(stream), stream_handle(other), seq))
 
+    def hold_allocs(self, n=1, timeout=2.0):
+        """Hold the next ``n`` segment allocations of the device: each waits inside the
+        upstream call, as a driver call that blocks, until :meth:`release_held` or
+        ``timeout`` seconds (then counted in ``counters()["hold_timeouts"]``)."""
+        cdef size_t k = _as_nbytes(n, "n")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+                not 0 < timeout <= 3600:
+            raise ValueError(f"timeout must be a number of seconds in (0, 3600], got {timeout!r}")
+        if k > 1 << 31:
+            raise ValueError(f"n must be at most 2**31, got {n}")
+        mp_sim_hold_allocs(self._sim, <unsigned>k, <unsigned>(timeout * 1000))
+
+    @property
+    def held(self):
+        """Segment allocations waiting in the device now (:meth:`hold_allocs`)."""
+        return mp_sim_held(self._sim)
+
+    def release_held(self):
+        """Let every held segment allocation go on."""
+        mp_sim_release_held(self._sim)
+
     def stream_info(self, stream=0):
         cdef uint64_t submitted = 0, completed = 0
         mp_sim_stream_info(self._sim, stream_handle(stream), &submitted, &completed)
@@ -100,7 +121,8 @@ cdef class SimDevice(_DeviceBase):
                    waits=mp_sim_num_waits(self._sim), errors=mp_sim_num_errors(self._sim),
                    live_segments=mp_sim_live_segments(self._sim),
                    live_events=mp_sim_live_events(self._sim),
-                   mapped_bytes=mp_sim_mapped_bytes(self._sim))
+                   mapped_bytes=mp_sim_mapped_bytes(self._sim),
+                   hold_timeouts=mp_sim_hold_timeouts(self._sim))
         return out
 
 

@@ -10,6 +10,34 @@ cdef extern from "Python.h":
 from libc.stdint cimport uintptr_t, uint64_t
 from libc.stdlib cimport free as c_free
 
+# Note [Blocking upstream calls]: a Pool method that holds the GIL marks its thread around
+# its core call; the core's blocking hooks then let the GIL go for the upstream calls that may
+# block (a new segment, a release, a stream sync) and take it back after, so other Python
+# threads run meanwhile, as CuPy's own cudaMalloc does. A thread that did not mark (the
+# PyTorch entry points, DLPack deleters, a dealloc) is left alone: it may not hold the GIL.
+cdef extern from *:
+    """
+    /* initial-exec: a plain %fs-relative access, no __tls_get_addr call on the hot path
+       (4 bytes of the static TLS surplus glibc keeps for modules loaded later). */
+    static __thread int mp_py_thread_marked __attribute__((tls_model("initial-exec")));
+    static inline void mp_py_mark(int marked) { mp_py_thread_marked = marked; }
+    static void *mp_py_blocking_begin(void) {
+        if (!mp_py_thread_marked) return NULL;
+        mp_py_thread_marked = 0;                 /* nested pairs leave the GIL alone */
+        return (void *)PyEval_SaveThread();
+    }
+    static void mp_py_blocking_end(void *state) {
+        if (!state) return;
+        PyEval_RestoreThread((PyThreadState *)state);
+        mp_py_thread_marked = 1;
+    }
+    """
+    void mp_py_mark(int marked) nogil
+    void *mp_py_blocking_begin() noexcept nogil
+    void mp_py_blocking_end(void *state) noexcept nogil
+
+mp_set_blocking_hooks(mp_py_blocking_begin, mp_py_blocking_end)
+
 import os as _os
 
 from mempool import _config
@@ -292,7 +320,9 @@ cdef class Pool:
         cdef uintptr_t ptr = 0
         if stream is not None or self._kind == _CUDA:
             self._stream_of(stream, &s)
+        mp_py_mark(1)
         cdef int rc = mp_alloc(self._pool, n, s, &ptr)
+        mp_py_mark(0)
         if rc != MP_OK:
             raise self._alloc_error(rc, n, s)
         return PyLong_FromSize_t(ptr)
@@ -308,7 +338,9 @@ cdef class Pool:
         cdef int has_stream = stream is not None
         if has_stream:
             self._stream_of(stream, &s)
+        mp_py_mark(1)
         cdef int rc = mp_free(self._pool, p, s, has_stream)
+        mp_py_mark(0)
         if rc != MP_OK:
             raise self._pointer_error(rc, "free", p)
 
@@ -339,7 +371,9 @@ cdef class Pool:
         """
         cdef uintptr_t s = 0
         self._stream_of(stream, &s)
+        mp_py_mark(1)
         cdef int rc = mp_forget_stream(self._pool, s)
+        mp_py_mark(0)
         # Only now may the stream object go: the call above synchronized its handle.
         self._pinned_streams.pop(s, None)
         self._last_pinned = None
@@ -483,7 +517,9 @@ cdef class Pool:
         belong to several streams are freed in stream order after an event wait, without a
         host sync. The ``initial_pool_size`` segment stays: it is kept for the pool's life.
         """
+        mp_py_mark(1)
         mp_empty_cache(self._pool)
+        mp_py_mark(0)
         if self._kind == _CUDA:
             _cuda_trim(self, 0)
 
@@ -497,7 +533,9 @@ cdef class Pool:
         whose streams have not finished stay cached.
         """
         cdef size_t k = _as_nbytes(_config.parse_size(keep, "keep"), "keep")
+        mp_py_mark(1)
         mp_trim(self._pool, k)
+        mp_py_mark(0)
         if self._kind == _CUDA:
             _cuda_trim(self, k)
 
@@ -777,7 +815,9 @@ cdef object _cupy_malloc(Pool pool, object nbytes):
     cdef uintptr_t s = 0
     pool._stream_of(None, &s)
     cdef uintptr_t ptr = 0
+    mp_py_mark(1)
     cdef int rc = mp_alloc(pool._pool, n, s, &ptr)
+    mp_py_mark(0)
     if rc != MP_OK:
         raise pool._alloc_error(rc, n, s)
     cdef _Allocation owner = _Allocation.__new__(_Allocation)

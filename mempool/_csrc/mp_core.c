@@ -541,8 +541,10 @@ static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
                                      mp_release_list *rel, uintptr_t *ptr) {
     p->inflight_bytes += nbytes;
     mp_lock_release(&p->lock);
+    void *blocking = mp_blocking_begin();
     mp_release_finish(p, rel);
     int rc = p->up.segment_alloc(p->up.ctx, nbytes, s->handle, ptr);
+    mp_blocking_end(blocking);
     mp_lock_acquire(&p->lock);
     p->inflight_bytes -= nbytes;
     return rc;
@@ -570,7 +572,9 @@ void mp_sync_pending_unlocked(mp_pool *p) {
     }
     p->stats.num_sync_all_streams++;
     mp_lock_release(&p->lock);
+    void *blocking = mp_blocking_begin();
     for (size_t j = 0; j < n; j++) p->up.stream_synchronize(p->up.ctx, handles[j]);
+    mp_blocking_end(blocking);
     free(handles);
     mp_lock_acquire(&p->lock);
     mp_process_pending_locked(p);
@@ -704,7 +708,9 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
     if (!b) {
         /* No host memory for the bookkeeping: give the segment straight back. */
         mp_lock_release(&p->lock);
+        void *blocking = mp_blocking_begin();
         p->up.segment_free(p->up.ctx, ptr, seg_size, s->handle);
+        mp_blocking_end(blocking);
         mp_lock_acquire(&p->lock);
         return MP_ENOMEM;
     }
@@ -790,6 +796,14 @@ oom:
     mp_release_finish(p, &rel);
     if (torch) torch_uncount(p);
     return rc;
+}
+
+mp_blocking_begin_fn mp_blocking_begin_hook;
+mp_blocking_end_fn mp_blocking_end_hook;
+
+void mp_set_blocking_hooks(mp_blocking_begin_fn begin, mp_blocking_end_fn end) {
+    mp_blocking_begin_hook = begin;
+    mp_blocking_end_hook = end;
 }
 
 int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out) {
@@ -1065,7 +1079,9 @@ int mp_forget_stream(mp_pool *p, uintptr_t handle) {
     mp_lock_release(&p->lock);
     /* The stream is still alive here: let its queued work finish, then nothing of the pool
      * needs ordering on it again. */
+    void *blocking = mp_blocking_begin();
     int rc = p->up.stream_synchronize(p->up.ctx, handle);
+    mp_blocking_end(blocking);
     mp_lock_acquire(&p->lock);
     mp_stream *legacy = rc == MP_OK ? mp_stream_get_locked(p, 0) : NULL;
     if (!legacy) {

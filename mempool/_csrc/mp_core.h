@@ -86,6 +86,16 @@ void mp_pool_destroy(mp_pool *p);
 void mp_pool_retain(mp_pool *p);
 void mp_pool_release(mp_pool *p);
 
+/* Note [Blocking upstream calls] (docs/architecture.md): a binding that holds an interpreter
+ * lock (Python's GIL) installs these once, before any pool exists. The core calls begin()
+ * just before an upstream call it makes without its own lock that may block (segment
+ * allocation and release, stream synchronization, page map and unmap) and end() with what
+ * begin() returned just after, in the same thread, never with the pool lock held; the pairs
+ * may nest. NULL hooks (the default): nothing is called. */
+typedef void *(*mp_blocking_begin_fn)(void);
+typedef void (*mp_blocking_end_fn)(void *state);
+void mp_set_blocking_hooks(mp_blocking_begin_fn begin, mp_blocking_end_fn end);
+
 int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
 /* For PyTorch's device table (mp_torch.c, Note [Torch table lifetime]). mp_alloc_torch is
  * mp_alloc for a block handed to PyTorch: counted in the pool's torch blocks until freed,

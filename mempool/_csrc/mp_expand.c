@@ -425,6 +425,7 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
     }
     p->inflight_bytes += released;   /* still held until unmapped: count it for the limit */
     mp_lock_release(&p->lock);
+    void *blocking = mp_blocking_begin();
     for (size_t j = 0; j < nowners; j++)
         synced[j] = p->up.stream_synchronize(p->up.ctx, owners[j]->handle) == MP_OK;
     for (size_t i = 0; i < n; i++) {
@@ -438,6 +439,7 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
         }
         if (jobs[i].ok) jobs[i].ok = p->up.unmap(p->up.ctx, jobs[i].u->ptr, jobs[i].u->nbytes) == MP_OK;
     }
+    mp_blocking_end(blocking);
     mp_lock_acquire(&p->lock);
     p->inflight_bytes -= released;
     /* One at a time: a later job's block stays busy (so unmerged and valid) until its turn. */
@@ -528,7 +530,9 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
     m->busy = 1;
     p->inflight_bytes += plan->nbytes;
     mp_lock_release(&p->lock);
+    void *blocking = mp_blocking_begin();
     int rc = p->up.map(p->up.ctx, m->ptr, m->nbytes);
+    mp_blocking_end(blocking);
     mp_lock_acquire(&p->lock);
     p->inflight_bytes -= plan->nbytes;
     m->busy = 0;

@@ -151,6 +151,16 @@ void mp_remove_free_locked(mp_pool *p, mp_block *b);
 mp_block *mp_search_lists_locked(mp_pool *p, mp_stream *s, int kind, size_t size);
 size_t mp_reserved_now_locked(const mp_pool *p);
 void mp_sync_pending_unlocked(mp_pool *p);
+/* Note [Blocking upstream calls]: around each upstream call made without the lock that may
+ * block. */
+extern mp_blocking_begin_fn mp_blocking_begin_hook;
+extern mp_blocking_end_fn mp_blocking_end_hook;
+static inline void *mp_blocking_begin(void) {
+    return mp_blocking_begin_hook ? mp_blocking_begin_hook() : NULL;
+}
+static inline void mp_blocking_end(void *state) {
+    if (mp_blocking_end_hook) mp_blocking_end_hook(state);
+}
 mp_block *mp_block_new_locked(mp_pool *p);
 void mp_block_delete_locked(mp_pool *p, mp_block *b);
 void mp_free_block_locked(mp_pool *p, mp_block *b);

@@ -118,12 +118,14 @@ size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_relea
 
 void mp_release_finish_slow(mp_pool *p, mp_release_list *list) {
     mp_segment *seg = list->head;
+    void *blocking = mp_blocking_begin();
     while (seg) {
         mp_segment *next = seg->inext;
         mp_segment_release_upstream(p, seg);
         free(seg);
         seg = next;
     }
+    mp_blocking_end(blocking);
     list->head = NULL;
     list->nbytes = 0;
 }

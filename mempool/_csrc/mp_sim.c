@@ -2,9 +2,11 @@
  * since tests complete streams from Python while other threads allocate. */
 #include "mp_sim.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "mp_ptrmap.h"
 
@@ -51,6 +53,11 @@ struct mp_sim {
     uint64_t num_syncs, num_records, num_waits, num_errors;
     int device;               /* the simulated device's ordinal */
     uint64_t peers;           /* devices granted access (bit d = device d) */
+    /* mp_sim_hold_allocs: segment allocations still to hold, those waiting now, the
+     * release generation they wait for a change of, and those that gave up waiting. */
+    unsigned hold_next, held, hold_timeout_ms;
+    uint64_t release_gen, hold_timeouts;
+    pthread_cond_t hold_cv;
 };
 
 /* The access a page gets when mapped: the device itself and every peer granted so far. */
@@ -79,10 +86,32 @@ static uintptr_t bump(mp_sim *s, size_t nbytes, size_t align) {
 
 /* ---------------------------------------------------------------- upstream functions */
 
+/* A held segment allocation: wait, the sim's mutex let go meanwhile, for
+ * mp_sim_release_held or the timeout. */
+static void hold_locked(mp_sim *s) {
+    s->hold_next--;
+    s->held++;
+    uint64_t gen = s->release_gen;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += s->hold_timeout_ms / 1000;
+    until.tv_nsec += (long)(s->hold_timeout_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    int rc = 0;
+    while (s->release_gen == gen && rc != ETIMEDOUT)
+        rc = pthread_cond_timedwait(&s->hold_cv, &s->mu, &until);
+    if (s->release_gen == gen) s->hold_timeouts++;
+    s->held--;
+}
+
 static int sim_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr_t *out) {
     mp_sim *s = ctx;
     (void)stream;
     pthread_mutex_lock(&s->mu);
+    if (s->hold_next) hold_locked(s);
     int rc = mp_budget_take(&s->budget, nbytes);
     if (rc == MP_OK) {
         uintptr_t p = bump(s, nbytes, 512);
@@ -391,6 +420,7 @@ static void sim_destroy(void *ctx) {
     free(s->streams);
     for (size_t i = 0; i < s->nevents; i++) free(s->events[i].deps);
     free(s->events);
+    pthread_cond_destroy(&s->hold_cv);
     pthread_mutex_destroy(&s->mu);
     free(s);
 }
@@ -407,6 +437,7 @@ int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
         return MP_ENOMEM;
     }
     pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->hold_cv, NULL);
     mp_budget_init(&s->budget, capacity);
     s->granularity = granularity;
     s->next_addr = MP_SIM_BASE;
@@ -479,6 +510,33 @@ void mp_sim_stream_info(mp_sim *s, uintptr_t stream, uint64_t *submitted, uint64
 mp_budget *mp_sim_budget(mp_sim *s) { return &s->budget; }
 void mp_sim_lock(mp_sim *s) { pthread_mutex_lock(&s->mu); }
 void mp_sim_unlock(mp_sim *s) { pthread_mutex_unlock(&s->mu); }
+void mp_sim_hold_allocs(mp_sim *s, unsigned n, unsigned timeout_ms) {
+    pthread_mutex_lock(&s->mu);
+    s->hold_next = n;
+    s->hold_timeout_ms = timeout_ms;
+    pthread_mutex_unlock(&s->mu);
+}
+
+unsigned mp_sim_held(mp_sim *s) {
+    pthread_mutex_lock(&s->mu);
+    unsigned n = s->held;
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
+void mp_sim_release_held(mp_sim *s) {
+    pthread_mutex_lock(&s->mu);
+    s->release_gen++;
+    pthread_cond_broadcast(&s->hold_cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+uint64_t mp_sim_hold_timeouts(mp_sim *s) {
+    pthread_mutex_lock(&s->mu);
+    uint64_t n = s->hold_timeouts;
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
 size_t mp_sim_live_segments(mp_sim *s) { return s->segments.count; }
 size_t mp_sim_mapped_bytes(mp_sim *s) { return s->pages.count * s->granularity; }
 uint64_t mp_sim_num_syncs(mp_sim *s) { return s->num_syncs; }
