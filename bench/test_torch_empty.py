@@ -78,5 +78,4 @@ def test_torch_empty(benchmark, allocator, column):
                                 child_context=result["context"],
                                 pool_counters=result.get("pool_counters"),
                                 children_ns_per_pair=[f["ns_per_pair"] for f in figures],
-                                children_empty_loop_ns=[
-                                    r["context"]["before"]["empty_loop_ns"] for r in children])
+                                children_context=[r["context"] for r in children])
