@@ -181,6 +181,11 @@ cdef class Pool:
     cdef object _last_pinned         # the object pinned last: the common case, one compare
     cdef uintptr_t _last_pinned_handle
     cdef _CurrentStream _current     # cuda: CuPy's current stream (Note [Current stream])
+    # Note [Hot address]: the int object of the address alloc returned or free was given
+    # last, and its value. A hot block comes back at the same address, so alloc hands out the
+    # same object again instead of making one, and free of that object needs no conversion.
+    cdef object _hot_address
+    cdef uintptr_t _hot_address_value
     cdef object __weakref__
 
     def __cinit__(self, *args, **kwargs):
@@ -325,7 +330,12 @@ cdef class Pool:
         mp_py_mark(0)
         if rc != MP_OK:
             raise self._alloc_error(rc, n, s)
-        return PyLong_FromSize_t(ptr)
+        if ptr == self._hot_address_value and self._hot_address is not None:
+            return self._hot_address
+        address = PyLong_FromSize_t(ptr)
+        self._hot_address = address
+        self._hot_address_value = ptr
+        return address
 
     def free(self, ptr, stream=None):
         """Return a block to the pool.
@@ -333,7 +343,14 @@ cdef class Pool:
         ``stream``: where the block was last used (None: the stream it was allocated on).
         The block then serves that stream at once and other streams after an event.
         """
-        cdef uintptr_t p = _as_pointer(ptr)
+        cdef uintptr_t p
+        if ptr is self._hot_address:
+            p = self._hot_address_value
+        else:
+            p = _as_pointer(ptr)
+            if type(ptr) is int:
+                self._hot_address = ptr
+                self._hot_address_value = p
         cdef uintptr_t s = 0
         cdef int has_stream = stream is not None
         if has_stream:

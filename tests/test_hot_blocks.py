@@ -138,3 +138,62 @@ def test_hot_blocks_across_many_streams_and_sizes_stay_consistent(sim):
         pool.free(ptr)
     pool.check_invariants()
     assert pool.used_bytes() == 0
+
+
+# Note [Hot address]: the Pool keeps the int object of the address it handed out or was
+# given last; a value is never confused with another.
+
+def test_a_hot_block_comes_back_as_the_same_int_object(sim):
+    pool = sim()
+    a = pool.alloc(512)
+    pool.free(a)
+    b = pool.alloc(512)
+    assert b == a and b is a
+    pool.free(b)
+    pool.check_invariants()
+
+
+def test_an_equal_int_of_another_object_frees_the_same_block(sim):
+    pool = sim()
+    a = pool.alloc(512)
+    other = int(str(a))          # equal, but a different object
+    assert other is not a
+    pool.free(other)
+    assert pool.used_bytes() == 0
+    # free was given `other` last: the next hand-out of that address is that object.
+    assert pool.alloc(512) is other
+    with pytest.raises(ValueError, match="already freed"):
+        pool.free(a)
+        pool.free(a)
+    pool.check_invariants()
+
+
+def test_addresses_stay_right_when_blocks_take_turns(sim):
+    pool = sim()
+    a, b = pool.alloc(4 * KiB, stream=S), pool.alloc(4 * KiB, stream=T)
+    for _ in range(3):
+        pool.free(a)
+        pool.free(b)
+        a2, b2 = pool.alloc(4 * KiB, stream=S), pool.alloc(4 * KiB, stream=T)
+        assert (a2, b2) == (a, b)
+        a, b = a2, b2
+    pool.free(a)
+    pool.free(b)
+    assert pool.used_bytes() == 0
+    pool.check_invariants()
+
+
+def test_the_remembered_address_does_not_make_a_bad_free_pass(sim):
+    pool = sim()
+    a = pool.alloc(512)
+    pool.free(a)
+    with pytest.raises(ValueError, match="already freed"):
+        pool.free(a)             # the remembered object, freed twice
+    with pytest.raises(ValueError, match="inside a live block"):
+        b = pool.alloc(4 * KiB)
+        pool.free(b + 512)
+    with pytest.raises(TypeError):
+        pool.free(float(b))
+    pool.free(b)
+    assert pool.used_bytes() == 0
+    pool.check_invariants()
