@@ -117,6 +117,7 @@ cdef class SimDevice(_DeviceBase):
     def counters(self):
         out = _DeviceBase.counters(self)
         out.update(syncs=mp_sim_num_syncs(self._sim),
+                   stream_queries=mp_sim_num_queries(self._sim),
                    event_records=mp_sim_num_event_records(self._sim),
                    waits=mp_sim_num_waits(self._sim), errors=mp_sim_num_errors(self._sim),
                    live_segments=mp_sim_live_segments(self._sim),

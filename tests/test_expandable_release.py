@@ -140,9 +140,58 @@ def test_release_threshold_keeps_at_most_that_much_mapped_and_free(sim):
     pool.set_release_threshold(0)
     pool.free(c)                                         # all of [0, 10) goes; b stays
     assert mapped(pool) == 2 * MiB
-    assert counters(pool, "syncs", "unmaps") == (2, 2)
+    # Note [Threshold releases without a sync]: the stream had no work queued, so a query
+    # said so and nothing was synchronized.
+    assert counters(pool, "syncs", "unmaps") == (0, 2)
+    assert counters(pool, "stream_queries")[0] >= 2
     pool.free(b)
     assert mapped(pool) == 0
+
+
+def test_release_threshold_leaves_a_busy_streams_pages_until_it_is_idle(sim):
+    pool = sim(expandable_segments=True, capacity=GiB, release_threshold=0)
+    a = pool.alloc(8 * MiB, stream=S)
+    pool.device.launch(S)                                # work on a still queued
+    pool.free(a)
+    assert mapped(pool) == 8 * MiB and pool.cached_bytes() == 8 * MiB
+    keep = pool.alloc(512, stream=T)                     # T's page is never wholly free
+    # While S stays busy, the checks back off: a query at most every 64th operation after
+    # the first few, not one at every alloc and free.
+    for _ in range(200):
+        pool.free(pool.alloc(512, stream=T))
+    assert counters(pool, "syncs") == (0,)
+    assert counters(pool, "stream_queries")[0] <= 30
+    assert mapped(pool) >= 8 * MiB and synced(pool, S) is False
+    pool.device.complete(S)
+    for _ in range(65):                                  # the next attempt finds S idle
+        pool.free(pool.alloc(512, stream=T))
+        if mapped(pool) < 8 * MiB:
+            break
+    assert mapped(pool) == pool.reserved_bytes() < 8 * MiB   # S's pages went; T's stays
+    pool.free(keep)
+    assert mapped(pool) == 0
+    assert counters(pool, "syncs") == (0,)
+    pool.check_invariants()
+
+
+def test_a_stream_waiting_on_busy_work_is_busy_to_a_threshold_release(sim):
+    """A stream's wait on another stream's event is work of the stream, as in CUDA: its
+    pages stay until what it waits for is done."""
+    pool = sim(expandable_segments=True, capacity=GiB, release_threshold=0)
+    a = pool.alloc(4 * MiB, stream=T)
+    pool.device.launch(T)
+    pool.free(a)                                         # T busy: a's pages stay
+    b = pool.alloc(4 * MiB, stream=S)                    # taken across: S waits on T
+    assert b == a and pool.stats()["num_event_waits"] == 1
+    pool.free(b)                                         # now S's, behind its wait on T
+    pool.set_release_threshold(0)                        # checked at once, no back-off
+    assert mapped(pool) == 4 * MiB
+    assert counters(pool, "syncs") == (0,)
+    pool.device.complete(S)                              # S's wait completes T's work too
+    assert synced(pool, T)
+    pool.set_release_threshold(0)
+    assert mapped(pool) == 0 and counters(pool, "syncs") == (0,)
+    pool.check_invariants()
 
 
 def test_limit_reclaims_free_pages_before_refusing(sim):

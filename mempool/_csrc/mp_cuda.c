@@ -121,6 +121,7 @@ static struct {
     CUresult (*EventDestroy)(CUevent);
     CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned int);
     CUresult (*StreamSynchronize)(CUstream);
+    CUresult (*StreamQuery)(CUstream);
     CUresult (*MemGetInfo)(size_t *, size_t *);
     /* Virtual memory management: optional (expandable segments are off without them). */
     CUresult (*MemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
@@ -180,6 +181,7 @@ static void d_resolve(void) {
         {(void **)&D.EventDestroy, "cuEventDestroy_v2", REQUIRED},
         {(void **)&D.StreamWaitEvent, "cuStreamWaitEvent", REQUIRED},
         {(void **)&D.StreamSynchronize, "cuStreamSynchronize", REQUIRED},
+        {(void **)&D.StreamQuery, "cuStreamQuery", REQUIRED},
         {(void **)&D.MemGetInfo, "cuMemGetInfo_v2", REQUIRED},
         {(void **)&D.MemGetAllocationGranularity, "cuMemGetAllocationGranularity", VMM},
         {(void **)&D.MemAddressReserve, "cuMemAddressReserve", VMM},
@@ -362,6 +364,14 @@ static int cu_stream_synchronize(void *ctx, uintptr_t stream) {
     mp_cuda *c = ctx;
     CUresult r;
     CU_CALL(c, r, D.StreamSynchronize((CUstream)stream));
+    return check(c, r);
+}
+
+static int cu_stream_query(void *ctx, uintptr_t stream) {
+    mp_cuda *c = ctx;
+    CUresult r;
+    CU_CALL(c, r, D.StreamQuery((CUstream)stream));
+    if (r == CUDA_ERROR_NOT_READY) return MP_ENOTREADY;
     return check(c, r);
 }
 
@@ -727,6 +737,7 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
     up->stream_wait_event = cu_stream_wait_event;
     up->event_destroy = cu_event_destroy;
     up->stream_synchronize = cu_stream_synchronize;
+    up->stream_query = cu_stream_query;
     up->device_synchronize = cu_device_synchronize;
     up->mem_info = cu_mem_info;
     up->granularity = c->granularity;

@@ -376,10 +376,35 @@ static void restore_run_locked(mp_pool *p, unmap_job *job, mp_stream *unsynced) 
     free(more);
 }
 
+/* Note [Threshold releases without a sync]: whether stream s has no work left now, asked of
+ * the upstream once per release (the answers kept in asked/idle, room for every stream). */
+static int stream_idle_locked(mp_pool *p, mp_stream *s, mp_stream **asked, int *idle,
+                              size_t *nasked) {
+    for (size_t j = 0; j < *nasked; j++)
+        if (asked[j] == s) return idle[j];
+    int ok = p->up.stream_query && p->up.stream_query(p->up.ctx, s->handle) == MP_OK;
+    asked[*nasked] = s;
+    idle[(*nasked)++] = ok;
+    return ok;
+}
+
+/* Whether every stream that freed a part of [lo, hi) of the run at `first` is idle. */
+static int run_idle_locked(mp_pool *p, mp_block *first, uintptr_t lo, uintptr_t hi,
+                           mp_stream **asked, int *idle, size_t *nasked) {
+    mp_block *x = first;
+    while (x->ptr + x->nbytes <= lo) x = x->next;
+    for (mp_block *b = x; b && b->ptr < hi; b = b->next)
+        if (!stream_idle_locked(p, b->stream, asked, idle, nasked)) return 0;
+    return 1;
+}
+
 /* Unmap whole free pages outside [keep_lo, keep_hi) until `target` bytes are released (or
- * nothing releasable is left), after synchronizing their owner streams. Drops and retakes
- * the lock. Returns the bytes released. */
-static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo, uintptr_t keep_hi) {
+ * nothing releasable is left), after synchronizing their owner streams; or, when `wait` is 0,
+ * only pages whose owner streams have no work left now (Note [Threshold releases without a
+ * sync]), setting *busy when some page stayed for a busy stream. Drops and retakes the lock.
+ * Returns the bytes released. */
+static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo, uintptr_t keep_hi,
+                                   int wait, int *busy) {
     /* Less than a page free in all: no whole page to find (the common case under a
      * release_threshold, checked on every free), so skip the walk over the blocks. */
     int64_t free_bytes = p->stats.reserved_bytes[MP_STAT_ALL].current - p->stats.active_bytes[MP_STAT_ALL].current;
@@ -389,13 +414,19 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
     unmap_job *jobs = runs.n ? malloc(runs.n * sizeof *jobs) : NULL;
     mp_stream **owners = runs.n ? malloc(p->nstreams * sizeof *owners) : NULL;
     int *synced = runs.n ? malloc(p->nstreams * sizeof *synced) : NULL;
-    if (!jobs || !owners || !synced) {
+    /* !wait: the streams asked whether idle, and their answers */
+    mp_stream **asked = runs.n && !wait ? malloc(p->nstreams * sizeof *asked) : NULL;
+    int *idle = runs.n && !wait ? malloc(p->nstreams * sizeof *idle) : NULL;
+    if (!jobs || !owners || !synced || (!wait && (!asked || !idle))) {
         free(runs.runs);
         free(jobs);
         free(owners);
         free(synced);
+        free(asked);
+        free(idle);
         return 0;
     }
+    size_t nasked = 0;
     qsort(runs.runs, runs.n, sizeof *runs.runs, cmp_run);
     size_t n = 0, released = 0, nowners = 0;
     for (size_t i = 0; i < runs.n && released < target; i++) {
@@ -405,6 +436,10 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
         if (want < hi - lo) {
             want = round_up(want, p->up.granularity);
             if (want < hi - lo) lo = hi - want;
+        }
+        if (!wait && !run_idle_locked(p, runs.runs[i].first, lo, hi, asked, idle, &nasked)) {
+            if (busy) *busy = 1;
+            continue;   /* a stream may still use these pages: they stay, no sync */
         }
         if (!carve_run_locked(p, runs.runs[i].first, lo, hi, &jobs[n])) break;
         for (size_t k = 0; k < jobs[n].nparts; k++) {
@@ -417,6 +452,8 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
         n++;
     }
     free(runs.runs);
+    free(asked);
+    free(idle);
     if (!n) {
         free(jobs);
         free(owners);
@@ -424,9 +461,11 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
         return 0;
     }
     p->inflight_bytes += released;   /* still held until unmapped: count it for the limit */
+    /* !wait: every owner was idle when asked, after the frees of these pages. */
+    for (size_t j = 0; j < nowners && !wait; j++) synced[j] = 1;
     mp_lock_release(&p->lock);
     void *blocking = mp_blocking_begin();
-    for (size_t j = 0; j < nowners; j++)
+    for (size_t j = 0; j < nowners && wait; j++)
         synced[j] = p->up.stream_synchronize(p->up.ctx, owners[j]->handle) == MP_OK;
     for (size_t i = 0; i < n; i++) {
         for (size_t k = 0; k < jobs[i].nparts; k++) {
@@ -463,7 +502,11 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
 }
 
 size_t mp_expand_release_locked(mp_pool *p, size_t target) {
-    return release_pages_locked(p, target, 0, 0);
+    return release_pages_locked(p, target, 0, 0, 1, NULL);
+}
+
+size_t mp_expand_release_idle_locked(mp_pool *p, size_t target, int *busy) {
+    return release_pages_locked(p, target, 0, 0, 0, busy);
 }
 
 /* ---------------------------------------------------------------- growth */
@@ -541,7 +584,7 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
          * unmapped as before. Out of device memory, free pages elsewhere may make room
          * (the caller then comes back). */
         merge_unmapped_locked(p, m);
-        if (rc == MP_ENOMEM && release_pages_locked(p, plan->nbytes, plan->lo, plan->hi)) {
+        if (rc == MP_ENOMEM && release_pages_locked(p, plan->nbytes, plan->lo, plan->hi, 1, NULL)) {
             p->stats.num_alloc_retries++;
             return MP_OK;
         }
@@ -597,7 +640,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_block
         if (idle >= MP_HIGH_WATER_MIN_IDLE && idle >= p->mapped_high_water / MP_HIGH_WATER_IDLE_DIV)
             excess = idle > excess ? idle : excess;
     }
-    if (excess && release_pages_locked(p, excess, plan.lo, plan.hi)) return MP_OK;   /* re-plan */
+    if (excess && release_pages_locked(p, excess, plan.lo, plan.hi, 1, NULL)) return MP_OK;   /* re-plan */
     if (limit != MP_UNLIMITED && need > limit) return MP_ELIMIT;
     return map_locked(p, seg, s, &plan, size, out);
 }

@@ -63,6 +63,7 @@ static int host_event_query(void *ctx, uintptr_t ev) { (void)ctx; (void)ev; retu
 static int host_stream_wait_event(void *ctx, uintptr_t stream, uintptr_t ev) { (void)ctx; (void)stream; (void)ev; return MP_OK; }
 static int host_event_destroy(void *ctx, uintptr_t ev) { (void)ctx; (void)ev; return MP_OK; }
 static int host_stream_synchronize(void *ctx, uintptr_t stream) { (void)ctx; (void)stream; return MP_OK; }
+static int host_stream_query(void *ctx, uintptr_t stream) { (void)ctx; (void)stream; return MP_OK; }
 static int host_device_synchronize(void *ctx) { (void)ctx; return MP_OK; }
 
 static int host_mem_info(void *ctx, size_t *free_bytes, size_t *total) {
@@ -167,6 +168,7 @@ int mp_host_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
     up->stream_wait_event = host_stream_wait_event;
     up->event_destroy = host_event_destroy;
     up->stream_synchronize = host_stream_synchronize;
+    up->stream_query = host_stream_query;
     up->device_synchronize = host_device_synchronize;
     up->mem_info = host_mem_info;
     up->granularity = granularity;

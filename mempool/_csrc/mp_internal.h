@@ -81,6 +81,10 @@ struct mp_pool {
     mp_stream **streams;         /* never freed before the pool; pointers stay valid */
     size_t nstreams, cap_streams;
     size_t nhot;                 /* streams holding a hot block (Note [Hot blocks]) */
+    /* Note [Threshold releases without a sync]: threshold checks still to skip, and the
+     * skip that the next attempt finding only busy streams sets (doubling, reset by one
+     * that releases). */
+    uint32_t threshold_skip, threshold_backoff;   /* at most MP_THRESHOLD_BACKOFF_MAX */
     mp_stream *last_stream;      /* one-entry cache for the stream lookup */
 
     mp_ptrmap live;              /* allocated blocks by address */
@@ -169,6 +173,9 @@ void mp_event_put_locked(mp_pool *p, uintptr_t ev);
 mp_stream *mp_stream_get_locked(mp_pool *p, uintptr_t handle);
 
 /* mp_release.c: detach idle segments under the lock, free them upstream after. */
+/* Note [Threshold releases without a sync]: the most threshold checks skipped in a row. */
+#define MP_THRESHOLD_BACKOFF_MAX 64
+
 typedef struct mp_release_list {
     mp_segment *head;
     size_t nbytes;

@@ -138,7 +138,27 @@ static size_t cached_locked(const mp_pool *p) {
 void mp_apply_release_threshold_slow_locked(mp_pool *p, mp_release_list *out) {
     size_t threshold = p->cfg.release_threshold;
     size_t cached = cached_locked(p);
-    if (cached > threshold) mp_release_idle_locked(p, cached - threshold, out);
+    if (cached <= threshold) return;
+    if (!p->cfg.expandable_segments) {
+        mp_release_idle_locked(p, cached - threshold, out);   /* stream-ordered frees */
+        return;
+    }
+    /* Note [Threshold releases without a sync]: pages of idle streams only, and after an
+     * attempt that found only busy ones, fewer attempts until one releases again. */
+    if (p->threshold_skip) {
+        p->threshold_skip--;
+        return;
+    }
+    int busy = 0;
+    size_t released = mp_expand_release_idle_locked(p, cached - threshold, &busy);
+    if (released || !busy) {
+        p->threshold_backoff = 0;
+    } else {
+        p->threshold_backoff = p->threshold_backoff ? p->threshold_backoff * 2 : 1;
+        if (p->threshold_backoff > MP_THRESHOLD_BACKOFF_MAX)
+            p->threshold_backoff = MP_THRESHOLD_BACKOFF_MAX;
+        p->threshold_skip = p->threshold_backoff;
+    }
 }
 
 int mp_trim(mp_pool *p, size_t keep) {
@@ -183,6 +203,7 @@ int mp_set_release_threshold(mp_pool *p, size_t threshold) {
     mp_lock_acquire(&p->lock);
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     p->cfg.release_threshold = threshold;
+    p->threshold_skip = p->threshold_backoff = 0;   /* a new threshold is checked at once */
     mp_apply_release_threshold_locked(p, &rel);
     mp_lock_release(&p->lock);
     mp_release_finish(p, &rel);

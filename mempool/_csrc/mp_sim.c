@@ -50,7 +50,7 @@ struct mp_sim {
     size_t nstreams, cap_streams;
     sim_event *events;
     size_t nevents, cap_events, live_events;
-    uint64_t num_syncs, num_records, num_waits, num_errors;
+    uint64_t num_syncs, num_records, num_waits, num_errors, num_queries;
     int device;               /* the simulated device's ordinal */
     uint64_t peers;           /* devices granted access (bit d = device d) */
     /* mp_sim_hold_allocs: segment allocations still to hold, those waiting now, the
@@ -309,6 +309,19 @@ static int sim_stream_synchronize(void *ctx, uintptr_t stream) {
     return si == SIZE_MAX ? MP_ENOMEM : MP_OK;
 }
 
+/* Complete when all the stream's queued work is. A wait on an event is queued work of the
+ * stream (sim_stream_wait_event), and completing it completes what it waited for. */
+static int sim_stream_query(void *ctx, uintptr_t stream) {
+    mp_sim *s = ctx;
+    pthread_mutex_lock(&s->mu);
+    s->num_queries++;
+    size_t si = stream_index(s, stream);
+    int rc = si == SIZE_MAX ? MP_ENOMEM : MP_OK;
+    if (rc == MP_OK && s->streams[si].completed < s->streams[si].submitted) rc = MP_ENOTREADY;
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
 static int sim_device_synchronize(void *ctx) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
@@ -452,6 +465,7 @@ int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
     up->stream_wait_event = sim_stream_wait_event;
     up->event_destroy = sim_event_destroy;
     up->stream_synchronize = sim_stream_synchronize;
+    up->stream_query = sim_stream_query;
     up->device_synchronize = sim_device_synchronize;
     up->mem_info = sim_mem_info;
     up->granularity = granularity;
@@ -540,6 +554,7 @@ uint64_t mp_sim_hold_timeouts(mp_sim *s) {
 size_t mp_sim_live_segments(mp_sim *s) { return s->segments.count; }
 size_t mp_sim_mapped_bytes(mp_sim *s) { return s->pages.count * s->granularity; }
 uint64_t mp_sim_num_syncs(mp_sim *s) { return s->num_syncs; }
+uint64_t mp_sim_num_queries(mp_sim *s) { return s->num_queries; }
 uint64_t mp_sim_num_event_records(mp_sim *s) { return s->num_records; }
 uint64_t mp_sim_num_waits(mp_sim *s) { return s->num_waits; }
 uint64_t mp_sim_num_errors(mp_sim *s) { return s->num_errors; }

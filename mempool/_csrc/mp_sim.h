@@ -40,6 +40,7 @@ uint64_t mp_sim_hold_timeouts(mp_sim *sim);
 size_t mp_sim_live_segments(mp_sim *sim);
 size_t mp_sim_mapped_bytes(mp_sim *sim);
 uint64_t mp_sim_num_syncs(mp_sim *sim);
+uint64_t mp_sim_num_queries(mp_sim *sim);   /* stream_query calls */
 uint64_t mp_sim_num_event_records(mp_sim *sim);
 uint64_t mp_sim_num_waits(mp_sim *sim);
 uint64_t mp_sim_num_errors(mp_sim *sim);   /* contract breaches seen (double map, bad free) */

@@ -60,6 +60,9 @@ typedef struct mp_upstream {
 
     /* Block the host until all work queued on `stream` has completed. */
     int (*stream_synchronize)(void *ctx, uintptr_t stream);
+    /* Without blocking: MP_OK when all work queued on `stream` has completed, MP_ENOTREADY
+     * when not (optional, may be NULL: then never known to be complete). */
+    int (*stream_query)(void *ctx, uintptr_t stream);
     /* Block the host until all work on the device has completed (optional, may be NULL).
      * Needs no stream handle: the pool uses it at destroy, when streams it saw may be gone. */
     int (*device_synchronize)(void *ctx);

@@ -129,6 +129,7 @@ CUresult cuEventQuery(void *e) { (void)e; return OK; }
 CUresult cuEventDestroy_v2(void *e) { (void)e; return OK; }
 CUresult cuStreamWaitEvent(void *s, void *e, unsigned f) { (void)s; (void)e; (void)f; return OK; }
 CUresult cuStreamSynchronize(void *s) { (void)s; return OK; }
+CUresult cuStreamQuery(void *s) { (void)s; return OK; }
 CUresult cuCtxSynchronize(void) { return OK; }
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     *free_bytes = *total = (size_t)80 << 30;
