@@ -120,3 +120,26 @@ def test_expandable_limit_refuses_and_recovers(cuda_pool, streams, kernels):
     assert kernels.count_bad(b, 60 * MiB, 10, s) == 0
     pool.free(b, stream=s)
     pool.check_invariants()
+
+
+def test_release_threshold_keeps_a_busy_streams_pages_and_never_syncs(cuda_pool, cupy_device):
+    """Note [Threshold releases without a sync]: a host function holds the stream busy, so
+    cuStreamQuery says it has work left; its pages stay until it drains."""
+    import threading
+
+    cupy = cupy_device
+    pool = cuda_pool(expandable_segments=True, release_threshold=0)
+    s = cupy.cuda.Stream(non_blocking=True)
+    gate = threading.Event()
+    try:
+        s.launch_host_func(lambda _: gate.wait(30), None)   # s is busy until the gate opens
+        ptr = pool.alloc(8 * MiB, stream=s)
+        pool.free(ptr)
+        assert pool.reserved_bytes() >= 8 * MiB            # its stream has work left
+        assert s.done is False                             # and no sync waited for it
+    finally:
+        gate.set()
+    s.synchronize()
+    pool.set_release_threshold(0)                          # a check now finds s idle
+    assert pool.reserved_bytes() == 0
+    pool.check_invariants()
