@@ -581,7 +581,7 @@ void mp_sync_pending_unlocked(mp_pool *p) {
 }
 
 size_t mp_reserved_now_locked(const mp_pool *p) {
-    return (size_t)p->stats.reserved_bytes[MP_STAT_ALL].current + p->inflight_bytes;
+    return (size_t)mp_stat3_current(p->stats.reserved_bytes) + p->inflight_bytes;
 }
 
 mp_block *mp_search_lists_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {

@@ -407,7 +407,8 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
                                    int wait, int *busy) {
     /* Less than a page free in all: no whole page to find (the common case under a
      * release_threshold, checked on every free), so skip the walk over the blocks. */
-    int64_t free_bytes = p->stats.reserved_bytes[MP_STAT_ALL].current - p->stats.active_bytes[MP_STAT_ALL].current;
+    int64_t free_bytes = mp_stat3_current(p->stats.reserved_bytes) -
+                         mp_stat3_current(p->stats.active_bytes);
     if (!target || free_bytes < (int64_t)p->up.granularity) return 0;
     run_list runs = {0};
     each_run_locked(p, keep_lo, keep_hi, add_run, &runs);

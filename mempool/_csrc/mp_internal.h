@@ -209,7 +209,11 @@ static inline void mp_trace_locked(mp_pool *p, int action, uintptr_t ptr, size_t
     if (p->trace) mp_trace_record_locked(p, action, ptr, nbytes, stream);
 }
 
-/* Stats helpers: every counter moves in the ALL column and in its pool's column. */
+/* Stats helpers. A single counter moves as it goes (mp_stat_inc/dec). A family of three,
+ * [all, small, large] (mp_stat3_*), moves in its pool's column only, and its `all` column
+ * keeps just its peak here: its current, allocated and freed are the sums of the two pools,
+ * filled in when the stats are read (Note [Derived totals]), so an update stores half as
+ * much on the hot path. Read a family's current total with mp_stat3_current. */
 static inline void mp_stat_inc(mp_stat *s, int64_t n) {
     s->current += n;
     if (s->current > s->peak) s->peak = s->current;
@@ -219,14 +223,20 @@ static inline void mp_stat_dec(mp_stat *s, int64_t n) {
     s->current -= n;
     s->freed += n;
 }
+static inline int64_t mp_stat3_current(const mp_stat *s) {
+    return s[MP_STAT_SMALL].current + s[MP_STAT_LARGE].current;
+}
 static inline void mp_stat3_inc(mp_stat *s, int kind, int64_t n) {
-    mp_stat_inc(&s[MP_STAT_ALL], n);
     mp_stat_inc(&s[kind == KIND_SMALL ? MP_STAT_SMALL : MP_STAT_LARGE], n);
+    int64_t all = mp_stat3_current(s);
+    if (all > s[MP_STAT_ALL].peak) s[MP_STAT_ALL].peak = all;
 }
 static inline void mp_stat3_dec(mp_stat *s, int kind, int64_t n) {
-    mp_stat_dec(&s[MP_STAT_ALL], n);
     mp_stat_dec(&s[kind == KIND_SMALL ? MP_STAT_SMALL : MP_STAT_LARGE], n);
 }
+/* Note [Derived totals]: set the `all` column's current, allocated and freed of every
+ * family of `st` from its pools' columns. */
+void mp_stats_fill_totals(mp_stats *st);
 
 /* Note [Hot blocks]: free every parked block as the plain free path would have. */
 void mp_hot_flush_locked(mp_pool *p);
