@@ -413,8 +413,9 @@ OPTIONS: dict[str, Option] = {
     "release_threshold": Option(
         None, "size or None",
         "cached (free) bytes the pool keeps; beyond it freed segments go upstream, oldest "
-        "first (None = keep all); with backend='cuda' also the cudaMemPool's "
-        "ReleaseThreshold",
+        "first (None = keep all); with expandable segments, free pages of streams with no "
+        "work left, without a sync (docs/expandable.md); with backend='cuda' also the "
+        "cudaMemPool's ReleaseThreshold",
         _parse_optional_size, "2GB"),
     "limit": Option(
         None, "size, float in (0, 1], or None",
