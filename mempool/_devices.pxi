@@ -89,9 +89,10 @@ cdef class SimDevice(_DeviceBase):
         return bool(mp_sim_ordered(self._sim, stream_handle(stream), stream_handle(other), seq))
 
     def hold_allocs(self, n=1, timeout=2.0):
-        """Hold the next ``n`` segment allocations of the device: each waits inside the
-        upstream call, as a driver call that blocks, until :meth:`release_held` or
-        ``timeout`` seconds (then counted in ``counters()["hold_timeouts"]``)."""
+        """Hold the next ``n`` segment allocations or page maps (expandable segments) of the
+        device: each waits inside the upstream call, as a driver call that blocks, until
+        :meth:`release_held` or ``timeout`` seconds (then counted in
+        ``counters()["hold_timeouts"]``)."""
         cdef size_t k = _as_nbytes(n, "n")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
                 not 0 < timeout <= 3600:
@@ -102,7 +103,7 @@ cdef class SimDevice(_DeviceBase):
 
     @property
     def held(self):
-        """Segment allocations waiting in the device now (:meth:`hold_allocs`)."""
+        """Segment allocations and page maps waiting in the device now (:meth:`hold_allocs`)."""
         return mp_sim_held(self._sim)
 
     def release_held(self):

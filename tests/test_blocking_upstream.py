@@ -70,6 +70,21 @@ def test_other_threads_run_while_an_allocation_waits_on_its_upstream(stream):
     pool.check_invariants()
 
 
+def test_a_page_map_of_an_expandable_segment_lets_the_gil_go():
+    pool = mempool.Pool(backend="sim", expandable_segments=True)
+    pool.device.hold_allocs(1, timeout=WAIT)
+    thread, out = in_thread(lambda: pool.alloc(4 * MiB))
+    assert wait_until_held(pool.device), "the waiting thread kept the GIL"
+    # The range's pages being mapped are marked busy; this thread's request maps its own.
+    other = pool.alloc(512, stream=7)
+    ptr = finish(thread, out, pool.device)
+    assert pool.device.counters()["hold_timeouts"] == 0
+    assert pool.reserved_bytes() == pool.stats()["mapped_bytes.current"] >= 4 * MiB
+    pool.free(other)
+    pool.free(ptr)
+    pool.check_invariants()
+
+
 def test_a_growth_that_releases_first_lets_the_gil_go_once():
     """The release before a growth and the growth itself nest their hooks: the GIL goes
     once and comes back once, and the pool ends consistent."""

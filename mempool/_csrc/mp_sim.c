@@ -366,6 +366,7 @@ static int sim_map(void *ctx, uintptr_t va, size_t nbytes) {
         pthread_mutex_unlock(&s->mu);
         return MP_EINVAL;
     }
+    if (s->hold_next) hold_locked(s);
     int rc = MP_OK;
     if (s->budget.fail_next) {
         s->budget.fail_next--;

@@ -30,8 +30,8 @@ void mp_sim_stream_info(mp_sim *sim, uintptr_t stream, uint64_t *submitted, uint
 mp_budget *mp_sim_budget(mp_sim *sim);   /* lock with mp_sim_lock around changes */
 void mp_sim_lock(mp_sim *sim);
 void mp_sim_unlock(mp_sim *sim);
-/* Hold the next `n` segment allocations: each waits inside the upstream call, as a driver
- * call that blocks, until mp_sim_release_held or `timeout_ms` (then counted in
+/* Hold the next `n` segment allocations or page maps: each waits inside the upstream call,
+ * as a driver call that blocks, until mp_sim_release_held or `timeout_ms` (then counted in
  * mp_sim_hold_timeouts). Tests see with it what runs while a pool waits on its upstream. */
 void mp_sim_hold_allocs(mp_sim *sim, unsigned n, unsigned timeout_ms);
 unsigned mp_sim_held(mp_sim *sim);         /* allocations waiting now */
