@@ -191,6 +191,10 @@ cdef class Pool:
     def __cinit__(self, *args, **kwargs):
         self._pool = NULL
         self._pinned_streams = {}
+        # Note [Hot address]: always an exact int and its value, so that no other argument
+        # (None above all) can match it by identity.
+        self._hot_address = 0
+        self._hot_address_value = 0
 
     def __init__(self, backend="cuda", device=0, capacity=None, **options):
         given = dict(options)
@@ -330,7 +334,7 @@ cdef class Pool:
         mp_py_mark(0)
         if rc != MP_OK:
             raise self._alloc_error(rc, n, s)
-        if ptr == self._hot_address_value and self._hot_address is not None:
+        if ptr == self._hot_address_value:
             return self._hot_address
         address = PyLong_FromSize_t(ptr)
         self._hot_address = address

@@ -87,11 +87,25 @@ def test_free_after_its_segment_was_released(sim):
 
 
 @pytest.mark.parametrize("ptr, exc", [(-5, ValueError), (1.0, TypeError), ("0x10", TypeError),
-                                      (2 ** 64, ValueError)])
+                                      (2 ** 64, ValueError), (None, TypeError),
+                                      (True, TypeError)])
 def test_bad_pointer_types(busy_pool, ptr, exc):
     pool, _ = busy_pool
+    before = snapshot(pool)
     with pytest.raises(exc, match="ptr"):
         pool.free(ptr)
+    assert snapshot(pool) == before
+
+
+def test_bad_pointer_types_on_a_fresh_pool(sim):
+    """Note [Hot address]: before any alloc or free, the remembered address is no match for
+    a bad argument either."""
+    pool = sim()
+    for ptr in (None, True, 0.0):
+        with pytest.raises(TypeError, match="ptr"):
+            pool.free(ptr)
+    with pytest.raises(ValueError, match="not a live pointer"):
+        pool.free(0)
 
 
 @pytest.mark.parametrize("stream, exc, words", [
