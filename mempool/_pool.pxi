@@ -74,14 +74,24 @@ cdef size_t _size_slow(object value, str name) except? 0:
     return PyLong_AsSize_t(value)
 
 
+cdef inline bint _exact_int_in_range(object value, size_t *out) noexcept:
+    """The fast path of _as_nbytes and _as_pointer: True with *out set for an exact int in
+    [0, 2**64); False otherwise, with no exception left set (the slow paths say what is
+    wrong)."""
+    if type(value) is not int:
+        return False
+    out[0] = _PyLong_AsSize_t_unchecked(value)   # (size_t)-1 and OverflowError when out of range
+    if out[0] != <size_t>-1 or PyErr_Occurred() == NULL:
+        return True
+    PyErr_Clear()
+    return False
+
+
 cdef inline size_t _as_nbytes(object nbytes, str name) except? 0:
     """A size argument: a non-negative integer below 2**64 (bool and float refused)."""
     cdef size_t n
-    if type(nbytes) is int:
-        n = _PyLong_AsSize_t_unchecked(nbytes)   # (size_t)-1 and OverflowError when out of range
-        if n != <size_t>-1 or PyErr_Occurred() == NULL:
-            return n
-        PyErr_Clear()    # _size_slow says which bound it broke
+    if _exact_int_in_range(nbytes, &n):
+        return n
     return _size_slow(nbytes, name)
 
 
@@ -96,11 +106,8 @@ cdef size_t _pointer_slow(object ptr) except? 0:
 
 cdef inline uintptr_t _as_pointer(object ptr) except? 0:
     cdef size_t p
-    if type(ptr) is int:
-        p = _PyLong_AsSize_t_unchecked(ptr)
-        if p != <size_t>-1 or PyErr_Occurred() == NULL:
-            return p
-        PyErr_Clear()
+    if _exact_int_in_range(ptr, &p):
+        return p
     return _pointer_slow(ptr)
 
 

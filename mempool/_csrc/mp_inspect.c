@@ -10,7 +10,9 @@
 /* The families of three, [all, small, large], at the start of mp_stats. */
 #define NFAMILIES (offsetof(mp_stats, oversize_allocations) / (MP_STAT_TYPES * sizeof(mp_stat)))
 
-void mp_stats_fill_totals(mp_stats *st) {
+/* Note [Derived totals]: the `all` column's current, allocated and freed of every family,
+ * from its pools' columns (the pool's own `all` columns keep only their peaks). */
+static void fill_totals(mp_stats *st) {
     mp_stat *f = (mp_stat *)st;
     for (size_t i = 0; i < NFAMILIES; i++, f += MP_STAT_TYPES) {
         f[MP_STAT_ALL].current = f[MP_STAT_SMALL].current + f[MP_STAT_LARGE].current;
@@ -24,16 +26,20 @@ void mp_get_stats(mp_pool *p, mp_stats *out) {
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     *out = p->stats;
     mp_lock_release(&p->lock);
-    mp_stats_fill_totals(out);
+    fill_totals(out);
 }
 
 #define NSTATS (offsetof(mp_stats, num_alloc_retries) / sizeof(mp_stat))
 
 void mp_reset_peak_stats(mp_pool *p) {
     mp_lock_acquire(&p->lock);
-    mp_stats_fill_totals(&p->stats);   /* the `all` peaks start from the current totals */
     mp_stat *s = (mp_stat *)&p->stats;
     for (size_t i = 0; i < NSTATS; i++) s[i].peak = s[i].current;
+    /* Note [Derived totals]: an `all` column holds only its peak; it starts again from the
+     * current total of its two pools. */
+    mp_stat *f = (mp_stat *)&p->stats;
+    for (size_t i = 0; i < NFAMILIES; i++, f += MP_STAT_TYPES)
+        f[MP_STAT_ALL].peak = mp_stat3_current(f);
     mp_lock_release(&p->lock);
 }
 

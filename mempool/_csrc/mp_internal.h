@@ -172,10 +172,10 @@ int mp_event_get_locked(mp_pool *p, uintptr_t *ev);
 void mp_event_put_locked(mp_pool *p, uintptr_t ev);
 mp_stream *mp_stream_get_locked(mp_pool *p, uintptr_t handle);
 
-/* mp_release.c: detach idle segments under the lock, free them upstream after. */
 /* Note [Threshold releases without a sync]: the most threshold checks skipped in a row. */
 #define MP_THRESHOLD_BACKOFF_MAX 64
 
+/* mp_release.c: detach idle segments under the lock, free them upstream after. */
 typedef struct mp_release_list {
     mp_segment *head;
     size_t nbytes;
@@ -234,9 +234,6 @@ static inline void mp_stat3_inc(mp_stat *s, int kind, int64_t n) {
 static inline void mp_stat3_dec(mp_stat *s, int kind, int64_t n) {
     mp_stat_dec(&s[kind == KIND_SMALL ? MP_STAT_SMALL : MP_STAT_LARGE], n);
 }
-/* Note [Derived totals]: set the `all` column's current, allocated and freed of every
- * family of `st` from its pools' columns. */
-void mp_stats_fill_totals(mp_stats *st);
 
 /* Note [Hot blocks]: free every parked block as the plain free path would have. */
 void mp_hot_flush_locked(mp_pool *p);
