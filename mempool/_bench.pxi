@@ -16,8 +16,8 @@ cdef extern from "mp_bench.h" nogil:
 
 
 cdef size_t _bench_count(object value, str name) except 0:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2 ** 64:
+        raise ValueError(f"{name} must be an int in [1, 2**64), got {value!r}")
     return <size_t>value
 
 
@@ -28,8 +28,9 @@ cdef uintptr_t _bench_stream(object stream) except? 0:
 
 
 cdef mp_pool *_bench_pool(Pool pool) except NULL:
-    if pool is None or pool._pool == NULL:
-        raise ValueError("pool must be an open mempool.Pool")
+    if pool is None:
+        raise ValueError("pool must be an open mempool.Pool, got None")
+    pool._ready()
     return pool._pool
 
 
@@ -133,11 +134,18 @@ def bench_fn_roundtrips(alloc_fn, free_fn, nbytes, n, device=0, stream=None):
     """
     cdef uintptr_t a = _bench_count(alloc_fn, "alloc_fn")
     cdef uintptr_t f = _bench_count(free_fn, "free_fn")
+    # Any other address would be called as a function: only the pairs this module exports.
+    known = {(<uintptr_t>&mempool_torch_alloc, <uintptr_t>&mempool_torch_free),
+             (<uintptr_t>&mp_bench_libc_alloc, <uintptr_t>&mp_bench_libc_free)}
+    if (a, f) not in known:
+        raise ValueError(f"alloc_fn, free_fn: ({a:#x}, {f:#x}) is not a pair of entry points of "
+                         f"this module; accepted: mempool.torch.entry_points()'s alloc and "
+                         f"free, or bench_libc_fnptrs()")
     cdef size_t c_nbytes = _bench_count(nbytes, "nbytes")
     cdef size_t c_n = _bench_count(n, "n")
     cdef uintptr_t c_stream = _bench_stream(stream)
-    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
-        raise ValueError(f"device must be a non-negative int, got {device!r}")
+    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < 2 ** 31:
+        raise ValueError(f"device must be an int in [0, 2**31), got {device!r}")
     cdef int c_device = device
     cdef uint64_t ns
     with nogil:

@@ -3,11 +3,12 @@
 # interface. See docs/sharing.md, "Note [DLPack ownership]" and "Note [DLPack streams]".
 #
 # Ownership in one paragraph: a Buffer holds one reference on a shared C block
-# (mp_dl_block, mp_dlpack.h); views of it hold more. __dlpack__ moves the Buffer's reference
-# into the managed tensor it exports, so from then on the consumer owns it: the consumer's
-# call of the deleter (C, any thread, no GIL) drops it, and the last reference frees the block
-# back to its pool. Each reference also keeps the C pool alive, so the Pool object may go
-# first. A Buffer is exported at most once; export a view() to hand the memory out twice.
+# (mp_dl_block, mp_dlpack.h); views of it hold more, and so does every managed tensor
+# __dlpack__ exports: each export takes a reference of its own, which the consumer's call of
+# the deleter (C, any thread, no GIL) drops. The last reference, whoever holds it, frees the
+# block back to its pool. Each reference also keeps the C pool alive, so the Pool object may
+# go first. A Buffer may be exported any number of times, as NumPy, CuPy and PyTorch arrays
+# may.
 from cpython.pycapsule cimport PyCapsule_New
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcpy
@@ -90,7 +91,8 @@ def _dl_dtype(dtype):
 
 
 def _dl_shape(shape):
-    """A shape argument (int or sequence of ints) as a tuple of non-negative ints."""
+    """A shape argument (int or sequence of ints) as a tuple of non-negative ints that
+    DLPack's int64 shape and strides can hold."""
     import operator
     try:
         dims = (operator.index(shape),)
@@ -103,6 +105,14 @@ def _dl_shape(shape):
         raise ValueError(f"shape: dimensions must be >= 0, got {dims}")
     if len(dims) > _DL_MAX_NDIM:
         raise ValueError(f"shape: at most {_DL_MAX_NDIM} dimensions, got {len(dims)}")
+    # Every stride is a product of dimensions: with the non-zero ones below 2**63 together,
+    # each dimension and stride fits DLPack's int64 even when a zero makes the buffer empty.
+    extent = 1
+    for d in dims:
+        extent *= d or 1
+    if extent >= 2 ** 63:
+        raise ValueError(f"shape: {dims} is too large: its non-zero dimensions multiply to "
+                         f"{extent}, and DLPack's int64 shape and strides hold less than 2**63")
     return dims
 
 
@@ -121,16 +131,17 @@ cdef class Buffer:
     pool), so ``torch.from_dlpack(buf)``, ``jax.dlpack.from_dlpack(buf)``,
     ``cupy.from_dlpack(buf)`` and ``numpy.from_dlpack(buf)`` all view the pool's memory.
 
-    Ownership: the Buffer holds its block until it is exported or dies. ``__dlpack__`` hands
-    the Buffer's hold to the consumer, which frees the block when it is done (its deleter runs
-    on any thread without the GIL); the Buffer is then *exported* and refuses a second export
-    (``BufferError``). To hand the same memory to two consumers, export a :meth:`view` to
-    each. The array interfaces do not transfer anything: the consumer keeps the Buffer alive.
+    Ownership: the Buffer holds its block while it lives, and every ``__dlpack__`` export
+    takes a hold of its own for the consumer, dropped when the consumer is done (its deleter
+    runs on any thread without the GIL). The block goes back to the pool when the last hold
+    goes, in whatever order. A Buffer may be exported any number of times, to one framework
+    or several, as NumPy, CuPy and PyTorch arrays may. The array interfaces do not transfer
+    anything: the consumer keeps the Buffer alive.
 
     Streams: on CUDA the data is assumed written in stream order on :attr:`stream`. A DLPack
     consumer that passes its stream gets it ordered after that stream (an event wait, no host
     sync), and its stream is recorded as a user of the block so the pool does not reuse the
-    memory before the consumer's work is done. ``stream=-1`` asks for no synchronisation and
+    memory before the consumer's work is done; each export records its own consumer. ``stream=-1`` asks for no synchronisation and
     records nothing. Consumers of ``__cuda_array_interface__`` on another stream should call
     :meth:`record_stream` themselves.
 
@@ -138,7 +149,8 @@ cdef class Buffer:
     exported (``BufferError``), since their addresses cannot be dereferenced.
     """
 
-    cdef mp_dl_block *_block       # our reference; NULL once exported
+    cdef mp_dl_block *_block       # our reference; NULL only if never initialised
+    cdef Py_ssize_t _exports       # __dlpack__ exports made (each holds its own reference)
     cdef uintptr_t _base           # the block's start (0: an empty buffer)
     cdef size_t _block_nbytes
     cdef DLDataType _dl_dtype
@@ -164,15 +176,18 @@ cdef class Buffer:
     @property
     def ptr(self):
         """Address of the first element (the block's start plus :attr:`offset`)."""
+        self._ready()
         return self._base + self.offset if self._base else 0
 
     @property
     def ndim(self):
+        self._ready()
         return len(self.shape)
 
     @property
     def size(self):
         """Number of elements."""
+        self._ready()
         n = 1
         for d in self.shape:
             n *= d
@@ -180,6 +195,7 @@ cdef class Buffer:
 
     @property
     def itemsize(self):
+        self._ready()
         return self.dtype.itemsize
 
     @property
@@ -189,6 +205,7 @@ cdef class Buffer:
     @property
     def strides(self):
         """Strides in bytes (C order)."""
+        self._ready()
         out = []
         step = self.dtype.itemsize
         for d in reversed(self.shape):
@@ -198,19 +215,24 @@ cdef class Buffer:
 
     @property
     def exported(self):
-        """True once ``__dlpack__`` handed the memory to a consumer."""
-        return self._block is NULL
+        """True once ``__dlpack__`` has handed the memory to a consumer (the Buffer stays
+        usable and may be exported again)."""
+        return self._exports > 0
 
     def __repr__(self):
-        state = " exported" if self._block is NULL else ""
+        if self._block is NULL:
+            return "<mempool.Buffer uninitialised>"
+        state = " exported" if self._exports else ""
         return (f"<mempool.Buffer shape={self.shape} dtype={self.dtype} nbytes={self.nbytes} "
                 f"backend={self.backend} device={self.device_id} ptr={self.ptr:#x} "
                 f"stream={self.stream:#x}{state}>")
 
-    cdef _check_held(self, what):
+    cdef int _ready(self) except -1:
+        """Refuse a Buffer not made by Pool.empty or view (Buffer.__new__): it holds no
+        block."""
         if self._block is NULL:
-            raise BufferError(f"{what}: this Buffer was exported through DLPack; its memory "
-                              f"now belongs to the consumer (export a view() to share it)")
+            raise _not_initialised(self)
+        return 0
 
     # ---- views and streams ---------------------------------------------------------------
 
@@ -235,7 +257,7 @@ cdef class Buffer:
         -------
         Buffer
         """
-        self._check_held("view")
+        self._ready()
         if dtype is None:
             dt, code, minor = self.dtype, self._dl_dtype.code, self._dl_minor
         else:
@@ -276,7 +298,7 @@ cdef class Buffer:
     def record_stream(self, stream):
         """Declare that `stream` uses this memory too: the pool waits for the work queued
         on it before reusing the block (for consumers of the CUDA Array Interface)."""
-        self._check_held("record_stream")
+        self._ready()
         cdef uintptr_t handle = stream_handle(stream)
         cdef int rc = MP_OK
         if self._base:
@@ -289,6 +311,7 @@ cdef class Buffer:
 
     def __dlpack_device__(self):
         """(device type, device id): (kDLCPU=1, 0) on a host pool, (kDLCUDA=2, id) else."""
+        self._ready()
         if self.backend == "host":
             return (1, 0)
         return (2, self.device_id)
@@ -307,27 +330,25 @@ cdef class Buffer:
             The newest DLPack version the consumer reads. ``(1, x)`` or newer gives a
             versioned capsule ("dltensor_versioned", with the read-only flag); None or
             older, the legacy "dltensor" capsule, which cannot carry a read-only Buffer.
+            A pair of ints: a tuple of any other length is refused (``TypeError``).
         dl_device : tuple, optional
             Must be this Buffer's own device (mempool exports in place).
         copy : bool, optional
-            False/None: zero-copy (the Buffer is handed over). True: a copy in a new block
-            of the same pool (host pools only); the Buffer stays held.
+            False/None: zero-copy (the capsule holds the Buffer's block too). True: a copy in
+            a new block of the same pool (host pools only).
 
         Raises
         ------
         BufferError
-            Already exported, a simulated pool, another device, a copy that cannot be made,
-            a read-only Buffer to a legacy consumer, or a failed stream hand-off.
+            A simulated pool, another device, a copy that cannot be made, a read-only
+            Buffer to a legacy consumer, or a failed stream hand-off.
         """
         # Every check comes before any side effect: PyTorch retries with fewer keywords
         # after a TypeError, and a refused export must leave the Buffer untouched.
+        self._ready()
         cdef bint versioned = _dl_wants_versioned(max_version)
         if dl_device is not None:
-            try:
-                wanted = (int(dl_device[0]), int(dl_device[1]))
-            except (TypeError, ValueError, IndexError):
-                raise TypeError(f"dl_device: expected a (device_type, device_id) pair, got "
-                                f"{dl_device!r}") from None
+            wanted = _dl_int_pair(dl_device, "dl_device", "(device_type, device_id)")
             if wanted != self.__dlpack_device__():
                 raise BufferError(f"dl_device: this Buffer lives on {self.__dlpack_device__()} "
                                   f"and mempool exports in place; {wanted} would need a copy "
@@ -338,7 +359,6 @@ cdef class Buffer:
             raise BufferError("a sim pool's memory is simulated: its addresses cannot be "
                               "dereferenced, so it cannot be exported; use a host pool for "
                               "CPU consumers or a cuda pool for GPU ones")
-        self._check_held("__dlpack__")
         if copy is True and self.backend != "host":
             raise BufferError("copy=True: mempool exports device memory in place and does "
                               "not copy it; copy in the consumer (e.g. torch.from_dlpack(buf)"
@@ -359,7 +379,8 @@ cdef class Buffer:
         cdef Py_ssize_t offset = self.offset
         cdef uint64_t flags = 0
         if copy:
-            # Host memory only (checked by the caller): a plain memcpy into a new block.
+            # Host memory only (checked by the caller): a plain memcpy into a new block, whose
+            # one reference moves into the managed tensor.
             nbytes = self.nbytes
             with nogil:
                 rc = mp_dl_block_new(pool, nbytes, producer, &block)
@@ -371,6 +392,8 @@ cdef class Buffer:
             offset = 0
             flags |= DLPACK_FLAG_BITMASK_IS_COPIED
         elif sync and base:
+            # Each export orders its own consumer after the producer and records it on the
+            # block, so the block waits for every consumer's work before it is reused.
             with nogil:
                 rc = mp_dl_handoff(pool, base, producer, consumer)
             if rc != MP_OK:
@@ -400,13 +423,13 @@ cdef class Buffer:
         v.version.major = 1
         v.version.minor = self._dl_minor
         cdef void *managed = NULL
+        if not copy:
+            mp_dl_block_retain(block)   # the capsule's own reference; the Buffer keeps its own
         rc = mp_dl_export(block, &v, versioned, &managed)
         if rc != MP_OK:
-            if copy:
-                mp_dl_block_release(block)
+            mp_dl_block_release(block)
             raise MemoryError("__dlpack__: no host memory for the managed tensor")
-        if not copy:
-            self._block = NULL     # our reference moved into the managed tensor
+        self._exports += 1
         try:
             if versioned:
                 return PyCapsule_New(managed, b"dltensor_versioned",
@@ -429,10 +452,10 @@ cdef class Buffer:
         consumer synchronises with before use. The consumer must keep the Buffer alive, and
         should :meth:`record_stream` the streams it uses the memory on.
         """
+        self._ready()
         if self.backend != "cuda":
             raise AttributeError(f"__cuda_array_interface__: a {self.backend} pool's memory "
                                  f"is not CUDA device memory")
-        self._check_held("__cuda_array_interface__")
         return {
             "shape": self.shape,
             "typestr": self.dtype.str,
@@ -447,10 +470,10 @@ cdef class Buffer:
     def __array_interface__(self):
         """The NumPy array interface, version 3 (host pools only). The consumer keeps the
         Buffer alive (NumPy holds it as the array's base)."""
+        self._ready()
         if self.backend != "host":
             raise AttributeError(f"__array_interface__: a {self.backend} pool's memory is "
                                  f"not host memory")
-        self._check_held("__array_interface__")
         return {
             "shape": self.shape,
             "typestr": self.dtype.str,
@@ -461,24 +484,32 @@ cdef class Buffer:
         }
 
 
+cdef tuple _dl_int_pair(object value, str name, str shape):
+    """A pair of ints from a DLPack keyword: a tuple (or list) of exactly two ints. Anything
+    else, a short tuple above all, is a TypeError naming the keyword."""
+    import operator
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        try:
+            return (operator.index(value[0]), operator.index(value[1]))
+        except TypeError:
+            pass
+    raise TypeError(f"{name}: expected a {shape} pair of ints, got {value!r}")
+
+
 cdef bint _dl_wants_versioned(max_version) except -1:
     if max_version is None:
         return False
-    try:
-        major = int(max_version[0])
-        int(max_version[1])
-    except (TypeError, ValueError, IndexError):
-        raise TypeError(f"max_version: expected a (major, minor) pair of ints, got "
-                        f"{max_version!r}") from None
-    return major >= 1
+    return _dl_int_pair(max_version, "max_version", "(major, minor)")[0] >= 1
 
 
 def _dl_consumer_stream(stream, backend):
     """(synchronise?, consumer stream handle) for __dlpack__'s `stream` (the array API's
     values: None/1 legacy default, 2 per-thread default, -1 no sync, else a handle)."""
-    if stream is not None and not isinstance(stream, int):
+    if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
         raise TypeError(f"stream: DLPack passes the consumer's stream as an int, got "
                         f"{stream!r}")
+    if stream is not None and stream >= 2 ** 64:
+        raise BufferError(f"stream: {stream} is not a stream handle (handles are below 2**64)")
     if backend == "host":
         if stream is None or stream == -1:
             return False, 0
@@ -517,7 +548,7 @@ cdef Buffer _buffer_wrap(mp_dl_block *block, dt, int code, int minor, tuple dims
     return buf
 
 
-def _pool_empty(Pool pool, shape, dtype="float32", stream=None):
+def _pool_empty(Pool pool not None, shape, dtype="float32", stream=None):
     """Pool.empty: a new, uninitialised Buffer of `shape` and `dtype` from `pool`.
 
     Parameters
@@ -539,6 +570,7 @@ def _pool_empty(Pool pool, shape, dtype="float32", stream=None):
     OutOfMemoryError
         The pool cannot serve the request.
     """
+    pool._ready()
     dims = _dl_shape(shape)
     dt, code, minor = _dl_dtype(dtype)
     cdef uintptr_t handle = 0
@@ -559,12 +591,12 @@ def _pool_empty(Pool pool, shape, dtype="float32", stream=None):
                         handle)
 
 
-def _export_simulated(Buffer buf, stream=None, max_version=None):
+def _export_simulated(Buffer buf not None, stream=None, max_version=None):
     """Export a sim pool's Buffer as __dlpack__ would (for tests of the capsule and of the
     stream hand-off on the simulated device; the capsule's addresses are fake)."""
+    buf._ready()
     if buf.backend != "sim":
         raise ValueError("_export_simulated: for sim pools; use __dlpack__")
-    buf._check_held("_export_simulated")
     versioned = _dl_wants_versioned(max_version)
     sync, consumer = _dl_consumer_stream(stream, "sim")
     if buf.readonly and not versioned:

@@ -31,10 +31,15 @@ cdef extern from "mp_upstream.h" nogil:
         int (*stream_synchronize)(void *ctx, uintptr_t stream)
         int (*mem_info)(void *ctx, size_t *free_bytes, size_t *total_bytes)
         size_t granularity
+        int (*map)(void *ctx, uintptr_t ptr, size_t nbytes)
         void (*destroy)(void *ctx)
 
     int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity)
     int mp_host_upstream(mp_upstream *up, size_t capacity, size_t granularity)
+
+
+cdef extern from "mp_assert.h" nogil:
+    int MP_DEBUG        # 1 in the debug build (MEMPOOL_DEBUG=1 at build time)
 
 
 cdef extern from "mp_core.h" nogil:
@@ -43,6 +48,7 @@ cdef extern from "mp_core.h" nogil:
     size_t MP_MAX_ALLOC
     size_t MP_UNLIMITED
     int MP_ROUNDUP_INTERVALS
+    int MP_MAX_RECORDED_STREAMS
 
     ctypedef struct mp_config:
         size_t roundup_divisions[16]

@@ -51,14 +51,22 @@ _UNITS = {
     "gb": GiB, "gib": GiB,
     "tb": TiB, "tib": TiB,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
-_FRACTION_RE = re.compile(r"^\s*(\d*\.\d*)\s*$")
+# re.ASCII: \d would otherwise take any Unicode digit ("１", a full-width one) as a number.
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$", re.ASCII)
+_FRACTION_RE = re.compile(r"^\s*(\d*\.\d*)\s*$", re.ASCII)
 _NONE_WORDS = ("none", "unlimited")
 _TRUE_WORDS = ("true", "1")
 _FALSE_WORDS = ("false", "0")
 
-_SIZE_ACCEPTED = ("an int >= 0 (bytes) or a string such as '512', '4KB', '512MiB', "
+_SIZE_ACCEPTED = ("an int in [0, 2**64) (bytes) or a string such as '512', '4KB', '512MiB', "
                   "'1.5GB' (KB/MB/GB/TB and KiB/MiB/GiB/TiB are all powers of 1024)")
+# Sizes are size_t in the core. The largest one, 2**64 - 1, is the core's "no limit", so
+# options whose None means unlimited stop one below it (a limit of 2**64 - 1 bytes would
+# silently be no limit at all).
+SIZE_END = 2 ** 64
+UNLIMITED_END = 2 ** 64 - 1
+# A device ordinal is a C int.
+DEVICE_END = 2 ** 31
 
 
 class _OptionError(ValueError):
@@ -75,6 +83,11 @@ def _error(key: str, value: Any, accepted: str, why: str = "") -> _OptionError:
 
 
 # --------------------------------------------------------------------------- value parsers
+
+
+def _ascii_digits(text: str) -> bool:
+    """True for a non-empty run of ASCII digits: str.isdigit() also takes "１" or "²"."""
+    return text.isascii() and text.isdigit()
 
 
 def _is_int(value: Any) -> bool:
@@ -108,8 +121,16 @@ def parse_size(value: Any, key: str = "size") -> int:
     Raises
     ------
     ValueError
-        For a bool, a float, a negative number, or a string that is not a size.
+        For a bool, a float, a negative number, a size of 2**64 bytes or more, or a string
+        that is not a size.
     """
+    n = _parse_size_unbounded(value, key)
+    if n >= SIZE_END:
+        raise _error(key, value, _SIZE_ACCEPTED, "out of range: sizes must be below 2**64")
+    return n
+
+
+def _parse_size_unbounded(value: Any, key: str) -> int:
     if _is_int(value):
         n = operator.index(value)
         if n < 0:
@@ -137,13 +158,18 @@ def _is_none_word(value: Any) -> bool:
 
 
 def _size_or_none(value: Any, key: str, accepted: str) -> int | None:
-    """None for the none-words, else a size; a bad value's error names `accepted`."""
+    """None for the none-words, else a size below 2**64 - 1 (the core's "unlimited"); a bad
+    value's error names `accepted`."""
     if _is_none_word(value):
         return None
     try:
-        return parse_size(value, key)
+        n = parse_size(value, key)
     except _OptionError as e:
         raise _error(key, value, accepted, e.why) from None
+    if n >= UNLIMITED_END:
+        raise _error(key, value, accepted,
+                     "out of range: 2**64 - 1 and above are not sizes; write None for no limit")
+    return n
 
 
 def _parse_optional_size(value: Any, key: str) -> int | None:
@@ -188,10 +214,7 @@ def _parse_limit(value: Any, key: str) -> int | float | None:
                          "a fraction must lie in (0, 1]; write a byte limit as an int or "
                          "with a unit")
         return fraction
-    try:
-        return parse_size(value, key)
-    except _OptionError as e:
-        raise _error(key, value, accepted, e.why) from None
+    return _size_or_none(value, key, accepted)
 
 
 def _parse_bool(value: Any, key: str) -> bool:
@@ -212,6 +235,8 @@ def _parse_gc_threshold(value: Any, key: str) -> float:
                "segments are released before growing; 0 = off"
     if isinstance(value, bool) or not isinstance(value, (str, numbers.Real)):
         raise _error(key, value, accepted)
+    if isinstance(value, str) and not value.isascii():
+        raise _error(key, value, accepted, "not an ASCII number")
     try:
         v = float(value.strip() if isinstance(value, str) else value)
     except ValueError:
@@ -236,27 +261,33 @@ def _parse_backend(value: Any, key: str) -> str:
 
 
 def _parse_device(value: Any, key: str) -> int:
-    accepted = "an int >= 0"
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value.strip())
-    if _is_int(value) and operator.index(value) >= 0:
-        return operator.index(value)
-    raise _error(key, value, accepted)
+    accepted = "an int in [0, 2**31) (or a string of ASCII digits)"
+    if isinstance(value, str) and _ascii_digits(value.strip()):
+        n = int(value.strip())
+    elif _is_int(value) and operator.index(value) >= 0:
+        n = operator.index(value)
+    else:
+        raise _error(key, value, accepted)
+    if n >= DEVICE_END:
+        raise _error(key, value, accepted, "out of range: a device ordinal is a C int")
+    return n
 
 
 def _parse_pool_handle(value: Any, key: str) -> str | int:
     accepted = ("'create' (a pool of its own), 'default' (the device's default pool), "
                 "'current' (the device's current pool), or a cudaMemPool_t handle as an "
-                "int > 0")
+                "int in (0, 2**64)")
     if isinstance(value, str):
         word = value.strip()
         if word in POOL_HANDLES:
             return word
+        if not word.isascii():
+            raise _error(key, value, accepted, "not an ASCII number")
         try:
             value = int(word, 0)
         except ValueError:
             raise _error(key, value, accepted) from None
-    if _is_int(value) and operator.index(value) > 0:
+    if _is_int(value) and 0 < operator.index(value) < SIZE_END:
         return operator.index(value)
     raise _error(key, value, accepted)
 
@@ -271,11 +302,19 @@ _ROUNDUP_ACCEPTED = (
     "the rest; values: 0 or powers of two), a dict {256: 1, '>': 8}, or a list of 16 ints")
 
 
+# The core compares a request with 512 B x the division count: past 2**53 that product
+# would not fit a size_t, and steps that small round nothing anyway.
+MAX_ROUNDUP_DIVISIONS = 2 ** 53
+
+
 def _roundup_value(v: Any, key: str, whole: Any) -> int:
-    if isinstance(v, str) and v.strip().isdigit():
+    if isinstance(v, str) and _ascii_digits(v.strip()):
         v = int(v.strip())
     if not _is_int(v) or not (operator.index(v) == 0 or _is_pow2(operator.index(v))):
         raise _error(key, whole, _ROUNDUP_ACCEPTED, f"division count {v!r} is not 0 or a power of two")
+    if operator.index(v) > MAX_ROUNDUP_DIVISIONS:
+        raise _error(key, whole, _ROUNDUP_ACCEPTED,
+                     f"division count {v!r} is out of range (at most 2**53)")
     return operator.index(v)
 
 
@@ -300,7 +339,7 @@ def _roundup_from_pairs(pairs: list, key: str, whole: Any) -> list[int]:
             for i in range(last_index + 1, ROUNDUP_INTERVALS):
                 divs[i] = value
             continue
-        if isinstance(k, str) and k.strip().isdigit():
+        if isinstance(k, str) and _ascii_digits(k.strip()):
             k = int(k.strip())
         if not _is_int(k) or not _is_pow2(operator.index(k)):
             raise _error(key, whole, _ROUNDUP_ACCEPTED,
@@ -346,7 +385,7 @@ def parse_roundup_divisions(value: Any, key: str = "roundup_power2_divisions") -
         return [_roundup_value(value, key, value)] * ROUNDUP_INTERVALS
     if isinstance(value, str):
         text = re.sub(r"\s+", "", value)
-        if text.isdigit():
+        if _ascii_digits(text):
             return [_roundup_value(int(text), key, value)] * ROUNDUP_INTERVALS
         if not (text.startswith("[") and text.endswith("]")):
             raise _error(key, value, _ROUNDUP_ACCEPTED)
@@ -471,7 +510,7 @@ def _accepted_keys() -> str:
 # that map onto ours: conf key -> (our key, reader of the conf value).
 def _mb_to_bytes(value: Any, key: str) -> int:
     text = value.strip() if isinstance(value, str) else value
-    if isinstance(text, str) and text.isdigit():
+    if isinstance(text, str) and _ascii_digits(text):
         return int(text) * MiB
     if _is_int(text) and operator.index(text) >= 0:
         return operator.index(text) * MiB
@@ -480,6 +519,8 @@ def _mb_to_bytes(value: Any, key: str) -> int:
 
 def _pytorch_fraction(value: Any, key: str) -> float:
     accepted = "a fraction of device memory in (0, 1]"
+    if isinstance(value, str) and not value.isascii():
+        raise _error(key, value, accepted, "not an ASCII number")
     try:
         v = float(value.strip() if isinstance(value, str) else value)
     except (TypeError, ValueError):

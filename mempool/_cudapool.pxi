@@ -43,19 +43,22 @@ cdef _CurrentStream _cuda_current_stream(int device):
     return _CurrentStream(cupy.cuda.get_current_stream, capi, device)
 
 
-def _cuda_set_release_threshold(Pool pool):
+def _cuda_set_release_threshold(Pool pool not None):
+    pool._ready()
     from mempool import _cuda
     value = pool.options["release_threshold"]
     _cuda.configure(pool._cuda_handle, release_threshold=_UINT64_MAX if value is None else value)
 
 
-def _cuda_trim(Pool pool, keep):
+def _cuda_trim(Pool pool not None, keep):
+    pool._ready()
     from mempool import _cuda
     # The driver trims only frees it has seen complete: sync the device first.
     _cuda.trim_to(pool._cuda_handle, keep, sync_device=pool.device_id)
 
 
-def _cuda_stats(Pool pool):
+def _cuda_stats(Pool pool not None):
     """The cudaMemPool's own Reserved/Used Current/High attributes."""
+    pool._ready()
     from mempool import _cuda
     return {f"cuda_pool.{k}": v for k, v in _cuda.attributes(pool._cuda_handle).items()}

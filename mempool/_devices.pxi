@@ -6,12 +6,21 @@ cdef class _DeviceBase:
     cdef mp_pool *_pool
     cdef readonly str backend
 
+    def __init__(self, *args, **kwargs):
+        raise TypeError(f"mempool.{type(self).__name__} is made by its Pool: use pool.device")
+
     def __dealloc__(self):
         if self._pool != NULL:
             mp_pool_release(self._pool)
 
-    cdef mp_budget *_budget(self):
-        return NULL
+    cdef int _ready(self) except -1:
+        """Refuse a device not made by a Pool (made with __new__): it has no upstream."""
+        if self._pool == NULL:
+            raise _not_initialised(self)
+        return 0
+
+    cdef mp_budget *_budget(self) except NULL:
+        raise TypeError(f"{type(self).__name__} has no device budget")
 
     cdef void _lock(self):
         pass
@@ -22,15 +31,17 @@ cdef class _DeviceBase:
     def fail_next(self, n=1):
         """Make the next ``n`` upstream allocations (segments or page maps) fail as OOM."""
         cdef size_t k = _as_nbytes(n, "n")
+        cdef mp_budget *b = self._budget()
         self._lock()
-        self._budget().fail_next = k
+        b.fail_next = k
         self._unlock()
 
     def fail_map_after(self, pages):
         """Make the next page map fail after mapping ``pages`` pages (undone: all or nothing)."""
         cdef size_t k = _as_nbytes(pages, "pages")
+        cdef mp_budget *b = self._budget()
         self._lock()
-        self._budget().fail_map_after = k
+        b.fail_map_after = k
         self._unlock()
 
     @property
@@ -63,7 +74,8 @@ cdef class SimDevice(_DeviceBase):
     """
     cdef mp_sim *_sim
 
-    cdef mp_budget *_budget(self):
+    cdef mp_budget *_budget(self) except NULL:
+        self._ready()
         return mp_sim_budget(self._sim)
 
     cdef void _lock(self):
@@ -74,25 +86,31 @@ cdef class SimDevice(_DeviceBase):
 
     def launch(self, stream=0):
         """Queue work on ``stream``; returns its sequence number on that stream."""
+        self._ready()
         return mp_sim_launch(self._sim, stream_handle(stream))
 
     def complete(self, stream=0):
         """Finish all work queued on ``stream`` (and what it waited for)."""
+        self._ready()
         mp_sim_complete(self._sim, stream_handle(stream))
 
     def complete_all(self):
+        self._ready()
         mp_sim_complete_all(self._sim)
 
     def ordered(self, stream, other, seq):
         """True when work queued on ``stream`` from now on runs after ``other``'s work up
         to ``seq``: that work is complete, or ``stream`` waits on an event covering it."""
-        return bool(mp_sim_ordered(self._sim, stream_handle(stream), stream_handle(other), seq))
+        self._ready()
+        cdef uint64_t c_seq = _as_nbytes(seq, "seq")
+        return bool(mp_sim_ordered(self._sim, stream_handle(stream), stream_handle(other), c_seq))
 
     def hold_allocs(self, n=1, timeout=2.0):
         """Hold the next ``n`` segment allocations or page maps (expandable segments) of the
         device: each waits inside the upstream call, as a driver call that blocks, until
         :meth:`release_held` or ``timeout`` seconds (then counted in
         ``counters()["hold_timeouts"]``)."""
+        self._ready()
         cdef size_t k = _as_nbytes(n, "n")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
                 not 0 < timeout <= 3600:
@@ -104,13 +122,16 @@ cdef class SimDevice(_DeviceBase):
     @property
     def held(self):
         """Segment allocations and page maps waiting in the device now (:meth:`hold_allocs`)."""
+        self._ready()
         return mp_sim_held(self._sim)
 
     def release_held(self):
         """Let every held segment allocation go on."""
+        self._ready()
         mp_sim_release_held(self._sim)
 
     def stream_info(self, stream=0):
+        self._ready()
         cdef uint64_t submitted = 0, completed = 0
         mp_sim_stream_info(self._sim, stream_handle(stream), &submitted, &completed)
         return {"submitted": submitted, "completed": completed}
@@ -132,7 +153,8 @@ cdef class HostDevice(_DeviceBase):
     """The host-memory device behind a ``Pool(backend="host")``: streams are always complete."""
     cdef void *_ctx
 
-    cdef mp_budget *_budget(self):
+    cdef mp_budget *_budget(self) except NULL:
+        self._ready()
         return mp_host_budget(self._ctx)
 
     cdef void _lock(self):
@@ -142,13 +164,16 @@ cdef class HostDevice(_DeviceBase):
         mp_host_unlock(self._ctx)
 
     def launch(self, stream=0):
+        self._ready()
+        stream_handle(stream)   # the same checks as the simulated device's
         return 0
 
     def complete(self, stream=0):
-        pass
+        self._ready()
+        stream_handle(stream)
 
     def complete_all(self):
-        pass
+        self._ready()
 
 
 cdef object _make_device(Pool pool):

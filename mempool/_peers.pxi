@@ -54,7 +54,8 @@ cdef int _peer_ordinal(Pool pool, object peer_device) except -1:
     return peer
 
 
-def _enable_peer_access(Pool pool, peer_device):
+def _enable_peer_access(Pool pool not None, peer_device):
+    pool._ready()
     if pool._kind == _HOST:
         raise ValueError("enable_peer_access: backend 'host' allocates host memory, which "
                          "belongs to no device; peer access applies to backend 'cuda' (and "
@@ -81,7 +82,8 @@ def _enable_peer_access(Pool pool, peer_device):
     raise RuntimeError(f"enable_peer_access({peer}) on cuda device {pool.device_id}: {text}")
 
 
-def _peer_devices(Pool pool):
+def _peer_devices(Pool pool not None):
+    pool._ready()
     cdef int out[64]
     cdef size_t n
     if pool._kind == _SIM:
@@ -94,7 +96,8 @@ def _peer_devices(Pool pool):
     return ()
 
 
-def _access_devices(Pool pool, ptr):
+def _access_devices(Pool pool not None, ptr):
+    pool._ready()
     cdef uintptr_t p = _as_pointer(ptr)
     cdef size_t nbytes = 0, requested = 0
     cdef uintptr_t stream = 0

@@ -130,19 +130,56 @@ def stream_handle(stream):
         value = proto() if callable(proto) else proto
         if not (isinstance(value, tuple) and len(value) == 2):
             raise TypeError(f"stream.__cuda_stream__() must return (version, handle), got {value!r}")
-        return stream_handle(int(value[1]))
+        return _stream_int(value[1], "stream.__cuda_stream__()'s handle")
     for attr in ("ptr", "cuda_stream"):
         value = getattr(stream, attr, None)
         if value is not None and not callable(value):
-            return stream_handle(int(value))
+            return _stream_int(value, f"stream.{attr}")
     if hasattr(stream, "__index__"):
-        return stream_handle(stream.__index__())
+        return _stream_int(stream, "stream")
     raise TypeError(f"stream must be an int handle, a CuPy or PyTorch stream, or an object "
                     f"with __cuda_stream__; got {type(stream).__name__}")
 
 
+cdef object _stream_int(object value, str what):
+    """A handle found inside a stream object: an int in [0, 2**64), else a clear error (a
+    float or a string is refused, not truncated or parsed)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{what} must be an int stream handle, got {type(value).__name__} "
+                        f"{value!r}")
+    handle = value.__index__()
+    if type(handle) is not int:
+        raise TypeError(f"{what}.__index__() returned {type(handle).__name__}, not int")
+    if handle < 0 or handle >= 2 ** 64:
+        raise ValueError(f"{what} must be a handle in [0, 2**64), got {handle}")
+    return handle
+
+
+def _not_initialised(object obj):
+    """The error of a method called on an object whose __init__ never ran (made with
+    __new__, or a subclass whose __init__ does not call the base's)."""
+    name = type(obj).__name__
+    return RuntimeError(f"this {name} was never initialised: its __init__ did not run (made "
+                        f"with {name}.__new__, or a subclass whose __init__ does not call "
+                        f"super().__init__(...)); make one with the class's constructor")
+
+
 cdef size_t _or_unlimited(object value):
     return MP_UNLIMITED if value is None else <size_t>value
+
+
+cdef object _limit_bytes(object limit, size_t capacity):
+    """`limit` as normalized (bytes, a fraction of capacity, or None) in bytes or None. A
+    fraction so small that it leaves no byte is refused: it would make a pool that can
+    allocate nothing (per_process_memory_fraction:1e-300 did)."""
+    if not isinstance(limit, float):
+        return limit
+    nbytes = int(limit * capacity)
+    if nbytes == 0:
+        raise ValueError(f"option 'limit': the fraction {limit!r} of capacity {capacity} bytes "
+                         f"is less than one byte; accepted: a fraction in (0, 1] that leaves "
+                         f"at least one byte, a size in bytes, or None")
+    return nbytes
 
 
 cdef class Pool:
@@ -204,65 +241,95 @@ cdef class Pool:
         self._hot_address_value = 0
 
     def __init__(self, backend="cuda", device=0, capacity=None, **options):
+        # A second __init__ is refused rather than made transactional: swapping the C pool
+        # under a live Pool would strand every Buffer, CuPy allocation and device control
+        # made from the first one, and a re-init that half failed left backend and options
+        # describing another device than the one in use.
+        if self._pool != NULL:
+            raise RuntimeError(f"Pool.__init__: this Pool is already initialised (backend "
+                               f"{self.backend!r}, device {self.device_id}); a pool's "
+                               f"configuration is fixed for its life: make a new Pool")
         given = dict(options)
         given.update(backend=backend, device=device, capacity=capacity)
         opts = _config.normalize(given)
-        self.backend = opts["backend"]
-        self.device_id = opts["device"]
-        self._kind = _BACKENDS[self.backend]
+        # Everything below works on locals; the Pool's fields are set only once the C pool
+        # exists, so a failed __init__ leaves an uninitialised Pool, not a half-made one.
+        backend_name = opts["backend"]
+        cdef int device_id = opts["device"]
+        cdef int kind = _BACKENDS[backend_name]
         granularity = opts["granularity"]
         cdef size_t gran = _DEFAULT_GRANULARITY if granularity is None else granularity
-        if self._kind != _CUDA:
+        if kind != _CUDA:
             opts["granularity"] = gran   # the page size in use, default resolved
         cdef mp_upstream up
         cdef int rc
-        if self._kind == _CUDA:
-            self._cuda_handle = _make_cuda(&up, self.device_id, opts)
-            self._current = _cuda_current_stream(self.device_id)
+        cuda_handle = None
+        current = None
+        if kind == _CUDA:
+            cuda_handle = _make_cuda(&up, device_id, opts)
+            try:
+                current = _cuda_current_stream(device_id)
+            except BaseException:
+                up.destroy(up.ctx)
+                raise
         else:
-            cap = opts["capacity"] if opts["capacity"] is not None else _DEFAULT_CAPACITY[self.backend]
-            if self._kind == _SIM:
+            cap = opts["capacity"] if opts["capacity"] is not None else _DEFAULT_CAPACITY[backend_name]
+            if kind == _SIM:
                 rc = mp_sim_upstream(&up, <size_t>cap, gran)
             else:
                 rc = mp_host_upstream(&up, <size_t>cap, gran)
             if rc == MP_EINVAL:
                 raise ValueError(f"option 'granularity' ({gran}) must be a positive multiple of "
-                                 f"{'512' if self._kind == _SIM else 'the page size'}")
+                                 f"{'512' if kind == _SIM else 'the page size'}")
             if rc != MP_OK:
-                raise MemoryError(f"could not create the {self.backend} device (error {rc})")
-            if self._kind == _SIM:
-                _sim_place(&up, self.device_id)   # several devices: mempool/_peers.pxi
+                raise MemoryError(f"could not create the {backend_name} device (error {rc})")
+            if kind == _SIM:
+                _sim_place(&up, device_id)   # several devices: mempool/_peers.pxi
         cdef size_t free_b = 0, total = 0
-        up.mem_info(up.ctx, &free_b, &total)
-        self.capacity = total
-        limit = opts["limit"]
-        if isinstance(limit, float):
-            limit = int(limit * total)
-            opts["limit"] = limit
         cdef mp_config cfg
-        mp_config_default(&cfg)
-        for i, d in enumerate(opts["roundup_power2_divisions"]):
-            cfg.roundup_divisions[i] = d
-        cfg.max_split_size = _or_unlimited(opts["max_split_size"])
-        cfg.cross_stream_reuse = 1 if opts["cross_stream_reuse"] else 0
-        cfg.release_threshold = _or_unlimited(opts["release_threshold"])
-        cfg.limit = _or_unlimited(limit)
-        cfg.initial_pool_size = opts["initial_pool_size"]
-        cfg.gc_threshold = opts["garbage_collection_threshold"]
-        cfg.expandable_segments = 1 if opts["expandable_segments"] else 0
-        self.options = opts
-        rc = mp_pool_create(&cfg, &up, &self._pool)
+        cdef mp_pool *pool = NULL
+        try:
+            up.mem_info(up.ctx, &free_b, &total)
+            limit = _limit_bytes(opts["limit"], total)
+            opts["limit"] = limit
+            mp_config_default(&cfg)
+            for i, d in enumerate(opts["roundup_power2_divisions"]):
+                cfg.roundup_divisions[i] = d
+            cfg.max_split_size = _or_unlimited(opts["max_split_size"])
+            cfg.cross_stream_reuse = 1 if opts["cross_stream_reuse"] else 0
+            cfg.release_threshold = _or_unlimited(opts["release_threshold"])
+            cfg.limit = _or_unlimited(limit)
+            cfg.initial_pool_size = opts["initial_pool_size"]
+            cfg.gc_threshold = opts["garbage_collection_threshold"]
+            cfg.expandable_segments = 1 if opts["expandable_segments"] else 0
+            if cfg.expandable_segments and up.map == NULL:
+                raise ValueError(f"expandable_segments is not supported by the {backend_name} "
+                                 f"upstream")
+        except BaseException:
+            up.destroy(up.ctx)
+            raise
+        rc = mp_pool_create(&cfg, &up, &pool)
         if rc == MP_OK:
-            if self._kind == _CUDA:
-                mp_cuda_bind_errors(mp_pool_upstream(self._pool))
+            self.backend = backend_name
+            self.device_id = device_id
+            self._kind = kind
+            self.capacity = total
+            self._cuda_handle = cuda_handle
+            self._current = current
+            self.options = opts
+            self._pool = pool
+            if kind == _CUDA:
+                mp_cuda_bind_errors(mp_pool_upstream(pool))
             self.device = _make_device(self)
             return
+        # mp_pool_create destroys the upstream only when reserving initial_pool_size failed
+        # (it has made a pool by then); every earlier failure leaves it to us.
+        if not (rc == MP_ENOMEM and cfg.initial_pool_size):
+            up.destroy(up.ctx)
         if rc == MP_ENOMEM:
             raise OutOfMemoryError(
                 f"initial_pool_size={cfg.initial_pool_size} bytes could not be reserved on "
-                f"{self.backend} device {self.device_id} (capacity {total} bytes)")
-        if rc == MP_EUNSUPPORTED:
-            raise ValueError(f"expandable_segments is not supported by the {self.backend} upstream")
+                f"{backend_name} device {device_id} (capacity {total} bytes)")
         raise ValueError(f"invalid pool configuration (error {rc})")
 
     def __dealloc__(self):
@@ -283,6 +350,13 @@ cdef class Pool:
         return cls(**options)
 
     # ------------------------------------------------------------------ allocate / free
+
+    cdef inline int _ready(self) except -1:
+        """Refuse a Pool whose __init__ never ran (Pool.__new__, or a subclass that did not
+        call the base's __init__): its C pool is NULL, which the core would dereference."""
+        if self._pool == NULL:
+            raise _not_initialised(self)
+        return 0
 
     cdef inline int _stream_of(self, object stream, uintptr_t *out) except -1:
         if stream is None:
@@ -331,6 +405,8 @@ cdef class Pool:
         A request of 0 bytes returns a distinct valid pointer of the smallest block (512 B).
         Raises :class:`OutOfMemoryError` when the device or ``limit`` refuses.
         """
+        if self._pool == NULL:
+            raise _not_initialised(self)
         cdef size_t n = _as_nbytes(nbytes, "nbytes")
         cdef uintptr_t s = 0
         cdef uintptr_t ptr = 0
@@ -354,6 +430,8 @@ cdef class Pool:
         ``stream``: where the block was last used (None: the stream it was allocated on).
         The block then serves that stream at once and other streams after an event.
         """
+        if self._pool == NULL:
+            raise _not_initialised(self)
         cdef uintptr_t p
         if ptr is self._hot_address:
             p = self._hot_address_value
@@ -378,6 +456,7 @@ cdef class Pool:
         When it is freed, the block waits for the work queued on ``stream`` until then
         before it can be handed out again (no host sync; events are polled lazily).
         """
+        self._ready()
         cdef uintptr_t p = _as_pointer(ptr)
         cdef uintptr_t s = 0
         self._stream_of(stream, &s)
@@ -397,6 +476,7 @@ cdef class Pool:
         while it may use their handles (``pinned_streams``). At the pool's own end no call is
         needed either: it synchronizes the device and frees everything on the legacy stream.
         """
+        self._ready()
         cdef uintptr_t s = 0
         self._stream_of(stream, &s)
         mp_py_mark(1)
@@ -414,6 +494,7 @@ cdef class Pool:
 
     def block_info(self, ptr):
         """``(nbytes, requested_nbytes, stream)`` of the live block at ``ptr``."""
+        self._ready()
         cdef size_t nbytes = 0, requested = 0
         cdef uintptr_t s = 0
         cdef int rc = mp_block_info(self._pool, _as_pointer(ptr), &nbytes, &requested, &s)
@@ -427,16 +508,19 @@ cdef class Pool:
         Returns a ``cupy.cuda.MemoryPointer`` on CuPy's current stream; when its last
         reference dies the block returns to the pool on that stream.
         """
+        self._ready()
         return _cupy_malloc(self, nbytes)
 
     def use(self):
         """Context manager: CuPy allocates from this pool inside the ``with`` block."""
+        self._ready()
         return _CupyAllocatorScope(self)
 
     # ---- sharing (mempool/_buffer.pxi) ----
     def empty(self, shape, dtype="float32", stream=None):
         """A new, uninitialised :class:`Buffer` of ``shape`` and ``dtype`` on ``stream``,
         for zero-copy hand-off through DLPack (``torch.from_dlpack(pool.empty(...))``)."""
+        self._ready()
         return _pool_empty(self, shape, dtype, stream)
     # ---- end sharing ----
 
@@ -450,7 +534,9 @@ cdef class Pool:
         if rc == MP_ENOMEM:
             return MemoryError(f"{op}: out of host memory for the pool's bookkeeping")
         if rc == MP_EINVAL:
-            return ValueError(f"{op}: too many streams recorded for {p:#x}")
+            return ValueError(f"{op}: too many streams recorded for {p:#x}: at most "
+                              f"{MP_MAX_RECORDED_STREAMS} streams besides its own may be "
+                              f"recorded on one block")
         return ValueError(f"{op}: {p:#x} is not a live pointer of this pool "
                           f"(never allocated here, or freed and its segment released)")
 
@@ -518,10 +604,12 @@ cdef class Pool:
         RuntimeError
             The driver refused (no peer path between the devices, or a driver error).
         """
+        self._ready()
         _enable_peer_access(self, peer_device)
 
     def peer_devices(self):
         """The devices granted access by :meth:`enable_peer_access`, ascending (a tuple)."""
+        self._ready()
         return _peer_devices(self)
 
     def access_devices(self, ptr):
@@ -530,6 +618,7 @@ cdef class Pool:
         Asked of the driver on ``cuda`` (``cuMemGetAccess`` for expandable pages,
         ``cuMemPoolGetAccess`` otherwise); what ``sim`` recorded; ``()`` on ``host``.
         """
+        self._ready()
         return _access_devices(self, ptr)
     # ---- end several devices ----
 
@@ -545,6 +634,7 @@ cdef class Pool:
         belong to several streams are freed in stream order after an event wait, without a
         host sync. The ``initial_pool_size`` segment stays: it is kept for the pool's life.
         """
+        self._ready()
         mp_py_mark(1)
         mp_empty_cache(self._pool)
         mp_py_mark(0)
@@ -560,6 +650,7 @@ cdef class Pool:
         segment). Unlike :meth:`empty_cache`, trim never blocks the host: pending frees
         whose streams have not finished stay cached.
         """
+        self._ready()
         cdef size_t k = _as_nbytes(_config.parse_size(keep, "keep"), "keep")
         mp_py_mark(1)
         mp_trim(self._pool, k)
@@ -569,14 +660,14 @@ cdef class Pool:
 
     def set_limit(self, limit):
         """Change ``limit`` (bytes, a fraction of capacity, or None) on a live pool."""
-        value = _config.normalize({"limit": limit})["limit"]
-        if isinstance(value, float):
-            value = int(value * self.capacity)
+        self._ready()
+        value = _limit_bytes(_config.normalize({"limit": limit})["limit"], self.capacity)
         mp_set_limit(self._pool, _or_unlimited(value))
         self.options["limit"] = value
 
     def set_release_threshold(self, threshold):
         """Change ``release_threshold`` (bytes or None) on a live pool."""
+        self._ready()
         value = _config.normalize({"release_threshold": threshold})["release_threshold"]
         mp_set_release_threshold(self._pool, _or_unlimited(value))
         self.options["release_threshold"] = value
@@ -587,17 +678,21 @@ cdef class Pool:
 
     def used_bytes(self):
         """Bytes in allocated blocks (rounded sizes)."""
+        self._ready()
         return mp_used_bytes(self._pool)
 
     def cached_bytes(self):
         """Bytes reserved but in no live or pending block: free for the next request."""
+        self._ready()
         return mp_cached_bytes(self._pool)
 
     def reserved_bytes(self):
         """Bytes the pool holds from the device (mapped bytes for expandable segments)."""
+        self._ready()
         return mp_reserved_bytes(self._pool)
 
     def largest_free_block(self):
+        self._ready()
         return mp_largest_free_block(self._pool)
 
     def stats(self):
@@ -612,6 +707,7 @@ cdef class Pool:
         ``mapped_bytes``, ``va_reserved_bytes``, ``num_cross_stream_reuse``,
         ``num_event_waits``.
         """
+        self._ready()
         cdef mp_stats st
         mp_get_stats(self._pool, &st)
         cdef mp_stat *families[9]
@@ -647,9 +743,11 @@ cdef class Pool:
         return out
 
     def reset_peak_stats(self):
+        self._ready()
         mp_reset_peak_stats(self._pool)
 
     def reset_accumulated_stats(self):
+        self._ready()
         mp_reset_accumulated_stats(self._pool)
 
     def check_invariants(self):
@@ -659,6 +757,7 @@ cdef class Pool:
         adjacent free blocks of one stream left unmerged, every free block in its stream's
         free list, and every counter equal to what the blocks add up to.
         """
+        self._ready()
         cdef char msg[512]
         if mp_check_invariants(self._pool, msg, sizeof(msg)) != MP_OK:
             raise InvariantError(msg.decode())
@@ -670,6 +769,7 @@ cdef class Pool:
         is_expandable, is_pinned, blocks: [{address, size, requested_size, stream, state}]}``
         with ``state`` one of ``MP_BLOCK_*`` (0 free, 1 allocated, 2 pending, 3 unmapped).
         """
+        self._ready()
         cdef mp_layout lay
         if mp_layout_take(self._pool, &lay) != MP_OK:
             raise MemoryError("layout: out of host memory")
@@ -709,6 +809,7 @@ cdef class Pool:
         max_entries : int
             Ring size (> 0); older events are overwritten. Each entry takes 40 bytes.
         """
+        self._ready()
         if not isinstance(enabled, bool):
             raise TypeError(f"record_history: enabled must be True or False, got {enabled!r}")
         cdef size_t n = 0
@@ -735,6 +836,7 @@ cdef class Pool:
         the refused request for ``oom``, whose ``ptr`` holds the bytes the device reported
         free. ``time_ns`` is CLOCK_MONOTONIC. Empty unless :meth:`record_history` is on.
         """
+        self._ready()
         cdef mp_trace_entry *entries = NULL
         cdef size_t n = 0, i
         if mp_trace_take(self._pool, &entries, &n) != MP_OK:
@@ -747,30 +849,37 @@ cdef class Pool:
 
     def save_trace(self, path):
         """Save the recorded history as a trace file (JSON lines) for ``mempool replay``."""
+        self._ready()
         from mempool import trace
         return trace.save_trace(self, path)
 
     def summary(self, abbreviated=False):
         """A text report in the layout of ``torch.cuda.memory_summary()``."""
+        self._ready()
         from mempool import report
         return report.summary(self.stats(), device=self.device_id, abbreviated=abbreviated)
 
     def snapshot(self):
         """The pool in the format of ``torch.cuda.memory._snapshot()``."""
+        self._ready()
         from mempool import report
         return report.snapshot(self.layout(), self.history(), device=self.device_id)
 
     def __repr__(self):
+        if self._pool == NULL:
+            return f"<mempool.Pool uninitialised>"
         return (f"<mempool.Pool backend={self.backend!r} device={self.device_id} "
                 f"reserved={mp_reserved_bytes(self._pool)} used={mp_used_bytes(self._pool)}>")
 
     # ------------------------------------------------------------------ internals for tests
 
     def _round_size(self, nbytes):
+        self._ready()
         return mp_round_size(mp_pool_config(self._pool), _as_nbytes(nbytes, "nbytes"))
 
     def _c_handle(self):
         """The address of the C pool (for the PyTorch allocator table and benchmarks)."""
+        self._ready()
         return <uintptr_t>self._pool
 
 
@@ -833,6 +942,7 @@ cdef class _Allocation:
 
 cdef object _cupy_malloc(Pool pool, object nbytes):
     global _MemoryPointer, _UnownedMemory
+    pool._ready()
     if _MemoryPointer is None:
         import cupy.cuda
         _MemoryPointer, _UnownedMemory = cupy.cuda.MemoryPointer, cupy.cuda.UnownedMemory

@@ -35,11 +35,12 @@ def _torch_check_device(device):
     return d
 
 
-def _torch_register(device, Pool pool):
+def _torch_register(device, Pool pool not None):
     """Route torch's allocations on `device` to `pool` (the pool is kept alive while
     registered). Raises RuntimeError if another pool is registered there and torch still
     holds blocks of it."""
     cdef int d = _torch_check_device(device)
+    pool._ready()
     if pool.device_id != d:
         raise ValueError(f"device {d}: the pool allocates on device {pool.device_id}; torch's "
                          f"allocations on device {d} need a pool of that device")
@@ -72,6 +73,7 @@ def _torch_is_registered(device, Pool pool=None):
     cdef mp_pool *p = mp_torch_registered(d)
     if pool is None:
         return p is not NULL
+    pool._ready()
     return p is not NULL and p == pool._pool
 
 
@@ -94,23 +96,36 @@ def _torch_entry_points():
     }
 
 
+# Addresses _torch_pool_address has returned: the only ones _torch_alloc_at accepts, since
+# any other int would be dereferenced as a pool (a pool once in the table keeps its struct).
+_torch_seen_pools = set()
+
+
 def _torch_pool_address(device):
     """The address of the pool routed to `device` (0 for none): what an entry point reads
     from the table. For tests of Note [Torch table lifetime]."""
-    return <uintptr_t>mp_torch_registered(_torch_check_device(device))
+    address = <uintptr_t>mp_torch_registered(_torch_check_device(device))
+    if address:
+        _torch_seen_pools.add(address)
+    return address
 
 
-def _torch_alloc_at(uintptr_t address, size_t nbytes):
+def _torch_alloc_at(address, nbytes):
     """For tests: the PyTorch entry point's allocation on the pool at `address`, as an entry
     point does that read the table just before a change; ``(code, pointer)``, the code
     ``"retired"`` when the pool has left the table. The address must be one that
     ``_torch_pool_address`` returned (the struct of such a pool is never freed)."""
     cdef uintptr_t ptr = 0
     cdef int rc
-    if address == 0:
+    cdef uintptr_t pool_address = _as_pointer(address)
+    cdef size_t n = _as_nbytes(nbytes, "nbytes")
+    if pool_address == 0:
         raise ValueError("address: 0 is no pool")
+    if pool_address not in _torch_seen_pools:
+        raise ValueError(f"address: {pool_address:#x} is not a pool address that "
+                         f"_torch_pool_address returned")
     with nogil:
-        rc = mp_alloc_torch(<mp_pool *>address, nbytes, 0, &ptr)
+        rc = mp_alloc_torch(<mp_pool *>pool_address, n, 0, &ptr)
     if rc == MP_ERETIRED:
         return "retired", 0
     return ("ok" if rc == MP_OK else f"error {rc}"), ptr

@@ -878,7 +878,7 @@ static int has_use(const mp_block *b, const mp_stream *s) {
 /* Room for one more recorded stream on b (MP_ENOMEM / MP_EINVAL when there is none). */
 static int reserve_use(mp_block *b) {
     if (b->nuses < b->cap_uses) return MP_OK;
-    if (b->cap_uses >= 32768) return MP_EINVAL;
+    if (b->cap_uses >= MP_MAX_RECORDED_STREAMS) return MP_EINVAL;
     uint16_t cap = (uint16_t)(b->cap_uses * 2);
     mp_stream **grown = malloc(cap * sizeof *grown);
     if (!grown) return MP_ENOMEM;

@@ -23,6 +23,7 @@
                                                     beyond a request (PyTorch's kLargeBuffer) */
 #define MP_MAX_ALLOC ((size_t)1 << 62)           /* larger requests are refused outright */
 #define MP_UNLIMITED SIZE_MAX
+#define MP_MAX_RECORDED_STREAMS 32768            /* record_stream: streams per block */
 #define MP_ROUNDUP_INTERVALS 16                  /* 1 MiB .. 64 GiB, one per power of two */
 
 typedef struct mp_config {

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mp_assert.h"
 #include "mp_dlpack.h"
 
 /* ---- shared blocks ------------------------------------------------------------------------ */
@@ -40,15 +41,22 @@ int mp_dl_block_new(mp_pool *p, size_t nbytes, uintptr_t stream, mp_dl_block **o
     return MP_OK;
 }
 
-void mp_dl_block_retain(mp_dl_block *b) { __atomic_add_fetch(&b->refs, 1, __ATOMIC_RELAXED); }
+void mp_dl_block_retain(mp_dl_block *b) {
+    int before = __atomic_fetch_add(&b->refs, 1, __ATOMIC_RELAXED);
+    mp_check(before > 0);   /* a retain needs a reference already held */
+}
 
 void mp_dl_block_release(mp_dl_block *b) {
     /* acq_rel: every holder's accesses happen before the free by the last one. */
-    if (__atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL) != 0) return;
+    int left = __atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL);
+    mp_check(left >= 0);    /* one release too many: the block is already freed */
+    if (left != 0) return;
     if (b->ptr) {
         /* The block's own stream: streams a consumer declared (mp_dl_handoff) are waited
          * for by the core before the block is reused. */
-        (void)mp_free(b->pool, b->ptr, 0, 0);
+        int rc = mp_free(b->pool, b->ptr, 0, 0);
+        mp_assert(rc == MP_OK);   /* the holders kept the block live until now */
+        (void)rc;
     }
     mp_pool_release(b->pool);
     free(b);
@@ -58,13 +66,18 @@ void mp_dl_block_release(mp_dl_block *b) {
 /* ---- managed tensors ---------------------------------------------------------------------- */
 
 /* One allocation per export: the managed tensor (either layout), its block, and the shape
- * and strides arrays the DLTensor points into. */
+ * and strides arrays the DLTensor points into. `magic` is MP_DL_MAGIC while the tensor is
+ * alive and is cleared by its deleter: a consumer calling a deleter twice meets a clear
+ * abort instead of a second release of the block (mp_check, always on). */
+#define MP_DL_MAGIC 0x6d70646cu   /* "mpdl" */
+
 typedef struct mp_dl_managed {
     union {
         DLManagedTensor legacy;
         DLManagedTensorVersioned versioned;
     } t;
     mp_dl_block *block;
+    unsigned magic;
     int64_t dims[];   /* shape[ndim] then strides[ndim] */
 } mp_dl_managed;
 
@@ -92,7 +105,9 @@ int mp_dl_export(mp_dl_block *b, const mp_dl_view *v, int versioned, void **out)
     /* At least one slot so shape/strides are valid pointers for a 0-d tensor too. */
     mp_dl_managed *m = (mp_dl_managed *)calloc(1, sizeof *m + (ndims ? ndims : 1) * sizeof(int64_t));
     if (!m) return MP_ENOMEM;
+    mp_assert(b && b->refs > 0);
     m->block = b;
+    m->magic = MP_DL_MAGIC;
     if (versioned) {
         DLManagedTensorVersioned *t = &m->t.versioned;
         t->version = v->version;
@@ -112,7 +127,10 @@ int mp_dl_export(mp_dl_block *b, const mp_dl_view *v, int versioned, void **out)
 }
 
 static void managed_free(mp_dl_managed *m) {
+    mp_check(m && m->magic == MP_DL_MAGIC);   /* a deleter called twice, or on a stranger */
+    m->magic = 0;
     mp_dl_block *b = m->block;
+    mp_assert(b && b->refs > 0);
     free(m);
     mp_dl_block_release(b);
 }
@@ -128,6 +146,7 @@ void mp_dl_deleter_versioned(DLManagedTensorVersioned *self) {
 /* ---- stream hand-off ---------------------------------------------------------------------- */
 
 int mp_dl_handoff(mp_pool *p, uintptr_t ptr, uintptr_t producer, uintptr_t consumer) {
+    mp_assert(p);
     if (producer == consumer) return MP_OK;
     mp_upstream *up = mp_pool_upstream(p);
     uintptr_t event = 0;

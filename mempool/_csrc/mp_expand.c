@@ -101,6 +101,7 @@ static void link_block(mp_block *b, mp_block *n, int after) {
 
 /* Fold unmapped neighbours that are not busy into u (unmapped, not busy); u may go. */
 static void merge_unmapped_locked(mp_pool *p, mp_block *u) {
+    mp_assert(u->state == MP_BLOCK_UNMAPPED && !u->busy);
     mp_block *n = u->next;
     if (n && n->state == MP_BLOCK_UNMAPPED && !n->busy) {
         u->nbytes += n->nbytes;
@@ -125,6 +126,7 @@ static void count_mapped_locked(mp_pool *p, mp_segment *seg, size_t nbytes, int 
         if ((size_t)p->stats.mapped_bytes.current > p->mapped_high_water)
             p->mapped_high_water = (size_t)p->stats.mapped_bytes.current;
     } else {
+        mp_check(seg->mapped_bytes >= nbytes);   /* unmapping more than is mapped */
         seg->mapped_bytes -= nbytes;
         mp_stat3_dec(p->stats.reserved_bytes, seg->kind, (int64_t)nbytes);
         mp_stat_dec(&p->stats.mapped_bytes, (int64_t)nbytes);
@@ -477,6 +479,9 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
                 jobs[i].unsynced = owners[j];
             }
         }
+        mp_assert(jobs[i].u->ptr % p->up.granularity == 0 && jobs[i].u->nbytes % p->up.granularity == 0);
+        mp_assert(jobs[i].u->ptr >= jobs[i].u->seg->ptr &&
+                  jobs[i].u->ptr + jobs[i].u->nbytes <= jobs[i].u->seg->ptr + jobs[i].u->seg->nbytes);
         if (jobs[i].ok) jobs[i].ok = p->up.unmap(p->up.ctx, jobs[i].u->ptr, jobs[i].u->nbytes) == MP_OK;
     }
     mp_blocking_end(blocking);
@@ -575,6 +580,9 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
     p->inflight_bytes += plan->nbytes;
     mp_lock_release(&p->lock);
     void *blocking = mp_blocking_begin();
+    mp_assert(m->state == MP_BLOCK_UNMAPPED && m->nbytes > 0);
+    mp_assert(m->ptr % p->up.granularity == 0 && m->nbytes % p->up.granularity == 0);
+    mp_assert(m->ptr >= m->seg->ptr && m->ptr + m->nbytes <= m->seg->ptr + m->seg->nbytes);
     int rc = p->up.map(p->up.ctx, m->ptr, m->nbytes);
     mp_blocking_end(blocking);
     mp_lock_acquire(&p->lock);
@@ -709,6 +717,7 @@ void mp_segment_release_upstream(mp_pool *p, mp_segment *seg) {
         }
         uintptr_t lo = b->ptr, hi = b->ptr + b->nbytes;
         for (b = b->next; b && b->state != MP_BLOCK_UNMAPPED; b = b->next) hi = b->ptr + b->nbytes;
+        mp_assert(lo % p->up.granularity == 0 && hi % p->up.granularity == 0 && lo < hi);
         p->up.unmap(p->up.ctx, lo, hi - lo);
     }
     p->up.va_release(p->up.ctx, seg->ptr, seg->nbytes);

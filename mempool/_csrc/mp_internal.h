@@ -4,6 +4,7 @@
 #ifndef MP_INTERNAL_H
 #define MP_INTERNAL_H
 
+#include "mp_assert.h"
 #include "mp_core.h"
 #include "mp_freelist.h"
 #include "mp_lock.h"

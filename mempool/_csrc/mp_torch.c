@@ -24,6 +24,7 @@
 #include <sched.h>
 #include <stdio.h>
 
+#include "mp_assert.h"
 #include "mp_torch.h"
 
 typedef struct mp_torch_slot {
@@ -58,16 +59,21 @@ static mp_pool *slot_enter(mp_torch_slot *s) {
     return p;
 }
 
-static void slot_exit(mp_torch_slot *s) { ADD(s->active, -1); }
+static void slot_exit(mp_torch_slot *s) {
+    int64_t left = ADD(s->active, -1);
+    mp_check(left >= 0);   /* an exit without its enter would let a change free a used pool */
+}
 
 /* Put `p` (NULL: none) in the slot unless torch still holds blocks of the pool there now.
  * Called with table_lock held; on MP_OK *old is the pool taken out (to release). */
 static int slot_change_locked(mp_torch_slot *s, mp_pool *p, mp_pool **old) {
+    mp_assert(s >= slots && s < slots + MP_TORCH_MAX_DEVICES);
     mp_pool *cur = LOAD(s->pool);
     if (cur && cur != p && mp_torch_retire(cur) != MP_OK) return MP_EBUSY;
     if (p) mp_torch_admit(p);
     STORE(s->closing, 1);
     while (LOAD(s->active) != 0) sched_yield();
+    mp_assert(LOAD(s->active) == 0);
     STORE(s->pool, p);
     STORE(s->closing, 0);
     *old = cur;
@@ -158,7 +164,10 @@ void *mempool_torch_alloc(ssize_t size, int device, void *stream) {
         if (rc != MP_ERETIRED) break;
         sched_yield();   /* retired since it was read: the change swaps the slot next */
     }
-    if (rc == MP_OK) return (void *)ptr;
+    if (rc == MP_OK) {
+        mp_assert(ptr != 0);
+        return (void *)ptr;
+    }
     ADD(s->failed, 1);
     p = slot_enter(s);   /* the failed allocation no longer pins the pool */
     if (!p) return NULL;
@@ -180,7 +189,7 @@ void mempool_torch_free(void *ptr, ssize_t size, int device, void *stream) {
     if (!ptr || !valid_device(device)) return;
     /* The block's own count pins the pool (Note above). */
     mp_pool *p = LOAD(slots[device].pool);
-    if (p) (void)mp_free(p, (uintptr_t)ptr, 0, 0);
+    if (p) (void)mp_free(p, (uintptr_t)ptr, 0, 0);   /* a stranger's pointer is ignored */
 }
 
 void mempool_torch_record_stream(void *ptr, void *stream) {
@@ -209,6 +218,7 @@ void mempool_torch_reset(void) {
 
 void mempool_torch_memory_fraction(double fraction, int device) {
     if (!valid_device(device) || !(fraction >= 0.0)) return;   /* also refuses NaN */
+    mp_assert(fraction == fraction);
     mp_torch_slot *s = &slots[device];
     mp_pool *p = slot_enter(s);
     if (!p) return;
