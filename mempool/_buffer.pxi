@@ -429,7 +429,8 @@ cdef class Buffer:
         if rc != MP_OK:
             mp_dl_block_release(block)
             raise MemoryError("__dlpack__: no host memory for the managed tensor")
-        self._exports += 1
+        if not copy:
+            self._exports += 1
         try:
             if versioned:
                 return PyCapsule_New(managed, b"dltensor_versioned",

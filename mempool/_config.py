@@ -58,8 +58,9 @@ _NONE_WORDS = ("none", "unlimited")
 _TRUE_WORDS = ("true", "1")
 _FALSE_WORDS = ("false", "0")
 
-_SIZE_ACCEPTED = ("an int in [0, 2**64) (bytes) or a string such as '512', '4KB', '512MiB', "
-                  "'1.5GB' (KB/MB/GB/TB and KiB/MiB/GiB/TiB are all powers of 1024)")
+_SIZE_ACCEPTED = ("an int >= 0 (bytes) or a string such as '512', '4KB', '512MiB', "
+                  "'1.5GB' (KB/MB/GB/TB and KiB/MiB/GiB/TiB are all powers of 1024), "
+                  "below 2**64")
 # Sizes are size_t in the core. The largest one, 2**64 - 1, is the core's "no limit", so
 # options whose None means unlimited stop one below it (a limit of 2**64 - 1 bytes would
 # silently be no limit at all).
@@ -261,7 +262,7 @@ def _parse_backend(value: Any, key: str) -> str:
 
 
 def _parse_device(value: Any, key: str) -> int:
-    accepted = "an int in [0, 2**31) (or a string of ASCII digits)"
+    accepted = "an int >= 0 and below 2**31 (or a string of ASCII digits)"
     if isinstance(value, str) and _ascii_digits(value.strip()):
         n = int(value.strip())
     elif _is_int(value) and operator.index(value) >= 0:
@@ -276,7 +277,7 @@ def _parse_device(value: Any, key: str) -> int:
 def _parse_pool_handle(value: Any, key: str) -> str | int:
     accepted = ("'create' (a pool of its own), 'default' (the device's default pool), "
                 "'current' (the device's current pool), or a cudaMemPool_t handle as an "
-                "int in (0, 2**64)")
+                "int > 0 and below 2**64")
     if isinstance(value, str):
         word = value.strip()
         if word in POOL_HANDLES:

@@ -1,12 +1,13 @@
 """The DLPack bridge (mempool.Buffer) on a host pool, read by NumPy, CPU PyTorch and ctypes.
 
 Covers the capsule ABI (names, versions, shapes, strides, byte offsets, dtype codes, flags),
-ownership (the deleter runs exactly once, a second export is refused, the Pool may be dropped
-first), pointer identity between producer and consumer, deleters on other threads, and the
+ownership (the deleter runs exactly once, a Buffer exports any number of times and its block
+goes with the last holder, the Pool may be dropped first), pointer identity between producer and consumer, deleters on other threads, and the
 refusals (sim memory, other devices, bad streams, read-only to a legacy consumer).
 """
 import ctypes
 import gc
+import itertools
 import subprocess
 import sys
 import threading
@@ -343,18 +344,54 @@ def test_consumer_calls_deleter_once_and_capsule_leaves_it(pool):
         assert freed(pool) == n0 + 1
 
 
-def test_second_export_is_refused(pool):
-    buf = pool.empty(10)
-    arr = numpy.from_dlpack(buf)
-    with pytest.raises(BufferError, match="exported"):
-        buf.__dlpack__()
-    with pytest.raises(BufferError, match="exported"):
-        numpy.from_dlpack(buf)
-    with pytest.raises(BufferError, match="exported"):
-        buf.view()
-    with pytest.raises(BufferError, match="exported"):
-        buf.__array_interface__
-    assert arr.shape == (10,)
+def test_a_buffer_exports_any_number_of_times(pool):
+    # As NumPy, CuPy and PyTorch arrays do: a second np.from_dlpack was a BufferError.
+    buf = pool.empty(10, "int32")
+    a = numpy.from_dlpack(buf)
+    b = numpy.from_dlpack(buf)
+    assert buf.exported and "exported" in repr(buf)
+    assert a.ctypes.data == b.ctypes.data == buf.ptr
+    a[:] = 7
+    assert (b == 7).all()
+    # The Buffer keeps its own hold: views, interfaces and more exports still work.
+    assert buf.view(offset=4).ptr == buf.ptr + 4
+    assert buf.__array_interface__["data"][0] == buf.ptr
+    c = numpy.from_dlpack(buf)
+    assert (c == 7).all()
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(["buf", "a", "b", "cap"])))
+def test_repeated_exports_free_the_block_once_whatever_the_order(pool, order):
+    n0, live0 = freed(pool), _core._dl_live_blocks()
+    held = {"buf": pool.empty(64, "float64")}
+    held["a"] = numpy.from_dlpack(held["buf"])
+    held["b"] = numpy.from_dlpack(held["buf"])
+    held["cap"] = held["buf"].__dlpack__(max_version=(1, 0))    # never consumed
+    held["a"][:] = 3.0
+    for i, name in enumerate(order):
+        del held[name]
+        gc.collect()
+        for other in ("a", "b"):
+            if other in held:
+                assert (held[other] == 3.0).all(), "the memory must stay while a holder lives"
+        expected = n0 + 1 if i == len(order) - 1 else n0
+        assert freed(pool) == expected, f"freed after dropping {order[:i + 1]}"
+    assert _core._dl_live_blocks() == live0
+    assert pool.used_bytes() == 0
+    pool.check_invariants()
+
+
+def test_buffer_dropped_before_its_capsules(pool):
+    buf = pool.empty(32, "uint8")
+    caps = [buf.__dlpack__(max_version=(1, 0)) for _ in range(3)] + [buf.__dlpack__()]
+    tensors = [consume(c) for c in caps]
+    n0 = freed(pool)
+    del buf, caps
+    gc.collect()
+    for i, t in enumerate(tensors):
+        assert freed(pool) == n0
+        t.contents.deleter(t)
+    assert freed(pool) == n0 + 1 and pool.used_bytes() == 0
 
 
 def test_views_share_the_block_until_the_last_holder(pool):
@@ -636,6 +673,7 @@ def test_consumer_stream_is_recorded_so_the_block_waits_for_it(simpool):
     buf = simpool.empty(1 << 20, "uint8", stream=P)
     ptr = buf.ptr
     t = consume(_core._export_simulated(buf, stream=C, max_version=(1, 0)))
+    del buf                                   # the producer lets go: the capsule holds it
     dev.launch(C)                             # the consumer's kernels on its stream
     t.contents.deleter(t)                     # the consumer drops it at once (host side)
     other = simpool.alloc(1 << 20, stream=P)
@@ -647,6 +685,35 @@ def test_consumer_stream_is_recorded_so_the_block_waits_for_it(simpool):
     simpool.free(again)
 
 
+def test_every_export_records_its_own_consumer(simpool):
+    # Repeated export: each consumer is ordered after the producer and recorded on the
+    # block, so the block waits for both consumers' work, whoever lets go last.
+    dev = simpool.device
+    C2 = 0x30
+    buf = simpool.empty(1 << 20, "uint8", stream=P)
+    ptr = buf.ptr
+    seq = dev.launch(P)
+    t1 = consume(_core._export_simulated(buf, stream=C, max_version=(1, 0)))
+    t2 = consume(_core._export_simulated(buf, stream=C2, max_version=(1, 0)))
+    assert dev.ordered(C, P, seq) and dev.ordered(C2, P, seq)
+    dev.launch(C)
+    dev.launch(C2)
+    del buf
+    t2.contents.deleter(t2)
+    t1.contents.deleter(t1)
+    other = simpool.alloc(1 << 20, stream=P)
+    assert other != ptr, "reused while both consumers' streams may still read it"
+    simpool.free(other)
+    dev.complete(C)
+    other = simpool.alloc(1 << 20, stream=P)
+    assert other != ptr, "reused while the second consumer's stream may still read it"
+    simpool.free(other)
+    dev.complete(C2)
+    again = simpool.alloc(1 << 20, stream=P)
+    assert again == ptr, "once both consumers are done the block serves again"
+    simpool.free(again)
+
+
 def test_stream_minus_one_means_no_synchronisation(simpool):
     dev = simpool.device
     buf = simpool.empty(1 << 20, "uint8", stream=P)
@@ -654,6 +721,7 @@ def test_stream_minus_one_means_no_synchronisation(simpool):
     seq = dev.launch(P)
     before = dev.counters()
     t = consume(_core._export_simulated(buf, stream=-1, max_version=(1, 0)))
+    del buf
     assert dev.counters()["waits"] == before["waits"] and not dev.ordered(C, P, seq)
     dev.launch(C)
     t.contents.deleter(t)

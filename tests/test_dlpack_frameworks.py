@@ -36,6 +36,9 @@ def test_from_buffer_is_zero_copy(jax_cpu, pool):
     assert x.unsafe_buffer_pointer() == ptr and buf.exported
     assert float(x.sum()) == 31 * 32 / 2
     n0 = pool.stats()["allocation.all.freed"]
+    del buf                   # the export holds its own reference: the array keeps the block
+    gc.collect()
+    assert pool.stats()["allocation.all.freed"] == n0
     del x
     gc.collect()
     assert pool.stats()["allocation.all.freed"] == n0 + 1
