@@ -20,6 +20,7 @@ cdef class _DeviceBase:
         return 0
 
     cdef mp_budget *_budget(self) except NULL:
+        self._ready()   # a _DeviceBase is only ever made by __new__: this raises
         raise TypeError(f"{type(self).__name__} has no device budget")
 
     cdef void _lock(self):

@@ -54,6 +54,12 @@ cdef enum _Backend:
 
 _BACKENDS = {"sim": _SIM, "host": _HOST, "cuda": _CUDA}
 
+#: True in the debug build (MEMPOOL_DEBUG=1 at build time: the C core's debug-only asserts
+#: are on; mempool/_csrc/mp_assert.h, docs/reliability.md).
+DEBUG_BUILD = bool(MP_DEBUG)
+#: Core codes, for tests of the messages built from them.
+_MP_EINVAL = MP_EINVAL
+
 _STAT_FAMILIES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
                   "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
 _STAT_POOLS = ("all", "small_pool", "large_pool")
@@ -525,20 +531,7 @@ cdef class Pool:
     # ---- end sharing ----
 
     cdef object _pointer_error(self, int rc, str op, uintptr_t p):
-        if rc == MP_EINTERIOR:
-            return ValueError(f"{op}: {p:#x} points inside a live block of this pool, not at its "
-                              f"start")
-        if rc == MP_EDOUBLEFREE:
-            return ValueError(f"{op}: {p:#x} is not live: it lies in free memory of this pool "
-                              f"(already freed?)")
-        if rc == MP_ENOMEM:
-            return MemoryError(f"{op}: out of host memory for the pool's bookkeeping")
-        if rc == MP_EINVAL:
-            return ValueError(f"{op}: too many streams recorded for {p:#x}: at most "
-                              f"{MP_MAX_RECORDED_STREAMS} streams besides its own may be "
-                              f"recorded on one block")
-        return ValueError(f"{op}: {p:#x} is not a live pointer of this pool "
-                          f"(never allocated here, or freed and its segment released)")
+        return _pointer_error(rc, op, p)
 
     cdef object _alloc_error(self, int rc, size_t nbytes, uintptr_t stream):
         # Read after the fallback chain ran: what is cached now is what no release could
@@ -881,6 +874,24 @@ cdef class Pool:
         """The address of the C pool (for the PyTorch allocator table and benchmarks)."""
         self._ready()
         return <uintptr_t>self._pool
+
+
+def _pointer_error(int rc, str op, uintptr_t p):
+    """The exception for core code `rc` from a call on pointer `p` (not alloc's codes)."""
+    if rc == MP_EINTERIOR:
+        return ValueError(f"{op}: {p:#x} points inside a live block of this pool, not at its "
+                          f"start")
+    if rc == MP_EDOUBLEFREE:
+        return ValueError(f"{op}: {p:#x} is not live: it lies in free memory of this pool "
+                          f"(already freed?)")
+    if rc == MP_ENOMEM:
+        return MemoryError(f"{op}: out of host memory for the pool's bookkeeping")
+    if rc == MP_EINVAL:
+        return ValueError(f"{op}: too many streams recorded for {p:#x}: at most "
+                          f"{MP_MAX_RECORDED_STREAMS} streams besides its own may be "
+                          f"recorded on one block")
+    return ValueError(f"{op}: {p:#x} is not a live pointer of this pool "
+                      f"(never allocated here, or freed and its segment released)")
 
 
 cdef _put_stat(dict out, str prefix, mp_stat s):

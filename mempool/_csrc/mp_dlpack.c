@@ -126,9 +126,13 @@ int mp_dl_export(mp_dl_block *b, const mp_dl_view *v, int versioned, void **out)
     return MP_OK;
 }
 
+/* The managed tensor is the first member of its mp_dl_managed, so a deleter finds its
+ * allocation from `self` alone: reading self->manager_ctx first would read the freed
+ * tensor's header, which malloc reuses, when a consumer calls a deleter twice. */
 static void managed_free(mp_dl_managed *m) {
-    mp_check(m && m->magic == MP_DL_MAGIC);   /* a deleter called twice, or on a stranger */
-    m->magic = 0;
+    mp_check(m->magic == MP_DL_MAGIC);   /* a deleter called twice, or on a stranger */
+    /* volatile: a plain store just before free() is a dead store the compiler drops. */
+    *(volatile unsigned *)&m->magic = 0;
     mp_dl_block *b = m->block;
     mp_assert(b && b->refs > 0);
     free(m);
@@ -136,11 +140,15 @@ static void managed_free(mp_dl_managed *m) {
 }
 
 void mp_dl_deleter(DLManagedTensor *self) {
-    if (self) managed_free((mp_dl_managed *)self->manager_ctx);
+    if (!self) return;
+    mp_dl_managed *m = (mp_dl_managed *)(void *)self;
+    managed_free(m);
 }
 
 void mp_dl_deleter_versioned(DLManagedTensorVersioned *self) {
-    if (self) managed_free((mp_dl_managed *)self->manager_ctx);
+    if (!self) return;
+    mp_dl_managed *m = (mp_dl_managed *)(void *)self;
+    managed_free(m);
 }
 
 /* ---- stream hand-off ---------------------------------------------------------------------- */
