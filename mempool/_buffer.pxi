@@ -574,13 +574,13 @@ def _pool_empty(Pool pool not None, shape, dtype="float32", stream=None):
     pool._ready()
     dims = _dl_shape(shape)
     dt, code, minor = _dl_dtype(dtype)
-    cdef uintptr_t handle = 0
-    pool._stream_of(stream, &handle)
     nbytes = dt.itemsize
     for d in dims:
         nbytes *= d
     if nbytes > MP_MAX_ALLOC:
         raise ValueError(f"shape: {dims} of {dt} is {nbytes} bytes, more than any pool serves")
+    cdef uintptr_t handle = 0
+    pool._stream_of(stream, &handle)   # after the checks: a refused call pins no stream
     cdef size_t n = nbytes
     cdef mp_dl_block *block = NULL
     cdef int rc

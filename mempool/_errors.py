@@ -12,3 +12,11 @@ class OutOfMemoryError(MemoryError):
 
 class InvariantError(AssertionError):
     """The pool's bookkeeping breached an invariant (a bug in mempool; please report it)."""
+
+
+def require_instance(value, cls, name):
+    """Raise TypeError naming argument `name` unless `value` is a `cls` (a clear error
+    instead of an AttributeError from deep inside a helper)."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name}: expected a mempool.{cls.__name__}, got "
+                        f"{type(value).__name__} {value!r}"[:300])

@@ -395,6 +395,18 @@ cdef class Pool:
         self._last_pinned_handle = handle
         return 0
 
+    cdef tuple _pins(self):
+        return (len(self._pinned_streams), self._last_pinned, self._last_pinned_handle)
+
+    cdef int _restore_pins(self, tuple saved, uintptr_t handle) except -1:
+        """Take back the pin a refused call's stream argument made (bad input changes
+        nothing, and a stream object named only by a refused call is not kept alive)."""
+        if len(self._pinned_streams) > saved[0]:
+            self._pinned_streams.pop(handle, None)
+        self._last_pinned = saved[1]
+        self._last_pinned_handle = saved[2]
+        return 0
+
     @property
     def _current_stream_lookup(self):
         """cuda: the lookup of CuPy's current stream (Note [Current stream]); else None."""
@@ -448,12 +460,16 @@ cdef class Pool:
                 self._hot_address_value = p
         cdef uintptr_t s = 0
         cdef int has_stream = stream is not None
+        saved = None
         if has_stream:
+            saved = self._pins()
             self._stream_of(stream, &s)
         mp_py_mark(1)
         cdef int rc = mp_free(self._pool, p, s, has_stream)
         mp_py_mark(0)
         if rc != MP_OK:
+            if has_stream:
+                self._restore_pins(saved, s)
             raise self._pointer_error(rc, "free", p)
 
     def record_stream(self, ptr, stream):
@@ -465,9 +481,11 @@ cdef class Pool:
         self._ready()
         cdef uintptr_t p = _as_pointer(ptr)
         cdef uintptr_t s = 0
+        saved = self._pins()
         self._stream_of(stream, &s)
         cdef int rc = mp_record_stream(self._pool, p, s)
         if rc != MP_OK:
+            self._restore_pins(saved, s)
             raise self._pointer_error(rc, "record_stream", p)
 
     def forget_stream(self, stream):

@@ -8,6 +8,8 @@ called.
 """
 import contextlib
 
+from mempool._errors import require_instance
+
 
 def _cupy():
     try:
@@ -18,8 +20,15 @@ def _cupy():
     return cupy
 
 
+def _check_pool(pool):
+    from mempool import _core
+    require_instance(pool, _core.Pool, "pool")
+
+
 def set_allocator(pool):
     """Route CuPy's allocations to `pool` (None: back to CuPy's default memory pool)."""
+    if pool is not None:
+        _check_pool(pool)
     cupy = _cupy()
     if pool is None:
         cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
@@ -32,6 +41,7 @@ def use(pool):
     """``with use(pool):`` CuPy allocates from `pool` (process-wide, as
     ``cupy.cuda.set_allocator``); the previous allocator is restored on exit. For a
     per-thread switch use ``cupy.cuda.using_allocator(pool.malloc)``."""
+    _check_pool(pool)
     cupy = _cupy()
     previous = cupy.cuda.get_allocator()
     cupy.cuda.set_allocator(pool.malloc)
@@ -44,10 +54,12 @@ def use(pool):
 def from_pool(pool, shape, dtype="float32"):
     """A new, uninitialised ``cupy.ndarray`` on `pool`'s memory (on CuPy's current
     stream), whatever CuPy's allocator is."""
-    cupy = _cupy()
+    _check_pool(pool)
+    from mempool import _core
+    shape = _core._dl_shape(shape)                 # the checks and messages of Pool.empty
     import numpy
     dt = numpy.dtype(dtype)
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    cupy = _cupy()
     nbytes = dt.itemsize
     for d in shape:
         nbytes *= d

@@ -87,6 +87,9 @@ def check_importable(buf, allow_copy=False):
     """Raise ValueError if JAX cannot view `buf` in place: a simulated pool's memory, or
     (unless `allow_copy`) data that is not :data:`JAX_ALIGNMENT`-byte aligned, which JAX
     would copy."""
+    from mempool import _core
+    from mempool._errors import require_instance
+    require_instance(buf, _core.Buffer, "buf")
     if buf.backend == "sim":
         raise ValueError("buf: a sim pool's memory is simulated and cannot be handed to JAX; "
                          "use a host pool (CPU) or a cuda pool (GPU)")
@@ -112,4 +115,7 @@ def from_buffer(buf, allow_copy=False):
 
 def from_pool(pool, shape, dtype="float32", stream=None):
     """A new, uninitialised JAX array on `pool`'s memory (``pool.empty`` + hand-off)."""
+    from mempool import _core
+    from mempool._errors import require_instance
+    require_instance(pool, _core.Pool, "pool")
     return from_buffer(pool.empty(shape, dtype, stream=stream))

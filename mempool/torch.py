@@ -298,6 +298,8 @@ def from_pool(pool, shape, dtype="float32", stream=None):
     `dtype` is a NumPy-style dtype or a ``torch.dtype``; `stream` the stream the tensor is
     used on (default: PyTorch's current stream on a cuda pool).
     """
+    from mempool._errors import require_instance
+    require_instance(pool, _core.Pool, "pool")
     import torch
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).replace("torch.", "")
