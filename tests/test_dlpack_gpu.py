@@ -44,9 +44,45 @@ def test_torch_cuda_zero_copy_on_its_stream(pool, producer):
         total = float(t.sum())
     assert total == 3.0 * 1024 * 1024
     n0 = pool.stats()["allocation.all.freed"]
+    del buf                                    # the tensor's export holds the block
+    gc.collect()
+    assert pool.stats()["allocation.all.freed"] == n0
     del t
     gc.collect()
     assert pool.stats()["allocation.all.freed"] == n0 + 1
+
+
+def test_one_buffer_to_two_frameworks_on_two_streams(pool, producer):
+    # Repeated export: each consumer's stream is ordered after the producer's and recorded
+    # on the block, which is reused only once both have finished with it.
+    torch = pytest.importorskip("torch")
+    cupy = pytest.importorskip("cupy")
+    n = 1 << 20
+    buf = pool.empty(n, "float32", stream=producer)
+    with producer:
+        cupy.asarray(buf).fill(2.0)
+    s1 = torch.cuda.Stream()
+    s2 = cupy.cuda.Stream(non_blocking=True)
+    with torch.cuda.stream(s1):
+        t = torch.from_dlpack(buf)
+        torch.cuda._sleep(500_000_000)          # keeps s1 busy for a while
+        total_t = t.sum()
+    with s2:
+        c = cupy.from_dlpack(buf)
+        total_c = c.sum()
+    assert t.data_ptr() == c.data.ptr == buf.ptr
+    ptr = buf.ptr
+    del buf, t, c
+    gc.collect()
+    other = pool.alloc(4 * n, stream=producer.ptr)
+    assert other != ptr, "reused while the torch consumer's stream may still read it"
+    pool.free(other)
+    s1.synchronize()
+    s2.synchronize()
+    assert float(total_t) == float(total_c) == 2.0 * n
+    again = pool.alloc(4 * n, stream=producer.ptr)
+    assert again == ptr, "once both consumers are done the block serves again"
+    pool.free(again)
 
 
 def test_cupy_from_dlpack_and_cuda_array_interface(pool):
