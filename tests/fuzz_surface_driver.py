@@ -46,6 +46,7 @@ DISALLOWED = (SystemError, OverflowError, IndexError, KeyError, ZeroDivisionErro
 BARE_MESSAGES = ("int too large to convert", "can't convert negative", "too large to convert",
                  "Python int too large", "object of type 'NoneType'", "'NoneType' object")
 REFUSED = (TypeError, ValueError, BufferError)
+RAISED = object()     # what call() returns when the call raised
 
 
 class Boom(Exception):
@@ -406,7 +407,7 @@ def call(world, what, fn, args, kwargs, receiver_kind):
             if after != before:
                 raise AssertionError(f"{what} was refused ({type(exc).__name__}: {exc}) but "
                                      f"changed the pool or buffers:\n{before}\n{after}")
-        return None
+        return RAISED
     finally:
         if world is not None:
             for p in world.pools:
@@ -427,6 +428,8 @@ def _from_odd_object(exc):
 
 
 def keep(world, result):
+    if result is RAISED:
+        return
     if isinstance(result, mempool.Buffer):
         world.buffers.append(result)
     elif isinstance(result, mempool.Pool):
@@ -463,19 +466,19 @@ def step_pool(data, world, target):
         return
     fn = getattr(obj, name)
     args, kwargs = draw_args(data, world, fn, name)
+    ptr = args[0] if args else kwargs.get("ptr")
     if name in ("free", "record_stream", "block_info", "access_devices") and kind == "pool":
         # A Buffer's block freed behind its back is the caller's bug (as freeing a CuPy
         # array's pointer): the fuzzer does not free other owners' memory.
-        ptr = args[0] if args else kwargs.get("ptr")
         if type(ptr) is int and ptr in world.buffer_bases():
             return
     result = call(world, what, fn, args, kwargs, kind)
-    if name == "alloc" and type(result) is int:
+    if name == "alloc" and kind == "pool" and type(result) is int:
         world.addresses.append(result)
         return
-    if name == "free" and args and type(args[0]) is int and args[0] in world.addresses:
-        if result is None:
-            world.addresses.remove(args[0])
+    if name == "free" and kind == "pool" and type(ptr) is int and ptr in world.addresses:
+        if result is not RAISED:
+            world.addresses.remove(ptr)
         return
     keep(world, result)
 
@@ -531,7 +534,10 @@ def finish(world):
     """Drop everything; the pool must be whole and empty again."""
     LOG.write("finish")
     for ptr in world.addresses:
-        world.pool.free(ptr)
+        try:
+            world.pool.free(ptr)
+        except ValueError:
+            pass        # freed already through another spelling of the address (Index(p))
     world.addresses.clear()
     world.buffers.clear()
     world.consumers.clear()
