@@ -106,6 +106,8 @@ int mp_dl_export(mp_dl_block *b, const mp_dl_view *v, int versioned, void **out)
     mp_dl_managed *m = (mp_dl_managed *)calloc(1, sizeof *m + (ndims ? ndims : 1) * sizeof(int64_t));
     if (!m) return MP_ENOMEM;
     mp_assert(b && b->refs > 0);
+    /* Expensive (a lookup under the pool lock): the block a tensor describes is live. */
+    mp_assert_expensive(!b->ptr || mp_block_info(b->pool, b->ptr, NULL, NULL, NULL) == MP_OK);
     m->block = b;
     m->magic = MP_DL_MAGIC;
     if (versioned) {
@@ -155,6 +157,7 @@ void mp_dl_deleter_versioned(DLManagedTensorVersioned *self) {
 
 int mp_dl_handoff(mp_pool *p, uintptr_t ptr, uintptr_t producer, uintptr_t consumer) {
     mp_assert(p);
+    mp_assert_expensive(!ptr || mp_block_info(p, ptr, NULL, NULL, NULL) == MP_OK);
     if (producer == consumer) return MP_OK;
     mp_upstream *up = mp_pool_upstream(p);
     uintptr_t event = 0;
