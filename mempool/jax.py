@@ -108,8 +108,8 @@ def from_buffer(buf, allow_copy=False):
     JAX (jaxlib up to at least 0.7) asks for the legacy capsule, which cannot carry a
     read-only Buffer: export a writable view to JAX instead (its arrays are immutable).
     """
-    import jax.dlpack
     check_importable(buf, allow_copy)
+    import jax.dlpack
     return jax.dlpack.from_dlpack(buf)
 
 

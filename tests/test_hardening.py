@@ -445,3 +445,52 @@ def test_debug_build_flag_matches_the_build():
     if expected is None:
         pytest.skip("MEMPOOL_EXPECT_DEBUG is not set (CI's debug stage sets it)")
     assert _core.DEBUG_BUILD == (expected == "1"), _core.__file__
+
+
+# ---- refused calls change nothing (found by the fuzzer) ---------------------------------------
+
+class _Stream:
+    """A stream object the pool pins (Note [Pinned streams])."""
+
+    def __init__(self, handle):
+        self.ptr = handle
+
+
+@pytest.mark.parametrize("call", ["record_stream", "free", "empty"])
+def test_a_refused_call_does_not_pin_its_stream(call):
+    # record_stream(bad pointer, stream) used to keep the stream object alive until
+    # forget_stream, though the call was refused.
+    pool = mempool.Pool(backend="sim")
+    keep = pool.alloc(512, stream=_Stream(5))
+    pinned = dict(pool.pinned_streams)
+    with pytest.raises(ValueError):
+        if call == "record_stream":
+            pool.record_stream(0x1234, _Stream(6))
+        elif call == "free":
+            pool.free(0x1234, stream=_Stream(6))
+        else:
+            pool.empty((1 << 40, 1 << 40), "float64", stream=_Stream(6))
+    assert pool.pinned_streams == pinned
+    pool.record_stream(keep, _Stream(6))             # an accepted call still pins
+    assert sorted(pool.pinned_streams) == [5, 6]
+    pool.free(keep)
+
+
+# ---- helpers of mempool.torch / cupy / jax -------------------------------------------------------
+
+@pytest.mark.parametrize("call", [
+    "mempool.jax.check_importable(None)",
+    "mempool.jax.from_buffer(5)",
+    "mempool.jax.from_pool(None, 4)",
+    "mempool.cupy.set_allocator(5)",
+    "mempool.cupy.from_pool('pool', 4)",
+    "mempool.torch.from_pool(None, 4)",
+])
+def test_helpers_name_a_wrong_argument(call):
+    # They raised AttributeError ("'NoneType' object has no attribute 'backend'") from deep
+    # inside; now a TypeError naming the argument, before any framework is imported.
+    import mempool.cupy
+    import mempool.jax
+    import mempool.torch
+    with pytest.raises(TypeError, match=r"^(pool|buf): expected a mempool\.(Pool|Buffer)"):
+        eval(call)
