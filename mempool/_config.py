@@ -187,8 +187,18 @@ def _parse_max_split_size(value: Any, key: str) -> int | None:
     return n
 
 
+# Kept in step with mp_core.h (MP_MAX_ALLOC): the largest request the core serves.
+MAX_ALLOC = 1 << 62
+
+
 def _parse_nonnegative_size(value: Any, key: str) -> int:
-    return parse_size(value, key)
+    n = parse_size(value, key)
+    if n > MAX_ALLOC:
+        # The core rounds the reservation up to a segment or a page: 2**64 - 1 wrapped round
+        # to 0 bytes, a pool made without its initial reservation and without a word.
+        raise _error(key, value, _SIZE_ACCEPTED,
+                     "out of range: at most 2**62 bytes, the largest request served")
+    return n
 
 
 def _parse_capacity(value: Any, key: str) -> int | None:

@@ -291,6 +291,11 @@ cdef class Pool:
                 raise MemoryError(f"could not create the {backend_name} device (error {rc})")
             if kind == _SIM:
                 _sim_place(&up, device_id)   # several devices: mempool/_peers.pxi
+            if opts["expandable_segments"] and gran > cap:
+                up.destroy(up.ctx)
+                raise ValueError(f"option 'granularity' ({gran} bytes) exceeds 'capacity' "
+                                 f"({cap} bytes): no page of expandable segments would fit "
+                                 f"the device; accepted: a page size up to the capacity")
         cdef size_t free_b = 0, total = 0
         cdef mp_config cfg
         cdef mp_pool *pool = NULL

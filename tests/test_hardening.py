@@ -222,6 +222,9 @@ BIG = 2 ** 64
     ("mempool.Pool(backend='sim').set_release_threshold(BIG)", "release_threshold"),
     ("mempool.Pool(backend='sim').trim(BIG)", "keep"),
     ("mempool.round_size(BIG)", "nbytes"),
+    ("mempool.Pool(backend='sim', initial_pool_size=2 ** 64 - 1)", "initial_pool_size"),
+    ("mempool.Pool(backend='host', initial_pool_size=2 ** 62 + 1, expandable_segments=True)",
+     "initial_pool_size"),
     ("mempool.round_size(2 ** 21 + 1, 2 ** 60)", "roundup_power2_divisions"),
     ("mempool.Pool(backend='sim').device.ordered(0, 0, -1)", "seq"),
     ("mempool.Pool(backend='sim').device.ordered(0, 0, BIG)", "seq"),
@@ -233,6 +236,24 @@ def test_out_of_range_values_name_the_option_and_range(call, option):
     message = str(err.value)
     assert option in message, message
     assert any(w in message for w in ("2**", "range", "at most", ">= 0")), message
+
+
+def test_an_initial_pool_size_that_wrapped_to_nothing_is_refused():
+    # initial_pool_size=2**64-1 made a pool with nothing reserved: the core's rounding up to
+    # a segment wrapped round to 0.
+    with pytest.raises(ValueError, match="initial_pool_size"):
+        mempool.Pool(backend="sim", initial_pool_size=2 ** 64 - 1)
+    with pytest.raises(mempool.OutOfMemoryError):
+        mempool.Pool(backend="sim", initial_pool_size=2 ** 62)   # refused, not wrapped
+
+
+def test_a_page_larger_than_the_device_is_refused():
+    # Every allocation was an out-of-memory error, with no word of why.
+    with pytest.raises(ValueError, match="'granularity'.*exceeds 'capacity'"):
+        mempool.Pool(backend="sim", capacity="1GB", granularity="2GB", expandable_segments=True)
+    pool = mempool.Pool(backend="sim", capacity="1GB", granularity="1GB",
+                        expandable_segments=True)
+    pool.free(pool.alloc(512))
 
 
 def test_the_largest_size_no_longer_means_unlimited():
