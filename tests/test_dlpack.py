@@ -676,12 +676,19 @@ def test_consumer_stream_is_recorded_so_the_block_waits_for_it(simpool):
     del buf                                   # the producer lets go: the capsule holds it
     dev.launch(C)                             # the consumer's kernels on its stream
     t.contents.deleter(t)                     # the consumer drops it at once (host side)
-    other = simpool.alloc(1 << 20, stream=P)
-    assert other != ptr, "reused while the consumer's stream may still read it"
-    simpool.free(other)
-    dev.complete(C)
+    reused_only_after(simpool, ptr, [C])
+
+
+def reused_only_after(simpool, ptr, consumers):
+    """The 1 MiB block at `ptr`, freed, serves the producer again only once every consumer
+    stream has completed, one after the other."""
+    for stream in consumers:
+        other = simpool.alloc(1 << 20, stream=P)
+        assert other != ptr, f"reused while consumer stream {stream:#x} may still read it"
+        simpool.free(other)
+        simpool.device.complete(stream)
     again = simpool.alloc(1 << 20, stream=P)
-    assert again == ptr, "once the consumer's work is done the block serves again"
+    assert again == ptr, "once the consumers' work is done the block serves again"
     simpool.free(again)
 
 
@@ -701,17 +708,7 @@ def test_every_export_records_its_own_consumer(simpool):
     del buf
     t2.contents.deleter(t2)
     t1.contents.deleter(t1)
-    other = simpool.alloc(1 << 20, stream=P)
-    assert other != ptr, "reused while both consumers' streams may still read it"
-    simpool.free(other)
-    dev.complete(C)
-    other = simpool.alloc(1 << 20, stream=P)
-    assert other != ptr, "reused while the second consumer's stream may still read it"
-    simpool.free(other)
-    dev.complete(C2)
-    again = simpool.alloc(1 << 20, stream=P)
-    assert again == ptr, "once both consumers are done the block serves again"
-    simpool.free(again)
+    reused_only_after(simpool, ptr, [C, C2])
 
 
 def test_stream_minus_one_means_no_synchronisation(simpool):
