@@ -72,7 +72,7 @@ FIELDS = [
     ("private_pool_create", F(i32, i32, ctypes.POINTER(vp))),
 ]
 # The pool_* members follow; their count pins the struct's size.
-N_POOL_FUNCTIONS = 14
+N_POOL_FUNCTIONS = 15
 
 
 class Api(ctypes.Structure):
@@ -181,8 +181,8 @@ def test_layout_covers_every_segment(api, routed):
                 addr += lay.blocks[b].nbytes
             assert addr == seg.ptr + seg.nbytes
     finally:
-        ctypes.CDLL(_core.__file__)   # the extension stays loaded: layout_free is pool fn 12
-        free_layout = ctypes.CFUNCTYPE(None, ctypes.POINTER(Layout))(api.pool_fn_12)
+        ctypes.CDLL(_core.__file__)   # the extension stays loaded: layout_free is pool fn 13
+        free_layout = ctypes.CFUNCTYPE(None, ctypes.POINTER(Layout))(api.pool_fn_13)
         free_layout(ctypes.byref(lay))
     for p in ptrs:
         api.free(DEVICE, p)
@@ -199,3 +199,28 @@ def test_record_stream_and_private_pools_need_a_cuda_pool(api, routed):
     # Private pools take plain cuMemAlloc segments: a sim pool has none to give.
     assert api.private_pool_create(DEVICE, ctypes.byref(handle)) == MP_EINVAL
     assert not handle.value
+
+
+def test_allocation_at_an_address_puts_a_freed_block_back(api, routed):
+    """What restoring a cudagraph-trees checkpoint needs (Note [Allocation at an address])."""
+    pool_address = _core._torch_pool_address(DEVICE)
+    alloc_at = ctypes.CFUNCTYPE(i32, vp, u, sz, u)(api.pool_fn_2)
+    a, b, c = u(), u(), u()
+    for out in (a, b, c):
+        assert api.alloc(DEVICE, 2 * MiB, 0, ctypes.byref(out)) == MP_OK
+    api.free(DEVICE, b.value)
+    assert alloc_at(pool_address, b.value, 2 * MiB, 0) == MP_OK
+    assert api.find_device(b.value) == DEVICE
+    assert alloc_at(pool_address, b.value, 2 * MiB, 0) == 10          # MP_EBUSY: taken
+    assert alloc_at(pool_address, b.value + 100, 512, 0) == MP_EINVAL  # misaligned
+    assert alloc_at(pool_address, 1 << 20, 512, 0) == 4                # MP_ENOTFOUND
+    # Inside a free block: its head stays free, the tail is carved.
+    api.free(DEVICE, b.value)
+    inner = b.value + MiB
+    assert alloc_at(pool_address, inner, MiB, 0) == MP_OK
+    routed.check_invariants()
+    assert routed.stats()["allocation.all.current"] == 3
+    for p in (a.value, inner, c.value):
+        api.free(DEVICE, p)
+    routed.check_invariants()
+    assert routed.used_bytes() == 0

@@ -414,6 +414,7 @@ static const mp_torch_api api = {
     .private_pool_create = api_private_pool_create,
     .pool_alloc = mp_alloc,
     .pool_free = mp_free,
+    .pool_alloc_at = mp_alloc_at,
     .pool_record_stream = mp_record_stream,
     .pool_block_info = mp_block_info,
     .pool_stats = mp_get_stats,

@@ -104,6 +104,7 @@ typedef struct mp_torch_api {
     int (*private_pool_create)(int device, mp_pool **out);
     int (*pool_alloc)(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
     int (*pool_free)(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream);
+    int (*pool_alloc_at)(mp_pool *p, uintptr_t ptr, size_t nbytes, uintptr_t stream);
     int (*pool_record_stream)(mp_pool *p, uintptr_t ptr, uintptr_t stream);
     int (*pool_block_info)(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested,
                            uintptr_t *stream);

@@ -126,7 +126,7 @@ struct Route {
 struct CheckpointState : c10::cuda::CUDACachingAllocator::AllocatorState {
   MempoolId_t id;
   int device;
-  std::map<uintptr_t, size_t> blocks;   // allocated blocks: address -> size
+  std::map<uintptr_t, std::pair<size_t, uintptr_t>> blocks;   // address -> (size, stream)
 };
 
 struct IdHash {
@@ -503,7 +503,7 @@ class MempoolAllocator final : public CUDAAllocator {
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
                                 const std::unordered_set<void*>& expected) override {
-    std::map<uintptr_t, size_t> live = allocated_blocks(device, mempool_id);
+    auto live = allocated_blocks(device, mempool_id);
     if (live.size() != expected.size()) return false;
     for (void* p : expected)
       if (!live.count(reinterpret_cast<uintptr_t>(p))) return false;
@@ -525,26 +525,39 @@ class MempoolAllocator final : public CUDAAllocator {
     auto state = std::dynamic_pointer_cast<CheckpointState>(pps);
     TORCH_CHECK(state, "setCheckpointPoolState: not a mempool checkpoint");
     c10::cuda::CUDACachingAllocator::CheckpointDelta delta;
-    std::map<uintptr_t, size_t> now = allocated_blocks(device, state->id);
-    // Blocks live at the checkpoint must still be allocated: the pool cannot place a block
-    // at a given address again once it has been freed.
-    for (auto& [p, n] : state->blocks) {
-      TORCH_CHECK(now.count(p),
-                  "mempool: restoring a CUDA-graph pool checkpoint needs the block at ",
-                  reinterpret_cast<void*>(p), " (", fmt_size(n),
-                  ") allocated again, which the pool cannot do; record the graphs with "
-                  "torch.compile(mode='reduce-overhead') on PyTorch's own allocator, or "
-                  "keep their outputs alive");
+    auto now = allocated_blocks(device, state->id);
+    PrivatePool* pp = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      auto it = private_.find(state->id);
+      TORCH_CHECK(it != private_.end(), "setCheckpointPoolState: the pool no longer exists");
+      pp = it->second.get();
     }
-    for (auto& [p, n] : now) {
+    TORCH_CHECK(pp->pool, "setCheckpointPoolState: a MemPool with its own allocator has no "
+                          "checkpoints");
+    // As PyTorch's own: every block allocated now is freed, and every block of the
+    // checkpoint is allocated again at its address (Note [Allocation at an address]).
+    // Blocks in both simply stay.
+    for (auto& [p, what] : now) {
       delta.ptrs_freed.push_back(reinterpret_cast<void*>(p));
-      if (state->blocks.count(p)) {
-        delta.dataptrs_allocd.emplace_back(
-            reinterpret_cast<void*>(p), reinterpret_cast<void*>(p | kTagPrivate), &delete_block,
-            c10::Device(c10::DeviceType::CUDA, device));
-      } else {
-        free_private(p);
+      if (!state->blocks.count(p)) free_private(p);
+    }
+    for (auto& [p, what] : state->blocks) {
+      if (!now.count(p)) {
+        int rc = api->pool_alloc_at(pp->pool, p, what.first, what.second);
+        TORCH_CHECK(rc == MP_OK, "mempool: restoring a CUDA-graph pool checkpoint could not "
+                    "put the block at ", reinterpret_cast<void*>(p), " (", fmt_size(what.first),
+                    ") back (code ", rc, ")");
+        {
+          std::lock_guard<std::mutex> lock(pools_mu_);
+          private_blocks_[p] = pp;
+          pp->live_blocks++;
+        }
+        n_private_blocks_.fetch_add(1, std::memory_order_release);
       }
+      delta.dataptrs_allocd.emplace_back(
+          reinterpret_cast<void*>(p), reinterpret_cast<void*>(p | kTagPrivate), &delete_block,
+          c10::Device(c10::DeviceType::CUDA, device));
     }
     return delta;
   }
@@ -775,8 +788,9 @@ class MempoolAllocator final : public CUDAAllocator {
     }
   }
 
-  std::map<uintptr_t, size_t> allocated_blocks(int device, MempoolId_t id) {
-    std::map<uintptr_t, size_t> out;
+  std::map<uintptr_t, std::pair<size_t, uintptr_t>> allocated_blocks(int device,
+                                                                      MempoolId_t id) {
+    std::map<uintptr_t, std::pair<size_t, uintptr_t>> out;
     mp_pool* pool = nullptr;
     {
       std::lock_guard<std::mutex> lock(pools_mu_);
@@ -784,7 +798,7 @@ class MempoolAllocator final : public CUDAAllocator {
       if (it == private_.end()) return out;
       if (!it->second->pool) {   // a custom allocator: what this allocator handed out
         for (auto& [p, pp] : private_blocks_)
-          if (pp == it->second.get()) out[p] = 0;
+          if (pp == it->second.get()) out[p] = {0, 0};
         return out;
       }
       pool = it->second->pool;
@@ -793,7 +807,8 @@ class MempoolAllocator final : public CUDAAllocator {
     mp_layout l;
     if (api->pool_layout(pool, &l) != MP_OK) return out;
     for (size_t i = 0; i < l.nblocks; i++)
-      if (l.blocks[i].state == MP_BLOCK_ALLOCATED) out[l.blocks[i].ptr] = l.blocks[i].nbytes;
+      if (l.blocks[i].state == MP_BLOCK_ALLOCATED)
+        out[l.blocks[i].ptr] = {l.blocks[i].nbytes, l.blocks[i].stream};
     api->layout_free(&l);
     return out;
   }
