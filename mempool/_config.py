@@ -654,9 +654,9 @@ def _check_combination(out: dict[str, Any], given: Mapping[str, Any]) -> None:
         # max_split_size when they are on. Ours grow in place and never split-limit.
         _warn_once(("combination", "expandable_segments", "max_split_size"),
                    f"options 'expandable_segments' and 'max_split_size' "
-                   f"({format_size(out['max_split_size'])}) do not combine: as in PyTorch, expandable "
-                   "segments win and max_split_size is ignored (expandable segments grow in "
-                   "place and are never split-limited)")
+                   f"({format_size(out['max_split_size'])}) do not combine: as in PyTorch, "
+                   "expandable segments win and max_split_size is ignored (expandable "
+                   "segments grow in place and are never split-limited)")
         out["max_split_size"] = None
     if out["backend"] == "cuda" and out["granularity"] is not None:
         raise ValueError(

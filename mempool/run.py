@@ -329,7 +329,8 @@ def _install_reporting(args):
 def _report_at_exit():
     import mempool
     for device, pool in sorted(mempool._default_pools.items()):
-        print(f"mempool run: device {device} pool at exit\n{pool.summary(abbreviated=True)}", file=sys.stderr)
+        print(f"mempool run: device {device} pool at exit\n{pool.summary(abbreviated=True)}",
+              file=sys.stderr)
 
 
 def _main_module(file, spec=None, loader=None):
