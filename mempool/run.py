@@ -333,16 +333,14 @@ def _report_at_exit():
               file=sys.stderr)
 
 
-def _main_module(file, spec=None, loader=None):
-    """A fresh ``__main__`` module, as the interpreter makes for a script or ``-m``."""
+def _main_module(file, loader=None):
+    """A fresh ``__main__`` module, as the interpreter makes for a script."""
     main = types.ModuleType("__main__")
-    main.__file__ = file
     main.__builtins__ = builtins
-    main.__spec__ = spec
+    main.__spec__ = None
     main.__loader__ = loader
-    main.__package__ = spec.parent if spec is not None else None
-    if spec is not None and spec.cached:
-        main.__cached__ = spec.cached
+    if file is not None:
+        main.__file__ = file
     return main
 
 
@@ -366,24 +364,26 @@ def _die_by_sigint():
     return 130                               # where the signal does not end the process
 
 
-def _execute(code, main):
-    """Run `code` as the program's ``__main__``; the exit status, as the interpreter sets it.
+def _execute(run, main):
+    """``run()`` with `main` as the program's ``__main__``; the exit status, as the
+    interpreter sets it.
 
     ``SystemExit`` goes on up to the interpreter, which ends the process with its code as it
     would for the script. Any other exception is printed by ``sys.excepthook`` with the
-    traceback starting at the script, as Python prints it, and the status is 1.
+    frames of this module dropped, so that the traceback is the one Python prints, and the
+    status is 1.
     """
     global _launcher
     _launcher = sys.modules.get("__main__")
     sys.modules["__main__"] = main
     try:
-        exec(code, main.__dict__)
+        run()
     except SystemExit:
         raise
     except BaseException as exc:
         tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code is not code:
-            tb = tb.tb_next           # drop the frames of this runner
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
         exc.__traceback__ = tb
         sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
         if hasattr(sys, "last_exc"):
@@ -397,42 +397,33 @@ def _execute(code, main):
 
 def _run_path(path, rest):
     sys.argv = [path] + rest
-    if os.path.isdir(path) or not os.path.isfile(path):
-        if not os.path.exists(path):
-            _say(f"can't open file {os.path.abspath(path)!r}: [Errno 2] No such file or "
-                 "directory")
-            return 2
+    if not os.path.isfile(path):
         # A directory or zip application: runpy does what the interpreter does with it.
-        runpy.run_path(path, run_name="__main__")
-        return 0
+        return _execute(lambda: runpy.run_path(path, run_name="__main__"),
+                        sys.modules["__main__"])
     abspath = os.path.abspath(path)
     if not sys.flags.safe_path:
         sys.path[0] = os.path.dirname(os.path.realpath(path))
     try:
         code = _script_code(abspath)
     except SyntaxError as exc:
-        sys.excepthook(type(exc), exc, None)  # Python prints a script's SyntaxError so
+        exc.__traceback__ = None              # Python prints a script's SyntaxError bare
+        sys.excepthook(type(exc), exc, None)
         return 1
-    loader = importlib.machinery.SourceFileLoader("__main__", abspath)
-    return _execute(code, _main_module(abspath, loader=loader))
-
-
-class _NoModule(ImportError):
-    """The module to run was not found (as opposed to an ImportError it raised itself)."""
+    main = _main_module(abspath, loader=importlib.machinery.SourceFileLoader("__main__",
+                                                                             abspath))
+    return _execute(lambda: exec(code, main.__dict__), main)
 
 
 def _run_module(name, rest):
-    sys.argv = ["-m"] + rest                  # as python -m, until the module is found
+    sys.argv = ["-m"] + rest
     if not sys.flags.safe_path:
         sys.path[0] = os.getcwd()
-    try:
-        # The same lookup as python -m (a package runs its __main__ submodule).
-        _, spec, code = runpy._get_module_details(name, _NoModule)
-    except _NoModule as exc:
-        _say(str(exc))
-        return 1
-    sys.argv[0] = spec.origin
-    return _execute(code, _main_module(spec.origin, spec, spec.loader))
+    # The function python -m itself calls: the same lookup (a package runs its __main__),
+    # the same errors, argv[0] and module attributes, and the same frames in a traceback. It
+    # runs the module in the namespace of sys.modules["__main__"], a fresh one here.
+    return _execute(lambda: runpy._run_module_as_main(name, alter_argv=True),
+                    _main_module(None))
 
 
 def main(command, argv):
