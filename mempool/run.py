@@ -168,9 +168,9 @@ def _hook_cupy(pool):
     count = cupy.cuda.runtime.getDeviceCount()
     if count == 1:
         cupy.cuda.set_allocator(pool.malloc)
-        return [pool.device_id], None
+        return [pool.device_id]
     cupy.cuda.set_allocator(_CupyRouter(cupy.cuda.runtime))
-    return list(range(count)), None
+    return list(range(count))
 
 
 def install_default(conf=None, torch=True, cupy=True):
@@ -226,24 +226,22 @@ def install_default(conf=None, torch=True, cupy=True):
     primary = 0 if local is None else local
     pool = mempool.default_pool(primary)     # the settings' checks, before anything is hooked
     hooked, skipped = {}, {}
-    on_gpu = pool.backend == "cuda"
-    for name, wanted, hook in (("torch", torch, _hook_torch), ("cupy", cupy, _hook_cupy)):
+    for name, wanted, label in (("torch", torch, "PyTorch"), ("cupy", cupy, "CuPy")):
         if not wanted:
             skipped[name] = f"--no-{name}"
         elif importlib.util.find_spec(name) is None:
-            skipped[name] = f"{'PyTorch' if name == 'torch' else 'CuPy'} is not installed"
-        elif not on_gpu:
+            skipped[name] = f"{label} is not installed"
+        elif pool.backend != "cuda":
             skipped[name] = f"the pool is not on a GPU (backend {pool.backend!r})"
+    if "torch" not in skipped:
+        _prepare_pytorch_env(source)             # before PyTorch first reads them
+        devices, why = _hook_torch(primary, local)
+        if devices is None:
+            skipped["torch"] = why
         else:
-            if name == "torch":
-                _prepare_pytorch_env(source)     # before PyTorch first reads it
-                devices, why = hook(primary, local)
-            else:
-                devices, why = hook(pool)
-            if devices is None:
-                skipped[name] = why
-            else:
-                hooked[name] = devices
+            hooked["torch"] = devices
+    if "cupy" not in skipped:
+        hooked["cupy"] = _hook_cupy(pool)
     pools = {d: mempool.default_pool(d) for d in sorted({primary, *hooked.get("torch", ())})}
     _installed = Installed(source, canonical, pools, hooked, skipped)
     return _installed
