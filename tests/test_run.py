@@ -54,13 +54,13 @@ if action == "pool":
 '''
 
 
-def child(args, cwd, env=None, python=("-m", "mempool", "run")):
+def child(args, cwd, env=None, python=("-m", "mempool", "run"), timeout=300):
     """Run ``python [python...] args`` in a clean environment (no conf variables)."""
     base = {k: v for k, v in os.environ.items() if k not in CONF_VARS}
     base["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
     base.update(env or {})
     return subprocess.run([sys.executable, *python, *args], capture_output=True, text=True,
-                          timeout=120, cwd=cwd, env=base)
+                          timeout=timeout, cwd=cwd, env=base)
 
 
 def ours(stderr):

@@ -2,23 +2,18 @@
 CuPy) script allocates from the default pool, configured from ``MEMPOOL_CONF`` or PyTorch's
 own variable. Every case is a fresh process: the allocator goes in before CUDA starts."""
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from mempool import _cuda
+from test_run import child     # the CPU tier's child process: clean conf variables
 
 if not _cuda.available():
     pytest.skip("needs a CUDA device, CuPy and the CUDA driver", allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONF_VARS = ("MEMPOOL_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "LOCAL_RANK")
-MiB = 1 << 20
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                  reason="needs PyTorch")
@@ -45,14 +40,6 @@ del x, y
 torch.cuda.synchronize()
 pool.check_invariants()
 """
-
-
-def child(args, cwd, env=None, python=("-m", "mempool", "run")):
-    base = {k: v for k, v in os.environ.items() if k not in CONF_VARS}
-    base["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-    base.update(env or {})
-    return subprocess.run([sys.executable, *python, *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env=base)
 
 
 @pytest.fixture
