@@ -31,8 +31,8 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 __all__ = [
     "OPTIONS", "Option", "ConfigWarning", "PYTORCH_KEYS", "PYTORCH_HOST_KEYS", "parse_size",
-    "parse_roundup_divisions", "normalize", "parse_conf", "conf_from_env", "to_conf",
-    "canonical_conf", "split_pytorch_conf", "to_pytorch_conf", "format_size",
+    "parse_roundup_divisions", "normalize", "overridden", "parse_conf", "conf_from_env",
+    "to_conf", "canonical_conf", "split_pytorch_conf", "to_pytorch_conf", "format_size",
 ]
 
 KiB = 1 << 10
@@ -603,11 +603,13 @@ def _unknown_key(key: Any, source: str) -> ValueError:
         hint = (f" ({key!r} is a PyTorch allocator key with no meaning here: "
                 f"{_PYTORCH_IGNORED[key]})")
     elif isinstance(key, str):
-        close = difflib.get_close_matches(key, list(OPTIONS) + list(_ALIASES), n=1)
+        known = list(OPTIONS) + list(_ALIASES) + list(PYTORCH_KEYS)
+        close = difflib.get_close_matches(key, known, n=1)
         if close:
             hint = f" (did you mean {close[0]!r}?)"
     return ValueError(f"{source}: unknown option {key!r}{hint}; accepted options: "
-                      f"{_accepted_keys()}")
+                      f"{_accepted_keys()} (conf strings also take NAME_mb for each size "
+                      "option, and PyTorch's allocator keys)")
 
 
 # --------------------------------------------------------------------------- normalize
@@ -633,8 +635,34 @@ def normalize(options: Mapping[str, Any]) -> dict[str, Any]:
     ------
     ValueError
         For an unknown key (the message lists the accepted ones), a bad value (naming key,
-        value and what is accepted), or options that contradict each other.
+        value and what is accepted), or options that contradict each other where PyTorch
+        has no rule (between mempool's own options).
+
+    Notes
+    -----
+    Where PyTorch lets one setting win over another (``expandable_segments`` over
+    ``max_split_size``), the loser is set back to its default with a one-time
+    :class:`ConfigWarning` (see :func:`overridden`).
     """
+    out = _checked(options)
+    for name, why in _overridden(out).items():
+        _warn_once(("overridden", name), why)
+        out[name] = _default(name)
+    return out
+
+
+def overridden(options: Mapping[str, Any]) -> list[str]:
+    """The options of `options` that others override, by PyTorch's precedence.
+
+    :func:`normalize` sets them back to their defaults with a :class:`ConfigWarning`; this
+    says which, without a warning (for a search over settings that skips such points).
+    Raises as :func:`normalize` does.
+    """
+    return list(_overridden(_checked(options)))
+
+
+def _checked(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Every option parsed, defaults filled in, the contradictions that are errors raised."""
     if not isinstance(options, Mapping):
         raise TypeError(f"options must be a mapping of option name to value, "
                         f"got {type(options).__name__}")
@@ -648,16 +676,20 @@ def normalize(options: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_combination(out: dict[str, Any], given: Mapping[str, Any]) -> None:
+def _overridden(out: dict[str, Any]) -> dict[str, str]:
+    """Option -> why another setting overrides it, in parsed options."""
     if out["expandable_segments"] and out["max_split_size"] is not None:
         # PyTorch takes both and lets expandable segments win: its should_split ignores
         # max_split_size when they are on. Ours grow in place and never split-limit.
-        _warn_once(("combination", "expandable_segments", "max_split_size"),
-                   f"options 'expandable_segments' and 'max_split_size' "
-                   f"({format_size(out['max_split_size'])}) do not combine: as in PyTorch, "
-                   "expandable segments win and max_split_size is ignored (expandable "
-                   "segments grow in place and are never split-limited)")
-        out["max_split_size"] = None
+        return {"max_split_size": (
+            f"options 'expandable_segments' and 'max_split_size' "
+            f"({format_size(out['max_split_size'])}) do not combine: as in PyTorch, "
+            "expandable segments win and max_split_size is ignored (expandable segments "
+            "grow in place and are never split-limited)")}
+    return {}
+
+
+def _check_combination(out: dict[str, Any], given: Mapping[str, Any]) -> None:
     if out["backend"] == "cuda" and out["granularity"] is not None:
         raise ValueError(
             f"option 'granularity' ({out['granularity']!r}) applies to backend 'sim' and "

@@ -171,6 +171,17 @@ def test_expandable_segments_win_over_max_split_size_in_keywords_too():
         "expandable_segments:True")
 
 
+def test_overridden_names_what_normalize_would_drop_without_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cfg.overridden({"expandable_segments": "true", "max_split_size": "64MB"}) == [
+            "max_split_size"]
+        assert cfg.overridden({"max_split_size": "64MB"}) == []
+    assert cfg._warned == set()            # a later pool with these settings still warns
+    with pytest.raises(ValueError, match="'limit'"):
+        cfg.overridden({"limit": "lots"})
+
+
 def test_max_split_size_without_expandable_segments_is_kept():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
