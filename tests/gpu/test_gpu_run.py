@@ -31,6 +31,7 @@ y = torch.ones(1 << 20, device="cuda") * 2
 assert y.sum().item() == 2 * (1 << 20)
 assert pool.used_bytes() >= before + (64 << 20), (before, pool.used_bytes())
 pool.block_info(x.data_ptr())            # raises unless x is a block of the pool
+assert torch.cuda.memory_allocated() == pool.stats()["allocated_bytes.all.current"] >= 64 << 20
 pinned = torch.empty(1 << 20, dtype=torch.uint8).pin_memory()   # PyTorch's own host allocator
 assert pinned.is_pinned()
 print("counters", mempool.torch.counters(0))
