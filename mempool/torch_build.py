@@ -124,7 +124,9 @@ def build(force: bool = False, verbose: bool = False) -> Path:
         if lib.exists() and not force:
             return lib
         tmp = out_dir / f".{LIBRARY}.{os.getpid()}"
-        cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden",
+        # Default visibility, as PyTorch's own extensions: hidden copies of libstdc++'s
+        # template statics (locale facet ids) crash the first ostream << int.
+        cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC",
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                *(f"-I{d}" for d in torch_includes), *(f"-I{d}" for d in cuda_includes),
                str(SOURCE), f"-L{torch_lib}", "-lc10", "-lc10_cuda",

@@ -46,8 +46,8 @@ def test_memory_statistics_report_the_pool():
         torch.cuda.reset_peak_memory_stats()
         assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
         stats = torch.cuda.memory_stats()
-        for key in ("allocated_bytes.all.current", "reserved_bytes.large.peak",
-                    "active_bytes.small.allocated", "num_ooms", "num_alloc_retries",
+        for key in ("allocated_bytes.all.current", "reserved_bytes.large_pool.peak",
+                    "active_bytes.small_pool.allocated", "num_ooms", "num_alloc_retries",
                     "requested_bytes.all.current", "segment.all.current"):
             assert key in stats, key
         summary = torch.cuda.memory_summary()
