@@ -91,7 +91,7 @@ def _torch_paths(torch) -> tuple[list[str], str]:
 
 def _key(torch, cxx: str) -> str:
     h = hashlib.sha256()
-    for path in [SOURCE, *HEADERS]:
+    for path in [SOURCE, *HEADERS, Path(__file__)]:   # this file holds the flags
         h.update(path.read_bytes())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     for part in (torch.__version__, getattr(torch.version, "git_version", ""),
