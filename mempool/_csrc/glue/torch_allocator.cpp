@@ -76,6 +76,27 @@ std::string fmt_size(size_t n) {
   return buf;
 }
 
+// Messages are built here with snprintf and std::string, and handed to TORCH_CHECK as one
+// string: c10::str of several arguments instantiates iostream code in this library, and on
+// the H200 every error message built that way crashed inside that code (`<< int` in
+// c10::str), while one string is passed through without a stream.
+std::string piece(const char* s) { return s; }
+std::string piece(const std::string& s) { return s; }
+std::string piece(int v) { return std::to_string(v); }
+std::string piece(unsigned long v) { return std::to_string(v); }
+std::string piece(double v) { return std::to_string(v); }
+std::string piece(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return buf;
+}
+template <typename... A>
+std::string cat(const A&... parts) {
+  std::string out;
+  ((out += piece(parts)), ...);
+  return out;
+}
+
 void add_stat(c10::CachingAllocator::Stat& to, const mp_stat& from) {
   to.current += from.current;
   to.peak += from.peak;
@@ -202,8 +223,8 @@ class MempoolAllocator final : public CUDAAllocator {
   }
 
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
-    TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0, "invalid fraction: ", fraction,
-                ". Please set within [0, 1].");
+    TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0,
+                cat("invalid fraction: ", fraction, ". Please set within [0, 1]."));
     size_t f[MP_TORCH_FIGURES];
     check_device(device, api->memory_figures(device, f), "setMemoryFraction");
     size_t limit = fraction >= 1.0 ? SIZE_MAX
@@ -466,8 +487,8 @@ class MempoolAllocator final : public CUDAAllocator {
     {
       std::lock_guard<std::mutex> lock(pools_mu_);
       auto it = private_.find(mempool_id);
-      TORCH_CHECK(it != private_.end(), "releasePool: no pool with this id on device ",
-                  static_cast<int>(device));
+      TORCH_CHECK(it != private_.end(),
+                  cat("releasePool: no pool with this id on device ", static_cast<int>(device)));
       PrivatePool* pp = it->second.get();
       TORCH_INTERNAL_ASSERT(pp->use_count > 0);
       if (--pp->use_count == 0 && pp->pool && !capturing()) to_empty = pp->pool;
@@ -545,9 +566,9 @@ class MempoolAllocator final : public CUDAAllocator {
     for (auto& [p, what] : state->blocks) {
       if (!now.count(p)) {
         int rc = api->pool_alloc_at(pp->pool, p, what.first, what.second);
-        TORCH_CHECK(rc == MP_OK, "mempool: restoring a CUDA-graph pool checkpoint could not "
-                    "put the block at ", reinterpret_cast<void*>(p), " (", fmt_size(what.first),
-                    ") back (code ", rc, ")");
+        TORCH_CHECK(rc == MP_OK, cat("mempool: restoring a CUDA-graph pool checkpoint could "
+                                     "not put the block at ", reinterpret_cast<void*>(p), " (",
+                                     fmt_size(what.first), ") back (code ", rc, ")"));
         {
           std::lock_guard<std::mutex> lock(pools_mu_);
           private_blocks_[p] = pp;
@@ -564,17 +585,18 @@ class MempoolAllocator final : public CUDAAllocator {
 
   // ---- IPC and peers ---------------------------------------------------------------------
   c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* ptr) override {
-    TORCH_CHECK(false, "mempool: sharing a CUDA tensor with another process "
-                       "(torch.multiprocessing, tensor.share_memory_) is not supported: the "
-                       "pool's memory (", ptr, ") comes from a cudaMemPool whose allocations "
-                       "have no legacy IPC handle. Receiving tensors from a process on "
-                       "PyTorch's own allocator works.");
+    TORCH_CHECK(false, cat("mempool: sharing a CUDA tensor with another process "
+                           "(torch.multiprocessing, tensor.share_memory_) is not supported: "
+                           "the pool's memory (", static_cast<const void*>(ptr), ") comes "
+                           "from a cudaMemPool whose allocations have no legacy IPC handle. "
+                           "Receiving tensors from a process on PyTorch's own allocator "
+                           "works."));
   }
 
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
     TORCH_CHECK(handle.size() == CUDA_IPC_HANDLE_SIZE,
-                "mempool: this CUDA IPC handle (", handle.size(),
-                " bytes) is not a legacy cudaIpcMemHandle; only those can be opened here");
+                cat("mempool: this CUDA IPC handle (", handle.size(),
+                    " bytes) is not a legacy cudaIpcMemHandle; only those can be opened here"));
     cudaIpcMemHandle_t h;
     std::memcpy(&h, handle.data(), CUDA_IPC_HANDLE_SIZE);
     void* dev_ptr = nullptr;
@@ -740,12 +762,14 @@ class MempoolAllocator final : public CUDAAllocator {
       hint = "raise the limit, or free memory";
     else
       hint = "free memory, reduce the batch, or cap other processes on the device";
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory (mempool",
-                     pp ? ", a CUDA-graph/MemPool private pool" : "", "). Tried to allocate ",
-                     fmt_size(nbytes), " on device ", device, ", refused by ", where,
-                     ". The pool has ", fmt_size(f[0]), " reserved, ", fmt_size(f[1]),
-                     " allocated, ", fmt_size(f[2]), " cached; largest free block ",
-                     fmt_size(f[3]), ". Hint: ", hint, ".");
+    TORCH_CHECK_WITH(OutOfMemoryError, false,
+                     cat("CUDA out of memory (mempool",
+                         pp ? ", a CUDA-graph/MemPool private pool" : "",
+                         "). Tried to allocate ", fmt_size(nbytes), " on device ", device,
+                         ", refused by ", where, ". The pool has ", fmt_size(f[0]),
+                         " reserved, ", fmt_size(f[1]), " allocated, ", fmt_size(f[2]),
+                         " cached; largest free block ", fmt_size(f[3]), ". Hint: ", hint,
+                         "."));
   }
 
   // ---- private pools ---------------------------------------------------------------------
@@ -763,11 +787,13 @@ class MempoolAllocator final : public CUDAAllocator {
       pp->custom = std::move(custom);
     } else {
       int rc = api->private_pool_create(device, &pp->pool);
-      TORCH_CHECK(rc == MP_OK, "mempool: could not create a private pool (CUDA graph or "
-                               "MemPool) on device ", device, ": ",
-                  rc == MP_EINVAL ? "no mempool pool is registered for this device"
-                                  : "the driver lacks plain allocations (code " +
-                                        std::to_string(rc) + ")");
+      TORCH_CHECK(rc == MP_OK,
+                  cat("mempool: could not create a private pool (CUDA graph or MemPool) on "
+                      "device ", device, ": ",
+                      rc == MP_EINVAL ? std::string("no mempool pool is registered for this "
+                                                    "device")
+                                      : cat("the driver lacks plain allocations (code ", rc,
+                                            ")")));
     }
     PrivatePool* raw = pp.get();
     private_.emplace(id, std::move(pp));
@@ -940,9 +966,9 @@ class MempoolAllocator final : public CUDAAllocator {
     return std::min(std::max(device_count_, 1), static_cast<int>(MP_TORCH_MAX_DEVICES));
   }
   static void check_device(int device, int rc, const char* what) {
-    TORCH_CHECK(rc == MP_OK, "mempool: ", what, " on device ", device,
-                ": no mempool pool is registered for this device (mempool.torch.install "
-                "serves the devices it was given)");
+    TORCH_CHECK(rc == MP_OK, cat("mempool: ", what, " on device ", device,
+                                 ": no mempool pool is registered for this device "
+                                 "(mempool.torch.install serves the devices it was given)"));
   }
 
   int device_count_ = 0;
