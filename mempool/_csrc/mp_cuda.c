@@ -939,7 +939,9 @@ out:
 static struct {
     CUresult (*MemAlloc)(CUdeviceptr *, size_t);
     CUresult (*MemFree)(CUdeviceptr);
+    CUresult (*ThreadExchangeStreamCaptureMode)(int *);   /* CUstreamCaptureMode */
 } P;
+#define MP_CU_STREAM_CAPTURE_MODE_RELAXED 2
 static pthread_once_t p_once = PTHREAD_ONCE_INIT;
 
 static void p_resolve(void) {
@@ -947,6 +949,8 @@ static void p_resolve(void) {
     if (!lib) return;
     P.MemAlloc = (CUresult (*)(CUdeviceptr *, size_t))dlsym(lib, "cuMemAlloc_v2");
     P.MemFree = (CUresult (*)(CUdeviceptr))dlsym(lib, "cuMemFree_v2");
+    P.ThreadExchangeStreamCaptureMode =
+        (CUresult (*)(int *))dlsym(lib, "cuThreadExchangeStreamCaptureMode");
 }
 
 static int cu_plain_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr_t *out) {
@@ -955,7 +959,13 @@ static int cu_plain_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, ui
     if (nbytes == 0 || !out) return MP_EINVAL;
     CUdeviceptr p = 0;
     CUresult r;
+    /* A capture in the global mode (PyTorch's default) forbids cuMemAlloc in every thread;
+     * this thread's relaxed mode allows it, as PyTorch's own allocator does around its
+     * cudaMalloc. */
+    int mode = MP_CU_STREAM_CAPTURE_MODE_RELAXED;
+    if (P.ThreadExchangeStreamCaptureMode) P.ThreadExchangeStreamCaptureMode(&mode);
     CU_CALL(c, r, P.MemAlloc(&p, nbytes));
+    if (P.ThreadExchangeStreamCaptureMode) P.ThreadExchangeStreamCaptureMode(&mode);
     int rc = check(c, r);
     if (rc != MP_OK) return rc;
     *out = (uintptr_t)p;   /* cuMemAlloc aligns to at least 256 bytes; in practice 2 MiB */
