@@ -124,8 +124,7 @@ def build(force: bool = False, verbose: bool = False) -> Path:
         if lib.exists() and not force:
             return lib
         tmp = out_dir / f".{LIBRARY}.{os.getpid()}"
-        # Default visibility, as PyTorch's own extensions: hidden copies of libstdc++'s
-        # template statics (locale facet ids) crash the first ostream << int.
+        # Default visibility, as PyTorch's own extensions are built.
         cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC",
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                *(f"-I{d}" for d in torch_includes), *(f"-I{d}" for d in cuda_includes),
