@@ -114,6 +114,9 @@ cdef extern from "mp_core.h" nogil:
     int mp_set_limit(mp_pool *p, size_t limit)
     int mp_set_release_threshold(mp_pool *p, size_t threshold)
     int mp_check_invariants(mp_pool *p, char *msg, size_t msglen)
+    int mp_capture_begin(mp_pool *p)
+    int mp_capture_end(mp_pool *p)
+    int mp_capture_active(mp_pool *p, uintptr_t stream)
 
     enum:
         MP_BLOCK_FREE
@@ -193,3 +196,8 @@ cdef extern from "mp_sim.h" nogil:
     uint64_t mp_sim_num_waits(mp_sim *sim)
     uint64_t mp_sim_num_errors(mp_sim *sim)
     size_t mp_sim_live_events(mp_sim *sim)
+    int mp_sim_begin_capture(mp_sim *sim, uintptr_t stream)
+    int mp_sim_end_capture(mp_sim *sim, uintptr_t stream)
+    int mp_sim_is_capturing(mp_sim *sim, uintptr_t stream)
+    uint64_t mp_sim_capture_violations(mp_sim *sim)
+    uint64_t mp_sim_capture_allocs(mp_sim *sim)

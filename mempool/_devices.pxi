@@ -110,6 +110,54 @@ cdef class SimDevice(_DeviceBase):
         """Let every held segment allocation go on."""
         mp_sim_release_held(self._sim)
 
+    # ---- graph capture (docs/architecture.md, Note [Graph capture]) ----
+    def begin_capture(self, stream):
+        """Make ``stream`` capture a CUDA graph, as ``cuStreamBeginCapture`` in the driver's
+        global mode. Until :meth:`end_capture`, every call a real driver refuses during a
+        capture or that would break it (a stream or device sync, a stream query, any event
+        query, an event wait across the capture's edge, a segment free, an unmap) fails, is
+        counted in :attr:`capture_violations` and invalidates the capture. Segment
+        allocations on the capturing stream are made outside the graph, as the ``cuda``
+        upstream's ``cuMemAlloc`` (:attr:`capture_allocs`); page maps are allowed.
+
+        Raises ``ValueError`` for the legacy stream (0 or 1), which cannot capture, or a
+        stream that captures already."""
+        cdef uintptr_t s = stream_handle(stream)
+        rc = mp_sim_begin_capture(self._sim, s)
+        if rc == MP_EINVAL:
+            raise ValueError(f"begin_capture: the legacy default stream ({s}) cannot capture; "
+                             f"use another stream")
+        if rc == MP_EBUSY:
+            raise ValueError(f"begin_capture: stream {s:#x} is capturing already")
+        if rc != MP_OK:
+            raise MemoryError("begin_capture: out of host memory")
+
+    def end_capture(self, stream):
+        """End the capture on ``stream``. Raises ``RuntimeError`` when an illegal call
+        invalidated it (the capture ends all the same, as ``cuStreamEndCapture`` does), and
+        ``ValueError`` when ``stream`` was not capturing."""
+        cdef uintptr_t s = stream_handle(stream)
+        rc = mp_sim_end_capture(self._sim, s)
+        if rc == MP_EINVAL:
+            raise ValueError(f"end_capture: stream {s:#x} is not capturing")
+        if rc != MP_OK:
+            raise RuntimeError(f"end_capture: the capture on stream {s:#x} was invalidated "
+                               f"by an illegal call ({self.capture_violations} so far)")
+
+    def is_capturing(self, stream):
+        """True between :meth:`begin_capture` and :meth:`end_capture` of ``stream``."""
+        return bool(mp_sim_is_capturing(self._sim, stream_handle(stream)))
+
+    @property
+    def capture_violations(self):
+        """Calls made during a capture that a real driver refuses or that break it."""
+        return mp_sim_capture_violations(self._sim)
+
+    @property
+    def capture_allocs(self):
+        """Segments allocated outside a graph for a capturing stream."""
+        return mp_sim_capture_allocs(self._sim)
+
     def stream_info(self, stream=0):
         cdef uint64_t submitted = 0, completed = 0
         mp_sim_stream_info(self._sim, stream_handle(stream), &submitted, &completed)

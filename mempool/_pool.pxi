@@ -402,6 +402,9 @@ cdef class Pool:
         mp_py_mark(1)
         cdef int rc = mp_forget_stream(self._pool, s)
         mp_py_mark(0)
+        if rc == MP_EBUSY:   # nothing changed: the stream stays pinned (Note [Graph capture])
+            raise RuntimeError(f"forget_stream: stream {s:#x} cannot be synchronized while a "
+                               f"CUDA graph capture is under way; call it after the capture")
         # Only now may the stream object go: the call above synchronized its handle.
         self._pinned_streams.pop(s, None)
         self._last_pinned = None
@@ -492,6 +495,10 @@ cdef class Pool:
             advice = "reduce the request"
         else:
             advice = "free memory, reduce the request, or set 'limit' on other pools sharing the device"
+        if mp_capture_active(self._pool, stream):   # Note [Graph capture]
+            advice = (f"a CUDA graph capture was under way, during which the pool releases "
+                      f"no cached memory and waits for no stream; allocate what the graph "
+                      f"needs before capturing (a warm-up run), or free memory first")
         return OutOfMemoryError(
             f"out of memory: tried to allocate {_fmt(nbytes)} (rounded to {_fmt(rounded)}) on "
             f"stream {stream:#x}, refused by {where}; the pool has {_fmt(reserved)} reserved, "

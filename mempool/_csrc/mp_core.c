@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mp_capture.h"
 #include "mp_expand.h"
 #include "mp_internal.h"
 
@@ -211,6 +212,9 @@ static mp_block *take_from_other_stream_locked(mp_pool *p, mp_stream *s, int kin
         if (b && (!best || b->nbytes < best->nbytes)) best = b;
     }
     if (!best) return NULL;
+    /* Note [Graph capture]: the event would be recorded, queried or waited on across a
+     * capture's edge. */
+    if (mp_capture_stream_locked(p, s) || mp_capture_handle(p, best->stream->handle)) return NULL;
     uintptr_t ev;
     if (mp_event_get_locked(p, &ev) != MP_OK) return NULL;
     int rc = p->up.event_record(p->up.ctx, ev, best->stream->handle);
@@ -553,7 +557,7 @@ static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
 /* Block the host on every stream that pending blocks wait for, then return those blocks.
  * The last resort before an OOM: it syncs only the streams that hold memory back. */
 void mp_sync_pending_unlocked(mp_pool *p) {
-    if (!p->npending) return;
+    if (!p->npending || mp_capture_stream_locked(p, NULL)) return;   /* Note [Graph capture] */
     size_t n = 0, cap = 16;
     uintptr_t *handles = malloc(cap * sizeof *handles);
     for (mp_block *b = p->pending_head; b && handles; b = b->fnext) {
@@ -573,7 +577,8 @@ void mp_sync_pending_unlocked(mp_pool *p) {
     p->stats.num_sync_all_streams++;
     mp_lock_release(&p->lock);
     void *blocking = mp_blocking_begin();
-    for (size_t j = 0; j < n; j++) p->up.stream_synchronize(p->up.ctx, handles[j]);
+    for (size_t j = 0; j < n; j++)
+        if (!mp_capture_handle(p, handles[j])) p->up.stream_synchronize(p->up.ctx, handles[j]);
     mp_blocking_end(blocking);
     free(handles);
     mp_lock_acquire(&p->lock);
@@ -659,6 +664,9 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
                        mp_block **out) {
     size_t seg_size = mp_segment_size(size);
     size_t limit = p->cfg.limit;
+    /* Note [Graph capture]: releases skip themselves (rel knows the capture); no sync and no
+     * retry either: the limit, a capture-safe segment, else out of memory. */
+    int capture = mp_capture_call_locked(p, rel);
 
     if (p->nhot) {   /* Note [Hot blocks]: parked blocks may serve, or merge into, this */
         mp_hot_flush_locked(p);
@@ -673,6 +681,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
     if (limit != MP_UNLIMITED && mp_reserved_now_locked(p) + seg_size > limit) {
         mp_release_idle_locked(p, mp_reserved_now_locked(p) + seg_size - limit, rel);
         if (mp_reserved_now_locked(p) + seg_size > limit) {
+            if (capture) return MP_ELIMIT;
             if (p->npending) {
                 mp_sync_pending_unlocked(p);
                 if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
@@ -690,7 +699,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
 
     uintptr_t ptr = 0;
     int rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);
-    if (rc == MP_ENOMEM) {
+    if (rc == MP_ENOMEM && !capture) {
         /* Release just enough cached memory first, then everything, syncing pending frees. */
         for (int attempt = 0; attempt < 2 && rc == MP_ENOMEM; attempt++) {
             p->stats.num_alloc_retries++;
@@ -706,10 +715,11 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
     if (rc != MP_OK) return rc;
     mp_block *b = new_segment_locked(p, s, kind, ptr, seg_size);
     if (!b) {
-        /* No host memory for the bookkeeping: give the segment straight back. */
+        /* No host memory for the bookkeeping: give the segment straight back (not during a
+         * capture, Note [Graph capture]: then it is lost). */
         mp_lock_release(&p->lock);
         void *blocking = mp_blocking_begin();
-        p->up.segment_free(p->up.ctx, ptr, seg_size, s->handle);
+        if (!capture) p->up.segment_free(p->up.ctx, ptr, seg_size, s->handle);
         mp_blocking_end(blocking);
         mp_lock_acquire(&p->lock);
         return MP_ENOMEM;
@@ -752,6 +762,7 @@ static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, int to
         rc = MP_ENOMEM;
         goto oom;
     }
+    rel.stream = s;   /* Note [Graph capture] */
     /* Make room in the live map first, so nothing can fail after a block is chosen. */
     if ((p->live.count + 2) * 2 > p->live.mask + 1) {
         if (mp_ptrmap_insert(&p->live, 1, NULL) != MP_OK) {
@@ -760,7 +771,7 @@ static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, int to
         }
         mp_ptrmap_remove(&p->live, 1);
     }
-    if (p->npending) mp_process_pending_locked(p);
+    if (p->npending && !mp_capture_call_locked(p, &rel)) mp_process_pending_locked(p);
 
     int kind = size <= MP_SMALL_SIZE ? KIND_SMALL : KIND_LARGE;
     mp_block *b = s->hot ? take_hot_locked(p, s, size) : NULL;
@@ -912,10 +923,52 @@ static void complete_free_locked(mp_pool *p, mp_block *b) {
     mp_free_block_locked(p, b);
 }
 
+/* Note [Stream reuse]: the block returns to a free list only once every stream that used it
+ * (b->uses) has passed the point of its free: an event on each, into `events` (room for
+ * b->nuses; b owns it from here). Uses already past drop out. Returns 1 when some remain (b
+ * keeps their events), 0 when none does (b has no events). */
+static int record_uses_locked(mp_pool *p, mp_block *b, uintptr_t *events) {
+    uint16_t n = 0;
+    for (uint16_t i = 0; i < b->nuses; i++) {
+        uintptr_t ev;
+        if (mp_event_get_locked(p, &ev) == MP_OK &&
+            p->up.event_record(p->up.ctx, ev, b->uses[i]->handle) == MP_OK) {
+            if (p->up.event_query(p->up.ctx, ev) == MP_OK) {
+                mp_event_put_locked(p, ev);   /* that stream is past the free already */
+                continue;
+            }
+            b->uses[n] = b->uses[i];
+            events[n++] = ev;
+        } else {
+            /* No event to be had: fall back to blocking on that stream. */
+            p->up.stream_synchronize(p->up.ctx, b->uses[i]->handle);
+        }
+    }
+    b->nuses = n;
+    b->events = n ? events : NULL;
+    if (!n) free(events);
+    return n != 0;
+}
+
+/* Note [Graph capture]: a free deferred during a capture (pending, no events) records its
+ * events once no stream it involves captures. 0 while it must still wait. */
+static int record_deferred_locked(mp_pool *p, mp_block *b) {
+    if (mp_capture_uses_locked(p, b)) return 0;
+    uintptr_t *events = malloc(b->nuses * sizeof *events);
+    if (!events) return 0;
+    record_uses_locked(p, b, events);
+    return 1;
+}
+
 int mp_process_pending_locked(mp_pool *p) {
+    if (mp_capture_stream_locked(p, NULL)) return MP_OK;   /* Note [Graph capture]: no query */
     mp_block *b = p->pending_head;
     while (b) {
         mp_block *next = b->fnext;
+        if (!b->events && !record_deferred_locked(p, b)) {
+            b = next;
+            continue;
+        }
         int done = 1;
         for (uint16_t i = 0; i < b->nuses && done; i++) {
             if (p->up.event_query(p->up.ctx, b->events[i]) != MP_OK) done = 0;
@@ -962,6 +1015,7 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
         b->uses[b->nuses++] = b->stream;
     }
     /* Nothing can fail from here on. */
+    rel.stream = fs;   /* Note [Graph capture] */
     int torch = b->torch;   /* Note [Torch table lifetime]: uncounted at the very end */
     b->torch = 0;
     int park = !b->nuses && hot_allowed(p);   /* Note [Hot blocks]: keeps its map entry */
@@ -977,31 +1031,13 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
         if (park) park_hot_locked(p, b);
         else complete_free_locked(p, b);
     } else {
-        /* Note [Stream reuse]: the block returns to a free list only once every stream that
-         * used it has passed the point of this free. */
-        uint16_t n = 0;
-        for (uint16_t i = 0; i < b->nuses; i++) {
-            uintptr_t ev;
-            if (mp_event_get_locked(p, &ev) == MP_OK &&
-                p->up.event_record(p->up.ctx, ev, b->uses[i]->handle) == MP_OK) {
-                if (p->up.event_query(p->up.ctx, ev) == MP_OK) {
-                    mp_event_put_locked(p, ev);   /* that stream is past the free already */
-                    continue;
-                }
-                b->uses[n] = b->uses[i];
-                events[n++] = ev;
-            } else {
-                /* No event to be had: fall back to blocking on that stream. */
-                p->up.stream_synchronize(p->up.ctx, b->uses[i]->handle);
-            }
-        }
-        b->nuses = n;
-        b->events = events;
         b->state = MP_BLOCK_PENDING;
-        if (n) pending_push_locked(p, b);
-        else {
-            free(events);
-            b->events = NULL;
+        if (mp_capture_uses_locked(p, b)) {
+            free(events);   /* Note [Graph capture]: recorded once the capture is over */
+            pending_push_locked(p, b);
+        } else if (record_uses_locked(p, b, events)) {
+            pending_push_locked(p, b);
+        } else {
             complete_free_locked(p, b);
         }
     }
@@ -1076,7 +1112,11 @@ int mp_forget_stream(mp_pool *p, uintptr_t handle) {
         mp_lock_release(&p->lock);
         return MP_OK;
     }
+    /* Note [Graph capture]: a capturing stream cannot be synchronized. */
+    int capture = mp_capture_stream_locked(p, s);
+    if (!capture && p->capture_seen == s) p->capture_seen = NULL;   /* its handle may die */
     mp_lock_release(&p->lock);
+    if (capture) return MP_EBUSY;
     /* The stream is still alive here: let its queued work finish, then nothing of the pool
      * needs ordering on it again. */
     void *blocking = mp_blocking_begin();

@@ -122,6 +122,18 @@ int mp_record_stream(mp_pool *p, uintptr_t ptr, uintptr_t stream);
  * block and segment the pool keeps on it to the legacy stream (0), so that no later call is
  * made on the dead handle. Handle 0 and unknown handles are a no-op. */
 int mp_forget_stream(mp_pool *p, uintptr_t stream);
+/* CUDA graph capture (docs/architecture.md, Note [Graph capture]). The core finds a
+ * capture on the streams a call involves by itself (the upstream's stream_capturing); a
+ * capture on a stream it does not involve, made by another thread in CUDA's global capture
+ * mode, also forbids its syncs, queries and frees, and only the caller knows of it: call
+ * mp_capture_begin before such a capture starts and mp_capture_end after it has ended.
+ * They count (captures nest or overlap); while the count is above 0 the pool releases
+ * nothing, makes no stream sync, event query or cross-stream reuse, and defers frees with
+ * recorded streams. mp_capture_end with no capture begun: MP_EINVAL, nothing changes.
+ * mp_capture_active: 1 while the count is above 0 or `stream` captures, else 0. */
+int mp_capture_begin(mp_pool *p);
+int mp_capture_end(mp_pool *p);
+int mp_capture_active(mp_pool *p, uintptr_t stream);
 /* Size and stream of a live block (MP_ENOTFOUND otherwise). */
 int mp_block_info(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested,
                   uintptr_t *stream);

@@ -62,12 +62,13 @@
  * Limits: max_split_size has no meaning with expandable segments (the configuration refuses
  * the pair). Address ranges are never given back before the pool is destroyed. Each release
  * costs a sync of the streams it takes pages from, which makes a release_threshold that is
- * crossed at every free expensive. A stream sync inside CUDA graph capture would break the
- * capture: releases (hence the high-water rule) must not run while a stream the pool serves
- * is capturing.
+ * crossed at every free expensive. A stream sync or query inside a CUDA graph capture would
+ * break it: no page is unmapped while a capture is under way (Note [Graph capture] in
+ * docs/architecture.md), growth maps pages as usual.
  */
 #include <stdlib.h>
 
+#include "mp_capture.h"
 #include "mp_expand.h"
 
 #define MP_HIGH_WATER_MIN_IDLE ((size_t)32 << 20)
@@ -382,7 +383,9 @@ static int stream_idle_locked(mp_pool *p, mp_stream *s, mp_stream **asked, int *
                               size_t *nasked) {
     for (size_t j = 0; j < *nasked; j++)
         if (asked[j] == s) return idle[j];
-    int ok = p->up.stream_query && p->up.stream_query(p->up.ctx, s->handle) == MP_OK;
+    /* Note [Graph capture]: a capturing stream is never idle (and must not be queried). */
+    int ok = p->up.stream_query && !mp_capture_handle(p, s->handle) &&
+             p->up.stream_query(p->up.ctx, s->handle) == MP_OK;
     asked[*nasked] = s;
     idle[(*nasked)++] = ok;
     return ok;
@@ -410,6 +413,7 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
     int64_t free_bytes = mp_stat3_current(p->stats.reserved_bytes) -
                          mp_stat3_current(p->stats.active_bytes);
     if (!target || free_bytes < (int64_t)p->up.granularity) return 0;
+    if (mp_capture_stream_locked(p, NULL)) return 0;   /* Note [Graph capture]; owners below */
     run_list runs = {0};
     each_run_locked(p, keep_lo, keep_hi, add_run, &runs);
     unmap_job *jobs = runs.n ? malloc(runs.n * sizeof *jobs) : NULL;
@@ -466,8 +470,10 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
     for (size_t j = 0; j < nowners && !wait; j++) synced[j] = 1;
     mp_lock_release(&p->lock);
     void *blocking = mp_blocking_begin();
+    /* Note [Graph capture]: a capturing owner is not synchronized; its pages stay. */
     for (size_t j = 0; j < nowners && wait; j++)
-        synced[j] = p->up.stream_synchronize(p->up.ctx, owners[j]->handle) == MP_OK;
+        synced[j] = !mp_capture_handle(p, owners[j]->handle) &&
+                    p->up.stream_synchronize(p->up.ctx, owners[j]->handle) == MP_OK;
     for (size_t i = 0; i < n; i++) {
         for (size_t k = 0; k < jobs[i].nparts; k++) {
             size_t j = 0;
@@ -585,7 +591,8 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
          * unmapped as before. Out of device memory, free pages elsewhere may make room
          * (the caller then comes back). */
         merge_unmapped_locked(p, m);
-        if (rc == MP_ENOMEM && release_pages_locked(p, plan->nbytes, plan->lo, plan->hi, 1, NULL)) {
+        if (rc == MP_ENOMEM && !mp_capture_stream_locked(p, s) &&   /* Note [Graph capture] */
+            release_pages_locked(p, plan->nbytes, plan->lo, plan->hi, 1, NULL)) {
             p->stats.num_alloc_retries++;
             return MP_OK;
         }
@@ -641,14 +648,16 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_block
         if (idle >= MP_HIGH_WATER_MIN_IDLE && idle >= p->mapped_high_water / MP_HIGH_WATER_IDLE_DIV)
             excess = idle > excess ? idle : excess;
     }
-    if (excess && release_pages_locked(p, excess, plan.lo, plan.hi, 1, NULL)) return MP_OK;   /* re-plan */
+    if (excess && !mp_capture_stream_locked(p, s) &&   /* Note [Graph capture] */
+        release_pages_locked(p, excess, plan.lo, plan.hi, 1, NULL))
+        return MP_OK;   /* re-plan */
     if (limit != MP_UNLIMITED && need > limit) return MP_ELIMIT;
     return map_locked(p, seg, s, &plan, size, out);
 }
 
 int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
                            mp_release_list *rel, mp_block **out) {
-    (void)rel;   /* expandable pools release pages here, not whole segments */
+    /* rel: expandable pools release pages here, not whole segments; it tells the capture. */
     int rc = MP_ENOMEM, stage = 0;
     for (int round = 0; round < 32; round++) {
         if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
@@ -665,7 +674,7 @@ int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
             p->stats.num_alloc_retries++;
             continue;
         }
-        if (stage < 2 && p->npending) {
+        if (stage < 2 && p->npending && !mp_capture_call_locked(p, rel)) {
             /* Last resort: wait for the streams that hold frees pending, then try again. */
             stage = 2;
             p->stats.num_alloc_retries++;

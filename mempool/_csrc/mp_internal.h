@@ -105,6 +105,8 @@ struct mp_pool {
     size_t mapped_high_water;    /* expandable segments: the most bytes ever mapped at once
                                     (mp_expand.c; unlike the stats' peak, never reset) */
     uint64_t tick;               /* advances on every alloc and free */
+    int captures;                /* Note [Graph capture]: mp_capture_begin less mp_capture_end */
+    mp_stream *capture_seen;     /* Note [Graph capture]: the stream last found capturing */
     mp_stats stats;
 
     /* PyTorch's device table (Note [Torch table lifetime]), guarded by the lock. */
@@ -179,6 +181,10 @@ mp_stream *mp_stream_get_locked(mp_pool *p, uintptr_t handle);
 typedef struct mp_release_list {
     mp_segment *head;
     size_t nbytes;
+    /* Note [Graph capture]: the stream of the alloc or free the list belongs to (NULL for
+     * calls that have none), and whether it captures: 0 not asked yet, 1 no, 2 yes. */
+    mp_stream *stream;
+    int capture;
 } mp_release_list;
 void mp_detach_segment_locked(mp_pool *p, mp_segment *s, mp_release_list *out);
 /* Release cached memory until at least `target` bytes are released or nothing releasable is

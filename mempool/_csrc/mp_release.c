@@ -8,6 +8,7 @@
  * (mp_release_finish), see Note [Lock order] in mp_core.c. */
 #include <stdlib.h>
 
+#include "mp_capture.h"
 #include "mp_expand.h"
 #include "mp_internal.h"
 
@@ -84,10 +85,12 @@ void mp_detach_segment_locked(mp_pool *p, mp_segment *seg, mp_release_list *out)
 
 size_t mp_release_idle_locked(mp_pool *p, size_t target, mp_release_list *out) {
     size_t released = 0;
+    /* Note [Graph capture]: nothing goes while a capture is under way; later calls see it. */
+    if ((p->idle_head || p->cfg.expandable_segments) && mp_capture_call_locked(p, out)) return 0;
     mp_segment *seg = p->idle_head;
     while (seg && released < target) {
         mp_segment *next = seg->inext;
-        if (!seg->pinned) {
+        if (!seg->pinned && !mp_capture_segment_locked(p, out, seg)) {
             released += seg->nbytes;
             mp_detach_segment_locked(p, seg, out);
         }
@@ -107,7 +110,7 @@ size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_relea
     mp_segment *seg = p->idle_head;
     while (seg && released < target) {
         mp_segment *next = seg->inext;
-        if (!seg->pinned && seg->kind == kind) {
+        if (!seg->pinned && seg->kind == kind && !mp_capture_segment_locked(p, out, seg)) {
             released += seg->nbytes;
             mp_detach_segment_locked(p, seg, out);
         }
@@ -144,7 +147,9 @@ void mp_apply_release_threshold_slow_locked(mp_pool *p, mp_release_list *out) {
         return;
     }
     /* Note [Threshold releases without a sync]: pages of idle streams only, and after an
-     * attempt that found only busy ones, fewer attempts until one releases again. */
+     * attempt that found only busy ones, fewer attempts until one releases again. None
+     * during a capture (Note [Graph capture]), which the next check after it makes up for. */
+    if (mp_capture_call_locked(p, out)) return;
     if (p->threshold_skip) {
         p->threshold_skip--;
         return;

@@ -19,6 +19,8 @@ typedef struct sim_wait {
 typedef struct sim_stream {
     uintptr_t id;
     uint64_t submitted, completed;
+    int capturing;   /* between mp_sim_begin_capture and mp_sim_end_capture */
+    int broken;      /* its capture was invalidated by an illegal call */
     sim_wait *waits;
     size_t nwaits, cap_waits;
 } sim_stream;
@@ -32,6 +34,7 @@ typedef struct sim_event {
     size_t stream;   /* index into streams, SIZE_MAX until recorded */
     uint64_t target;
     int in_use;
+    int captured;    /* last recorded on a capturing stream: a graph node, never queried */
     /* Waits the stream had pending when the event was recorded: the event completes only
      * after them too, as a CUDA event recorded after cudaStreamWaitEvent does. */
     sim_dep *deps;
@@ -58,6 +61,11 @@ struct mp_sim {
     unsigned hold_next, held, hold_timeout_ms;
     uint64_t release_gen, hold_timeouts;
     pthread_cond_t hold_cv;
+    /* Graph capture (mp_sim_begin_capture): streams capturing now, calls a real driver
+     * would refuse or that would break a capture, segments allocated outside a capture's
+     * graph for a capturing stream. */
+    size_t ncapturing;
+    uint64_t capture_violations, capture_allocs;
 };
 
 /* The access a page gets when mapped: the device itself and every peer granted so far. */
@@ -76,6 +84,22 @@ static size_t stream_index(mp_sim *s, uintptr_t id) {
     memset(&s->streams[s->nstreams], 0, sizeof(sim_stream));
     s->streams[s->nstreams].id = id;
     return s->nstreams++;
+}
+
+/* A call that CUDA refuses during a capture, or that invalidates it (the driver's global
+ * capture mode, the strictest): it fails, is counted, and every capture under way is
+ * invalidated, as the driver invalidates them. */
+static int capture_violation(mp_sim *s) {
+    s->capture_violations++;
+    for (size_t i = 0; i < s->nstreams; i++)
+        if (s->streams[i].capturing) s->streams[i].broken = 1;
+    return MP_EUPSTREAM;
+}
+
+static int is_capturing(mp_sim *s, uintptr_t stream) {
+    for (size_t i = 0; i < s->nstreams; i++)
+        if (s->streams[i].id == stream) return s->streams[i].capturing;
+    return 0;
 }
 
 static uintptr_t bump(mp_sim *s, size_t nbytes, size_t align) {
@@ -107,10 +131,13 @@ static void hold_locked(mp_sim *s) {
     s->held--;
 }
 
+/* On a capturing stream the segment is allocated outside the graph, as the CUDA upstream
+ * does with cuMemAlloc (a stream-ordered allocation there would be a graph node): legal,
+ * counted in capture_allocs. */
 static int sim_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr_t *out) {
     mp_sim *s = ctx;
-    (void)stream;
     pthread_mutex_lock(&s->mu);
+    int plain = s->ncapturing && is_capturing(s, stream);
     if (s->hold_next) hold_locked(s);
     int rc = mp_budget_take(&s->budget, nbytes);
     if (rc == MP_OK) {
@@ -120,6 +147,7 @@ static int sim_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr
             rc = MP_ENOMEM;
         } else {
             s->budget.num_allocs++;
+            s->capture_allocs += plain;
             *out = p;
         }
     }
@@ -127,10 +155,17 @@ static int sim_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr
     return rc;
 }
 
+/* During a capture a free is refused: on the capturing stream it would be a graph node, and
+ * elsewhere (cuMemFree) an unsafe call. */
 static int sim_segment_free(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t stream) {
     mp_sim *s = ctx;
     (void)stream;
     pthread_mutex_lock(&s->mu);
+    if (s->ncapturing) {
+        int rc = capture_violation(s);
+        pthread_mutex_unlock(&s->mu);
+        return rc;
+    }
     void *v = mp_ptrmap_remove(&s->segments, ptr);
     int rc = MP_OK;
     if (!v || (size_t)(uintptr_t)v != nbytes) {
@@ -166,6 +201,7 @@ static int sim_event_create(void *ctx, uintptr_t *out) {
     s->events[i].stream = SIZE_MAX;
     s->events[i].target = 0;
     s->events[i].ndeps = 0;
+    s->events[i].captured = 0;
     s->live_events++;
     *out = i + 1;
     pthread_mutex_unlock(&s->mu);
@@ -201,6 +237,7 @@ static int sim_event_record(void *ctx, uintptr_t ev, uintptr_t stream) {
         sim_stream *st = &s->streams[si];
         e->stream = si;
         e->target = st->submitted;
+        e->captured = st->capturing;
         e->ndeps = 0;
         for (size_t i = 0; i < st->nwaits; i++) {
             const sim_wait *w = &st->waits[i];
@@ -221,11 +258,14 @@ static int event_done(mp_sim *s, const sim_event *e) {
     return 1;
 }
 
+/* An event recorded during a capture cannot be queried (CUDA_ERROR_CAPTURED_EVENT), and no
+ * event can while a capture is under way (an unsafe call). */
 static int sim_event_query(void *ctx, uintptr_t ev) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
     sim_event *e = event_at(s, ev);
     int rc = !e ? MP_EINVAL : event_done(s, e) ? MP_OK : MP_ENOTREADY;
+    if (e && (e->captured || s->ncapturing)) rc = capture_violation(s);
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
@@ -236,6 +276,10 @@ static int sim_stream_wait_event(void *ctx, uintptr_t stream, uintptr_t ev) {
     sim_event *e = event_at(s, ev);
     size_t si = stream_index(s, stream);
     int rc = e && si != SIZE_MAX ? MP_OK : MP_EINVAL;
+    /* Across a capture's edge: a capturing stream waiting on an event from outside
+     * (isolation), or a stream outside waiting on a captured event (it would join the
+     * capture and leave it unjoined). */
+    if (rc == MP_OK && e->captured != s->streams[si].capturing) rc = capture_violation(s);
     s->num_waits += rc == MP_OK;
     if (rc == MP_OK && !event_done(s, e)) {
         /* The stream now waits for the event's work and for what that work waited on. */
@@ -302,6 +346,11 @@ static void complete_upto(mp_sim *s, size_t si, uint64_t seq) {
 static int sim_stream_synchronize(void *ctx, uintptr_t stream) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
+    if (s->ncapturing) {   /* a sync during a capture: refused, and it breaks the capture */
+        int rc = capture_violation(s);
+        pthread_mutex_unlock(&s->mu);
+        return rc;
+    }
     size_t si = stream_index(s, stream);
     if (si != SIZE_MAX) complete_upto(s, si, s->streams[si].submitted);
     s->num_syncs++;
@@ -318,6 +367,7 @@ static int sim_stream_query(void *ctx, uintptr_t stream) {
     size_t si = stream_index(s, stream);
     int rc = si == SIZE_MAX ? MP_ENOMEM : MP_OK;
     if (rc == MP_OK && s->streams[si].completed < s->streams[si].submitted) rc = MP_ENOTREADY;
+    if (s->ncapturing) rc = capture_violation(s);
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
@@ -325,6 +375,11 @@ static int sim_stream_query(void *ctx, uintptr_t stream) {
 static int sim_device_synchronize(void *ctx) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
+    if (s->ncapturing) {
+        int rc = capture_violation(s);
+        pthread_mutex_unlock(&s->mu);
+        return rc;
+    }
     for (size_t i = 0; i < s->nstreams; i++) complete_upto(s, i, s->streams[i].submitted);
     s->num_syncs++;
     pthread_mutex_unlock(&s->mu);
@@ -407,9 +462,17 @@ static int sim_map(void *ctx, uintptr_t va, size_t nbytes) {
     return rc;
 }
 
+/* Pages are mapped during a capture as PyTorch's expandable segments map them for a graph's
+ * pool; an unmap then would pull memory from under the graph (and a real one needs the
+ * streams synchronized first): refused. */
 static int sim_unmap(void *ctx, uintptr_t va, size_t nbytes) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
+    if (s->ncapturing) {
+        int rc = capture_violation(s);
+        pthread_mutex_unlock(&s->mu);
+        return rc;
+    }
     unmap_pages(s, va, nbytes / s->granularity);
     s->budget.num_unmaps++;
     pthread_mutex_unlock(&s->mu);
@@ -419,8 +482,21 @@ static int sim_unmap(void *ctx, uintptr_t va, size_t nbytes) {
 static int sim_va_release(void *ctx, uintptr_t va, size_t nbytes) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
+    if (s->ncapturing) {
+        int rc = capture_violation(s);
+        pthread_mutex_unlock(&s->mu);
+        return rc;
+    }
     void *v = mp_ptrmap_remove(&s->reservations, va);
     if (!v || (size_t)(uintptr_t)v != nbytes) s->num_errors++;
+    pthread_mutex_unlock(&s->mu);
+    return MP_OK;
+}
+
+static int sim_stream_capturing(void *ctx, uintptr_t stream, int *capturing) {
+    mp_sim *s = ctx;
+    pthread_mutex_lock(&s->mu);
+    *capturing = is_capturing(s, stream);
     pthread_mutex_unlock(&s->mu);
     return MP_OK;
 }
@@ -468,6 +544,7 @@ int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
     up->stream_synchronize = sim_stream_synchronize;
     up->stream_query = sim_stream_query;
     up->device_synchronize = sim_device_synchronize;
+    up->stream_capturing = sim_stream_capturing;
     up->mem_info = sim_mem_info;
     up->granularity = granularity;
     up->va_reserve = sim_va_reserve;
@@ -627,4 +704,55 @@ uint64_t mp_sim_access_mask(mp_sim *s, uintptr_t addr, size_t nbytes) {
 out:
     pthread_mutex_unlock(&s->mu);
     return mask;
+}
+
+/* ---------------------------------------------------------------- graph capture */
+
+int mp_sim_begin_capture(mp_sim *s, uintptr_t stream) {
+    if (stream == 0 || stream == 1) return MP_EINVAL;   /* the legacy stream cannot capture */
+    pthread_mutex_lock(&s->mu);
+    size_t si = stream_index(s, stream);
+    int rc = si == SIZE_MAX ? MP_ENOMEM : s->streams[si].capturing ? MP_EBUSY : MP_OK;
+    if (rc == MP_OK) {
+        s->streams[si].capturing = 1;
+        s->streams[si].broken = 0;
+        s->ncapturing++;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+int mp_sim_end_capture(mp_sim *s, uintptr_t stream) {
+    pthread_mutex_lock(&s->mu);
+    int rc = MP_EINVAL;
+    for (size_t i = 0; i < s->nstreams; i++) {
+        sim_stream *st = &s->streams[i];
+        if (st->id != stream || !st->capturing) continue;
+        st->capturing = 0;
+        s->ncapturing--;
+        rc = st->broken ? MP_EUPSTREAM : MP_OK;
+        st->broken = 0;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+int mp_sim_is_capturing(mp_sim *s, uintptr_t stream) {
+    int capturing = 0;
+    sim_stream_capturing(s, stream, &capturing);
+    return capturing;
+}
+
+uint64_t mp_sim_capture_violations(mp_sim *s) {
+    pthread_mutex_lock(&s->mu);
+    uint64_t n = s->capture_violations;
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
+uint64_t mp_sim_capture_allocs(mp_sim *s) {
+    pthread_mutex_lock(&s->mu);
+    uint64_t n = s->capture_allocs;
+    pthread_mutex_unlock(&s->mu);
+    return n;
 }

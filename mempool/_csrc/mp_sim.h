@@ -46,6 +46,25 @@ uint64_t mp_sim_num_waits(mp_sim *sim);
 uint64_t mp_sim_num_errors(mp_sim *sim);   /* contract breaches seen (double map, bad free) */
 size_t mp_sim_live_events(mp_sim *sim);
 
+/* ---- CUDA graph capture (docs/architecture.md, Note [Graph capture]) ---- */
+/* Make `stream` capture, as cuStreamBeginCapture in the driver's global mode: until
+ * mp_sim_end_capture, every call a real driver refuses during a capture or that would break
+ * it fails with MP_EUPSTREAM, is counted (mp_sim_capture_violations) and invalidates every
+ * capture under way: a sync or query of any stream, a device sync, a query of any event (one
+ * recorded on a capturing stream stays unqueryable after the capture too, until recorded
+ * again), a capturing stream waiting on an event recorded outside or another stream waiting
+ * on a captured event, a segment free, an unmap or an address release. Segment allocations
+ * on a capturing stream are made outside the graph, as the CUDA upstream's cuMemAlloc
+ * (counted in mp_sim_capture_allocs); page maps are allowed. MP_EINVAL for the legacy
+ * stream (0, 1), MP_EBUSY when it captures already. */
+int mp_sim_begin_capture(mp_sim *sim, uintptr_t stream);
+/* MP_OK when the capture stayed valid, MP_EUPSTREAM when a violation invalidated it (it ends
+ * either way), MP_EINVAL when the stream was not capturing. */
+int mp_sim_end_capture(mp_sim *sim, uintptr_t stream);
+int mp_sim_is_capturing(mp_sim *sim, uintptr_t stream);
+uint64_t mp_sim_capture_violations(mp_sim *sim);
+uint64_t mp_sim_capture_allocs(mp_sim *sim);
+
 /* ---- several devices (see docs/multigpu.md) ---- */
 /* Make the sim device ordinal `device` (0 at creation): its addresses move to that device's
  * window. Only before the first segment or reservation: MP_EBUSY after; MP_EINVAL for a
