@@ -86,7 +86,7 @@ void mp_detach_segment_locked(mp_pool *p, mp_segment *seg, mp_release_list *out)
 size_t mp_release_idle_locked(mp_pool *p, size_t target, mp_release_list *out) {
     size_t released = 0;
     /* Note [Graph capture]: nothing goes while a capture is under way; later calls see it. */
-    if ((p->idle_head || p->cfg.expandable_segments) && mp_capture_call_locked(p, out)) return 0;
+    if ((p->idle_bytes || p->cfg.expandable_segments) && mp_capture_call_locked(p, out)) return 0;
     mp_segment *seg = p->idle_head;
     while (seg && released < target) {
         mp_segment *next = seg->inext;
