@@ -37,7 +37,8 @@ int mp_capture_call_locked(mp_pool *p, mp_release_list *rel) {
 }
 
 int mp_capture_segment_locked(mp_pool *p, mp_release_list *rel, mp_segment *seg) {
-    if (mp_capture_call_locked(p, rel) || mp_capture_stream_locked(p, seg->stream)) return 1;
+    if (mp_capture_call_locked(p, rel)) return 1;
+    if (seg->stream != rel->stream && mp_capture_stream_locked(p, seg->stream)) return 1;
     for (mp_block *b = seg->first; b; b = b->next) {
         if (b->stream == seg->stream || b->stream == rel->stream) continue;   /* asked above */
         if (mp_capture_stream_locked(p, b->stream)) return 1;

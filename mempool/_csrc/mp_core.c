@@ -664,9 +664,9 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
                        mp_block **out) {
     size_t seg_size = mp_segment_size(size);
     size_t limit = p->cfg.limit;
-    /* Note [Graph capture]: releases skip themselves (rel knows the capture); no sync and no
-     * retry either: the limit, a capture-safe segment, else out of memory. */
-    int capture = mp_capture_call_locked(p, rel);
+    /* Note [Graph capture]: during a capture releases skip themselves, and neither the sync
+     * of pending frees nor the retries run: the limit, a capture-safe segment, else out of
+     * memory. Asked only there (rel keeps the answer): a growth alone asks nothing. */
 
     if (p->nhot) {   /* Note [Hot blocks]: parked blocks may serve, or merge into, this */
         mp_hot_flush_locked(p);
@@ -681,7 +681,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
     if (limit != MP_UNLIMITED && mp_reserved_now_locked(p) + seg_size > limit) {
         mp_release_idle_locked(p, mp_reserved_now_locked(p) + seg_size - limit, rel);
         if (mp_reserved_now_locked(p) + seg_size > limit) {
-            if (capture) return MP_ELIMIT;
+            if (mp_capture_call_locked(p, rel)) return MP_ELIMIT;
             if (p->npending) {
                 mp_sync_pending_unlocked(p);
                 if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
@@ -699,7 +699,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
 
     uintptr_t ptr = 0;
     int rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);
-    if (rc == MP_ENOMEM && !capture) {
+    if (rc == MP_ENOMEM && !mp_capture_call_locked(p, rel)) {
         /* Release just enough cached memory first, then everything, syncing pending frees. */
         for (int attempt = 0; attempt < 2 && rc == MP_ENOMEM; attempt++) {
             p->stats.num_alloc_retries++;
@@ -717,6 +717,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
     if (!b) {
         /* No host memory for the bookkeeping: give the segment straight back (not during a
          * capture, Note [Graph capture]: then it is lost). */
+        int capture = mp_capture_call_locked(p, rel);
         mp_lock_release(&p->lock);
         void *blocking = mp_blocking_begin();
         if (!capture) p->up.segment_free(p->up.ctx, ptr, seg_size, s->handle);
