@@ -199,5 +199,4 @@ cdef extern from "mp_sim.h" nogil:
     int mp_sim_begin_capture(mp_sim *sim, uintptr_t stream)
     int mp_sim_end_capture(mp_sim *sim, uintptr_t stream)
     int mp_sim_is_capturing(mp_sim *sim, uintptr_t stream)
-    uint64_t mp_sim_capture_violations(mp_sim *sim)
-    uint64_t mp_sim_capture_allocs(mp_sim *sim)
+    void mp_sim_capture_counts(mp_sim *sim, uint64_t *violations, uint64_t *allocs)

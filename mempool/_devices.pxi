@@ -151,12 +151,16 @@ cdef class SimDevice(_DeviceBase):
     @property
     def capture_violations(self):
         """Calls made during a capture that a real driver refuses or that break it."""
-        return mp_sim_capture_violations(self._sim)
+        cdef uint64_t violations = 0, allocs = 0
+        mp_sim_capture_counts(self._sim, &violations, &allocs)
+        return violations
 
     @property
     def capture_allocs(self):
         """Segments allocated outside a graph for a capturing stream."""
-        return mp_sim_capture_allocs(self._sim)
+        cdef uint64_t violations = 0, allocs = 0
+        mp_sim_capture_counts(self._sim, &violations, &allocs)
+        return allocs
 
     def stream_info(self, stream=0):
         cdef uint64_t submitted = 0, completed = 0

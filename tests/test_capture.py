@@ -12,18 +12,9 @@ import pytest
 import mempool
 from mempool import _core
 from conftest import BASE, MiB
+from test_retention import counters as stats, device
 
 S, T, X = 11, 22, 33   # S captures; T is another stream of the pool; X one it never sees
-
-
-def device(pool, *keys):
-    c = pool.device.counters()
-    return {k: c[k] for k in keys}
-
-
-def stats(pool, *keys):
-    st = pool.stats()
-    return {k: st[k] for k in keys}
 
 
 # Calls a capture forbids, as the device counts them: none may move while S captures.

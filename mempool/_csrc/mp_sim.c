@@ -743,16 +743,9 @@ int mp_sim_is_capturing(mp_sim *s, uintptr_t stream) {
     return capturing;
 }
 
-uint64_t mp_sim_capture_violations(mp_sim *s) {
+void mp_sim_capture_counts(mp_sim *s, uint64_t *violations, uint64_t *allocs) {
     pthread_mutex_lock(&s->mu);
-    uint64_t n = s->capture_violations;
+    *violations = s->capture_violations;
+    *allocs = s->capture_allocs;
     pthread_mutex_unlock(&s->mu);
-    return n;
-}
-
-uint64_t mp_sim_capture_allocs(mp_sim *s) {
-    pthread_mutex_lock(&s->mu);
-    uint64_t n = s->capture_allocs;
-    pthread_mutex_unlock(&s->mu);
-    return n;
 }

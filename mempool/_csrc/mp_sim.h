@@ -62,8 +62,8 @@ int mp_sim_begin_capture(mp_sim *sim, uintptr_t stream);
  * either way), MP_EINVAL when the stream was not capturing. */
 int mp_sim_end_capture(mp_sim *sim, uintptr_t stream);
 int mp_sim_is_capturing(mp_sim *sim, uintptr_t stream);
-uint64_t mp_sim_capture_violations(mp_sim *sim);
-uint64_t mp_sim_capture_allocs(mp_sim *sim);
+/* The violations counted, and the segments allocated outside a graph, so far. */
+void mp_sim_capture_counts(mp_sim *sim, uint64_t *violations, uint64_t *allocs);
 
 /* ---- several devices (see docs/multigpu.md) ---- */
 /* Make the sim device ordinal `device` (0 at creation): its addresses move to that device's
