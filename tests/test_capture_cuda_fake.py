@@ -12,6 +12,7 @@ cap = CFUNCTYPE(c_int, c_void_p, c_size_t, POINTER(c_int))
 seg_free = CFUNCTYPE(c_int, c_void_p, c_size_t, c_size_t, c_size_t)
 n = lambda what: fake.fake_capture_count(what)
 PLAIN, RELAXED, POOL_ON_CAPTURING, POOL, FREE, FREE_ASYNC, FREE_IN_CAPTURE, MODE = range(8)
+MAP_RELAXED, RESERVE_RELAXED = 8, 9
 """
 
 
@@ -48,5 +49,19 @@ def test_segments_of_a_capturing_stream_come_from_cumemalloc(fake_driver):
         assert free(c.up.ctx, legacy, 2 << 20, 0) == OK
         assert free(c.up.ctx, plain, 2 << 20, 0x77) == OK    # forgotten: stream-ordered now
         assert (n(FREE), n(FREE_ASYNC), n(FREE_IN_CAPTURE)) == (2, 2, 0)
+        c.destroy()
+    """))
+
+
+def test_pages_are_reserved_and_mapped_in_the_relaxed_capture_mode(fake_driver):
+    """A growth during a capture maps pages (as PyTorch's expandable segments do for a
+    graph's pool): cuMemAddressReserve and cuMemMap are not stream-ordered, and the driver's
+    global capture mode would refuse them."""
+    run_fake(fake_driver, CAPTURE + textwrap.dedent("""
+        c = Cuda(0)
+        va = c.reserve(4 * c.g)
+        assert c.map(va, 2 * c.g) == OK
+        assert (n(RESERVE_RELAXED), n(MAP_RELAXED), n(MODE)) == (1, 2, 0)
+        assert c.unmap(va, 2 * c.g) == OK and c.release(va, 4 * c.g) == OK
         c.destroy()
     """))

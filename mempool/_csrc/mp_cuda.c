@@ -42,6 +42,8 @@
  * mode (cuThreadExchangeStreamCaptureMode), as PyTorch's allocator does: cuMemAlloc is not
  * stream-ordered, and the global mode counts it as unsafe. Such segments are remembered
  * (`plain`) and freed with cuMemFree, which waits for the device, never with cuMemFreeAsync.
+ * A growth of an expandable segment during a capture reserves and maps pages (PyTorch's
+ * graph pools map them too): those calls run in the relaxed mode as well.
  * See docs/architecture.md, Note [Graph capture], for the rest of the core's rules.
  */
 #include "mp_cuda.h"
@@ -340,13 +342,25 @@ static int cu_stream_capturing(void *ctx, uintptr_t stream, int *out) {
     return rc;
 }
 
+/* Note [Capture segments]: the calling thread in the relaxed capture mode until
+ * relaxed_leave(the returned mode), for calls that are not stream-ordered (cuMemAlloc, and
+ * the virtual-memory calls of a growth during a capture), which the global mode refuses. */
+static int relaxed_enter(void) {
+    int mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    if (D.has_capture) D.ThreadExchangeStreamCaptureMode(&mode);
+    return mode;
+}
+
+static void relaxed_leave(int mode) {
+    if (D.has_capture) D.ThreadExchangeStreamCaptureMode(&mode);
+}
+
 /* Note [Capture segments]: a segment outside the capture's graph, remembered as plain. */
 static int plain_alloc(mp_cuda *c, size_t nbytes, CUdeviceptr *p) {
-    int mode = CU_STREAM_CAPTURE_MODE_RELAXED;
     CUresult r;
-    D.ThreadExchangeStreamCaptureMode(&mode);
+    int mode = relaxed_enter();
     CU_CALL(c, r, D.MemAlloc(p, nbytes));
-    D.ThreadExchangeStreamCaptureMode(&mode);
+    relaxed_leave(mode);
     int rc = check(c, r);
     if (rc != MP_OK) return rc;
     pthread_mutex_lock(&c->plain_lock);
@@ -368,10 +382,9 @@ static int plain_alloc(mp_cuda *c, size_t nbytes, CUdeviceptr *p) {
     if (rc != MP_OK) {
         /* Out of host memory for the note: give it back. Only after the capture would be
          * legal, but a capture that allocates with no host memory left fails anyway. */
-        mode = CU_STREAM_CAPTURE_MODE_RELAXED;
-        D.ThreadExchangeStreamCaptureMode(&mode);
+        mode = relaxed_enter();
         CU_CALL(c, r, D.MemFree(*p));
-        D.ThreadExchangeStreamCaptureMode(&mode);
+        relaxed_leave(mode);
     }
     return rc;
 }
@@ -569,7 +582,9 @@ static int cu_va_reserve(void *ctx, size_t nbytes, uintptr_t *out) {
     }
     CUdeviceptr va = 0;
     CUresult r;
+    int mode = relaxed_enter();   /* a first growth may come during a capture */
     CU_CALL(c, r, D.MemAddressReserve(&va, nbytes, c->granularity, 0, 0));
+    relaxed_leave(mode);
     rc = check(c, r);
     if (rc != MP_OK) goto out;
     c->ranges[c->nranges++] = (mp_cuda_range){
@@ -605,6 +620,7 @@ static int cu_map(void *ctx, uintptr_t va, size_t nbytes) {
         }
     }
     CUcontext prev;
+    int mode = relaxed_enter();   /* growth maps pages during a capture too */
     CUresult e = ctx_enter(c, &prev);
     for (; e == CUDA_SUCCESS && done < n; done++) {
         CUmemGenericAllocationHandle h = 0;
@@ -622,6 +638,7 @@ static int cu_map(void *ctx, uintptr_t va, size_t nbytes) {
     if (e == CUDA_SUCCESS) e = D.MemSetAccess(va, nbytes, c->access, c->naccess);
     if (e != CUDA_SUCCESS) pages_release_locked(c, r, first, done);  /* all or nothing */
     ctx_leave(prev);
+    relaxed_leave(mode);
     rc = check(c, e);
 out:
     pthread_mutex_unlock(&c->vmm_lock);

@@ -109,7 +109,8 @@ CUresult cuGetErrorString(CUresult r, const char **s) {
     return OK;
 }
 static uintptr_t capturing_stream;   /* graph capture, below: the stream capturing, or 0 */
-static int capture_counts[8];
+static int capture_counts[10];
+static __thread int capture_mode;   /* the thread's capture mode: 0 global .. 2 relaxed */
 
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, void *pool, void *stream) {
     (void)pool;
@@ -154,6 +155,7 @@ CUresult cuMemAddressReserve(CUdeviceptr *p, size_t n, size_t align, CUdeviceptr
                              unsigned long long flags) {
     (void)align; (void)addr; (void)flags;
     if (n % GRAN) return INVALID_VALUE;
+    capture_counts[9] += capture_mode == 2;
     *p = next_va;
     next_va += n + GRAN;   /* a gap: reservations are never adjacent */
     return OK;
@@ -181,6 +183,7 @@ CUresult cuMemMap(CUdeviceptr p, size_t n, size_t offset, unsigned long long h,
                   unsigned long long flags) {
     (void)offset; (void)flags;
     if (n != GRAN || p % GRAN || page_index(p) >= 0) return INVALID_VALUE;
+    capture_counts[8] += capture_mode == 2;
     if (h == 0 || h >= MAX_HANDLES || !handles[h].used) return INVALID_VALUE;
     for (int i = 0; i < MAX_PAGES; i++)
         if (!pages[i].used) {
@@ -270,13 +273,12 @@ CUresult cuMemPoolGetAccess(int *flags, void *pool, Loc *loc) {
 
 /* ---- graph capture (Note [Capture segments] in mp_cuda.c) ---- */
 
-static __thread int capture_mode;   /* the thread's capture mode: 0 global .. 2 relaxed */
-
 /* Make `stream` capture (0: end the capture). */
 void fake_begin_capture(uintptr_t stream) { capturing_stream = stream; }
 /* Counts: 0 cuMemAlloc, 1 of those in relaxed mode, 2 cuMemAllocFromPoolAsync on the
  * capturing stream, 3 cuMemAllocFromPoolAsync, 4 cuMemFree, 5 cuMemFreeAsync, 6 cuMemFree
- * while a capture runs; 7: the calling thread's capture mode now. */
+ * while a capture runs, 8 cuMemMap and 9 cuMemAddressReserve in relaxed mode; 7: the calling
+ * thread's capture mode now. */
 int fake_capture_count(int what) { return what == 7 ? capture_mode : capture_counts[what]; }
 
 CUresult cuStreamIsCapturing(void *stream, int *status) {
