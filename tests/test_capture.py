@@ -309,3 +309,22 @@ def test_forget_stream_refuses_a_capturing_stream(sim):
     pool.free(a)
     pool.forget_stream(S)
     assert pool.layout()[0]["stream"] == 0 and dev.capture_violations == 0
+
+
+def test_forget_stream_drops_a_deferred_free_waiting_on_that_stream(sim):
+    """A free deferred during a capture records its events later; forget_stream of a
+    recorded stream before then must leave no event to record on the dead handle."""
+    pool = sim()
+    dev = pool.device
+    dev.begin_capture(S)
+    a = pool.alloc(4096, stream=S)
+    pool.record_stream(a, T)
+    dev.launch(T)
+    pool.free(a)                                    # deferred: no event during the capture
+    dev.end_capture(S)
+    assert states(pool)[a] == 2
+    records = device(pool, "event_records")["event_records"]
+    pool.forget_stream(T)                           # T synchronized: its use is over
+    assert states(pool)[a] == 0
+    assert device(pool, "event_records")["event_records"] == records
+    assert pool.alloc(4096, stream=S) == a and dev.capture_violations == 0

@@ -1129,6 +1129,17 @@ int mp_forget_stream(mp_pool *p, uintptr_t handle) {
         mp_lock_release(&p->lock);
         return rc == MP_OK ? MP_ENOMEM : rc;
     }
+    /* Note [Graph capture]: a free deferred during a capture would record an event on s
+     * later, on a dead handle; s is synchronized, so its use is over now. */
+    for (mp_block *b = p->pending_head, *next; b; b = next) {
+        next = b->fnext;   /* pending too: a completed free merges only free neighbours */
+        if (b->events) continue;
+        remove_use(b, s);
+        if (!b->nuses) {
+            pending_remove_locked(p, b);
+            complete_free_locked(p, b);
+        }
+    }
     for (mp_segment *seg = p->segments; seg; seg = seg->next) {
         int moved = 0;
         if (seg->stream == s) seg->stream = legacy;
