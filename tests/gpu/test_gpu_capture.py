@@ -18,6 +18,7 @@ if not _cuda.available():
 
 pytestmark = pytest.mark.gpu
 
+MODES = {"global": 0, "relaxed": 2}   # cudaStreamCaptureMode values
 MiB = 1 << 20
 N = 6 * MiB   # float32 elements: 24 MiB arrays, so large segments are needed too
 
@@ -47,8 +48,6 @@ def _expected(x):
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "default")
 def test_cupy_capture_on_a_cold_pool_replays_correctly(cuda_pool, cupy_device, options, mode):
     cupy = cupy_device
-    modes = {"relaxed": cupy.cuda.runtime.streamCaptureModeRelaxed,
-             "global": cupy.cuda.runtime.streamCaptureModeGlobal}
     pool = cuda_pool(**options)
     s = cupy.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(7)
@@ -59,7 +58,7 @@ def test_cupy_capture_on_a_cold_pool_replays_correctly(cuda_pool, cupy_device, o
         s.synchronize()
         assert pool.reserved_bytes() == 0
         with cupy.cuda.using_allocator(pool.malloc):
-            s.begin_capture(mode=modes[mode])
+            s.begin_capture(mode=MODES[mode])
             out = _work(cupy, x)
             g = s.end_capture()            # raises when a call broke the capture
         assert pool.stats()["num_device_alloc"] > 0       # segments made during the capture
@@ -85,8 +84,6 @@ def test_capture_after_warm_up_needs_no_segment(cuda_pool, cupy_device, mode):
     """The usual pattern: one eager run fills the pool's free lists, and the capture is
     served from them: no segment is allocated while capturing."""
     cupy = cupy_device
-    modes = {"relaxed": cupy.cuda.runtime.streamCaptureModeRelaxed,
-             "global": cupy.cuda.runtime.streamCaptureModeGlobal}
     pool = cuda_pool()
     s = cupy.cuda.Stream(non_blocking=True)
     h = np.random.default_rng(3).standard_normal(N, dtype=np.float32)
@@ -95,7 +92,7 @@ def test_capture_after_warm_up_needs_no_segment(cuda_pool, cupy_device, mode):
         _work(cupy, x)                     # warm-up through the pool
         s.synchronize()
         segments = pool.stats()["num_device_alloc"]
-        s.begin_capture(mode=modes[mode])
+        s.begin_capture(mode=MODES[mode])
         out = _work(cupy, x)
         g = s.end_capture()
         assert pool.stats()["num_device_alloc"] == segments
