@@ -411,6 +411,7 @@ def _build_manager_class():
                     self._held.exit()
 
     MempoolNumbaManager.__module__ = __name__
+    MempoolNumbaManager.__qualname__ = "MempoolNumbaManager"
     _manager_class = MempoolNumbaManager
     globals()["MempoolNumbaManager"] = MempoolNumbaManager
     globals()["_numba_memory_manager"] = MempoolNumbaManager
