@@ -129,13 +129,20 @@ def install(pool=None):
 # ------------------------------------------------------------------ streams
 
 
+_default_handle = None          # Numba's default stream as a pool handle, read once
+
+
 def _default_stream():
-    """Numba's default stream as a pool handle: 2 (per-thread) or 0 (legacy)."""
-    try:
-        from numba.cuda.core import config
-    except ImportError:             # Numba's built-in CUDA target keeps its config here
-        from numba.core import config
-    return 2 if getattr(config, "CUDA_PER_THREAD_DEFAULT_STREAM", 0) else 0
+    """Numba's default stream as a pool handle: 2 (per-thread) or 0 (legacy). Numba reads
+    its configuration at import, so the answer is fixed for the process."""
+    global _default_handle
+    if _default_handle is None:
+        try:
+            from numba.cuda.core import config
+        except ImportError:         # Numba's built-in CUDA target keeps its config here
+            from numba.core import config
+        _default_handle = 2 if getattr(config, "CUDA_PER_THREAD_DEFAULT_STREAM", 0) else 0
+    return _default_handle
 
 
 class _StreamRef:
