@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import gpu_available, mib   # noqa: E402
+from _common import gpu_available, mib, train_mlp   # noqa: E402
 
 BATCH, WIDTH, HIDDEN = 512, 1024, 4096
 NEEDED = {"cupy": "pip install cupy-cuda12x", "torch": "pip install torch",
@@ -79,18 +79,7 @@ def run(steps):
         phases.append((name, st["allocation.all.allocated"], st["allocated_bytes.all.allocated"]))
 
     mark("start")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, HIDDEN), torch.nn.GELU(),
-                                torch.nn.Linear(HIDDEN, WIDTH)).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(steps):
-        x = torch.randn(BATCH, WIDTH, device="cuda")
-        hidden = model[1](model[0](x))
-        loss = model[2](hidden).square().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    act = hidden.detach()
+    _, act = train_mlp(torch, steps, BATCH, WIDTH, HIDDEN)
     mark("PyTorch")
 
     square_pos = cupy.ElementwiseKernel("float32 x", "float32 y", "y = x > 0 ? x * x : 0",

@@ -41,11 +41,8 @@ _plugin_class = None
 
 
 def _distributed():
-    try:
-        import distributed
-    except ImportError as exc:
-        raise ImportError(f"{_INSTALL_HINT}; importing it failed: {exc}") from None
-    return distributed
+    from mempool._optional import require
+    return require("distributed", _INSTALL_HINT)
 
 
 def __getattr__(name):

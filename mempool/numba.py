@@ -53,11 +53,8 @@ class IpcNotSupportedError(RuntimeError):
 
 
 def _numba_driver():
-    try:
-        from numba.cuda.cudadrv import driver
-    except ImportError as exc:
-        raise ImportError(f"{_INSTALL_HINT}; importing it failed: {exc}") from None
-    return driver
+    from mempool._optional import require
+    return require("numba.cuda.cudadrv.driver", _INSTALL_HINT)
 
 
 def __getattr__(name):

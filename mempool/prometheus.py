@@ -66,11 +66,8 @@ _POOL_LABELS = ("device", "backend", "pool")
 
 
 def _prometheus():
-    try:
-        import prometheus_client
-    except ImportError:
-        raise ImportError(_INSTALL_HINT) from None
-    return prometheus_client
+    from mempool._optional import require
+    return require("prometheus_client", _INSTALL_HINT)
 
 
 def _check_pools(pools):

@@ -8,17 +8,11 @@ import sys
 
 import pytest
 
+from conftest import gpu_available
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 GiB = 1 << 30
-
-
-def gpu_available():
-    try:
-        from mempool import _cuda
-        return _cuda.available()
-    except Exception:
-        return False
 
 
 def run_example(name, *args, timeout=300):

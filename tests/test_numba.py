@@ -1,5 +1,6 @@
 """The Numba EMM plugin (mempool.numba) without a GPU: its logic against a fake context on
-the simulated device, Numba's plugin hand-shake, and importing Numba only when used."""
+the simulated device, and Numba's plugin hand-shake (importing Numba only when used:
+tests/test_integrations_import.py)."""
 import gc
 import os
 import subprocess
@@ -22,30 +23,6 @@ def _run(code, env=None):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
-
-def test_importing_the_module_imports_no_numba():
-    out = _run("""
-        import sys
-        import mempool.numba
-        print("numba" in sys.modules, "numba.cuda" in sys.modules)
-    """)
-    assert out.split() == ["False", "False"]
-
-
-def test_without_numba_the_manager_says_what_to_install():
-    out = _run("""
-        import sys
-        sys.modules["numba"] = None          # as if Numba were not installed
-        import mempool.numba
-        try:
-            mempool.numba.MempoolNumbaManager
-        except ImportError as exc:
-            print(exc)
-    """)
-    assert "pip install numba-cuda" in out
-
-
-# ------------------------------------------------------------------ with Numba
 
 numba_cuda = pytest.importorskip("numba.cuda", reason="the plugin subclasses Numba's EMM "
                                  "base classes (pip install numba-cuda)")
@@ -218,7 +195,7 @@ def test_memory_info_without_a_limit_is_the_devices(pools, manager):
     pool = pools(capacity=64 * MiB)
     mem = manager.memalloc(MiB)                      # a 2 MiB segment
     assert tuple(manager.get_memory_info()) == (63 * MiB, 64 * MiB)
-    assert pool.used_bytes() == MiB
+    assert pool.block_info(mem.device_pointer_value)[0] == MiB
 
 
 def test_memory_info_refuses_a_cuda_pool_without_the_device_figure():
@@ -272,7 +249,8 @@ def test_without_use_the_default_pool_serves(monkeypatch, manager):
     monkeypatch.setenv("MEMPOOL_CONF", "backend:sim,capacity:1GiB,limit:128MiB")
     mem = manager.memalloc(512)
     pool = mempool.default_pool(0)
-    assert pool.used_bytes() == 512 and pool.options["limit"] == 128 * MiB
+    assert pool.block_info(mem.device_pointer_value)[1] == 512
+    assert pool.options["limit"] == 128 * MiB
     assert manager.get_memory_info().total == 128 * MiB
 
 

@@ -1,27 +1,13 @@
 """mempool.prometheus: pools' metrics scraped from the endpoint on loopback."""
 import gc
-import os
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
 
 import mempool
+from conftest import fetch_text
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
-
-
-def test_without_prometheus_client_serve_says_what_to_install():
-    code = ("import sys; sys.modules['prometheus_client'] = None\n"
-            "import mempool.prometheus as mp\n"
-            "try:\n    mp.serve(0)\nexcept ImportError as exc:\n    print(exc)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert "pip install prometheus-client" in proc.stdout, proc.stdout + proc.stderr
-
 
 prometheus_client = pytest.importorskip("prometheus_client",
                                         reason="pip install prometheus-client")
@@ -29,22 +15,10 @@ import mempool.prometheus as mprom                          # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 
-def scrape(url, attempts=20):
-    """The endpoint's metrics as {(name, labels...): value}; a bounded retry loop while the
-    server thread comes up."""
-    last = None
-    for _ in range(attempts):
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                text = response.read().decode()
-            break
-        except OSError as exc:
-            last = exc
-            time.sleep(0.05)
-    else:
-        raise AssertionError(f"no answer from {url}: {last}")
+def scrape(url):
+    """The endpoint's metrics as {(name, labels...): value}."""
     out = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(fetch_text(url)):
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out

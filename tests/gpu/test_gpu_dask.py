@@ -1,10 +1,8 @@
 """mempool.dask on a real device: one GPU worker process whose pool serves a CuPy
 workload, seen from the client through the report and the metrics endpoint."""
-import time
-import urllib.request
-
 import pytest
 
+from conftest import fetch_text
 from mempool import _cuda
 
 if not _cuda.available():
@@ -55,14 +53,6 @@ def test_a_gpu_worker_runs_cupy_on_its_pool():
         assert "cuda device 0" in text and "hooks: cupy hooked" in text
         pytest.importorskip("prometheus_client", reason="pip install prometheus-client")
         with md.serve_metrics(client, port=0) as server:
-            for _ in range(20):
-                try:
-                    with urllib.request.urlopen(server.url, timeout=10) as response:
-                        metrics = response.read().decode()
-                    break
-                except OSError:
-                    time.sleep(0.05)
-            else:
-                raise AssertionError(f"no answer from {server.url}")
+            metrics = fetch_text(server.url, timeout=10)
         assert 'mempool_limit_bytes{backend="cuda",device="0",pool=' in metrics
         assert "4.294967296e+09" in metrics
