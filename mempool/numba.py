@@ -215,6 +215,9 @@ def record_stream(array, stream):
     """Declare that `array`'s memory (a Numba device array, or anything with
     ``__cuda_array_interface__`` on a pool block) is also used on `stream`: when it is
     freed, the pool waits for that stream's work queued until then before reusing it."""
+    if stream is None:
+        raise TypeError("stream: name the stream the array is used on (a Numba or CuPy "
+                        "stream, an object with __cuda_stream__, or an int handle), not None")
     iface = getattr(array, "__cuda_array_interface__", None)
     if iface is None:
         raise TypeError(f"array: expected a device array (__cuda_array_interface__), got "
@@ -231,7 +234,9 @@ def _owning_pool(ptr):
     with _pools_lock:
         candidates = list(_pools.values())
     import mempool
-    candidates += [pool for pool in mempool._default_pools.values() if pool not in candidates]
+    with mempool._default_lock:
+        defaults = list(mempool._default_pools.values())
+    candidates += [pool for pool in defaults if pool not in candidates]
     for pool in candidates:
         try:
             pool.block_info(ptr)
@@ -274,10 +279,11 @@ def memory_info(pool, device_free=None):
 class _HeldFrees:
     """The frees of one manager, held while a ``defer_cleanup`` block is active (any
     thread: Numba's own deferral is per context too). `_depth` and `_held` are guarded by
-    `_lock`; the pool calls are made outside it."""
+    `_lock`, re-entrant because a free is a finalizer that the garbage collector may run
+    inside this very class, while its thread holds the lock."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._depth = 0
         self._held = []
 

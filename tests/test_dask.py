@@ -9,6 +9,7 @@ from conftest import fetch_text
 
 MiB = 1 << 20
 CONF = "backend:sim,capacity:1GiB,limit:64MiB"
+TASK_TIMEOUT = 30           # seconds: a task that takes longer fails its test, never hangs it
 
 distributed = pytest.importorskip("distributed", reason="pip install distributed")
 import mempool                # noqa: E402
@@ -79,7 +80,8 @@ def test_tasks_allocate_from_their_workers_pool_and_the_report_adds_them_up(clie
     a, b = sorted(client.scheduler_info()["workers"])
     futures = [client.submit(_hold, MiB, workers=[a], pure=False),
                client.submit(_hold, 4 * MiB, workers=[b], pure=False)]
-    client.gather(futures)
+    distributed.wait(futures, timeout=TASK_TIMEOUT)
+    assert all(f.status == "finished" for f in futures), futures
     infos = md.gather(client)
     assert infos[a]["used_bytes"] == MiB and infos[b]["used_bytes"] == 4 * MiB
     assert infos[a]["stats"]["allocation.all.allocated"] == 1
@@ -94,9 +96,11 @@ def test_tasks_allocate_from_their_workers_pool_and_the_report_adds_them_up(clie
 def test_a_worker_over_its_limit_gets_the_pools_error(client):
     _register(client)
     a, b = sorted(client.scheduler_info()["workers"])
-    message = client.submit(_overflow, 100 * MiB, workers=[a], pure=False).result()
+    message = client.submit(_overflow, 100 * MiB, workers=[a],
+                            pure=False).result(timeout=TASK_TIMEOUT)
     assert "limit of 64MiB" in message
-    assert client.submit(_hold, 8 * MiB, workers=[b], pure=False).result() > 0
+    held = client.submit(_hold, 8 * MiB, workers=[b], pure=False)
+    assert held.result(timeout=TASK_TIMEOUT) > 0
     infos = md.gather(client)
     assert infos[a]["stats"]["num_ooms"] == 1 and infos[b]["stats"]["num_ooms"] == 0
     assert "OOMs 1" in md.report(client)
@@ -148,7 +152,7 @@ def test_one_endpoint_serves_every_workers_metrics(client):
     from prometheus_client.parser import text_string_to_metric_families
     _register(client)
     a, b = sorted(client.scheduler_info()["workers"])
-    client.submit(_hold, 2 * MiB, workers=[b], pure=False).result()
+    client.submit(_hold, 2 * MiB, workers=[b], pure=False).result(timeout=TASK_TIMEOUT)
     with md.serve_metrics(client, port=0, labels={"cluster": "test"}) as server:
         assert server.url.startswith("http://127.0.0.1:")
         text = fetch_text(server.url, timeout=10)

@@ -303,6 +303,8 @@ def test_bad_arguments_are_refused_and_change_nothing(pools, manager):
     assert getattr(mn._scope, "stream", None) is None
     with pytest.raises(TypeError, match="__cuda_array_interface__"):
         mn.record_stream(object(), 0)
+    with pytest.raises(TypeError, match="not None"):
+        mn.record_stream(object(), None)
 
     class Stranger:
         __cuda_array_interface__ = {"data": (0x1234, False)}
