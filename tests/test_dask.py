@@ -1,6 +1,7 @@
 """mempool.dask on a process-based LocalCluster over the simulated device: a pool per
 worker built from a conf string, registered after the workers started, rebuilt when a
 worker restarts, gathered into one report and one Prometheus endpoint."""
+import sys
 import time
 
 import pytest
@@ -12,6 +13,7 @@ CONF = "backend:sim,capacity:1GiB,limit:64MiB"
 TASK_TIMEOUT = 30           # seconds: a task that takes longer fails its test, never hangs it
 
 distributed = pytest.importorskip("distributed", reason="pip install distributed")
+import cloudpickle            # noqa: E402  (a dependency of distributed)
 import mempool                # noqa: E402
 import mempool.dask as md     # noqa: E402
 
@@ -19,13 +21,16 @@ import mempool.dask as md     # noqa: E402
 @pytest.fixture(scope="module")
 def client():
     """Two worker processes, one thread each, no dashboards; the plugin is registered by
-    each test, after the workers started."""
+    each test, after the workers started. This module's task functions travel by value:
+    importing it in a worker would find whichever conftest comes first on its path."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                        dashboard_address=None,
                                        worker_dashboard_address=None)
     with cluster, distributed.Client(cluster) as c:
         c.wait_for_workers(2, timeout=30)
         yield c
+    cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
 def _register(client, conf=CONF, **kwargs):
