@@ -1,19 +1,15 @@
 """mempool.dask on a process-based LocalCluster over the simulated device: a pool per
 worker built from a conf string, registered after the workers started, rebuilt when a
 worker restarts, gathered into one report and one Prometheus endpoint."""
-import sys
 import time
 
 import pytest
-
-from conftest import fetch_text
 
 MiB = 1 << 20
 CONF = "backend:sim,capacity:1GiB,limit:64MiB"
 TASK_TIMEOUT = 30           # seconds: a task that takes longer fails its test, never hangs it
 
 distributed = pytest.importorskip("distributed", reason="pip install distributed")
-import cloudpickle            # noqa: E402  (a dependency of distributed)
 import mempool                # noqa: E402
 import mempool.dask as md     # noqa: E402
 
@@ -21,16 +17,15 @@ import mempool.dask as md     # noqa: E402
 @pytest.fixture(scope="module")
 def client():
     """Two worker processes, one thread each, no dashboards; the plugin is registered by
-    each test, after the workers started. This module's task functions travel by value:
-    importing it in a worker would find whichever conftest comes first on its path."""
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    each test, after the workers started. Workers import this module to run its task
+    functions, so it imports no conftest at the top: on a worker's path, bench's may come
+    first."""
     cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                        dashboard_address=None,
                                        worker_dashboard_address=None)
     with cluster, distributed.Client(cluster) as c:
         c.wait_for_workers(2, timeout=30)
         yield c
-    cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
 def _register(client, conf=CONF, **kwargs):
@@ -155,6 +150,8 @@ def test_a_restarted_worker_builds_its_pool_again(client):
 def test_one_endpoint_serves_every_workers_metrics(client):
     pytest.importorskip("prometheus_client", reason="pip install prometheus-client")
     from prometheus_client.parser import text_string_to_metric_families
+
+    from conftest import fetch_text
     _register(client)
     a, b = sorted(client.scheduler_info()["workers"])
     client.submit(_hold, 2 * MiB, workers=[b], pure=False).result(timeout=TASK_TIMEOUT)

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run(code, env=None):
     """Run `code` in a fresh interpreter at the repository root; its stdout."""
-    full_env = dict(os.environ, PYTHONPATH=ROOT)
+    full_env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
                           env=full_env, capture_output=True, text=True, timeout=120)

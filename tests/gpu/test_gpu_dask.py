@@ -1,16 +1,12 @@
 """mempool.dask on a real device: one GPU worker process whose pool serves a CuPy
 workload, seen from the client through the report and the metrics endpoint."""
-import sys
-
 import pytest
 
-from conftest import fetch_text
 from mempool import _cuda
 
 if not _cuda.available():
     pytest.skip("needs a CUDA device, CuPy and the CUDA driver", allow_module_level=True)
 distributed = pytest.importorskip("distributed", reason="pip install distributed")
-import cloudpickle            # noqa: E402  (a dependency of distributed)
 
 import mempool.dask as md     # noqa: E402
 
@@ -33,9 +29,6 @@ def _on_pool(n):
 
 
 def test_a_gpu_worker_runs_cupy_on_its_pool():
-    # The task functions travel by value: importing this module in the worker would find
-    # whichever conftest comes first on its path.
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cluster = distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
                                        dashboard_address=None,
                                        worker_dashboard_address=None)
@@ -58,6 +51,9 @@ def test_a_gpu_worker_runs_cupy_on_its_pool():
         text = md.report(client)
         assert "cuda device 0" in text and "hooks: cupy hooked" in text
         pytest.importorskip("prometheus_client", reason="pip install prometheus-client")
+        # Imported here: the worker imports this module for its task functions, and on its
+        # path bench's conftest may come first.
+        from conftest import fetch_text
         with md.serve_metrics(client, port=0) as server:
             metrics = fetch_text(server.url, timeout=10)
         assert 'mempool_limit_bytes{backend="cuda",device="0",pool=' in metrics

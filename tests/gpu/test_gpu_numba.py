@@ -41,7 +41,7 @@ def ptr(arr):
 
 def run(body, env=None, **options):
     code = PRELUDE.replace("OPTIONS", repr(options)) + textwrap.dedent(body)
-    full_env = dict(os.environ, PYTHONPATH=ROOT)
+    full_env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     full_env.pop("MEMPOOL_CONF", None)
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full_env,
@@ -91,8 +91,8 @@ def test_env_var_installs_the_plugin_and_default_pool_follows_mempool_conf():
                           "block": pool.block_info(a.__cuda_array_interface__["data"][0]),
                           "info": list(cuda.current_context().get_memory_info())}))
     """)
-    env = dict(os.environ, PYTHONPATH=ROOT, NUMBA_CUDA_MEMORY_MANAGER="mempool.numba",
-               MEMPOOL_CONF="limit:1GiB")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               NUMBA_CUDA_MEMORY_MANAGER="mempool.numba", MEMPOOL_CONF="limit:1GiB")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
