@@ -89,21 +89,30 @@ def _importable(name):
         return False
 
 
+def _check_hooks(pool, frameworks):
+    """Refuse a list of frameworks that `pool` cannot serve in this worker, before the
+    worker's current pool and hooks are touched."""
+    if frameworks == "auto" or not frameworks:
+        return
+    if pool.backend != "cuda":
+        raise ValueError(f"frameworks {list(frameworks)}: a {pool.backend!r} pool cannot serve "
+                         f"CUDA frameworks; use backend:cuda, or frameworks=()")
+    for name in frameworks:
+        if not _importable(name):
+            raise ImportError(f"frameworks: {name} is not installed in this worker")
+
+
 def _hook(pool, frameworks):
-    """Route the frameworks' allocations to `pool`; {framework: what happened}."""
+    """Route the frameworks' allocations to `pool`; {framework: what happened}. A listed
+    framework that refuses raises (after _check_hooks, only a refusal at run time, such as
+    PyTorch's allocator already in use); with "auto" it is skipped, and said so."""
     explicit = frameworks != "auto"
     wanted = frameworks if explicit else FRAMEWORKS
     hooks = {}
     if pool.backend != "cuda":
-        if explicit and wanted:
-            raise ValueError(f"frameworks {list(wanted)}: a {pool.backend!r} pool cannot serve "
-                             f"CUDA frameworks; use backend:cuda, or frameworks=()")
         return {name: f"skipped: the pool's backend is {pool.backend!r}" for name in wanted}
     for name in wanted:
-        module = {"cupy": "cupy", "torch": "torch", "numba": "numba.cuda"}[name]
-        if not _importable(module.split(".")[0]):
-            if explicit:
-                raise ImportError(f"frameworks: {name} is not installed in this worker")
+        if not _importable(name):
             hooks[name] = "skipped: not installed"
             continue
         try:
@@ -118,6 +127,7 @@ def _hook(pool, frameworks):
                 mempool.numba.install(pool)
         except (RuntimeError, ImportError) as exc:
             if explicit:
+                _unhook(hooks)
                 raise
             hooks[name] = f"skipped: {exc}"
             continue
@@ -126,9 +136,10 @@ def _hook(pool, frameworks):
 
 
 def _unhook(hooks):
-    # CuPy's allocator can be given back; PyTorch's and Numba's are fixed for the process
-    # once chosen, so their blocks stay routed to the old pool (which lives on while they
-    # hold blocks).
+    # CuPy's allocator can be given back. PyTorch's is fixed for the process once installed
+    # (a later pool on the same device is refused there, and said so in the hooks); Numba's
+    # manager stays, and the next install points it at the new pool. Blocks handed out
+    # go back to the pool they came from, which lives while they do.
     if hooks.get("cupy") == "hooked":
         import mempool.cupy
         mempool.cupy.set_allocator(None)
@@ -141,6 +152,7 @@ def _setup(conf, frameworks, prometheus, worker_address):
     options.setdefault("backend", "cuda" if _cuda.available() else "sim")
     device = options.setdefault("device", 0)
     pool = mempool.Pool(**options)
+    _check_hooks(pool, frameworks)
     with _state_lock:
         _teardown_locked()
         hooks = _hook(pool, frameworks)
@@ -197,9 +209,13 @@ def _build_plugin_class():
         name = "mempool"
 
         def __init__(self, conf="", frameworks="auto", prometheus=False):
-            _pool_options(conf)
+            backend = _pool_options(conf).get("backend")
             self.conf = conf
             self.frameworks = _check_frameworks(frameworks)
+            if backend in ("sim", "host") and self.frameworks not in ("auto", ()):
+                raise ValueError(f"frameworks {list(self.frameworks)}: a {backend!r} pool "
+                                 f"cannot serve CUDA frameworks; use backend:cuda, or "
+                                 f"frameworks=()")
             if not isinstance(prometheus, bool):
                 raise TypeError(f"prometheus must be True or False, got {prometheus!r}")
             if prometheus:

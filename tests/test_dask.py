@@ -55,6 +55,8 @@ def _overflow(nbytes):
     ((CONF,), {"frameworks": ["jax"]}, ValueError, "'jax' is not one mempool can hook"),
     ((CONF,), {"frameworks": 3}, TypeError, "frameworks: expected"),
     ((CONF,), {"prometheus": "yes"}, TypeError, "prometheus must be True or False"),
+    ((CONF,), {"frameworks": ["cupy"]}, ValueError, "a 'sim' pool cannot serve CUDA"),
+    (("backend:host",), {"frameworks": "numba"}, ValueError, "a 'host' pool cannot serve"),
 ])
 def test_bad_plugin_arguments_fail_on_the_client(args, kwargs, error, words):
     with pytest.raises(error, match=words):
@@ -120,6 +122,18 @@ def test_registering_again_replaces_the_pool(client):
     assert all(again[w] > first[w] for w in first)
     # The new pool is the worker's default pool too.
     assert set(client.run(lambda: mempool.default_pool() is md.worker_pool()).values()) == {True}
+
+
+def test_frameworks_a_workers_pool_cannot_serve_fail_its_setup(client):
+    # No backend in the conf: each worker picks (sim here, without a GPU), so the refusal
+    # comes from the workers. distributed tears the old plugin down before the new one's
+    # setup, so the workers are left without a pool until a good plugin is registered.
+    _register(client)
+    with pytest.raises(ValueError, match="a 'sim' pool cannot serve CUDA frameworks"):
+        client.register_plugin(md.MempoolPlugin("capacity:1GiB", frameworks=["cupy"]))
+    assert all(i["pool"] is None for i in md.gather(client).values())
+    _register(client)
+    assert all(i["backend"] == "sim" for i in md.gather(client).values())
 
 
 def test_unregistering_tears_the_pool_down(client):
