@@ -36,3 +36,20 @@ def report(pool, title):
     print(f"   allocations {st['allocation.all.allocated']}, frees {st['allocation.all.freed']}, "
           f"peak allocated {mib(st['allocated_bytes.all.peak'])}, "
           f"segments {st['segment.all.current']}")
+
+
+def train_mlp(torch, steps, batch, width, hidden):
+    """A few AdamW steps of a Linear-GELU-Linear MLP on random data (seed 0); returns the
+    last loss and the last hidden activations (detached)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.GELU(),
+                                torch.nn.Linear(hidden, width)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        x = torch.randn(batch, width, device="cuda")
+        act = model[1](model[0](x))
+        loss = model[2](act).square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return loss, act.detach()

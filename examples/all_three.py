@@ -28,7 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import gpu_available, mib   # noqa: E402
+from _common import gpu_available, mib, train_mlp   # noqa: E402
 
 BATCH, WIDTH, HIDDEN = 1024, 2048, 8192
 
@@ -62,17 +62,7 @@ def run(mode, steps):
 
     # PyTorch: training steps; keep the last hidden activations.
     mark("start")
-    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, HIDDEN), torch.nn.GELU(),
-                                torch.nn.Linear(HIDDEN, WIDTH)).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(steps):
-        x = torch.randn(BATCH, WIDTH, device="cuda")
-        hidden = model[1](model[0](x))
-        loss = model[2](hidden).square().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    act = hidden.detach()
+    loss, act = train_mlp(torch, steps, BATCH, WIDTH, HIDDEN)
     mark("torch")
 
     # CuPy: a kernel on PyTorch's activations, zero-copy (both on the current stream).

@@ -38,7 +38,9 @@ cdef extern from *:
 
 mp_set_blocking_hooks(mp_py_blocking_begin, mp_py_blocking_end)
 
+import itertools as _itertools
 import os as _os
+import weakref as _weakref
 
 from mempool import _config
 from mempool._errors import InvariantError, OutOfMemoryError
@@ -139,6 +141,21 @@ def stream_handle(stream):
         return stream_handle(stream.__index__())
     raise TypeError(f"stream must be an int handle, a CuPy or PyTorch stream, or an object "
                     f"with __cuda_stream__; got {type(stream).__name__}")
+
+
+# Every live Pool by its creation number, for exporters that watch all of them
+# (mempool.prometheus): weak, so being watched keeps no pool alive. Written at creation only.
+_live_pools = _weakref.WeakValueDictionary()
+_pool_numbers = _itertools.count()
+
+
+def live_pools():
+    """``[(number, pool)]`` of every Pool of this process still alive, oldest first.
+
+    ``number`` counts the pools made in this process from 0 and is never reused, so it
+    names one pool for its life (the ``pool`` label of mempool.prometheus).
+    """
+    return sorted(_live_pools.items(), key=lambda item: item[0])
 
 
 cdef size_t _or_unlimited(object value):
@@ -256,6 +273,7 @@ cdef class Pool:
             if self._kind == _CUDA:
                 mp_cuda_bind_errors(mp_pool_upstream(self._pool))
             self.device = _make_device(self)
+            _live_pools[next(_pool_numbers)] = self
             return
         if rc == MP_ENOMEM:
             raise OutOfMemoryError(
