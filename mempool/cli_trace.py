@@ -7,7 +7,7 @@
 
 TRACE is a mempool trace (JSON lines, .gz allowed), a torch memory snapshot pickle, or an
 RMM log CSV, recognised by content. Without one, each command uses the transformer trace
-shipped in bench/traces/.
+shipped with the package (mempool/traces/).
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import sys
 
 __all__ = ["main", "default_trace"]
 
-TRACES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "bench", "traces")
+# Package data (pyproject.toml), so an installed wheel has them too; the benchmark scripts
+# and tests read them from here as well.
+TRACES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces")
 DEFAULT_TRACE = "transformer_train.jsonl.gz"
 
 
@@ -28,7 +29,7 @@ def default_trace() -> str:
     path = os.path.join(TRACES_DIR, DEFAULT_TRACE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no trace given and the shipped default {path} is missing "
-                                "(run from a source checkout, or pass a trace file)")
+                                "(a broken installation: reinstall mempool, or pass a trace file)")
     return path
 
 
@@ -59,7 +60,7 @@ def _replay(argv) -> int:
     ap = argparse.ArgumentParser(prog="python -m mempool replay",
                                  description="Replay an allocation trace through a pool and "
                                              "report peak live and reserved memory.")
-    ap.add_argument("trace", nargs="?", help=f"trace file (default: bench/traces/{DEFAULT_TRACE})")
+    ap.add_argument("trace", nargs="?", help=f"trace file (default: the shipped {DEFAULT_TRACE})")
     ap.add_argument("--conf", default=None,
                     help='pool options, as MEMPOOL_CONF takes them ("key:value,...")')
     ap.add_argument("--backend", default="sim", choices=rp.BACKENDS,
@@ -112,7 +113,7 @@ def _tune(argv) -> int:
                                  description="Replay a trace on the simulated device under a "
                                              "grid of settings and recommend the one that "
                                              "reserves least memory.")
-    ap.add_argument("trace", nargs="?", help=f"trace file (default: bench/traces/{DEFAULT_TRACE})")
+    ap.add_argument("trace", nargs="?", help=f"trace file (default: the shipped {DEFAULT_TRACE})")
     ap.add_argument("--limit", type=_size_arg, default=None,
                     help="replay under this cap on reserved bytes (bytes, 40GB, or 0.5)")
     ap.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
@@ -134,7 +135,7 @@ def _plot(argv) -> int:
                                  description="Draw a snapshot's segment map, or a trace's live "
                                              "and reserved memory over time.")
     ap.add_argument("input", nargs="?",
-                    help=f"snapshot pickle or trace file (default: bench/traces/{DEFAULT_TRACE})")
+                    help=f"snapshot pickle or trace file (default: the shipped {DEFAULT_TRACE})")
     ap.add_argument("--out", default="mempool_plot.png", help="image file (default %(default)s)")
     ap.add_argument("--conf", default=None, help="pool options for replaying a trace")
     ap.add_argument("--segments", action="store_true",

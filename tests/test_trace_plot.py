@@ -11,7 +11,7 @@ from mempool import trace as mt
 from test_trace import torch_snapshot
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = os.path.join(REPO, "bench", "traces", "small.jsonl")
+SMALL = os.path.join(REPO, "mempool", "traces", "small.jsonl")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -9,7 +9,7 @@ from mempool import tune as tn
 from mempool.trace import Event
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = os.path.join(REPO, "bench", "traces", "small.jsonl")
+SMALL = os.path.join(REPO, "mempool", "traces", "small.jsonl")
 MiB = 1 << 20
 
 
