@@ -16,7 +16,8 @@ COMMANDS = {
 
 
 def usage() -> str:
-    lines = ["usage: python -m mempool COMMAND [ARGS]", "", "commands:"]
+    lines = ["usage: python -m mempool COMMAND [ARGS]", "       python -m mempool --version",
+             "", "commands:"]
     lines += [f"  {name:<8} {text}" for name, (_, text) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -25,6 +26,11 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        # Read from the package, not its metadata: a source checkout built in place has none.
+        from mempool import __version__
+        print(f"mempool {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

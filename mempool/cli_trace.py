@@ -122,7 +122,10 @@ def _tune(argv) -> int:
     path = args.trace or default_trace()
     events = _load(path)
     results = tn.tune(events, limit=args.limit, progress=not args.quiet)
-    print(f"trace {path}: {len(events)} events, {len(results)} settings replayed on sim")
+    replayed = sum(r.result is not None for r in results)
+    print(f"trace {path}: {len(events):,} events, {replayed} settings replayed on sim"
+          + (f" under a limit of {args.limit}" if args.limit is not None else "")
+          + f" ({len(results) - replayed} refused, listed below)" * (replayed < len(results)))
     print(tn.report(results, top=args.top))
     return 0
 
