@@ -754,7 +754,8 @@ cdef class Pool:
     def summary(self, abbreviated=False):
         """A text report in the layout of ``torch.cuda.memory_summary()``."""
         from mempool import report
-        return report.summary(self.stats(), device=self.device_id, abbreviated=abbreviated)
+        return report.summary(self.stats(), device=self.device_id, abbreviated=abbreviated,
+                              backend=self.backend)
 
     def snapshot(self):
         """The pool in the format of ``torch.cuda.memory._snapshot()``."""

@@ -22,6 +22,7 @@ __all__ = ["main", "default_trace"]
 # and tests read them from here as well.
 TRACES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces")
 DEFAULT_TRACE = "transformer_train.jsonl.gz"
+SIM_CAPACITY = "80GiB"        # the sim backend's default capacity (mempool/_pool.pxi)
 
 
 def default_trace() -> str:
@@ -68,36 +69,60 @@ def _replay(argv) -> int:
                          "memory, no kernels) or host")
     ap.add_argument("--limit", type=_size_arg, default=None,
                     help="cap on reserved bytes: bytes, a size (40GB) or a fraction (0.5)")
+    ap.add_argument("--capacity", default=None,
+                    help="memory of the device replayed on (a size: 80GB). Default: the "
+                         "GPU's on cuda, 80 GiB on sim, and on host 80 GiB as on sim (the "
+                         "host backend's own default, 4 GiB, would refuse a GPU-sized trace; "
+                         "host segments reserve address space only, not memory)")
     ap.add_argument("--plot", metavar="FILE", default=None,
                     help="also draw live and reserved bytes over the replay to FILE (.png)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
     path = args.trace or default_trace()
     events = _load(path)
+    capacity = args.capacity
+    if capacity is None and args.backend == "host":
+        capacity = SIM_CAPACITY
+    extra = {} if capacity is None else {"capacity": capacity}
     result = rp.replay(events, conf=args.conf, backend=args.backend, limit=args.limit,
-                       timeseries=bool(args.plot))
+                       timeseries=bool(args.plot), **extra)
     if args.json:
         d = result.to_dict()
         d.pop("timeseries", None)
         d["trace"] = path
         print(json.dumps(d, indent=2, default=str))
     else:
-        gib = float(1 << 30)
-        print(f"trace          {path} ({result.events} events, {result.allocs} allocs, "
-              f"{result.frees} frees)")
-        print(f"settings       {args.conf or '(default)'} on {result.backend}")
-        print(f"peak live      {result.peak_live_bytes / gib:9.3f} GiB (requested bytes)")
-        print(f"peak allocated {result.peak_allocated_bytes / gib:9.3f} GiB (after rounding)")
-        print(f"peak reserved  {result.peak_reserved_bytes / gib:9.3f} GiB")
-        print(f"reserved/live  {result.ratio:9.3f}")
-        print(f"upstream calls {result.num_device_alloc} segment allocs, "
-              f"{result.num_device_free} frees")
-        print(f"OOMs           {result.num_ooms}" +
-              (f" (first: {result.first_oom})" if result.first_oom else ""))
+        import mempool
+        from ._units import format_bytes as fb
+
+        # The device's size, so that OOMs can be read against it.
+        probe = mempool.Pool(backend=args.backend, **extra)
+        where = f"{result.backend}, capacity {fb(probe.capacity)}" + (
+            " (host default raised to sim's: --capacity to change)"
+            if args.backend == "host" and args.capacity is None else "")
+        if args.limit is not None:
+            where += f", limit {args.limit}"
+        del probe
+        print(f"trace          {path} ({result.events:,} events, {result.allocs:,} allocs, "
+              f"{result.frees:,} frees)")
+        print(f"settings       {args.conf or '(default)'} on {where}")
+        print(f"peak live      {fb(result.peak_live_bytes, exact=True)}: the most the trace "
+              "held at once (requested sizes)")
+        print(f"peak allocated {fb(result.peak_allocated_bytes, exact=True)}: the same after "
+              "the pool's rounding")
+        print(f"peak reserved  {fb(result.peak_reserved_bytes, exact=True)}: the most the pool "
+              "held from the device (lower is better)")
+        print(f"reserved/live  {result.ratio:.3f} (1.000 = no overhead; lower is better)")
+        print(f"upstream calls {result.num_device_alloc:,} segment allocs, "
+              f"{result.num_device_free:,} frees (each a cudaMalloc/cudaFree-class call on a "
+              "GPU; fewer is better)")
+        print(f"OOMs           {result.num_ooms:,} allocations refused (the replay went on "
+              "without them)" + (f"; first: {result.first_oom}" if result.first_oom else ""))
         if result.unknown_frees or result.duplicate_allocs:
             print(f"trace issues   {result.unknown_frees} frees of unknown ids, "
                   f"{result.duplicate_allocs} allocs of ids already live")
-        print(f"time           {result.ns_per_event:9.0f} ns per event")
+        print(f"time           {result.ns_per_event:,.0f} ns per event of replay (this "
+              "machine's CPU; lower is better)")
     if args.plot:
         from . import plot
 
