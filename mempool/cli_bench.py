@@ -145,6 +145,19 @@ def _ns_label(ns, _pos=None):
     return f"{ns:g} ns"
 
 
+def _bounds_125(lo, hi):
+    """The 1-2-5 steps (..., 20, 50, 100, 200, ...) at or below `lo` and at or above `hi`."""
+    import math
+
+    def steps(n):
+        for e in range(math.floor(math.log10(n)) - 1, math.floor(math.log10(n)) + 2):
+            for m in (1, 2, 5):
+                yield m * 10.0 ** e
+    below = max(v for v in steps(lo) if v <= lo * (1 + 1e-9))
+    above = min(v for v in steps(hi) if v >= hi * (1 - 1e-9))
+    return below, above
+
+
 def plot_latency(infos, path, note=None):
     """Draw latency by size per allocator (log scale) to `path`; return a message.
 
@@ -178,8 +191,16 @@ def plot_latency(infos, path, note=None):
                 linewidth=2.6 if mine else 1.3, linestyle="-" if mine else "--",
                 markersize=7 if mine else 5, label=row)
     ax.set_yscale("log")
-    # 1-2-5 steps: a run spanning one decade still gets several labelled ticks.
-    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    # 1-2-5 steps: a run spanning one decade still gets several labelled ticks; the axis
+    # runs from the 1-2-5 step at or below the fastest row to the one at or above the
+    # slowest, so every plotted row lies between two labelled ticks (a 31 ns row once sat
+    # below the lowest tick, 50 ns).
+    plotted = [cells[(r, c)]["ns"] for r in rows for c in columns if (r, c) in cells]
+    lower, upper = _bounds_125(min(plotted), max(plotted))
+    ax.set_ylim(lower, upper)
+    # Within about a decade, every integer step is labelled (20, 30, 40 ns ...).
+    subs = (1.0, 2.0, 5.0) if upper / lower > 10 else tuple(float(m) for m in range(1, 10))
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=subs))
     ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_ns_label))
     ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xticks(range(len(columns)))
