@@ -216,11 +216,13 @@ def tune(events, limit=None, grid=None, progress: bool = True, capacity=None,
     Returns
     -------
     list of TuneResult
-        Ranked: fewest OOMs, then no upstream churn (:func:`churn_limit`), then least peak
-        reserved, then fewest upstream calls, then fewest changed settings. Points the pool refused (for instance expandable
-        segments where they are not available) come last with ``skipped`` set. The first
-        entry is the recommendation; it is the default itself unless a point has no more
-        OOMs, no more peak reserved bytes and no churn (and ranks higher).
+        Ranked by :meth:`TuneResult.key`: fewest OOMs, then no upstream churn
+        (:func:`churn_limit`), then least peak reserved, then fewest upstream calls, then
+        fewest changed settings. Points the pool refused (settings that do not combine, or
+        expandable segments where they are not available) come last with ``skipped`` set.
+        The first entry is the recommendation: the default itself unless a point has fewer
+        OOMs, or as many with no churn and no more peak reserved bytes. A churning point that
+        reserves less than one ranked above it with as many OOMs carries ``rule``.
     """
     grid = _check_grid(grid)
     if limit is None and grid.get("garbage_collection_threshold") == \
@@ -257,8 +259,7 @@ def tune(events, limit=None, grid=None, progress: bool = True, capacity=None,
             skipped.append(item)
         else:
             if bar_of_churn is None:
-                bar_of_churn = churn_limit(result.num_device_alloc + result.num_device_free,
-                                           result.events)
+                bar_of_churn = churn_limit(_calls(result), result.events)
             item.churn = _calls(result) > bar_of_churn
             done.append((item, i))
             # The same key as the final ranking, so the line's best is the table's rank 1.
