@@ -111,9 +111,10 @@ def churn_limit(default_calls: int, events: int) -> int:
 
 def _candidates(grid: dict) -> tuple:
     """Every point of the grid as a dict of its non-default settings, the default first,
-    each distinct point once; and the points left out because their settings do not combine
-    (e.g. expandable segments with a max_split_size), as (point, reason) pairs."""
-    normalize = _normalize()
+    each distinct point once; and the points left out, as (point, reason) pairs: settings
+    that do not combine, or where one overrides another by PyTorch's precedence (such a
+    point is the same as one without the overridden setting)."""
+    from ._config import _checked, _overridden
     keys = list(grid)
     seen = {()}
     out = [{}]
@@ -125,9 +126,12 @@ def _candidates(grid: dict) -> tuple:
             continue
         seen.add(ident)
         try:
-            normalize(point)
+            dropped = _overridden(_checked(point))
         except ValueError as e:
             left_out.append((point, str(e)))
+            continue
+        if dropped:
+            left_out.append((point, "; ".join(dropped.values())))
             continue
         out.append(point)
     return out, left_out
@@ -362,7 +366,7 @@ def report(results: list, top: int = 10) -> str:
         for r in refused:
             by_reason.setdefault(r.skipped, []).append(r.conf)
         lines.append("")
-        lines.append(f"not replayed: {len(refused)} settings the pool refuses, by reason:")
+        lines.append(f"not replayed: {len(refused)} settings, by reason:")
         for reason, confs in by_reason.items():
             lines.append(f"  {len(confs)} like {confs[0]}: {reason}")
     if ranked:

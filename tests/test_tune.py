@@ -189,5 +189,5 @@ def test_a_setting_ranked_down_by_a_rule_is_listed_with_the_rule(transformer_tun
     # Settings without churn carry no rule; refused ones are listed with their reason.
     assert all(r.rule is None for r in results if r.result is not None and not r.churn)
     refused = [r for r in results if r.result is None]
-    assert refused and f"not replayed: {len(refused)} settings the pool refuses" in text
+    assert refused and f"not replayed: {len(refused)} settings, by reason:" in text
     assert "do not combine" in text
