@@ -4,6 +4,7 @@ Commands: ``demo`` (the main job), ``bench`` (the latency suite), ``replay``, ``
 ``plot`` (traces). Each lives in its own module; this file only dispatches.
 """
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -39,7 +40,15 @@ def main(argv=None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     # Every command module exposes main(command, argv) -> exit code.
-    return int(module.main(name, rest) or 0)
+    try:
+        rc = int(module.main(name, rest) or 0)
+        sys.stdout.flush()                   # inside the try: a closed pipe shows here
+        return rc
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as other command-line tools do;
+        # stdout goes to devnull so the interpreter's final flush cannot raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -62,3 +62,12 @@ def test_cli_help_version_and_unknown_command():
     assert version.returncode == 0 and version.stdout == f"mempool {mempool.__version__}\n"
     bad = run("frobnicate")
     assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
+
+
+def test_a_closed_pipe_ends_a_command_quietly():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "mempool", "replay"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT, env=env)
+    proc.stdout.close()                      # the reader gone before a line is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err
