@@ -3,7 +3,7 @@
     python bench/fragmentation.py                        # print the table
     python bench/fragmentation.py --out bench/results/fragmentation.json
 
-Each trace in bench/traces/ (a transformer with dynamic sequence lengths and a CNN with
+Each trace in mempool/traces/ (a transformer with dynamic sequence lengths and a CNN with
 variable resolution) is replayed on the simulated device, at GPU scale, under the settings
 users reach for. The figure of merit is peak reserved bytes over peak live (requested)
 bytes: 1.0 means the pool held nothing beyond what the program used at its peak.
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from bench.provenance import commit  # noqa: E402
 from mempool import replay as rp  # noqa: E402
 from mempool import trace as mtrace  # noqa: E402
+from mempool.cli_trace import TRACES_DIR  # noqa: E402
 
 TRACES = ("transformer_train.jsonl.gz", "vision_train.jsonl.gz")
 SETTINGS = [
@@ -59,7 +60,7 @@ def run(traces=TRACES, settings=SETTINGS, capacity=None) -> list:
     extra = {} if capacity is None else {"capacity": capacity}
     rows = []
     for name in traces:
-        path = name if os.path.exists(name) else os.path.join(HERE, "traces", name)
+        path = name if os.path.exists(name) else os.path.join(TRACES_DIR, name)
         prep = rp.prepare(mtrace.load(path))
         for label, options in settings:
             row = {"trace": os.path.basename(path), "setting": label, "options": options,

@@ -3,7 +3,7 @@ would pick instead, side by side in one run.
 
     python bench/fragmentation_gpu.py [--out FILE.json] [--snapshot FILE.pickle]
 
-For each trace in bench/traces/ (transformer, vision) it replays every alloc and free,
+For each trace in mempool/traces/ (transformer, vision) it replays every alloc and free,
 allocating real device memory (no kernels), through:
 
 - mempool ``backend="cuda"`` (default settings, and expandable segments where available);
@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from mempool import replay as rp  # noqa: E402
 from mempool import trace as mtrace  # noqa: E402
+from mempool.cli_trace import TRACES_DIR  # noqa: E402
 
 TRACES = ("transformer_train.jsonl.gz", "vision_train.jsonl.gz")
 TORCH_CONFS = ("", "expandable_segments:True", "roundup_power2_divisions:4",
@@ -37,7 +38,7 @@ TORCH_CONFS = ("", "expandable_segments:True", "roundup_power2_divisions:4",
 
 
 def _trace_path(name):
-    return name if os.path.exists(name) else os.path.join(HERE, "traces", name)
+    return name if os.path.exists(name) else os.path.join(TRACES_DIR, name)
 
 
 def torch_replay(trace) -> dict:

@@ -1,4 +1,4 @@
-"""Generate the allocation traces shipped in bench/traces/ (seeded: the same files every run).
+"""Generate the allocation traces shipped in mempool/traces/ (seeded: the same files every run).
 
     python bench/make_traces.py            # write the traces, print what they hold
     python bench/make_traces.py --check    # regenerate in memory, compare with the files
@@ -29,8 +29,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from mempool import trace as mtrace  # noqa: E402
+from mempool.cli_trace import TRACES_DIR  # noqa: E402
 
-OUT_DIR = os.path.join(HERE, "traces")
+OUT_DIR = TRACES_DIR
 BF16, FP32 = 2, 4
 MiB = 1 << 20
 
@@ -476,7 +477,7 @@ def _summary(name, events) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out-dir", default=OUT_DIR, help="where to write (default bench/traces)")
+    ap.add_argument("--out-dir", default=OUT_DIR, help="where to write (default mempool/traces)")
     ap.add_argument("--check", action="store_true",
                     help="regenerate in memory and compare with the files instead of writing")
     ap.add_argument("--record-torch", metavar="FILE",

@@ -1,5 +1,11 @@
-"""Shared bits of the examples: picking a backend and printing a pool's accounting."""
+"""Shared bits of the examples: picking a backend, checking what is installed, and printing
+a pool's accounting."""
 import argparse
+import importlib
+import os
+import sys
+
+from mempool._units import format_bytes
 
 
 def gpu_available():
@@ -24,17 +30,29 @@ def parse_backend(description, cpu_backend, argv=None):
     return ap.parse_args(argv)
 
 
-def mib(nbytes):
-    return f"{nbytes / (1 << 20):9.2f} MiB"
+def require(module, what, install):
+    """Import `module`; without it, say in one line what to install and exit (status 0: the
+    example does not apply to this machine, nothing failed)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        name = os.path.basename(sys.argv[0]) or "this example"
+        print(f"{name}: skipped, it needs {what}, which is not installed here "
+              f"(pip install {install})")
+        sys.exit(0)
+
+
+def size_text(nbytes):
+    return f"{format_bytes(nbytes):>10}"
 
 
 def report(pool, title):
     st = pool.stats()
     print(f"-- {title}")
-    print(f"   used {mib(pool.used_bytes())}  cached {mib(pool.cached_bytes())}  "
-          f"reserved {mib(pool.reserved_bytes())}")
+    print(f"   used {size_text(pool.used_bytes())}  cached {size_text(pool.cached_bytes())}  "
+          f"reserved {size_text(pool.reserved_bytes())}")
     print(f"   allocations {st['allocation.all.allocated']}, frees {st['allocation.all.freed']}, "
-          f"peak allocated {mib(st['allocated_bytes.all.peak'])}, "
+          f"peak allocated {size_text(st['allocated_bytes.all.peak'])}, "
           f"segments {st['segment.all.current']}")
 
 

@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import gpu_available, mib, train_mlp   # noqa: E402
+from _common import gpu_available, size_text, train_mlp   # noqa: E402
 
 BATCH, WIDTH, HIDDEN = 512, 1024, 4096
 NEEDED = {"cupy": "pip install cupy-cuda12x", "torch": "pip install torch",
@@ -118,12 +118,12 @@ def run(steps):
     st = pool.stats()
     print("== one pool, four frameworks (device 0)")
     for name, d in per.items():
-        print(f"   {name:<8} {d['allocations']:6d} allocations from the pool, {mib(d['bytes'])}")
+        print(f"   {name:<8} {d['allocations']:6d} allocations from the pool, {size_text(d['bytes'])}")
     if jax is None:
         print("   JAX      not installed: skipped (pip install jax[cuda12])")
     print(f"   Numba's output array is a pool block: {dst_on_pool}")
-    print(f"   pool: peak reserved {mib(st['reserved_bytes.all.peak'])}, reserved now "
-          f"{mib(pool.reserved_bytes())}, used now {mib(pool.used_bytes())}")
+    print(f"   pool: peak reserved {size_text(st['reserved_bytes.all.peak'])}, reserved now "
+          f"{size_text(pool.reserved_bytes())}, used now {size_text(pool.used_bytes())}")
     print(f"   checks: energy {energy:.6g}, Numba half-energy {numba_sum:.6g} "
           f"(agree: {abs(numba_sum - energy / 2) <= 1e-3 * energy})")
     print(pool.summary(abbreviated=True))

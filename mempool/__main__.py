@@ -4,6 +4,7 @@ Commands: ``demo`` (the main job), ``bench`` (the latency suite), ``replay``, ``
 ``plot`` (traces). Each lives in its own module; this file only dispatches.
 """
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -17,7 +18,8 @@ COMMANDS = {
 
 
 def usage() -> str:
-    lines = ["usage: python -m mempool COMMAND [ARGS]", "", "commands:"]
+    lines = ["usage: python -m mempool COMMAND [ARGS]", "       python -m mempool --version",
+             "", "commands:"]
     lines += [f"  {name:<8} {text}" for name, (_, text) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -27,13 +29,26 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0
+    if argv[0] in ("-V", "--version"):
+        # Read from the package, not its metadata: a source checkout built in place has none.
+        from mempool import __version__
+        print(f"mempool {__version__}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"mempool: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     # Every command module exposes main(command, argv) -> exit code.
-    return int(module.main(name, rest) or 0)
+    try:
+        rc = int(module.main(name, rest) or 0)
+        sys.stdout.flush()                   # inside the try: a closed pipe shows here
+        return rc
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as other command-line tools do;
+        # stdout goes to devnull so the interpreter's final flush cannot raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ import warnings
 from fractions import Fraction
 from typing import Any, Callable, Mapping, NamedTuple
 
+from mempool._units import format_bytes
+
 __all__ = [
     "OPTIONS", "Option", "ConfigWarning", "PYTORCH_KEYS", "PYTORCH_HOST_KEYS", "parse_size",
     "parse_roundup_divisions", "normalize", "overridden", "parse_conf", "conf_from_env",
@@ -187,7 +189,7 @@ def _parse_max_split_size(value: Any, key: str) -> int | None:
     n = _size_or_none(value, key, accepted)
     if n is not None and n < MIN_MAX_SPLIT_SIZE:
         raise _error(key, value, accepted,
-                     f"{n} bytes is below 20 MiB: 1-10 MiB requests take 20 MiB segments, "
+                     f"{format_bytes(n, exact=True)} is below 20.00 MiB: 1-10 MiB requests take 20 MiB segments, "
                      "which such a limit would make unsplittable")
     return n
 
@@ -702,14 +704,16 @@ def _check_combination(out: dict[str, Any], given: Mapping[str, Any]) -> None:
                     f"not {out['backend']!r}")
     capacity, limit, initial = out["capacity"], out["limit"], out["initial_pool_size"]
     if capacity is not None and initial > capacity:
-        raise ValueError(f"option 'initial_pool_size' ({initial} bytes) exceeds "
-                         f"'capacity' ({capacity} bytes)")
+        raise ValueError(f"option 'initial_pool_size' ({format_bytes(initial, exact=True)}) "
+                         f"exceeds 'capacity' ({format_bytes(capacity, exact=True)})")
     if limit is not None:
         cap_bytes = limit if isinstance(limit, int) else (
             None if capacity is None else math.floor(limit * capacity))
         if cap_bytes is not None and initial > cap_bytes:
-            raise ValueError(f"option 'initial_pool_size' ({initial} bytes) exceeds "
-                             f"'limit' ({limit!r} = {cap_bytes} bytes)")
+            raise ValueError(f"option 'initial_pool_size' ({format_bytes(initial, exact=True)}) "
+                             f"exceeds 'limit' ({format_bytes(cap_bytes, exact=True)}"
+                             + ("" if isinstance(limit, int) else f", {limit!r} of 'capacity'")
+                             + ")")
 
 
 # --------------------------------------------------------------------------- conf strings

@@ -43,6 +43,7 @@ import os as _os
 import weakref as _weakref
 
 from mempool import _config
+from mempool._units import format_bytes as _fmt
 from mempool._errors import InvariantError, OutOfMemoryError
 
 cdef size_t _GiB = 1 << 30
@@ -277,8 +278,8 @@ cdef class Pool:
             return
         if rc == MP_ENOMEM:
             raise OutOfMemoryError(
-                f"initial_pool_size={cfg.initial_pool_size} bytes could not be reserved on "
-                f"{self.backend} device {self.device_id} (capacity {total} bytes)")
+                f"initial_pool_size of {_fmt(cfg.initial_pool_size, exact=True)} could not be "
+                f"reserved on {self.backend} device {self.device_id} (capacity {_fmt(total)})")
         if rc == MP_EUNSUPPORTED:
             raise ValueError(f"expandable_segments is not supported by the {self.backend} upstream")
         raise ValueError(f"invalid pool configuration (error {rc})")
@@ -488,11 +489,11 @@ cdef class Pool:
         if rc not in (MP_ENOMEM, MP_ELIMIT):
             err = mp_pool_upstream(self._pool).last_error
             return OutOfMemoryError(
-                f"allocating {nbytes} bytes on stream {stream:#x} failed in the "
+                f"allocating {_fmt(nbytes, exact=True)} on stream {stream:#x} failed in the "
                 f"{self.backend} upstream (error {rc}, native error {err})")
         capacity = f"capacity {_fmt(self.capacity)}"
         if rc == MP_ELIMIT:
-            where = f"the pool's limit of {_fmt(limit)} (device {capacity})"
+            where = f"the pool's limit of {_fmt(limit, exact=True)}, on a device of {capacity}"
         elif nbytes > MP_MAX_ALLOC:
             where = f"the largest request accepted ({_fmt(MP_MAX_ALLOC)})"
         else:
@@ -518,10 +519,10 @@ cdef class Pool:
                       f"no cached memory and waits for no stream; allocate what the graph "
                       f"needs before capturing (a warm-up run), or free memory first")
         return OutOfMemoryError(
-            f"out of memory: tried to allocate {_fmt(nbytes)} (rounded to {_fmt(rounded)}) on "
-            f"stream {stream:#x}, refused by {where}; the pool has {_fmt(reserved)} reserved, "
-            f"{_fmt(used)} used, {_fmt(cached)} cached, largest free block {_fmt(largest)}. "
-            f"Hint: {advice}.")
+            f"out of memory: tried to allocate {_fmt(nbytes, exact=True)}, rounded to "
+            f"{_fmt(rounded)}, on stream {stream:#x}; refused by {where}; the pool has "
+            f"{_fmt(reserved)} reserved, {_fmt(used)} used, {_fmt(cached)} cached, largest free "
+            f"block {_fmt(largest)}. Hint: {advice}.")
 
     # ---- several devices (mempool/_peers.pxi, docs/multigpu.md) ----
     def enable_peer_access(self, peer_device):
@@ -778,7 +779,8 @@ cdef class Pool:
     def summary(self, abbreviated=False):
         """A text report in the layout of ``torch.cuda.memory_summary()``."""
         from mempool import report
-        return report.summary(self.stats(), device=self.device_id, abbreviated=abbreviated)
+        return report.summary(self.stats(), device=self.device_id, abbreviated=abbreviated,
+                              backend=self.backend)
 
     def snapshot(self):
         """The pool in the format of ``torch.cuda.memory._snapshot()``."""
@@ -804,16 +806,6 @@ cdef _put_stat(dict out, str prefix, mp_stat s):
     out[prefix + ".peak"] = s.peak
     out[prefix + ".allocated"] = s.allocated
     out[prefix + ".freed"] = s.freed
-
-
-def _fmt(nbytes):
-    """A byte count for messages: exact, with a unit where one divides it ("20MiB")."""
-    if nbytes is None:
-        return "none"
-    text = _config.format_size(nbytes)
-    if not text.isdigit():
-        return text
-    return text + (" byte" if nbytes == 1 else " bytes")
 
 
 def round_size(nbytes, roundup_power2_divisions=0):

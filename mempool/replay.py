@@ -77,9 +77,11 @@ class ReplayResult:
         return d
 
     def __str__(self) -> str:
-        gib = 2.0 ** 30
-        return (f"{self.events} events on {self.backend}: peak live {self.peak_live_bytes / gib:.3f}"
-                f" GiB, peak reserved {self.peak_reserved_bytes / gib:.3f} GiB, reserved/live "
+        from ._units import format_bytes as fb
+
+        return (f"{self.events} events on {self.backend}: peak live "
+                f"{fb(self.peak_live_bytes)}, peak reserved {fb(self.peak_reserved_bytes)}, "
+                "reserved/live "
                 f"{self.ratio:.3f}, {self.num_ooms} OOMs, {self.ns_per_event:.0f} ns/event")
 
 

@@ -112,7 +112,7 @@ def test_mb_spelling_takes_none_where_the_option_does(name):
     ("release_threshold_mb:1.5", ["'release_threshold_mb'", "a whole number of MB"]),
     ("limit_mb:2GB", ["'limit_mb'", "a whole number of MB"]),
     ("granularity_mb:-4", ["'granularity_mb'", "a whole number of MB"]),
-    ("max_split_size_mb:10", ["'max_split_size_mb'", "below 20 MiB"]),
+    ("max_split_size_mb:10", ["'max_split_size_mb'", "below 20.00 MiB"]),
 ])
 def test_a_bad_mb_value_is_refused_naming_the_spelling_used(conf, fragments):
     with pytest.raises(ValueError) as e:

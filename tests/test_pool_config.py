@@ -172,7 +172,7 @@ BAD = [
     ("backend:sim,garbage_collection_threshold:1.0",
      ["'garbage_collection_threshold'", "'1.0'", "accepted: a float in [0, 1)"]),
     ("backend:sim,garbage_collection_threshold:high", ["'garbage_collection_threshold'", "'high'"]),
-    ("backend:sim,max_split_size_mb:10", ["'max_split_size_mb'", "below 20 MiB",
+    ("backend:sim,max_split_size_mb:10", ["'max_split_size_mb'", "below 20.00 MiB",
                                           "accepted: a size of at least 20 MiB"]),
     ("backend:sim,max_split_size_mb:64MB", ["'max_split_size_mb'", "'64MB'",
                                             "a whole number of MB"]),
@@ -229,7 +229,7 @@ def test_a_refused_change_on_a_live_pool_changes_nothing(sim):
         pool.set_release_threshold(-1)
     assert pool.options == before
     a = pool.alloc(30 * MiB)
-    with pytest.raises(mempool.OutOfMemoryError, match="limit of 40MiB"):
+    with pytest.raises(mempool.OutOfMemoryError, match=r"limit of 40.00 MiB \(41,943,040 bytes\)"):
         pool.alloc(12 * MiB)                 # the old limit still holds
     pool.free(a)
 
