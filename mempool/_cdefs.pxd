@@ -81,6 +81,7 @@ cdef extern from "mp_core.h" nogil:
         uint64_t num_device_free
         uint64_t num_cross_stream_reuse
         uint64_t num_event_waits
+        uint64_t num_streams
 
     ctypedef struct mp_pool:
         pass
@@ -185,6 +186,9 @@ cdef extern from "mp_sim.h" nogil:
     unsigned mp_sim_held(mp_sim *sim)
     void mp_sim_release_held(mp_sim *sim)
     uint64_t mp_sim_hold_timeouts(mp_sim *sim)
+    int mp_sim_destroy_stream(mp_sim *sim, uintptr_t stream)
+    size_t mp_sim_num_streams(mp_sim *sim)
+    void mp_sim_fail_events(mp_sim *sim, unsigned n)
     size_t mp_sim_live_segments(mp_sim *sim)
     size_t mp_sim_mapped_bytes(mp_sim *sim)
     uint64_t mp_sim_num_syncs(mp_sim *sim)

@@ -110,6 +110,23 @@ cdef class SimDevice(_DeviceBase):
         """Let every held segment allocation go on."""
         mp_sim_release_held(self._sim)
 
+    def destroy_stream(self, stream):
+        """Destroy a stream as ``cudaStreamDestroy`` does: its queued work completes, and its
+        handle may name a new stream later. ``ValueError`` for a stream the device never saw."""
+        cdef uintptr_t s = stream_handle(stream)
+        cdef int rc = mp_sim_destroy_stream(self._sim, s)
+        if rc == MP_EINVAL:
+            raise ValueError(f"destroy_stream: stream {s:#x} is not a stream of this device")
+        if rc != MP_OK:
+            raise MemoryError("destroy_stream: out of host memory")
+
+    def fail_events(self, n=1):
+        """Make the next ``n`` event records fail, as a driver out of resources would."""
+        cdef size_t k = _as_nbytes(n, "n")
+        if k > 0xFFFFFFFF:
+            raise ValueError(f"fail_events: n must be at most 2**32-1; got {n!r}")
+        mp_sim_fail_events(self._sim, <unsigned>k)
+
     def stream_info(self, stream=0):
         cdef uint64_t submitted = 0, completed = 0
         mp_sim_stream_info(self._sim, stream_handle(stream), &submitted, &completed)
@@ -124,6 +141,7 @@ cdef class SimDevice(_DeviceBase):
                    live_segments=mp_sim_live_segments(self._sim),
                    live_events=mp_sim_live_events(self._sim),
                    mapped_bytes=mp_sim_mapped_bytes(self._sim),
+                   streams=mp_sim_num_streams(self._sim),
                    hold_timeouts=mp_sim_hold_timeouts(self._sim))
         return out
 

@@ -407,6 +407,7 @@ static void hot_flush_stream_locked(mp_pool *p, mp_stream *s) {
 
 void mp_hot_flush_locked(mp_pool *p) {
     for (size_t i = 0; p->nhot && i < p->nstreams; i++) hot_flush_stream_locked(p, p->streams[i]);
+    for (mp_stream *d = p->dead; p->nhot && d; d = d->next_dead) hot_flush_stream_locked(p, d);
 }
 
 static inline int hot_allowed(const mp_pool *p) {
@@ -503,7 +504,7 @@ void mp_pool_destroy(mp_pool *p) {
             free(b->events);
             b = bn;
         }
-        if (legacy) seg->stream = legacy;
+        seg->release_stream = legacy ? 0 : seg->stream->handle;
         mp_segment_release_upstream(p, seg);
         free(seg);
         seg = next;
@@ -512,6 +513,11 @@ void mp_pool_destroy(mp_pool *p) {
     free(p->event_cache);
     for (size_t i = 0; i < p->nstreams; i++) free(p->streams[i]);
     free(p->streams);
+    while (p->dead) {
+        mp_stream *d = p->dead;
+        p->dead = d->next_dead;
+        free(d);
+    }
     while (p->slabs) {
         mp_block_slab *next = p->slabs->next;
         free(p->slabs);
@@ -540,12 +546,13 @@ void mp_pool_release(mp_pool *p) {
 static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
                                      mp_release_list *rel, uintptr_t *ptr) {
     p->inflight_bytes += nbytes;
-    mp_lock_release(&p->lock);
+    uintptr_t handle = s->handle;
+    mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
     mp_release_finish(p, rel);
-    int rc = p->up.segment_alloc(p->up.ctx, nbytes, s->handle, ptr);
+    int rc = p->up.segment_alloc(p->up.ctx, nbytes, handle, ptr);
     mp_blocking_end(blocking);
-    mp_lock_acquire(&p->lock);
+    mp_lock_retake(p);
     p->inflight_bytes -= nbytes;
     return rc;
 }
@@ -571,12 +578,12 @@ void mp_sync_pending_unlocked(mp_pool *p) {
         }
     }
     p->stats.num_sync_all_streams++;
-    mp_lock_release(&p->lock);
+    mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
     for (size_t j = 0; j < n; j++) p->up.stream_synchronize(p->up.ctx, handles[j]);
     mp_blocking_end(blocking);
     free(handles);
-    mp_lock_acquire(&p->lock);
+    mp_lock_retake(p);
     mp_process_pending_locked(p);
 }
 
@@ -707,11 +714,12 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
     mp_block *b = new_segment_locked(p, s, kind, ptr, seg_size);
     if (!b) {
         /* No host memory for the bookkeeping: give the segment straight back. */
-        mp_lock_release(&p->lock);
+        uintptr_t handle = s->handle;
+        mp_lock_drop(p);
         void *blocking = mp_blocking_begin();
-        p->up.segment_free(p->up.ctx, ptr, seg_size, s->handle);
+        p->up.segment_free(p->up.ctx, ptr, seg_size, handle);
         mp_blocking_end(blocking);
-        mp_lock_acquire(&p->lock);
+        mp_lock_retake(p);
         return MP_ENOMEM;
     }
     *out = b;
@@ -916,7 +924,7 @@ int mp_process_pending_locked(mp_pool *p) {
     mp_block *b = p->pending_head;
     while (b) {
         mp_block *next = b->fnext;
-        int done = 1;
+        int done = !b->busy;   /* busy: its freeing thread is synchronizing a stream */
         for (uint16_t i = 0; i < b->nuses && done; i++) {
             if (p->up.event_query(p->up.ctx, b->events[i]) != MP_OK) done = 0;
         }
@@ -931,6 +939,44 @@ int mp_process_pending_locked(mp_pool *p) {
         b = next;
     }
     return MP_OK;
+}
+
+/* mp_free's fallback for the streams of pending block b it had no event for (events[i] ==
+ * 0, nsync of them): synchronize them with the lock dropped (Note [Lock order]), then drop
+ * those uses and complete the free when no other use is left. The block is marked busy
+ * meanwhile, so that no other thread completes it; a forget_stream of one of those streams
+ * may drop its use meanwhile (Note [Forgotten streams]). */
+static void sync_uses_unlocked(mp_pool *p, mp_block *b, uint16_t nsync) {
+    uintptr_t handles[8], *h = nsync <= 8 ? handles : malloc(nsync * sizeof *h);
+    uint16_t n = 0;
+    for (uint16_t i = 0; i < b->nuses; i++) {
+        if (b->events[i]) continue;
+        if (h) h[n++] = b->uses[i]->handle;
+        else p->up.stream_synchronize(p->up.ctx, b->uses[i]->handle);   /* no host memory */
+    }
+    if (n) {
+        b->busy = 1;
+        mp_lock_drop(p);
+        void *blocking = mp_blocking_begin();
+        for (uint16_t i = 0; i < n; i++) p->up.stream_synchronize(p->up.ctx, h[i]);
+        mp_blocking_end(blocking);
+        mp_lock_retake(p);
+        b->busy = 0;
+    }
+    if (h != handles) free(h);
+    uint16_t kept = 0;
+    for (uint16_t i = 0; i < b->nuses; i++) {
+        if (!b->events[i]) continue;
+        b->uses[kept] = b->uses[i];
+        b->events[kept++] = b->events[i];
+    }
+    b->nuses = kept;
+    if (!kept) {
+        pending_remove_locked(p, b);
+        free(b->events);
+        b->events = NULL;
+        complete_free_locked(p, b);
+    }
 }
 
 int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
@@ -979,27 +1025,34 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
     } else {
         /* Note [Stream reuse]: the block returns to a free list only once every stream that
          * used it has passed the point of this free. */
-        uint16_t n = 0;
+        uint16_t n = 0, nsync = 0;
         for (uint16_t i = 0; i < b->nuses; i++) {
             uintptr_t ev;
-            if (mp_event_get_locked(p, &ev) == MP_OK &&
-                p->up.event_record(p->up.ctx, ev, b->uses[i]->handle) == MP_OK) {
+            int got = mp_event_get_locked(p, &ev) == MP_OK;
+            if (got && p->up.event_record(p->up.ctx, ev, b->uses[i]->handle) == MP_OK) {
                 if (p->up.event_query(p->up.ctx, ev) == MP_OK) {
                     mp_event_put_locked(p, ev);   /* that stream is past the free already */
                     continue;
                 }
-                b->uses[n] = b->uses[i];
-                events[n++] = ev;
             } else {
-                /* No event to be had: fall back to blocking on that stream. */
-                p->up.stream_synchronize(p->up.ctx, b->uses[i]->handle);
+                /* No event to be had: that stream is synchronized instead, below, without
+                 * the lock (Note [Lock order]); events[] == 0 marks it meanwhile. */
+                if (got) mp_event_put_locked(p, ev);
+                ev = 0;
+                nsync++;
             }
+            b->uses[n] = b->uses[i];
+            events[n++] = ev;
         }
         b->nuses = n;
         b->events = events;
         b->state = MP_BLOCK_PENDING;
-        if (n) pending_push_locked(p, b);
-        else {
+        if (nsync) {
+            pending_push_locked(p, b);
+            sync_uses_unlocked(p, b, nsync);
+        } else if (n) {
+            pending_push_locked(p, b);
+        } else {
             free(events);
             b->events = NULL;
             complete_free_locked(p, b);
@@ -1065,28 +1118,32 @@ static void remerge_segment_locked(mp_pool *p, mp_segment *seg) {
     }
 }
 
-int mp_forget_stream(mp_pool *p, uintptr_t handle) {
-    if (handle == 0) return MP_OK;   /* the legacy stream is never destroyed */
-    mp_lock_acquire(&p->lock);
-    mp_hot_flush_locked(p);
-    mp_stream *s = NULL;
-    for (size_t i = 0; i < p->nstreams && !s; i++)
-        if (p->streams[i]->handle == handle) s = p->streams[i];
-    if (!s) {
-        mp_lock_release(&p->lock);
-        return MP_OK;
+/* Note [Forgotten streams] (docs/architecture.md): hand everything the pool keeps on s,
+ * which has no work left, to the legacy stream, and release s's expandable ranges that hold
+ * nothing else. Afterwards nothing of the pool refers to s. */
+static void hand_over_stream_locked(mp_pool *p, mp_stream *s, mp_stream *legacy,
+                                    mp_release_list *rel) {
+    if (s->hot) hot_flush_stream_locked(p, s);
+    /* Pending frees waiting on s: its events have completed (s was synchronized). */
+    for (mp_block *b = p->pending_head; b; b = b->fnext) {
+        for (uint16_t i = 0; i < b->nuses;) {
+            if (b->uses[i] != s) {
+                i++;
+                continue;
+            }
+            if (b->events[i]) mp_event_put_locked(p, b->events[i]);
+            b->nuses--;
+            b->uses[i] = b->uses[b->nuses];
+            b->events[i] = b->events[b->nuses];
+        }
     }
-    mp_lock_release(&p->lock);
-    /* The stream is still alive here: let its queued work finish, then nothing of the pool
-     * needs ordering on it again. */
-    void *blocking = mp_blocking_begin();
-    int rc = p->up.stream_synchronize(p->up.ctx, handle);
-    mp_blocking_end(blocking);
-    mp_lock_acquire(&p->lock);
-    mp_stream *legacy = rc == MP_OK ? mp_stream_get_locked(p, 0) : NULL;
-    if (!legacy) {
-        mp_lock_release(&p->lock);
-        return rc == MP_OK ? MP_ENOMEM : rc;
+    if (p->npending) mp_process_pending_locked(p);
+    for (mp_segment *seg = p->segments, *next; seg; seg = next) {
+        next = seg->next;
+        if (seg->expandable && seg->stream == s && mp_expand_detach_range_locked(p, seg, s, rel)) {
+            for (int k = 0; k < 2; k++)
+                if (s->expandable[k] == seg) s->expandable[k] = NULL;
+        }
     }
     for (mp_segment *seg = p->segments; seg; seg = seg->next) {
         int moved = 0;
@@ -1105,10 +1162,79 @@ int mp_forget_stream(mp_pool *p, uintptr_t handle) {
         }
         if (moved) remerge_segment_locked(p, seg);
     }
+    /* A range that keeps blocks grows on for the legacy stream when that has none of its
+     * kind; otherwise it grows no more, and goes once empty (mp_release_idle_locked). */
     for (int k = 0; k < 2; k++) {
-        if (s->expandable[k] && !legacy->expandable[k]) legacy->expandable[k] = s->expandable[k];
+        mp_segment *seg = s->expandable[k];
+        if (!seg) continue;
+        if (!legacy->expandable[k]) legacy->expandable[k] = seg;
+        else seg->growing = 0;
         s->expandable[k] = NULL;
     }
+}
+
+/* Note [Forgotten streams]: free the structs of forgotten streams once no operation that
+ * dropped the lock may still hold a pointer to one; hand over first what such operations
+ * gave them meanwhile. */
+static void reap_dead_locked(mp_pool *p, mp_release_list *rel) {
+    if (!p->dead || p->nunlocked) return;
+    mp_stream *legacy = mp_stream_get_locked(p, 0);
+    if (!legacy) return;   /* out of host memory: a later call reaps them */
+    while (p->dead) {
+        mp_stream *d = p->dead;
+        p->dead = d->next_dead;
+        hand_over_stream_locked(p, d, legacy, rel);
+        free(d);
+    }
+}
+
+static mp_stream *find_stream_locked(mp_pool *p, uintptr_t handle, size_t *index) {
+    for (size_t i = 0; i < p->nstreams; i++) {
+        if (p->streams[i]->handle == handle) {
+            *index = i;
+            return p->streams[i];
+        }
+    }
+    return NULL;
+}
+
+int mp_forget_stream(mp_pool *p, uintptr_t handle) {
+    if (handle == 0) return MP_OK;   /* the legacy stream is never destroyed */
+    mp_release_list rel = {0};
+    size_t i;
+    mp_lock_acquire(&p->lock);
+    reap_dead_locked(p, &rel);
+    int known = find_stream_locked(p, handle, &i) != NULL;
     mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
+    if (!known) return MP_OK;
+    /* The stream is still alive here: let its queued work finish, then nothing of the pool
+     * needs ordering on it again. */
+    void *blocking = mp_blocking_begin();
+    int rc = p->up.stream_synchronize(p->up.ctx, handle);
+    mp_blocking_end(blocking);
+    mp_lock_acquire(&p->lock);
+    /* Found again: another thread may have forgotten it meanwhile. */
+    mp_stream *s = find_stream_locked(p, handle, &i);
+    mp_stream *legacy = s && rc == MP_OK ? mp_stream_get_locked(p, 0) : NULL;
+    if (!legacy) {
+        mp_lock_release(&p->lock);
+        if (!s) return MP_OK;
+        return rc == MP_OK ? MP_ENOMEM : rc;
+    }
+    hand_over_stream_locked(p, s, legacy, &rel);
+    p->streams[i] = p->streams[--p->nstreams];
+    if (p->last_stream == s) p->last_stream = NULL;
+    if (p->nunlocked) {
+        /* Another operation dropped the lock holding stream pointers, maybe this one:
+         * keep the struct until none does, on the legacy handle, which never dies. */
+        s->handle = 0;
+        s->next_dead = p->dead;
+        p->dead = s;
+    } else {
+        free(s);
+    }
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
     return MP_OK;
 }

@@ -69,6 +69,7 @@ typedef struct mp_stats {
     uint64_t num_device_free;
     uint64_t num_cross_stream_reuse;          /* blocks taken from another stream */
     uint64_t num_event_waits;
+    uint64_t num_streams;                     /* streams the pool keeps state for now */
 } mp_stats;
 
 typedef struct mp_pool mp_pool;

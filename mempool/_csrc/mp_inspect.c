@@ -25,6 +25,7 @@ void mp_get_stats(mp_pool *p, mp_stats *out) {
     mp_lock_acquire(&p->lock);
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     *out = p->stats;
+    out->num_streams = p->nstreams;
     mp_lock_release(&p->lock);
     fill_totals(out);
 }
@@ -265,6 +266,11 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
         for (int k = 0; k < 2; k++) {
             list_count += p->streams[i]->lists[k].count;
             list_bytes += p->streams[i]->lists[k].nbytes;
+        }
+    for (mp_stream *d = p->dead; d; d = d->next_dead)   /* Note [Forgotten streams] */
+        for (int k = 0; k < 2; k++) {
+            list_count += d->lists[k].count;
+            list_bytes += d->lists[k].nbytes;
         }
     CHECK(list_count == nfree && list_bytes == free_bytes,
           "free lists hold %zu blocks / %zu bytes, segments %zu / %zu", list_count, list_bytes, nfree, free_bytes);

@@ -37,6 +37,7 @@ void mp_segment_idle_remove_locked(mp_pool *p, mp_segment *s) {
  * reuse or freed there) first make that stream wait for theirs: no host sync. */
 void mp_detach_segment_locked(mp_pool *p, mp_segment *seg, mp_release_list *out) {
     mp_segment_idle_remove_locked(p, seg);
+    seg->release_stream = seg->stream->handle;
     if (seg->prev) seg->prev->next = seg->next;
     else p->segments = seg->next;
     if (seg->next) seg->next->prev = seg->prev;
@@ -59,7 +60,18 @@ void mp_detach_segment_locked(mp_pool *p, mp_segment *seg, mp_release_list *out)
                 mp_event_put_locked(p, ev);
                 p->stats.num_event_waits++;
             }
-            if (rc != MP_OK) p->up.stream_synchronize(p->up.ctx, owner->handle);
+            if (rc != MP_OK) {
+                /* No event to order the free after the owner's work: the owner is
+                 * synchronized before the free, without the lock (Note [Lock order]). */
+                uintptr_t *grown = realloc(seg->release_sync,
+                                           (seg->nrelease_sync + 1) * sizeof *grown);
+                if (grown) {
+                    seg->release_sync = grown;
+                    seg->release_sync[seg->nrelease_sync++] = owner->handle;
+                } else {
+                    p->up.stream_synchronize(p->up.ctx, owner->handle);   /* no host memory */
+                }
+            }
             if (nwaited < 8) waited[nwaited++] = owner;
         }
         /* remove from its free list (and the inactive_split counters) */
@@ -93,8 +105,10 @@ size_t mp_release_idle_locked(mp_pool *p, size_t target, mp_release_list *out) {
         }
         seg = next;
     }
-    if (released < target && p->cfg.expandable_segments)
+    if (released < target && p->cfg.expandable_segments) {
         released += mp_expand_release_locked(p, target - released);
+        mp_expand_drop_empty_locked(p, out);
+    }
     return released;
 }
 
@@ -121,7 +135,11 @@ void mp_release_finish_slow(mp_pool *p, mp_release_list *list) {
     void *blocking = mp_blocking_begin();
     while (seg) {
         mp_segment *next = seg->inext;
+        for (size_t i = 0; i < seg->nrelease_sync; i++)
+            p->up.stream_synchronize(p->up.ctx, seg->release_sync[i]);
         mp_segment_release_upstream(p, seg);
+        free(seg->release_sync);
+        free(seg->release_runs);
         free(seg);
         seg = next;
     }
