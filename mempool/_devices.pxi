@@ -53,6 +53,17 @@ cdef class _DeviceBase:
                 "unmaps": b.num_unmaps, "failed": b.num_failed}
 
 
+def _hold_args(n, timeout):
+    """SimDevice.hold_allocs/hold_syncs arguments: (count, timeout in ms), checked."""
+    cdef size_t k = _as_nbytes(n, "n")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+            not 0 < timeout <= 3600:
+        raise ValueError(f"timeout must be a number of seconds in (0, 3600], got {timeout!r}")
+    if k > 1 << 31:
+        raise ValueError(f"n must be at most 2**31, got {n}")
+    return k, int(timeout * 1000)
+
+
 cdef class SimDevice(_DeviceBase):
     """The simulated device behind a ``Pool(backend="sim")``.
 
@@ -93,13 +104,15 @@ cdef class SimDevice(_DeviceBase):
         device: each waits inside the upstream call, as a driver call that blocks, until
         :meth:`release_held` or ``timeout`` seconds (then counted in
         ``counters()["hold_timeouts"]``)."""
-        cdef size_t k = _as_nbytes(n, "n")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
-                not 0 < timeout <= 3600:
-            raise ValueError(f"timeout must be a number of seconds in (0, 3600], got {timeout!r}")
-        if k > 1 << 31:
-            raise ValueError(f"n must be at most 2**31, got {n}")
-        mp_sim_hold_allocs(self._sim, <unsigned>k, <unsigned>(timeout * 1000))
+        cdef unsigned k, ms
+        k, ms = _hold_args(n, timeout)
+        mp_sim_hold_allocs(self._sim, k, ms)
+
+    def hold_syncs(self, n=1, timeout=2.0):
+        """Hold the next ``n`` stream synchronizations the same way (:meth:`hold_allocs`)."""
+        cdef unsigned k, ms
+        k, ms = _hold_args(n, timeout)
+        mp_sim_hold_syncs(self._sim, k, ms)
 
     @property
     def held(self):

@@ -62,6 +62,7 @@ struct mp_sim {
     /* mp_sim_hold_allocs: segment allocations still to hold, those waiting now, the
      * release generation they wait for a change of, and those that gave up waiting. */
     unsigned hold_next, held, hold_timeout_ms;
+    unsigned hold_syncs_next;     /* mp_sim_hold_syncs: stream syncs still to hold */
     uint64_t release_gen, hold_timeouts;
     pthread_cond_t hold_cv;
 };
@@ -146,8 +147,8 @@ static uintptr_t bump(mp_sim *s, size_t nbytes, size_t align) {
 
 /* A held segment allocation: wait, the sim's mutex let go meanwhile, for
  * mp_sim_release_held or the timeout. */
-static void hold_locked(mp_sim *s) {
-    s->hold_next--;
+static void hold_locked(mp_sim *s, unsigned *next) {
+    (*next)--;
     s->held++;
     uint64_t gen = s->release_gen;
     struct timespec until;
@@ -169,7 +170,7 @@ static int sim_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr
     mp_sim *s = ctx;
     (void)stream;
     pthread_mutex_lock(&s->mu);
-    if (s->hold_next) hold_locked(s);
+    if (s->hold_next) hold_locked(s, &s->hold_next);
     int rc = mp_budget_take(&s->budget, nbytes);
     if (rc == MP_OK) {
         uintptr_t p = bump(s, nbytes, 512);
@@ -365,6 +366,7 @@ static void complete_upto(mp_sim *s, size_t si, uint64_t seq) {
 static int sim_stream_synchronize(void *ctx, uintptr_t stream) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
+    if (s->hold_syncs_next) hold_locked(s, &s->hold_syncs_next);
     size_t si = stream_index(s, stream);
     if (si != SIZE_MAX) complete_upto(s, si, s->streams[si].submitted);
     s->num_syncs++;
@@ -429,7 +431,7 @@ static int sim_map(void *ctx, uintptr_t va, size_t nbytes) {
         pthread_mutex_unlock(&s->mu);
         return MP_EINVAL;
     }
-    if (s->hold_next) hold_locked(s);
+    if (s->hold_next) hold_locked(s, &s->hold_next);
     int rc = MP_OK;
     if (s->budget.fail_next) {
         s->budget.fail_next--;
@@ -640,6 +642,13 @@ void mp_sim_unlock(mp_sim *s) { pthread_mutex_unlock(&s->mu); }
 void mp_sim_hold_allocs(mp_sim *s, unsigned n, unsigned timeout_ms) {
     pthread_mutex_lock(&s->mu);
     s->hold_next = n;
+    s->hold_timeout_ms = timeout_ms;
+    pthread_mutex_unlock(&s->mu);
+}
+
+void mp_sim_hold_syncs(mp_sim *s, unsigned n, unsigned timeout_ms) {
+    pthread_mutex_lock(&s->mu);
+    s->hold_syncs_next = n;
     s->hold_timeout_ms = timeout_ms;
     pthread_mutex_unlock(&s->mu);
 }
