@@ -82,6 +82,9 @@ cdef extern from "mp_core.h" nogil:
         uint64_t num_cross_stream_reuse
         uint64_t num_event_waits
         uint64_t num_streams
+        uint64_t num_stream_syncs
+        uint64_t num_event_records
+        uint64_t num_stream_queries
 
     ctypedef struct mp_pool:
         pass

@@ -213,7 +213,7 @@ static mp_block *take_from_other_stream_locked(mp_pool *p, mp_stream *s, int kin
     if (!best) return NULL;
     uintptr_t ev;
     if (mp_event_get_locked(p, &ev) != MP_OK) return NULL;
-    int rc = p->up.event_record(p->up.ctx, ev, best->stream->handle);
+    int rc = mp_up_record(p, ev, best->stream->handle);
     /* When the owner has no work queued, nothing needs waiting for: skip the wait, which
      * would otherwise order all of s's later work after the owner's. */
     int waited = 0;
@@ -411,7 +411,7 @@ void mp_hot_flush_locked(mp_pool *p) {
 }
 
 static inline int hot_allowed(const mp_pool *p) {
-    return !p->cfg.expandable_segments && p->cfg.release_threshold == MP_UNLIMITED;
+    return p->cfg.release_threshold == MP_UNLIMITED;
 }
 
 /* A free of b completes: it is no longer active (counters and trace). */
@@ -490,7 +490,7 @@ void mp_pool_destroy(mp_pool *p) {
     if (p->up.device_synchronize && p->up.device_synchronize(p->up.ctx) == MP_OK)
         legacy = mp_stream_get_locked(p, 0);
     if (!legacy && p->cfg.expandable_segments)
-        for (size_t i = 0; i < p->nstreams; i++) p->up.stream_synchronize(p->up.ctx, p->streams[i]->handle);
+        for (size_t i = 0; i < p->nstreams; i++) mp_up_sync(p, p->streams[i]->handle);
     mp_segment *seg = p->segments;
     while (seg) {
         mp_segment *next = seg->next;
@@ -580,7 +580,7 @@ void mp_sync_pending_unlocked(mp_pool *p) {
     p->stats.num_sync_all_streams++;
     mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
-    for (size_t j = 0; j < n; j++) p->up.stream_synchronize(p->up.ctx, handles[j]);
+    for (size_t j = 0; j < n; j++) mp_up_sync(p, handles[j]);
     mp_blocking_end(blocking);
     free(handles);
     mp_lock_retake(p);
@@ -952,13 +952,13 @@ static void sync_uses_unlocked(mp_pool *p, mp_block *b, uint16_t nsync) {
     for (uint16_t i = 0; i < b->nuses; i++) {
         if (b->events[i]) continue;
         if (h) h[n++] = b->uses[i]->handle;
-        else p->up.stream_synchronize(p->up.ctx, b->uses[i]->handle);   /* no host memory */
+        else mp_up_sync(p, b->uses[i]->handle);   /* no host memory */
     }
     if (n) {
         b->busy = 1;
         mp_lock_drop(p);
         void *blocking = mp_blocking_begin();
-        for (uint16_t i = 0; i < n; i++) p->up.stream_synchronize(p->up.ctx, h[i]);
+        for (uint16_t i = 0; i < n; i++) mp_up_sync(p, h[i]);
         mp_blocking_end(blocking);
         mp_lock_retake(p);
         b->busy = 0;
@@ -1029,7 +1029,7 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
         for (uint16_t i = 0; i < b->nuses; i++) {
             uintptr_t ev;
             int got = mp_event_get_locked(p, &ev) == MP_OK;
-            if (got && p->up.event_record(p->up.ctx, ev, b->uses[i]->handle) == MP_OK) {
+            if (got && mp_up_record(p, ev, b->uses[i]->handle) == MP_OK) {
                 if (p->up.event_query(p->up.ctx, ev) == MP_OK) {
                     mp_event_put_locked(p, ev);   /* that stream is past the free already */
                     continue;
@@ -1211,7 +1211,7 @@ int mp_forget_stream(mp_pool *p, uintptr_t handle) {
     /* The stream is still alive here: let its queued work finish, then nothing of the pool
      * needs ordering on it again. */
     void *blocking = mp_blocking_begin();
-    int rc = p->up.stream_synchronize(p->up.ctx, handle);
+    int rc = mp_up_sync(p, handle);
     mp_blocking_end(blocking);
     mp_lock_acquire(&p->lock);
     /* Found again: another thread may have forgotten it meanwhile. */

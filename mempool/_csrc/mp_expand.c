@@ -439,6 +439,7 @@ static int stream_idle_locked(mp_pool *p, mp_stream *s, mp_stream **asked, int *
                               size_t *nasked) {
     for (size_t j = 0; j < *nasked; j++)
         if (asked[j] == s) return idle[j];
+    if (p->up.stream_query) mp_count_call(&p->stats.num_stream_queries);
     int ok = p->up.stream_query && p->up.stream_query(p->up.ctx, s->handle) == MP_OK;
     asked[*nasked] = s;
     idle[(*nasked)++] = ok;
@@ -529,7 +530,7 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
     mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
     for (size_t j = 0; j < nowners && wait; j++)
-        synced[j] = p->up.stream_synchronize(p->up.ctx, handles[j]) == MP_OK;
+        synced[j] = mp_up_sync(p, handles[j]) == MP_OK;
     for (size_t i = 0; i < n; i++) {
         for (size_t k = 0; k < jobs[i].nparts; k++) {
             size_t j = 0;
@@ -716,6 +717,12 @@ int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
     int rc = MP_ENOMEM, stage = 0;
     for (int round = 0; round < 32; round++) {
         if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
+        if (p->nhot) {
+            /* Note [Hot blocks]: a parked block is not free to growth planning nor to
+             * releases: fold them in first, as the plain free would have. */
+            mp_hot_flush_locked(p);
+            if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
+        }
         rc = grow_locked(p, s, kind, size, out);
         if (rc == MP_OK) {
             if (*out) return MP_OK;

@@ -200,6 +200,20 @@ static inline void mp_lock_retake(mp_pool *p) {
     p->nunlocked--;
 }
 
+/* Upstream stream and event calls, counted (mp_stats.num_stream_syncs ...). The count is a
+ * relaxed atomic add: some are made without the lock. */
+static inline void mp_count_call(uint64_t *counter) {
+    __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+}
+static inline int mp_up_sync(mp_pool *p, uintptr_t stream) {
+    mp_count_call(&p->stats.num_stream_syncs);
+    return p->up.stream_synchronize(p->up.ctx, stream);
+}
+static inline int mp_up_record(mp_pool *p, uintptr_t ev, uintptr_t stream) {
+    mp_count_call(&p->stats.num_event_records);
+    return p->up.event_record(p->up.ctx, ev, stream);
+}
+
 /* Note [Threshold releases without a sync]: the most threshold checks skipped in a row. */
 #define MP_THRESHOLD_BACKOFF_MAX 64
 

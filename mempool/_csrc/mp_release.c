@@ -55,7 +55,7 @@ void mp_detach_segment_locked(mp_pool *p, mp_segment *seg, mp_release_list *out)
             uintptr_t ev;
             int rc = mp_event_get_locked(p, &ev);
             if (rc == MP_OK) {
-                rc = p->up.event_record(p->up.ctx, ev, owner->handle);
+                rc = mp_up_record(p, ev, owner->handle);
                 if (rc == MP_OK) rc = p->up.stream_wait_event(p->up.ctx, seg->stream->handle, ev);
                 mp_event_put_locked(p, ev);
                 p->stats.num_event_waits++;
@@ -69,7 +69,7 @@ void mp_detach_segment_locked(mp_pool *p, mp_segment *seg, mp_release_list *out)
                     seg->release_sync = grown;
                     seg->release_sync[seg->nrelease_sync++] = owner->handle;
                 } else {
-                    p->up.stream_synchronize(p->up.ctx, owner->handle);   /* no host memory */
+                    mp_up_sync(p, owner->handle);   /* no host memory */
                 }
             }
             if (nwaited < 8) waited[nwaited++] = owner;
@@ -136,7 +136,7 @@ void mp_release_finish_slow(mp_pool *p, mp_release_list *list) {
     while (seg) {
         mp_segment *next = seg->inext;
         for (size_t i = 0; i < seg->nrelease_sync; i++)
-            p->up.stream_synchronize(p->up.ctx, seg->release_sync[i]);
+            mp_up_sync(p, seg->release_sync[i]);
         mp_segment_release_upstream(p, seg);
         free(seg->release_sync);
         free(seg->release_runs);
