@@ -91,6 +91,11 @@ def _replay(argv) -> int:
         print(f"reserved/live  {result.ratio:9.3f}")
         print(f"upstream calls {result.num_device_alloc} segment allocs, "
               f"{result.num_device_free} frees")
+        if result.steps:
+            calls = result.calls_per_step
+            syncs = max(step["stream_syncs"] for step in result.steps)
+            print(f"calls per step {' '.join(map(str, calls))} ({len(calls)} steps; at most "
+                  f"{syncs} stream syncs a step)")
         print(f"OOMs           {result.num_ooms}" +
               (f" (first: {result.first_oom})" if result.first_oom else ""))
         if result.unknown_frees or result.duplicate_allocs:

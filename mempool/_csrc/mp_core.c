@@ -627,6 +627,8 @@ static mp_block *new_segment_locked(mp_pool *p, mp_stream *s, int kind, uintptr_
     p->stats.num_device_alloc++;
     mp_stat3_inc(p->stats.segment, kind, 1);
     mp_stat3_inc(p->stats.reserved_bytes, kind, (int64_t)nbytes);
+    if (mp_reserved_now_locked(p) > p->reserved_high_water)
+        p->reserved_high_water = mp_reserved_now_locked(p);
     if (nbytes >= p->cfg.max_split_size) mp_stat_inc(&p->stats.oversize_segments, 1);
     mp_trace_locked(p, MP_TRACE_SEGMENT_ALLOC, ptr, nbytes, s->handle);
     return b;
@@ -694,6 +696,11 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
      * oldest first, before growing. Reserved memory then tracks what the work needs instead
      * of piling up segments of sizes it no longer asks for. */
     if (p->idle_bytes >= seg_size) mp_release_idle_kind_locked(p, kind, seg_size, rel);
+    /* Note [Reserved high water] (docs/architecture.md): before reserving more than it ever
+     * held, the pool gives back every idle segment of this kind, none of which could serve
+     * the request, so a new peak is not set with idle segments beside it. */
+    if (p->idle_bytes && mp_reserved_now_locked(p) + seg_size > p->reserved_high_water)
+        mp_release_idle_kind_locked(p, kind, 0, rel);
 
     uintptr_t ptr = 0;
     int rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);

@@ -120,6 +120,8 @@ struct mp_pool {
     mp_block_slab *slabs;
 
     size_t inflight_bytes;       /* segments being allocated with the lock dropped */
+    size_t reserved_high_water;  /* fixed segments: the most bytes ever reserved at once
+                                    (Note [Reserved high water]; never reset) */
     size_t mapped_high_water;    /* expandable segments: the most bytes ever mapped at once
                                     (mp_expand.c; unlike the stats' peak, never reset) */
     uint64_t tick;               /* advances on every alloc and free */
@@ -232,7 +234,8 @@ void mp_detach_segment_locked(mp_pool *p, mp_segment *s, mp_release_list *out);
  * segments. Returns the bytes released. May drop and retake the lock (expandable pages). */
 size_t mp_release_idle_locked(mp_pool *p, size_t target, mp_release_list *out);
 /* Release idle segments of one kind (small/large), oldest first, at least `target` bytes,
- * but only when that kind's idle segments hold that much: "release beyond need". */
+ * but only when that kind's idle segments hold that much: "release beyond need"; target 0:
+ * all of them. */
 size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_release_list *out);
 void mp_release_finish_slow(mp_pool *p, mp_release_list *list);
 /* Free what was detached, upstream; call WITHOUT the lock. Inline: usually nothing to do. */

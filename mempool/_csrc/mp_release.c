@@ -117,9 +117,9 @@ size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_relea
     for (mp_segment *seg = p->idle_head; seg; seg = seg->inext)
         if (!seg->pinned && seg->kind == kind) idle += seg->nbytes;
     if (idle < target) return 0;   /* not a new segment's worth of this kind: keep them */
-    size_t released = 0;
+    size_t released = 0, want = target ? target : SIZE_MAX;   /* 0: every one */
     mp_segment *seg = p->idle_head;
-    while (seg && released < target) {
+    while (seg && released < want) {
         mp_segment *next = seg->inext;
         if (!seg->pinned && seg->kind == kind) {
             released += seg->nbytes;
