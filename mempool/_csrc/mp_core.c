@@ -699,7 +699,9 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
     /* Note [Reserved high water] (docs/architecture.md): before reserving more than it ever
      * held, the pool gives back every idle segment of this kind, none of which could serve
      * the request, so a new peak is not set with idle segments beside it. */
-    if (p->idle_bytes && mp_reserved_now_locked(p) + seg_size > p->reserved_high_water)
+    if (p->idle_bytes >= MP_HIGH_WATER_MIN_IDLE &&
+        p->idle_bytes >= p->reserved_high_water / MP_HIGH_WATER_IDLE_DIV &&
+        mp_reserved_now_locked(p) + seg_size > p->reserved_high_water)
         mp_release_idle_kind_locked(p, kind, 0, rel);
 
     uintptr_t ptr = 0;

@@ -70,8 +70,6 @@
 
 #include "mp_expand.h"
 
-#define MP_HIGH_WATER_MIN_IDLE ((size_t)32 << 20)
-#define MP_HIGH_WATER_IDLE_DIV 128
 
 static size_t round_up(size_t n, size_t g) { return (n + g - 1) / g * g; }
 static size_t round_down(size_t n, size_t g) { return n / g * g; }

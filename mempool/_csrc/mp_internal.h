@@ -216,6 +216,11 @@ static inline int mp_up_record(mp_pool *p, uintptr_t ev, uintptr_t stream) {
     return p->up.event_record(p->up.ctx, ev, stream);
 }
 
+/* The high-water rules (Note [Expandable segments], Note [Reserved high water]) act only
+ * on this much idle memory, and 1/MP_HIGH_WATER_IDLE_DIV of the mark: few releases. */
+#define MP_HIGH_WATER_MIN_IDLE ((size_t)32 << 20)
+#define MP_HIGH_WATER_IDLE_DIV 128
+
 /* Note [Threshold releases without a sync]: the most threshold checks skipped in a row. */
 #define MP_THRESHOLD_BACKOFF_MAX 64
 
