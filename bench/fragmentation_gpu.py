@@ -57,8 +57,18 @@ def torch_replay(trace) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     ooms = 0
+    # Upstream calls per training step: the allocator's device allocs and frees (with
+    # expandable segments, its page maps and unmaps), read between steps, outside the timing.
+    starts = set(prep.step_ops or ())
+    marks = []
+    elapsed = 0
     t0 = time.perf_counter_ns()
-    for slot, n, s in prep.ops:
+    for i, (slot, n, s) in enumerate(prep.ops):
+        if i in starts:
+            elapsed += time.perf_counter_ns() - t0
+            st = torch.cuda.memory_stats()
+            marks.append(st.get("num_device_alloc", 0) + st.get("num_device_free", 0))
+            t0 = time.perf_counter_ns()
         if n:
             try:
                 ptrs[slot] = alloc(n, 0, streams[s])
@@ -67,8 +77,9 @@ def torch_replay(trace) -> dict:
         elif ptrs[slot]:
             delete(ptrs[slot])
             ptrs[slot] = 0
-    elapsed = time.perf_counter_ns() - t0
+    elapsed += time.perf_counter_ns() - t0
     st = torch.cuda.memory_stats()
+    marks.append(st.get("num_device_alloc", 0) + st.get("num_device_free", 0))
     for p in ptrs:                     # a trace cut short leaves buffers live
         if p:
             delete(p)
@@ -78,7 +89,10 @@ def torch_replay(trace) -> dict:
             "peak_allocated_bytes": st["allocated_bytes.all.peak"],
             "peak_live_bytes": prep.peak_live_bytes, "num_ooms": ooms,
             "ns_per_event": elapsed / len(prep.ops),
-            "ratio": st["reserved_bytes.all.peak"] / prep.peak_live_bytes}
+            "ratio": st["reserved_bytes.all.peak"] / prep.peak_live_bytes,
+            "num_device_alloc": st.get("num_device_alloc"),
+            "num_device_free": st.get("num_device_free"),
+            "calls_per_step": [b - a for a, b in zip(marks, marks[1:])] if starts else None}
 
 
 def cupy_replay(path: str) -> dict:
@@ -108,11 +122,25 @@ def cupy_replay(path: str) -> dict:
 
 def mempool_replay(path: str, conf: dict) -> dict:
     r = rp.replay(mtrace.load(path), conf=conf, backend="cuda", check=True)
+    # calls_per_step: segment allocs and frees (expandable: page maps and unmaps, each
+    # mapped_bytes / 2 MiB pages of driver calls), stream syncs, event records and waits.
     return {"peak_reserved_bytes": r.peak_reserved_bytes,
             "peak_allocated_bytes": r.peak_allocated_bytes,
             "peak_live_bytes": r.peak_live_bytes, "num_ooms": r.num_ooms,
             "ns_per_event": r.ns_per_event, "ratio": r.ratio,
-            "num_device_alloc": r.num_device_alloc}
+            "num_device_alloc": r.num_device_alloc, "num_device_free": r.num_device_free,
+            "calls_per_step": r.calls_per_step,
+            "syncs_per_step": [st["stream_syncs"] for st in r.steps] if r.steps else None,
+            "mapped_bytes": r.upstream["mapped_bytes"] if r.upstream else None}
+
+
+def _calls(row) -> str:
+    """Upstream calls in the first three steps, and the most in any later step."""
+    steps = row.get("calls_per_step")
+    if not steps:
+        return ""
+    later = max(steps[3:], default=0)
+    return f"  calls/step {'+'.join(map(str, steps[:3]))}, then at most {later}"
 
 
 def record_torch_snapshot(path: str) -> dict:
@@ -199,7 +227,7 @@ def main(argv=None) -> int:
             print(f"{r['trace']:<27} {r['allocator']:<36} error: {r['error'][:150]}")
         else:
             print(f"{r['trace']:<27} {r['allocator']:<36} reserved/live {r['ratio']:.3f}  "
-                  f"{r['ns_per_event']:7.0f} ns/event")
+                  f"{r['ns_per_event']:7.0f} ns/event{_calls(r)}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2, default=str)

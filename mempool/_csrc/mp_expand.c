@@ -8,8 +8,9 @@
  * va_reserved_bytes.
  *
  * Layout: one range per (stream, small/large), reserved on the stream's first request of
- * that kind, as large as the device (p->capacity, or the request if larger), released only
- * when the pool is destroyed. Per stream, because a block may be reused in its stream's
+ * that kind, as large as the device (p->capacity, or the request if larger), released when
+ * its stream is forgotten or, once no stream grows it, when nothing in it is mapped (Note
+ * [Forgotten streams] in docs/architecture.md), else when the pool is destroyed. Per stream, because a block may be reused in its stream's
  * order at once, so free neighbours of one stream merge without any event; per size kind,
  * because small blocks left live among large ones would pin pages and split large free
  * runs (one range per stream for both kinds measured no better on the transformer loop:
@@ -60,7 +61,8 @@
  * counted against the limit (inflight_bytes) until they are gone.
  *
  * Limits: max_split_size has no meaning with expandable segments (the configuration refuses
- * the pair). Address ranges are never given back before the pool is destroyed. Each release
+ * the pair). A range that a stream still grows is never given back before the stream is
+ * forgotten or the pool destroyed. Each release
  * costs a sync of the streams it takes pages from, which makes a release_threshold that is
  * crossed at every free expensive. A stream sync inside CUDA graph capture would break the
  * capture: releases (hence the high-water rule) must not run while a stream the pool serves
