@@ -153,3 +153,52 @@ def test_a_free_without_an_event_synchronizes_without_the_pool_lock():
     assert pool.stats()["active.all.current"] == 1           # only the other thread's block
     assert pool.alloc(4096, stream=1) == a                   # the free completed
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["default", "expandable"])
+def test_forgetting_streams_while_other_threads_use_them_stays_consistent(expandable):
+    """Forgetting a stream that another thread still allocates on breaks the contract, but
+    must not break the pool: the forgotten struct waits for the operations under way."""
+    import random
+    pool = mempool.Pool(backend="sim", expandable_segments=expandable, granularity=64 << 10,
+                        capacity=1 << 30)
+    stop = time.monotonic() + 1.5
+    errors = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        held = []
+        try:
+            while time.monotonic() < stop:
+                s = rng.randint(1, 6)
+                held.append(pool.alloc(rng.choice((512, 8192, 3 * MiB, 12 * MiB)), stream=s))
+                if len(held) > 8 or rng.random() < 0.5:
+                    pool.free(held.pop(rng.randrange(len(held))))
+        except BaseException as exc:   # re-raised below
+            errors.append(exc)
+        finally:
+            for p in held:
+                pool.free(p)
+
+    def forgetter():
+        rng = random.Random(99)
+        while time.monotonic() < stop:
+            pool.forget_stream(rng.randint(1, 6))
+            if rng.random() < 0.1:
+                pool.empty_cache()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    threads.append(threading.Thread(target=forgetter))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors, errors
+    pool.check_invariants()
+    for s in range(1, 7):
+        pool.forget_stream(s)
+    assert pool.stats()["num_streams"] == 1
+    pool.empty_cache()
+    pool.check_invariants()
+    assert pool.reserved_bytes() == 0
+    assert pool.device.counters()["errors"] == 0

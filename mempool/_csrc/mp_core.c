@@ -1192,6 +1192,7 @@ static void reap_dead_locked(mp_pool *p, mp_release_list *rel) {
     while (p->dead) {
         mp_stream *d = p->dead;
         p->dead = d->next_dead;
+        p->ndead--;
         hand_over_stream_locked(p, d, legacy, rel);
         free(d);
     }
@@ -1240,6 +1241,7 @@ int mp_forget_stream(mp_pool *p, uintptr_t handle) {
         s->handle = 0;
         s->next_dead = p->dead;
         p->dead = s;
+        p->ndead++;
     } else {
         free(s);
     }

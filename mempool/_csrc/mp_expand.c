@@ -471,12 +471,15 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
     run_list runs = {0};
     each_run_locked(p, keep_lo, keep_hi, add_run, &runs);
     unmap_job *jobs = runs.n ? malloc(runs.n * sizeof *jobs) : NULL;
-    mp_stream **owners = runs.n ? malloc(p->nstreams * sizeof *owners) : NULL;
-    int *synced = runs.n ? malloc(p->nstreams * sizeof *synced) : NULL;
-    uintptr_t *handles = runs.n ? malloc(p->nstreams * sizeof *handles) : NULL;
+    /* Room for every stream a block may belong to: forgotten ones too (Note [Forgotten
+     * streams]: an operation under way may have handed them blocks). */
+    size_t nall = p->nstreams + p->ndead;
+    mp_stream **owners = runs.n ? malloc(nall * sizeof *owners) : NULL;
+    int *synced = runs.n ? malloc(nall * sizeof *synced) : NULL;
+    uintptr_t *handles = runs.n ? malloc(nall * sizeof *handles) : NULL;
     /* !wait: the streams asked whether idle, and their answers */
-    mp_stream **asked = runs.n && !wait ? malloc(p->nstreams * sizeof *asked) : NULL;
-    int *idle = runs.n && !wait ? malloc(p->nstreams * sizeof *idle) : NULL;
+    mp_stream **asked = runs.n && !wait ? malloc(nall * sizeof *asked) : NULL;
+    int *idle = runs.n && !wait ? malloc(nall * sizeof *idle) : NULL;
     if (!jobs || !owners || !synced || !handles || (!wait && (!asked || !idle))) {
         free(runs.runs);
         free(jobs);

@@ -98,6 +98,7 @@ struct mp_pool {
      * holding stream pointers, and the forgotten streams whose struct waits for them. */
     uint32_t nunlocked;
     mp_stream *dead;
+    size_t ndead;
     size_t nhot;                 /* streams holding a hot block (Note [Hot blocks]) */
     /* Note [Threshold releases without a sync]: threshold checks still to skip, and the
      * skip that the next attempt finding only busy streams sets (doubling, reset by one
