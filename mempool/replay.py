@@ -344,15 +344,11 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
         # Step by step, the upstream counters read between steps, outside the timing.
         counts, spent = _stepped_run(pool, prep, handles, ptrs, oom_error)
         t0 += spent
-        if counts is None:
-            _release(pool, ptrs, keep_streams)
-            pool = _make_pool(conf, backend, limit, options)
-            ptrs = [0] * prep.nslots
-            t0 = time.perf_counter_ns()
-            _run(pool, ops, handles, ptrs, oom_error, 0, len(ops), ooms)
-        peak_reserved = peak_allocated = None
+        ok = counts is not None
     elif not timeseries:
-        if not _fast_run(pool, ops, handles, ptrs, oom_error, ooms):
+        ok = _fast_run(pool, ops, handles, ptrs, oom_error, ooms)
+    if not timeseries:
+        if not ok:
             # An OOM: start again on a fresh pool with the loop that records where.
             _release(pool, ptrs, keep_streams)
             pool = _make_pool(conf, backend, limit, options)

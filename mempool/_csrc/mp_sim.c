@@ -639,18 +639,19 @@ size_t mp_sim_num_streams(mp_sim *s) {
 mp_budget *mp_sim_budget(mp_sim *s) { return &s->budget; }
 void mp_sim_lock(mp_sim *s) { pthread_mutex_lock(&s->mu); }
 void mp_sim_unlock(mp_sim *s) { pthread_mutex_unlock(&s->mu); }
-void mp_sim_hold_allocs(mp_sim *s, unsigned n, unsigned timeout_ms) {
+static void set_hold(mp_sim *s, unsigned *next, unsigned n, unsigned timeout_ms) {
     pthread_mutex_lock(&s->mu);
-    s->hold_next = n;
+    *next = n;
     s->hold_timeout_ms = timeout_ms;
     pthread_mutex_unlock(&s->mu);
 }
 
+void mp_sim_hold_allocs(mp_sim *s, unsigned n, unsigned timeout_ms) {
+    set_hold(s, &s->hold_next, n, timeout_ms);
+}
+
 void mp_sim_hold_syncs(mp_sim *s, unsigned n, unsigned timeout_ms) {
-    pthread_mutex_lock(&s->mu);
-    s->hold_syncs_next = n;
-    s->hold_timeout_ms = timeout_ms;
-    pthread_mutex_unlock(&s->mu);
+    set_hold(s, &s->hold_syncs_next, n, timeout_ms);
 }
 
 unsigned mp_sim_held(mp_sim *s) {
