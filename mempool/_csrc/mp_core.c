@@ -161,6 +161,7 @@ void mp_remove_free_locked(mp_pool *p, mp_block *b) {
 /* The smallest size a class can hold: the inverse of mp_size_class. */
 static size_t class_min_bytes(uint32_t c) {
     if (c < MP_EXACT_CLASSES) return ((size_t)c + 1) << 9;
+    if (c == MP_NCLASSES - 1) return (((size_t)1 << (MP_TOP_K + 1)) + 1) << 9;
     uint32_t k = 7 + (c - MP_EXACT_CLASSES) / MP_SUBCLASSES;
     uint64_t sub = (c - MP_EXACT_CLASSES) % MP_SUBCLASSES;
     return ((size_t)((MP_SUBCLASSES + sub) << (k - 6)) + 1) << 9;
