@@ -18,7 +18,6 @@ typedef struct sim_wait {
 
 typedef struct sim_stream {
     uintptr_t id;
-    int dead;        /* destroyed (mp_sim_destroy_stream): the slot waits for a new stream */
     uint64_t submitted, completed;
     sim_wait *waits;
     size_t nwaits, cap_waits;
@@ -119,7 +118,6 @@ static size_t stream_index(mp_sim *s, uintptr_t id) {
     if (s->nfree_slots) {
         i = s->free_slots[--s->nfree_slots];
         s->streams[i].id = id;   /* counters carried on: see mp_sim_destroy_stream */
-        s->streams[i].dead = 0;
     } else {
         if (s->nstreams == s->cap_streams) {
             size_t cap = s->cap_streams ? s->cap_streams * 2 : 8;
@@ -612,7 +610,6 @@ int mp_sim_destroy_stream(mp_sim *s, uintptr_t stream) {
             /* Its queued work runs to the end, as after cudaStreamDestroy; the counters
              * stay with the slot, so events recorded on it stay complete when it is reused. */
             complete_upto(s, i, s->streams[i].submitted);
-            s->streams[i].dead = 1;
             s->streams[i].nwaits = 0;
             shash_remove(s, slot);
             s->free_slots[s->nfree_slots++] = i;
