@@ -12,6 +12,7 @@ COMMANDS = {
     "replay": ("mempool.cli_trace", "replay an allocation trace under a configuration"),
     "tune": ("mempool.cli_trace", "search settings that use least memory for a trace"),
     "plot": ("mempool.cli_trace", "draw a snapshot's segment map or a trace's memory over time"),
+    "run": ("mempool.run", "run a script with the pool as PyTorch's and CuPy's allocator"),
 }
 
 

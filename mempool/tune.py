@@ -129,6 +129,15 @@ def _normalize():
     return normalize
 
 
+def _overridden():
+    """The check for settings another one overrides, when the config module is present."""
+    try:
+        from ._config import overridden
+    except ImportError:
+        return None
+    return overridden
+
+
 def churn_limit(default_calls: int, events: int) -> int:
     """Upstream calls (segment allocations + frees) beyond which a setting counts as churn.
 
@@ -146,7 +155,7 @@ def _candidates(grid: dict) -> tuple:
     """Every point of the grid as a dict of its non-default settings, the default first,
     each distinct point once; and how many points were left out because their settings do
     not combine (e.g. expandable segments with a max_split_size)."""
-    normalize = _normalize()
+    overridden = _overridden()
     keys = list(grid)
     seen = {()}
     out = [{}]
@@ -157,9 +166,12 @@ def _candidates(grid: dict) -> tuple:
         if ident in seen:
             continue
         seen.add(ident)
-        if normalize is not None:
+        if overridden is not None:
+            # A point where one setting overrides another is the same as one without it.
             try:
-                normalize(point)
+                if overridden(point):
+                    left_out += 1
+                    continue
             except ValueError:
                 left_out += 1
                 continue

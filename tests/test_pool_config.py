@@ -181,20 +181,8 @@ BAD = [
     ("backend:sim,initial_pool_size:lots", ["'initial_pool_size'", "'lots'", "accepted"]),
     ("backend:sim,device:-1", ["'device'", "'-1'", "an int >= 0"]),
     ("backend:gpu", ["'backend'", "'gpu'", "'sim', 'host' or 'cuda'"]),
-    ("backend:native", ["'backend'", "'native'", "PyTorch's own allocators"]),
-    ("backend:cudaMallocAsync", ["'cudaMallocAsync'", "PyTorch's own allocators"]),
     ("backend:sim,roundup_power2_divisions:3", ["'roundup_power2_divisions'", "power of two"]),
-    # PyTorch keys that mean nothing here are refused by name, with the reason.
-    ("backend:sim,pinned_use_cuda_host_register:True",
-     ["'pinned_use_cuda_host_register'", "pinned host-memory allocator"]),
-    ("backend:sim,release_lock_on_cudamalloc:True", ["'release_lock_on_cudamalloc'", "lock"]),
-    ("backend:sim,large_segment_size_mb:64", ["'large_segment_size_mb'", "segment sizes are fixed"]),
-    ("backend:sim,max_non_split_rounding_mb:64", ["'max_non_split_rounding_mb'"]),
-    # Contradictions and repeats.
-    ("backend:sim,limit:0.5,per_process_memory_fraction:0.5",
-     ["'limit' is given twice", "'per_process_memory_fraction'"]),
-    ("backend:sim,expandable_segments:True,max_split_size_mb:64",
-     ["'expandable_segments' and 'max_split_size'", "do not combine"]),
+    # Contradictions between mempool's own options.
     ("backend:sim,pool_handle:default", ["'pool_handle'", "only to backend='cuda'"]),
     ("backend:sim,capacity:32MiB,initial_pool_size:64MiB", ["'initial_pool_size'", "exceeds 'capacity'"]),
     ("backend:sim,limit:16MiB,initial_pool_size:32MiB", ["'initial_pool_size'", "exceeds 'limit'"]),

@@ -1250,3 +1250,63 @@ int mp_forget_stream(mp_pool *p, uintptr_t handle) {
     mp_release_finish(p, &rel);
     return MP_OK;
 }
+
+/* ---------------------------------------------------------------- allocation at an address */
+
+/* Note [Allocation at an address] (docs/architecture.md): PyTorch's cudagraph trees restore a
+ * graph pool to a checkpoint, which puts blocks back at the addresses a recorded graph uses.
+ * The block holding [ptr, ptr + nbytes) must be free: its head, when ptr is inside it, stays
+ * free with its owner; the rest is carved as any allocation on `stream`. */
+int mp_alloc_at(mp_pool *p, uintptr_t ptr, size_t nbytes, uintptr_t stream) {
+    if (nbytes == 0 || (ptr & (MP_MIN_BLOCK - 1)) || nbytes > MP_MAX_ALLOC) return MP_EINVAL;
+    size_t size = (nbytes + MP_MIN_BLOCK - 1) & ~(MP_MIN_BLOCK - 1);
+    int rc = MP_OK;
+    mp_lock_acquire(&p->lock);
+    mp_stream *s = mp_stream_get_locked(p, stream);
+    if (!s || (((p->live.count + 2) * 2 > p->live.mask + 1) &&
+               mp_ptrmap_insert(&p->live, 1, NULL) != MP_OK)) {
+        rc = MP_ENOMEM;
+        goto out;
+    }
+    mp_ptrmap_remove(&p->live, 1);
+    mp_hot_flush_locked(p);
+    if (p->npending) mp_process_pending_locked(p);
+    mp_segment *seg = p->segments;
+    while (seg && !(ptr >= seg->ptr && ptr < seg->ptr + seg->nbytes)) seg = seg->next;
+    mp_block *b = seg ? seg->first : NULL;
+    while (b && !(ptr >= b->ptr && ptr < b->ptr + b->nbytes)) b = b->next;
+    if (!b) {
+        rc = MP_ENOTFOUND;
+        goto out;
+    }
+    if (b->state != MP_BLOCK_FREE || ptr + size > b->ptr + b->nbytes) {
+        rc = MP_EBUSY;
+        goto out;
+    }
+    if (b->ptr < ptr) {
+        mp_block *head = mp_block_new_locked(p);
+        if (!head) {
+            rc = MP_ENOMEM;
+            goto out;
+        }
+        if (b->cls != MP_NOT_LISTED) mp_remove_free_locked(p, b);
+        head->ptr = b->ptr;
+        head->nbytes = ptr - b->ptr;
+        head->seg = seg;
+        head->stream = b->stream;
+        head->prev = b->prev;
+        head->next = b;
+        if (b->prev) b->prev->next = head;
+        else seg->first = head;
+        b->prev = head;
+        b->ptr = ptr;
+        b->nbytes -= head->nbytes;
+        mp_insert_free_locked(p, head);
+    }
+    p->tick++;
+    b = carve_locked(p, b, size, size, s);
+    mp_trace_locked(p, MP_TRACE_ALLOC, b->ptr, b->requested, stream);
+out:
+    mp_lock_release(&p->lock);
+    return rc;
+}

@@ -113,6 +113,11 @@ int mp_alloc_torch(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
 int mp_torch_retire(mp_pool *p);
 void mp_torch_admit(mp_pool *p);
 int64_t mp_torch_blocks(mp_pool *p);
+/* Allocate the free memory at [ptr, ptr + nbytes) on `stream` (Note [Allocation at an
+ * address]): MP_ENOTFOUND when no segment of the pool holds ptr, MP_EBUSY when that memory is
+ * not free, MP_EINVAL for a pointer not 512-byte aligned. The block may be larger than
+ * nbytes where the size policy does not split off the rest. */
+int mp_alloc_at(mp_pool *p, uintptr_t ptr, size_t nbytes, uintptr_t stream);
 /* Free a live block. `stream` is where it was last used when has_stream, else the stream it
  * was allocated on (or last freed to). MP_ENOTFOUND / MP_EINTERIOR / MP_EDOUBLEFREE for a
  * pointer that is not the start of a live block; nothing changes then. */
