@@ -45,6 +45,10 @@ class Recorder:
         self.next_id = 1
         self.t = 0
         self.live = {}
+        self.steps = []       # index of each training step's first event (meta step_starts)
+
+    def step(self) -> None:
+        self.steps.append(len(self.events))
 
     def alloc(self, nbytes: int, stream: int = 0) -> int:
         nbytes = int(nbytes)
@@ -95,6 +99,7 @@ def transformer(seed=1, steps=14, layers=12, hidden=1024, heads=16, batch=16, vo
     adam = None
     grads = None
     for step in range(steps):
+        r.step()
         L = rng.randint(*lengths)
         T = batch * L
         # Input ids and targets (int64), copied from the host.
@@ -223,6 +228,7 @@ def transformer(seed=1, steps=14, layers=12, hidden=1024, heads=16, batch=16, vo
                        f"batch {batch}, sequence length {lengths[0]}..{lengths[1]} per step, "
                        f"{steps} steps, mixed precision, Adam",
         "seed": seed,
+        "step_starts": r.steps,
     })
 
 
@@ -254,6 +260,7 @@ def vision(seed=2, steps=20, batch=32, resolutions=range(160, 321, 32), classes=
     momentum = None
     grads = None
     for step in range(steps):
+        r.step()
         res = rng.choice(list(resolutions))
         B = batch
         # Input batch: pinned host -> device on the copy stream, then used on stream 0.
@@ -357,6 +364,7 @@ def vision(seed=2, steps=20, batch=32, resolutions=range(160, 321, 32), classes=
                        f"{min(resolutions)}..{max(resolutions)} px per step, {steps} steps, "
                        "mixed precision, SGD with momentum, inputs copied on stream 1",
         "seed": seed,
+        "step_starts": r.steps,
     })
 
 

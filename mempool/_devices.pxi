@@ -53,6 +53,17 @@ cdef class _DeviceBase:
                 "unmaps": b.num_unmaps, "failed": b.num_failed}
 
 
+def _hold_args(n, timeout):
+    """SimDevice.hold_allocs/hold_syncs arguments: (count, timeout in ms), checked."""
+    cdef size_t k = _as_nbytes(n, "n")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+            not 0 < timeout <= 3600:
+        raise ValueError(f"timeout must be a number of seconds in (0, 3600], got {timeout!r}")
+    if k > 1 << 31:
+        raise ValueError(f"n must be at most 2**31, got {n}")
+    return k, int(timeout * 1000)
+
+
 cdef class SimDevice(_DeviceBase):
     """The simulated device behind a ``Pool(backend="sim")``.
 
@@ -93,13 +104,15 @@ cdef class SimDevice(_DeviceBase):
         device: each waits inside the upstream call, as a driver call that blocks, until
         :meth:`release_held` or ``timeout`` seconds (then counted in
         ``counters()["hold_timeouts"]``)."""
-        cdef size_t k = _as_nbytes(n, "n")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
-                not 0 < timeout <= 3600:
-            raise ValueError(f"timeout must be a number of seconds in (0, 3600], got {timeout!r}")
-        if k > 1 << 31:
-            raise ValueError(f"n must be at most 2**31, got {n}")
-        mp_sim_hold_allocs(self._sim, <unsigned>k, <unsigned>(timeout * 1000))
+        cdef unsigned k, ms
+        k, ms = _hold_args(n, timeout)
+        mp_sim_hold_allocs(self._sim, k, ms)
+
+    def hold_syncs(self, n=1, timeout=2.0):
+        """Hold the next ``n`` stream synchronizations the same way (:meth:`hold_allocs`)."""
+        cdef unsigned k, ms
+        k, ms = _hold_args(n, timeout)
+        mp_sim_hold_syncs(self._sim, k, ms)
 
     @property
     def held(self):
@@ -162,6 +175,23 @@ cdef class SimDevice(_DeviceBase):
         mp_sim_capture_counts(self._sim, &violations, &allocs)
         return allocs
 
+    def destroy_stream(self, stream):
+        """Destroy a stream as ``cudaStreamDestroy`` does: its queued work completes, and its
+        handle may name a new stream later. ``ValueError`` for a stream the device never saw."""
+        cdef uintptr_t s = stream_handle(stream)
+        cdef int rc = mp_sim_destroy_stream(self._sim, s)
+        if rc == MP_EINVAL:
+            raise ValueError(f"destroy_stream: stream {s:#x} is not a stream of this device")
+        if rc != MP_OK:
+            raise MemoryError("destroy_stream: out of host memory")
+
+    def fail_events(self, n=1):
+        """Make the next ``n`` event records fail, as a driver out of resources would."""
+        cdef size_t k = _as_nbytes(n, "n")
+        if k > 0xFFFFFFFF:
+            raise ValueError(f"fail_events: n must be at most 2**32-1; got {n!r}")
+        mp_sim_fail_events(self._sim, <unsigned>k)
+
     def stream_info(self, stream=0):
         cdef uint64_t submitted = 0, completed = 0
         mp_sim_stream_info(self._sim, stream_handle(stream), &submitted, &completed)
@@ -176,6 +206,7 @@ cdef class SimDevice(_DeviceBase):
                    live_segments=mp_sim_live_segments(self._sim),
                    live_events=mp_sim_live_events(self._sim),
                    mapped_bytes=mp_sim_mapped_bytes(self._sim),
+                   streams=mp_sim_num_streams(self._sim),
                    hold_timeouts=mp_sim_hold_timeouts(self._sim))
         return out
 

@@ -636,7 +636,8 @@ cdef class Pool:
         ``oversize_segments``, ``num_alloc_retries``, ``num_ooms``, ``num_sync_all_streams``,
         ``num_device_alloc``, ``num_device_free``, ``max_split_size``; and mempool's own
         ``mapped_bytes``, ``va_reserved_bytes``, ``num_cross_stream_reuse``,
-        ``num_event_waits``.
+        ``num_event_waits``, ``num_streams`` (streams the pool keeps state for now),
+        ``num_stream_syncs``, ``num_event_records``, ``num_stream_queries`` (upstream calls).
         """
         cdef mp_stats st
         mp_get_stats(self._pool, &st)
@@ -666,6 +667,10 @@ cdef class Pool:
         out["num_device_free"] = st.num_device_free
         out["num_cross_stream_reuse"] = st.num_cross_stream_reuse
         out["num_event_waits"] = st.num_event_waits
+        out["num_streams"] = st.num_streams
+        out["num_stream_syncs"] = st.num_stream_syncs
+        out["num_event_records"] = st.num_event_records
+        out["num_stream_queries"] = st.num_stream_queries
         mss = self.options["max_split_size"]
         out["max_split_size"] = -1 if mss is None else mss
         if self._kind == _CUDA:

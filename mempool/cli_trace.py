@@ -116,6 +116,12 @@ def _replay(argv) -> int:
         print(f"upstream calls {result.num_device_alloc:,} segment allocs, "
               f"{result.num_device_free:,} frees (each a cudaMalloc/cudaFree-class call on a "
               "GPU; fewer is better)")
+        if result.steps:
+            calls = result.calls_per_step
+            syncs = max(step["stream_syncs"] for step in result.steps)
+            print(f"calls per step {' '.join(map(str, calls))} ({len(calls)} steps; upstream "
+                  f"calls in each training step, 0 once the pool is warm; at most {syncs} "
+                  "stream syncs a step)")
         print(f"OOMs           {result.num_ooms:,} allocations refused (the replay went on "
               "without them)" + (f"; first: {result.first_oom}" if result.first_oom else ""))
         if result.unknown_frees or result.duplicate_allocs:

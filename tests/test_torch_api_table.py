@@ -34,7 +34,9 @@ class Stats(ctypes.Structure):
                                        "mapped_bytes", "va_reserved_bytes")]
                 + [(f, u) for f in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
                                     "num_device_alloc", "num_device_free",
-                                    "num_cross_stream_reuse", "num_event_waits")])
+                                    "num_cross_stream_reuse", "num_event_waits",
+                                    "num_streams", "num_stream_syncs", "num_event_records",
+                                    "num_stream_queries")])
 
 
 class BlockView(ctypes.Structure):

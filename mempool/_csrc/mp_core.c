@@ -162,6 +162,7 @@ void mp_remove_free_locked(mp_pool *p, mp_block *b) {
 /* The smallest size a class can hold: the inverse of mp_size_class. */
 static size_t class_min_bytes(uint32_t c) {
     if (c < MP_EXACT_CLASSES) return ((size_t)c + 1) << 9;
+    if (c == MP_NCLASSES - 1) return (((size_t)1 << (MP_TOP_K + 1)) + 1) << 9;
     uint32_t k = 7 + (c - MP_EXACT_CLASSES) / MP_SUBCLASSES;
     uint64_t sub = (c - MP_EXACT_CLASSES) % MP_SUBCLASSES;
     return ((size_t)((MP_SUBCLASSES + sub) << (k - 6)) + 1) << 9;
@@ -217,7 +218,7 @@ static mp_block *take_from_other_stream_locked(mp_pool *p, mp_stream *s, int kin
     if (mp_capture_stream_locked(p, s) || mp_capture_handle(p, best->stream->handle)) return NULL;
     uintptr_t ev;
     if (mp_event_get_locked(p, &ev) != MP_OK) return NULL;
-    int rc = p->up.event_record(p->up.ctx, ev, best->stream->handle);
+    int rc = mp_up_record(p, ev, best->stream->handle);
     /* When the owner has no work queued, nothing needs waiting for: skip the wait, which
      * would otherwise order all of s's later work after the owner's. */
     int waited = 0;
@@ -411,10 +412,11 @@ static void hot_flush_stream_locked(mp_pool *p, mp_stream *s) {
 
 void mp_hot_flush_locked(mp_pool *p) {
     for (size_t i = 0; p->nhot && i < p->nstreams; i++) hot_flush_stream_locked(p, p->streams[i]);
+    for (mp_stream *d = p->dead; p->nhot && d; d = d->next_dead) hot_flush_stream_locked(p, d);
 }
 
 static inline int hot_allowed(const mp_pool *p) {
-    return !p->cfg.expandable_segments && p->cfg.release_threshold == MP_UNLIMITED;
+    return p->cfg.release_threshold == MP_UNLIMITED;
 }
 
 /* A free of b completes: it is no longer active (counters and trace). */
@@ -493,7 +495,7 @@ void mp_pool_destroy(mp_pool *p) {
     if (p->up.device_synchronize && p->up.device_synchronize(p->up.ctx) == MP_OK)
         legacy = mp_stream_get_locked(p, 0);
     if (!legacy && p->cfg.expandable_segments)
-        for (size_t i = 0; i < p->nstreams; i++) p->up.stream_synchronize(p->up.ctx, p->streams[i]->handle);
+        for (size_t i = 0; i < p->nstreams; i++) mp_up_sync(p, p->streams[i]->handle);
     mp_segment *seg = p->segments;
     while (seg) {
         mp_segment *next = seg->next;
@@ -507,7 +509,7 @@ void mp_pool_destroy(mp_pool *p) {
             free(b->events);
             b = bn;
         }
-        if (legacy) seg->stream = legacy;
+        seg->release_stream = legacy ? 0 : seg->stream->handle;
         mp_segment_release_upstream(p, seg);
         free(seg);
         seg = next;
@@ -516,6 +518,11 @@ void mp_pool_destroy(mp_pool *p) {
     free(p->event_cache);
     for (size_t i = 0; i < p->nstreams; i++) free(p->streams[i]);
     free(p->streams);
+    while (p->dead) {
+        mp_stream *d = p->dead;
+        p->dead = d->next_dead;
+        free(d);
+    }
     while (p->slabs) {
         mp_block_slab *next = p->slabs->next;
         free(p->slabs);
@@ -544,12 +551,13 @@ void mp_pool_release(mp_pool *p) {
 static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
                                      mp_release_list *rel, uintptr_t *ptr) {
     p->inflight_bytes += nbytes;
-    mp_lock_release(&p->lock);
+    uintptr_t handle = s->handle;
+    mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
     mp_release_finish(p, rel);
-    int rc = p->up.segment_alloc(p->up.ctx, nbytes, s->handle, ptr);
+    int rc = p->up.segment_alloc(p->up.ctx, nbytes, handle, ptr);
     mp_blocking_end(blocking);
-    mp_lock_acquire(&p->lock);
+    mp_lock_retake(p);
     p->inflight_bytes -= nbytes;
     return rc;
 }
@@ -575,13 +583,13 @@ void mp_sync_pending_unlocked(mp_pool *p) {
         }
     }
     p->stats.num_sync_all_streams++;
-    mp_lock_release(&p->lock);
+    mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
     for (size_t j = 0; j < n; j++)
-        if (!mp_capture_handle(p, handles[j])) p->up.stream_synchronize(p->up.ctx, handles[j]);
+        if (!mp_capture_handle(p, handles[j])) mp_up_sync(p, handles[j]);
     mp_blocking_end(blocking);
     free(handles);
-    mp_lock_acquire(&p->lock);
+    mp_lock_retake(p);
     mp_process_pending_locked(p);
 }
 
@@ -625,6 +633,8 @@ static mp_block *new_segment_locked(mp_pool *p, mp_stream *s, int kind, uintptr_
     p->stats.num_device_alloc++;
     mp_stat3_inc(p->stats.segment, kind, 1);
     mp_stat3_inc(p->stats.reserved_bytes, kind, (int64_t)nbytes);
+    if (mp_reserved_now_locked(p) > p->reserved_high_water)
+        p->reserved_high_water = mp_reserved_now_locked(p);
     if (nbytes >= p->cfg.max_split_size) mp_stat_inc(&p->stats.oversize_segments, 1);
     mp_trace_locked(p, MP_TRACE_SEGMENT_ALLOC, ptr, nbytes, s->handle);
     return b;
@@ -696,6 +706,13 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
      * oldest first, before growing. Reserved memory then tracks what the work needs instead
      * of piling up segments of sizes it no longer asks for. */
     if (p->idle_bytes >= seg_size) mp_release_idle_kind_locked(p, kind, seg_size, rel);
+    /* Note [Reserved high water] (docs/architecture.md): before reserving more than it ever
+     * held, the pool gives back every idle segment of this kind, none of which could serve
+     * the request, so a new peak is not set with idle segments beside it. */
+    if (p->idle_bytes >= MP_HIGH_WATER_MIN_IDLE &&
+        p->idle_bytes >= p->reserved_high_water / MP_HIGH_WATER_IDLE_DIV &&
+        mp_reserved_now_locked(p) + seg_size > p->reserved_high_water)
+        mp_release_idle_kind_locked(p, kind, 0, rel);
 
     uintptr_t ptr = 0;
     int rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);
@@ -718,11 +735,12 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
         /* No host memory for the bookkeeping: give the segment straight back (not during a
          * capture, Note [Graph capture]: then it is lost). */
         int capture = mp_capture_call_locked(p, rel);
-        mp_lock_release(&p->lock);
+        uintptr_t handle = s->handle;
+        mp_lock_drop(p);
         void *blocking = mp_blocking_begin();
-        if (!capture) p->up.segment_free(p->up.ctx, ptr, seg_size, s->handle);
+        if (!capture) p->up.segment_free(p->up.ctx, ptr, seg_size, handle);
         mp_blocking_end(blocking);
-        mp_lock_acquire(&p->lock);
+        mp_lock_retake(p);
         return MP_ENOMEM;
     }
     *out = b;
@@ -924,53 +942,54 @@ static void complete_free_locked(mp_pool *p, mp_block *b) {
     mp_free_block_locked(p, b);
 }
 
-/* Note [Stream reuse]: the block returns to a free list only once every stream that used it
- * (b->uses) has passed the point of its free: an event on each, into `events` (room for
- * b->nuses; b owns it from here). Uses already past drop out. Returns 1 when some remain (b
- * keeps their events), 0 when none does (b has no events). */
-static int record_uses_locked(mp_pool *p, mp_block *b, uintptr_t *events) {
-    uint16_t n = 0;
+/* Note [Stream reuse]: record an event on each stream that used b (events[], one per use),
+ * keeping the uses whose stream has not yet passed this point. A use whose event cannot be
+ * had keeps events[i] == 0 and must be synchronized instead, without the lock (Note [Lock
+ * order]): the count of those is returned, for sync_uses_unlocked. Sets b->nuses and
+ * b->events (NULL, with events freed, when no use is left). */
+static uint16_t record_uses_locked(mp_pool *p, mp_block *b, uintptr_t *events) {
+    uint16_t n = 0, nsync = 0;
     for (uint16_t i = 0; i < b->nuses; i++) {
         uintptr_t ev;
-        if (mp_event_get_locked(p, &ev) == MP_OK &&
-            p->up.event_record(p->up.ctx, ev, b->uses[i]->handle) == MP_OK) {
+        int got = mp_event_get_locked(p, &ev) == MP_OK;
+        if (got && mp_up_record(p, ev, b->uses[i]->handle) == MP_OK) {
             if (p->up.event_query(p->up.ctx, ev) == MP_OK) {
                 mp_event_put_locked(p, ev);   /* that stream is past the free already */
                 continue;
             }
-            b->uses[n] = b->uses[i];
-            events[n++] = ev;
         } else {
-            /* No event to be had: fall back to blocking on that stream. */
-            p->up.stream_synchronize(p->up.ctx, b->uses[i]->handle);
+            if (got) mp_event_put_locked(p, ev);
+            ev = 0;
+            nsync++;
         }
+        b->uses[n] = b->uses[i];
+        events[n++] = ev;
     }
     b->nuses = n;
     b->events = n ? events : NULL;
     if (!n) free(events);
-    return n != 0;
+    return nsync;
 }
 
-/* Note [Graph capture]: a free deferred during a capture (pending, no events) records its
- * events once no stream it involves captures. 0 while it must still wait. */
-static int record_deferred_locked(mp_pool *p, mp_block *b) {
-    if (mp_capture_uses_locked(p, b)) return 0;
-    uintptr_t *events = malloc(b->nuses * sizeof *events);
-    if (!events) return 0;
-    record_uses_locked(p, b, events);
-    return 1;
-}
+static int record_deferred_locked(mp_pool *p, mp_block *b);
 
 int mp_process_pending_locked(mp_pool *p) {
     if (mp_capture_stream_locked(p, NULL)) return MP_OK;   /* Note [Graph capture]: no query */
     mp_block *b = p->pending_head;
     while (b) {
         mp_block *next = b->fnext;
-        if (!b->events && !record_deferred_locked(p, b)) {
-            b = next;
-            continue;
+        if (!b->events) {
+            int r = record_deferred_locked(p, b);
+            if (r == 0) {
+                b = next;
+                continue;
+            }
+            if (r == 2) {   /* the lock was dropped to synchronize: the list may have changed */
+                b = p->pending_head;
+                continue;
+            }
         }
-        int done = 1;
+        int done = !b->busy;   /* busy: its freeing thread is synchronizing a stream */
         for (uint16_t i = 0; i < b->nuses && done; i++) {
             if (p->up.event_query(p->up.ctx, b->events[i]) != MP_OK) done = 0;
         }
@@ -985,6 +1004,64 @@ int mp_process_pending_locked(mp_pool *p) {
         b = next;
     }
     return MP_OK;
+}
+
+/* mp_free's fallback for the streams of pending block b it had no event for (events[i] ==
+ * 0, nsync of them): synchronize them with the lock dropped (Note [Lock order]), then drop
+ * those uses and complete the free when no other use is left. The block is marked busy
+ * meanwhile, so that no other thread completes it; a forget_stream of one of those streams
+ * may drop its use meanwhile (Note [Forgotten streams]). */
+static void sync_uses_unlocked(mp_pool *p, mp_block *b, uint16_t nsync) {
+    uintptr_t handles[8], *h = nsync <= 8 ? handles : malloc(nsync * sizeof *h);
+    uint16_t n = 0;
+    for (uint16_t i = 0; i < b->nuses; i++) {
+        if (b->events[i]) continue;
+        if (h) h[n++] = b->uses[i]->handle;
+        else mp_up_sync(p, b->uses[i]->handle);   /* no host memory */
+    }
+    if (n) {
+        b->busy = 1;
+        mp_lock_drop(p);
+        void *blocking = mp_blocking_begin();
+        for (uint16_t i = 0; i < n; i++) mp_up_sync(p, h[i]);
+        mp_blocking_end(blocking);
+        mp_lock_retake(p);
+        b->busy = 0;
+    }
+    if (h != handles) free(h);
+    uint16_t kept = 0;
+    for (uint16_t i = 0; i < b->nuses; i++) {
+        if (!b->events[i]) continue;
+        b->uses[kept] = b->uses[i];
+        b->events[kept++] = b->events[i];
+    }
+    b->nuses = kept;
+    if (!kept) {
+        pending_remove_locked(p, b);
+        free(b->events);
+        b->events = NULL;
+        complete_free_locked(p, b);
+    }
+}
+
+/* Note [Graph capture]: the events of a free deferred during a capture, recorded once no
+ * capture touches its streams. 0: still deferred; 1: recorded; 2: a stream had to be
+ * synchronized, with the lock dropped meanwhile (the caller's list walk starts again). */
+static int record_deferred_locked(mp_pool *p, mp_block *b) {
+    if (mp_capture_uses_locked(p, b)) return 0;
+    uintptr_t *events = malloc(b->nuses * sizeof *events);
+    if (!events) return 0;
+    uint16_t nsync = record_uses_locked(p, b, events);
+    if (!nsync) {
+        if (!b->nuses) {
+            pending_remove_locked(p, b);
+            complete_free_locked(p, b);
+            return 2;   /* the walk's next pointer may have been merged away */
+        }
+        return 1;
+    }
+    sync_uses_unlocked(p, b, nsync);
+    return 2;
 }
 
 int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
@@ -1036,10 +1113,16 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
         if (mp_capture_uses_locked(p, b)) {
             free(events);   /* Note [Graph capture]: recorded once the capture is over */
             pending_push_locked(p, b);
-        } else if (record_uses_locked(p, b, events)) {
-            pending_push_locked(p, b);
         } else {
-            complete_free_locked(p, b);
+            uint16_t nsync = record_uses_locked(p, b, events);
+            if (nsync) {
+                pending_push_locked(p, b);
+                sync_uses_unlocked(p, b, nsync);
+            } else if (b->nuses) {
+                pending_push_locked(p, b);
+            } else {
+                complete_free_locked(p, b);
+            }
         }
     }
     mp_apply_release_threshold_locked(p, &rel);
@@ -1102,32 +1185,33 @@ static void remerge_segment_locked(mp_pool *p, mp_segment *seg) {
     }
 }
 
-int mp_forget_stream(mp_pool *p, uintptr_t handle) {
-    if (handle == 0) return MP_OK;   /* the legacy stream is never destroyed */
-    mp_lock_acquire(&p->lock);
-    mp_hot_flush_locked(p);
-    mp_stream *s = NULL;
-    for (size_t i = 0; i < p->nstreams && !s; i++)
-        if (p->streams[i]->handle == handle) s = p->streams[i];
-    if (!s) {
-        mp_lock_release(&p->lock);
-        return MP_OK;
+/* Note [Forgotten streams] (docs/architecture.md): hand everything the pool keeps on s,
+ * which has no work left, to the legacy stream, and release s's expandable ranges that hold
+ * nothing else. Afterwards nothing of the pool refers to s. */
+static void hand_over_stream_locked(mp_pool *p, mp_stream *s, mp_stream *legacy,
+                                    mp_release_list *rel) {
+    if (s->hot) hot_flush_stream_locked(p, s);
+    /* Pending frees waiting on s: its events have completed (s was synchronized). */
+    for (mp_block *b = p->pending_head; b; b = b->fnext) {
+        if (!b->events) continue;   /* deferred during a capture: below */
+        for (uint16_t i = 0; i < b->nuses;) {
+            if (b->uses[i] != s) {
+                i++;
+                continue;
+            }
+            if (b->events[i]) mp_event_put_locked(p, b->events[i]);
+            b->nuses--;
+            b->uses[i] = b->uses[b->nuses];
+            b->events[i] = b->events[b->nuses];
+        }
     }
-    /* Note [Graph capture]: a capturing stream cannot be synchronized. */
-    int capture = mp_capture_stream_locked(p, s);
-    if (!capture && p->capture_seen == s) p->capture_seen = NULL;   /* its handle may die */
-    mp_lock_release(&p->lock);
-    if (capture) return MP_EBUSY;
-    /* The stream is still alive here: let its queued work finish, then nothing of the pool
-     * needs ordering on it again. */
-    void *blocking = mp_blocking_begin();
-    int rc = p->up.stream_synchronize(p->up.ctx, handle);
-    mp_blocking_end(blocking);
-    mp_lock_acquire(&p->lock);
-    mp_stream *legacy = rc == MP_OK ? mp_stream_get_locked(p, 0) : NULL;
-    if (!legacy) {
-        mp_lock_release(&p->lock);
-        return rc == MP_OK ? MP_ENOMEM : rc;
+    if (p->npending) mp_process_pending_locked(p);
+    for (mp_segment *seg = p->segments, *next; seg; seg = next) {
+        next = seg->next;
+        if (seg->expandable && seg->stream == s && mp_expand_detach_range_locked(p, seg, s, rel)) {
+            for (int k = 0; k < 2; k++)
+                if (s->expandable[k] == seg) s->expandable[k] = NULL;
+        }
     }
     /* Note [Graph capture]: a free deferred during a capture would record an event on s
      * later, on a dead handle; s is synchronized, so its use is over now. */
@@ -1157,11 +1241,86 @@ int mp_forget_stream(mp_pool *p, uintptr_t handle) {
         }
         if (moved) remerge_segment_locked(p, seg);
     }
+    /* A range that keeps blocks grows on for the legacy stream when that has none of its
+     * kind; otherwise it grows no more, and goes once empty (mp_release_idle_locked). */
     for (int k = 0; k < 2; k++) {
-        if (s->expandable[k] && !legacy->expandable[k]) legacy->expandable[k] = s->expandable[k];
+        mp_segment *seg = s->expandable[k];
+        if (!seg) continue;
+        if (!legacy->expandable[k]) legacy->expandable[k] = seg;
+        else seg->growing = 0;
         s->expandable[k] = NULL;
     }
+}
+
+/* Note [Forgotten streams]: free the structs of forgotten streams once no operation that
+ * dropped the lock may still hold a pointer to one; hand over first what such operations
+ * gave them meanwhile. */
+static void reap_dead_locked(mp_pool *p, mp_release_list *rel) {
+    if (!p->dead || p->nunlocked) return;
+    mp_stream *legacy = mp_stream_get_locked(p, 0);
+    if (!legacy) return;   /* out of host memory: a later call reaps them */
+    while (p->dead) {
+        mp_stream *d = p->dead;
+        p->dead = d->next_dead;
+        p->ndead--;
+        hand_over_stream_locked(p, d, legacy, rel);
+        free(d);
+    }
+}
+
+static mp_stream *find_stream_locked(mp_pool *p, uintptr_t handle, size_t *index) {
+    for (size_t i = 0; i < p->nstreams; i++) {
+        if (p->streams[i]->handle == handle) {
+            *index = i;
+            return p->streams[i];
+        }
+    }
+    return NULL;
+}
+
+int mp_forget_stream(mp_pool *p, uintptr_t handle) {
+    if (handle == 0) return MP_OK;   /* the legacy stream is never destroyed */
+    mp_release_list rel = {0};
+    size_t i;
+    mp_lock_acquire(&p->lock);
+    reap_dead_locked(p, &rel);
+    mp_stream *known = find_stream_locked(p, handle, &i);
+    /* Note [Graph capture]: a capturing stream cannot be synchronized. */
+    int capture = known && mp_capture_stream_locked(p, known);
+    if (known && !capture && p->capture_seen == known) p->capture_seen = NULL;   /* may die */
     mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
+    if (!known) return MP_OK;
+    if (capture) return MP_EBUSY;
+    /* The stream is still alive here: let its queued work finish, then nothing of the pool
+     * needs ordering on it again. */
+    void *blocking = mp_blocking_begin();
+    int rc = mp_up_sync(p, handle);
+    mp_blocking_end(blocking);
+    mp_lock_acquire(&p->lock);
+    /* Found again: another thread may have forgotten it meanwhile. */
+    mp_stream *s = find_stream_locked(p, handle, &i);
+    mp_stream *legacy = s && rc == MP_OK ? mp_stream_get_locked(p, 0) : NULL;
+    if (!legacy) {
+        mp_lock_release(&p->lock);
+        if (!s) return MP_OK;
+        return rc == MP_OK ? MP_ENOMEM : rc;
+    }
+    hand_over_stream_locked(p, s, legacy, &rel);
+    p->streams[i] = p->streams[--p->nstreams];
+    if (p->last_stream == s) p->last_stream = NULL;
+    if (p->nunlocked) {
+        /* Another operation dropped the lock holding stream pointers, maybe this one:
+         * keep the struct until none does, on the legacy handle, which never dies. */
+        s->handle = 0;
+        s->next_dead = p->dead;
+        p->dead = s;
+        p->ndead++;
+    } else {
+        free(s);
+    }
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
     return MP_OK;
 }
 

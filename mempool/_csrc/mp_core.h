@@ -69,6 +69,12 @@ typedef struct mp_stats {
     uint64_t num_device_free;
     uint64_t num_cross_stream_reuse;          /* blocks taken from another stream */
     uint64_t num_event_waits;
+    uint64_t num_streams;                     /* streams the pool keeps state for now */
+    /* Upstream calls besides segments and maps (num_device_alloc/free), for replays and
+     * docs/expandable.md's counts per step. */
+    uint64_t num_stream_syncs;
+    uint64_t num_event_records;
+    uint64_t num_stream_queries;
 } mp_stats;
 
 typedef struct mp_pool mp_pool;

@@ -51,6 +51,11 @@ struct mp_sim {
     mp_ptrmap pages;          /* mapped page address -> access mask (own device's bit set) */
     sim_stream *streams;
     size_t nstreams, cap_streams;
+    /* Stream id -> index + 1 (0: empty), open addressing; and the slots of destroyed
+     * streams, reused with their counters, so that old events and waits stay complete. */
+    size_t *shash, shash_mask, shash_count;
+    size_t *free_slots, nfree_slots, cap_free_slots;
+    unsigned fail_events;     /* the next N event records fail (mp_sim_fail_events) */
     sim_event *events;
     size_t nevents, cap_events, live_events;
     uint64_t num_syncs, num_records, num_waits, num_errors, num_queries;
@@ -59,6 +64,7 @@ struct mp_sim {
     /* mp_sim_hold_allocs: segment allocations still to hold, those waiting now, the
      * release generation they wait for a change of, and those that gave up waiting. */
     unsigned hold_next, held, hold_timeout_ms;
+    unsigned hold_syncs_next;     /* mp_sim_hold_syncs: stream syncs still to hold */
     uint64_t release_gen, hold_timeouts;
     pthread_cond_t hold_cv;
     /* Graph capture (mp_sim_begin_capture): streams capturing now, calls a real driver
@@ -71,19 +77,70 @@ struct mp_sim {
 /* The access a page gets when mapped: the device itself and every peer granted so far. */
 static uint64_t own_access(const mp_sim *s) { return s->peers | (uint64_t)1 << s->device; }
 
-static size_t stream_index(mp_sim *s, uintptr_t id) {
-    for (size_t i = 0; i < s->nstreams; i++)
-        if (s->streams[i].id == id) return i;
-    if (s->nstreams == s->cap_streams) {
-        size_t cap = s->cap_streams ? s->cap_streams * 2 : 8;
-        sim_stream *grown = realloc(s->streams, cap * sizeof *grown);
-        if (!grown) return SIZE_MAX;
-        s->streams = grown;
-        s->cap_streams = cap;
+static size_t shash_home(const mp_sim *s, uintptr_t id) {
+    return (size_t)(((uint64_t)id * 0x9E3779B97F4A7C15ull) >> 17) & s->shash_mask;
+}
+
+/* Index of stream id in the hash, inserting (index) when absent and `insert` is given. */
+static size_t *shash_find(mp_sim *s, uintptr_t id) {
+    for (size_t h = shash_home(s, id);; h = (h + 1) & s->shash_mask) {
+        size_t v = s->shash[h];
+        if (!v || s->streams[v - 1].id == id) return &s->shash[h];
     }
-    memset(&s->streams[s->nstreams], 0, sizeof(sim_stream));
-    s->streams[s->nstreams].id = id;
-    return s->nstreams++;
+}
+
+static int shash_grow(mp_sim *s) {
+    size_t cap = s->shash ? 2 * (s->shash_mask + 1) : 64;
+    size_t *old = s->shash, old_cap = s->shash ? s->shash_mask + 1 : 0;
+    size_t *grown = calloc(cap, sizeof *grown);
+    if (!grown) return 0;
+    s->shash = grown;
+    s->shash_mask = cap - 1;
+    for (size_t i = 0; i < old_cap; i++)
+        if (old[i]) *shash_find(s, s->streams[old[i] - 1].id) = old[i];
+    free(old);
+    return 1;
+}
+
+/* Backward-shift deletion, so lookups stay short however many streams come and go. */
+static void shash_remove(mp_sim *s, size_t *slot) {
+    size_t i = (size_t)(slot - s->shash);
+    for (size_t j = (i + 1) & s->shash_mask; s->shash[j]; j = (j + 1) & s->shash_mask) {
+        size_t home = shash_home(s, s->streams[s->shash[j] - 1].id);
+        /* j's entry may move to i when its home is not in (i, j] (cyclically) */
+        if (((j - home) & s->shash_mask) >= ((j - i) & s->shash_mask)) {
+            s->shash[i] = s->shash[j];
+            i = j;
+        }
+    }
+    s->shash[i] = 0;
+    s->shash_count--;
+}
+
+static size_t stream_index(mp_sim *s, uintptr_t id) {
+    if ((s->shash_count + 1) * 2 > (s->shash ? s->shash_mask + 1 : 0) && !shash_grow(s))
+        return SIZE_MAX;
+    size_t *slot = shash_find(s, id);
+    if (*slot) return *slot - 1;
+    size_t i;
+    if (s->nfree_slots) {
+        i = s->free_slots[--s->nfree_slots];
+        s->streams[i].id = id;   /* counters carried on: see mp_sim_destroy_stream */
+    } else {
+        if (s->nstreams == s->cap_streams) {
+            size_t cap = s->cap_streams ? s->cap_streams * 2 : 8;
+            sim_stream *grown = realloc(s->streams, cap * sizeof *grown);
+            if (!grown) return SIZE_MAX;
+            s->streams = grown;
+            s->cap_streams = cap;
+        }
+        memset(&s->streams[s->nstreams], 0, sizeof(sim_stream));
+        s->streams[s->nstreams].id = id;
+        i = s->nstreams++;
+    }
+    *slot = i + 1;
+    s->shash_count++;
+    return i;
 }
 
 /* A call that CUDA refuses during a capture, or that invalidates it (the driver's global
@@ -112,8 +169,8 @@ static uintptr_t bump(mp_sim *s, size_t nbytes, size_t align) {
 
 /* A held segment allocation: wait, the sim's mutex let go meanwhile, for
  * mp_sim_release_held or the timeout. */
-static void hold_locked(mp_sim *s) {
-    s->hold_next--;
+static void hold_locked(mp_sim *s, unsigned *next) {
+    (*next)--;
     s->held++;
     uint64_t gen = s->release_gen;
     struct timespec until;
@@ -138,7 +195,7 @@ static int sim_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
     int plain = s->ncapturing && is_capturing(s, stream);
-    if (s->hold_next) hold_locked(s);
+    if (s->hold_next) hold_locked(s, &s->hold_next);
     int rc = mp_budget_take(&s->budget, nbytes);
     if (rc == MP_OK) {
         uintptr_t p = bump(s, nbytes, 512);
@@ -219,6 +276,11 @@ static sim_event *event_at(mp_sim *s, uintptr_t ev) {
 static int sim_event_record(void *ctx, uintptr_t ev, uintptr_t stream) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
+    if (s->fail_events) {
+        s->fail_events--;
+        pthread_mutex_unlock(&s->mu);
+        return MP_EUPSTREAM;
+    }
     sim_event *e = event_at(s, ev);
     size_t si = stream_index(s, stream);
     int rc = e && si != SIZE_MAX ? MP_OK : MP_EINVAL;
@@ -351,6 +413,7 @@ static int sim_stream_synchronize(void *ctx, uintptr_t stream) {
         pthread_mutex_unlock(&s->mu);
         return rc;
     }
+    if (s->hold_syncs_next) hold_locked(s, &s->hold_syncs_next);
     size_t si = stream_index(s, stream);
     if (si != SIZE_MAX) complete_upto(s, si, s->streams[si].submitted);
     s->num_syncs++;
@@ -421,7 +484,7 @@ static int sim_map(void *ctx, uintptr_t va, size_t nbytes) {
         pthread_mutex_unlock(&s->mu);
         return MP_EINVAL;
     }
-    if (s->hold_next) hold_locked(s);
+    if (s->hold_next) hold_locked(s, &s->hold_next);
     int rc = MP_OK;
     if (s->budget.fail_next) {
         s->budget.fail_next--;
@@ -508,6 +571,8 @@ static void sim_destroy(void *ctx) {
     mp_ptrmap_destroy(&s->pages);
     for (size_t i = 0; i < s->nstreams; i++) free(s->streams[i].waits);
     free(s->streams);
+    free(s->shash);
+    free(s->free_slots);
     for (size_t i = 0; i < s->nevents; i++) free(s->events[i].deps);
     free(s->events);
     pthread_cond_destroy(&s->hold_cv);
@@ -557,6 +622,14 @@ int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
 
 /* ---------------------------------------------------------------- test controls */
 
+/* The free-slot list with room for one more, or NULL (the list unchanged). */
+static size_t *realloc_slots(mp_sim *s) {
+    size_t cap = s->cap_free_slots ? 2 * s->cap_free_slots : 16;
+    size_t *grown = realloc(s->free_slots, cap * sizeof *grown);
+    if (grown) s->cap_free_slots = cap;
+    return grown;
+}
+
 uint64_t mp_sim_launch(mp_sim *s, uintptr_t stream) {
     pthread_mutex_lock(&s->mu);
     size_t si = stream_index(s, stream);
@@ -599,14 +672,60 @@ void mp_sim_stream_info(mp_sim *s, uintptr_t stream, uint64_t *submitted, uint64
     pthread_mutex_unlock(&s->mu);
 }
 
+int mp_sim_destroy_stream(mp_sim *s, uintptr_t stream) {
+    pthread_mutex_lock(&s->mu);
+    size_t *slot = s->shash ? shash_find(s, stream) : NULL;
+    int rc = MP_EINVAL;
+    if (slot && *slot) {
+        size_t i = *slot - 1;
+        rc = MP_ENOMEM;
+        if (s->nfree_slots == s->cap_free_slots) {
+            size_t *grown = realloc_slots(s);
+            if (grown) s->free_slots = grown;
+        }
+        if (s->nfree_slots < s->cap_free_slots) {
+            /* Its queued work runs to the end, as after cudaStreamDestroy; the counters
+             * stay with the slot, so events recorded on it stay complete when it is reused. */
+            complete_upto(s, i, s->streams[i].submitted);
+            s->streams[i].nwaits = 0;
+            shash_remove(s, slot);
+            s->free_slots[s->nfree_slots++] = i;
+            rc = MP_OK;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+void mp_sim_fail_events(mp_sim *s, unsigned n) {
+    pthread_mutex_lock(&s->mu);
+    s->fail_events = n;
+    pthread_mutex_unlock(&s->mu);
+}
+
+size_t mp_sim_num_streams(mp_sim *s) {
+    pthread_mutex_lock(&s->mu);
+    size_t n = s->shash_count;
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
 mp_budget *mp_sim_budget(mp_sim *s) { return &s->budget; }
 void mp_sim_lock(mp_sim *s) { pthread_mutex_lock(&s->mu); }
 void mp_sim_unlock(mp_sim *s) { pthread_mutex_unlock(&s->mu); }
-void mp_sim_hold_allocs(mp_sim *s, unsigned n, unsigned timeout_ms) {
+static void set_hold(mp_sim *s, unsigned *next, unsigned n, unsigned timeout_ms) {
     pthread_mutex_lock(&s->mu);
-    s->hold_next = n;
+    *next = n;
     s->hold_timeout_ms = timeout_ms;
     pthread_mutex_unlock(&s->mu);
+}
+
+void mp_sim_hold_allocs(mp_sim *s, unsigned n, unsigned timeout_ms) {
+    set_hold(s, &s->hold_next, n, timeout_ms);
+}
+
+void mp_sim_hold_syncs(mp_sim *s, unsigned n, unsigned timeout_ms) {
+    set_hold(s, &s->hold_syncs_next, n, timeout_ms);
 }
 
 unsigned mp_sim_held(mp_sim *s) {

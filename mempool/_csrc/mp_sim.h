@@ -34,9 +34,17 @@ void mp_sim_unlock(mp_sim *sim);
  * as a driver call that blocks, until mp_sim_release_held or `timeout_ms` (then counted in
  * mp_sim_hold_timeouts). Tests see with it what runs while a pool waits on its upstream. */
 void mp_sim_hold_allocs(mp_sim *sim, unsigned n, unsigned timeout_ms);
+/* The same for the next `n` stream synchronizations. */
+void mp_sim_hold_syncs(mp_sim *sim, unsigned n, unsigned timeout_ms);
 unsigned mp_sim_held(mp_sim *sim);         /* allocations waiting now */
 void mp_sim_release_held(mp_sim *sim);     /* let every waiting one go */
 uint64_t mp_sim_hold_timeouts(mp_sim *sim);
+/* A stream goes away, as with cudaStreamDestroy: its queued work completes, and its id may
+ * name a new stream later. MP_EINVAL for a stream the sim never saw. */
+int mp_sim_destroy_stream(mp_sim *sim, uintptr_t stream);
+size_t mp_sim_num_streams(mp_sim *sim);                   /* streams the sim tracks now */
+/* The next `n` event records fail (MP_EUPSTREAM), to test the paths without an event. */
+void mp_sim_fail_events(mp_sim *sim, unsigned n);
 size_t mp_sim_live_segments(mp_sim *sim);
 size_t mp_sim_mapped_bytes(mp_sim *sim);
 uint64_t mp_sim_num_syncs(mp_sim *sim);
