@@ -26,6 +26,7 @@ import time
 
 ALLOCATORS = ("torch", "torch-expandable", "mempool", "mempool-expandable")
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 
 # ---- the child: one workload under one allocator ------------------------------------------
@@ -189,7 +190,7 @@ def run_empty(outdir, procs=6):
     results = {"caching": [], "mempool": []}
     for _ in range(procs):
         for name in results:
-            r = spawn([os.path.join(HERE, "torch_empty_child.py"), name, "7", "2000",
+            r = spawn([os.path.join(ROOT, "mempool", "bench", "torch_empty_child.py"), name, "7", "2000",
                        "512", "65536", "1048576", "67108864"])
             results[name].append(r)
     return results

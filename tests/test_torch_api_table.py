@@ -71,6 +71,8 @@ FIELDS = [
     ("mem_info", F(i32, i32, ctypes.POINTER(sz), ctypes.POINTER(sz))),
     ("layout", F(i32, i32, ctypes.POINTER(Layout))),
     ("enable_peer_access", F(i32, i32, i32)),
+    ("capture_begin", F(i32, i32)),
+    ("capture_end", F(i32, i32)),
     ("private_pool_create", F(i32, i32, ctypes.POINTER(vp))),
 ]
 # The pool_* members follow; their count pins the struct's size.
@@ -226,3 +228,17 @@ def test_allocation_at_an_address_puts_a_freed_block_back(api, routed):
         api.free(DEVICE, p)
     routed.check_invariants()
     assert routed.used_bytes() == 0
+
+
+def test_capture_begin_and_end_reach_the_device_pool(api, routed):
+    """The glue brackets PyTorch's graph captures with these (Note [Graph capture])."""
+    routed.set_release_threshold(0)
+    assert api.capture_begin(DEVICE) == MP_OK
+    out = u()
+    assert api.alloc(DEVICE, 4 * MiB, 0, ctypes.byref(out)) == MP_OK
+    api.free(DEVICE, out.value)
+    assert routed.reserved_bytes() > 0          # nothing is released during a capture
+    assert api.capture_end(DEVICE) == MP_OK
+    assert routed.reserved_bytes() == 0         # the deferred release happens at the end
+    assert api.capture_end(DEVICE) == MP_EINVAL  # no capture begun
+    assert api.capture_begin(DEVICE + 1) == MP_EINVAL

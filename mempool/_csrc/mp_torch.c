@@ -371,6 +371,18 @@ static int api_enable_peer_access(int owner_device, int peer_device) {
     return rc;
 }
 
+static int api_capture_begin(int device) {
+    int rc;
+    WITH_SLOT(device, rc = mp_capture_begin(p));
+    return rc;
+}
+
+static int api_capture_end(int device) {
+    int rc;
+    WITH_SLOT(device, rc = mp_capture_end(p));
+    return rc;
+}
+
 static int api_private_pool_create(int device, mp_pool **out) {
     int rc;
     WITH_SLOT(device, {
@@ -411,6 +423,8 @@ static const mp_torch_api api = {
     .mem_info = api_mem_info,
     .layout = api_layout,
     .enable_peer_access = api_enable_peer_access,
+    .capture_begin = api_capture_begin,
+    .capture_end = api_capture_end,
     .private_pool_create = api_private_pool_create,
     .pool_alloc = mp_alloc,
     .pool_free = mp_free,

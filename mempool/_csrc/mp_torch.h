@@ -98,6 +98,10 @@ typedef struct mp_torch_api {
     int (*mem_info)(int device, size_t *free_bytes, size_t *total_bytes);
     int (*layout)(int device, mp_layout *out);
     int (*enable_peer_access)(int owner_device, int peer_device);
+    /* Note [Graph capture]: tell the device's pool that a capture is (no longer) under way,
+     * so that it makes no call a global-mode capture refuses, whatever stream it serves. */
+    int (*capture_begin)(int device);
+    int (*capture_end)(int device);
     /* Separate pools (CUDA-graph and MemPool private pools) on a device: plain segments
      * that are legal to allocate during stream capture, the device pool's size policy,
      * nothing released until empty_cache. The caller owns the reference. */

@@ -466,20 +466,30 @@ class MempoolAllocator final : public CUDAAllocator {
     routes.push_back(Route{mempool_id, std::move(filter)});
     n_routes_[device_slot(device)].fetch_add(1, std::memory_order_release);
     captures_.fetch_add(1, std::memory_order_acq_rel);
+    // A capture may begin right after this (PyTorch routes first): from now on the device's
+    // pool makes no call a global-mode capture refuses. A MemPool context routes the same
+    // way; for it this only defers the pool's releases until the context ends.
+    (void)api->capture_begin(device);
   }
 
   void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
-    std::lock_guard<std::mutex> lock(pools_mu_);
-    auto& routes = routes_[device_slot(device)];
-    for (auto it = routes.begin(); it != routes.end(); ++it) {
-      if (it->id == mempool_id) {
-        routes.erase(it);
-        n_routes_[device_slot(device)].fetch_sub(1, std::memory_order_release);
-        captures_.fetch_sub(1, std::memory_order_acq_rel);
-        return;
+    bool found = false;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      auto& routes = routes_[device_slot(device)];
+      for (auto it = routes.begin(); it != routes.end(); ++it) {
+        if (it->id == mempool_id) {
+          routes.erase(it);
+          n_routes_[device_slot(device)].fetch_sub(1, std::memory_order_release);
+          captures_.fetch_sub(1, std::memory_order_acq_rel);
+          found = true;
+          break;
+        }
       }
     }
-    TORCH_CHECK(false, "endAllocateToPool: not currently recording to mempool_id");
+    TORCH_CHECK(found, "endAllocateToPool: not currently recording to mempool_id");
+    // The pool may now make the releases it deferred: without our lock, it may synchronize.
+    (void)api->capture_end(device);
   }
 
   void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
