@@ -297,11 +297,8 @@ def gather(client):
 def report(client):
     """One text report of every worker's pool: a line per worker, the cluster's totals,
     then each worker's ``summary()``."""
-    from mempool import _config
+    from mempool._units import format_bytes as size
     infos = gather(client)
-
-    def size(n):
-        return _config.format_size(n) if n % 1024 == 0 else f"{n} B"
 
     lines = [f"mempool on {len(infos)} Dask worker(s)"]
     total = {"reserved_bytes": 0, "used_bytes": 0, "cached_bytes": 0, "num_ooms": 0}

@@ -161,8 +161,10 @@ def test_out_of_device_memory_during_a_capture_skips_the_release_and_retry(sim):
     assert stats(pool, "num_alloc_retries")["num_alloc_retries"] == 0
     assert device(pool, *UNSAFE) == {k: 0 for k in UNSAFE}
     dev.end_capture(S)
-    assert pool.alloc(50 * MiB, stream=S) == BASE + 40 * MiB   # released, retried
-    assert stats(pool, "num_alloc_retries")["num_alloc_retries"] == 1
+    assert pool.alloc(50 * MiB, stream=S) == BASE + 40 * MiB
+    # The idle segment went back once no capture forbade it (before the new segment, as
+    # Note [Reserved high water] does, or by the retry of the fallback chain).
+    assert pool.reserved_bytes() == 50 * MiB
     assert dev.capture_violations == 0
     pool.check_invariants()
 

@@ -63,6 +63,21 @@ class CaptureRules:
         else:
             self._keeps_everything(lambda: self.pool.trim(keep))
 
+    @rule(stream=st.sampled_from((5, 9)), destroy=st.booleans())
+    def forget(self, stream, destroy):
+        """forget_stream synchronizes the stream: refused while a capture is under way (the
+        pool was told of it, so whichever stream it knows), with nothing changed; a stream
+        the pool never saw is a no-op."""
+        if self.capturing is None:
+            return super().forget(stream, destroy)
+        before = (self.pool.reserved_bytes(), self.pool.used_bytes(), len(self.pool.layout()))
+        try:
+            self.pool.forget_stream(stream)
+        except RuntimeError as exc:
+            assert "capture" in str(exc)
+        assert (self.pool.reserved_bytes(), self.pool.used_bytes(),
+                len(self.pool.layout())) == before
+
     @invariant()
     def no_forbidden_call(self):
         if hasattr(self, "dev"):

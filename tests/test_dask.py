@@ -89,10 +89,10 @@ def test_tasks_allocate_from_their_workers_pool_and_the_report_adds_them_up(clie
     assert infos[a]["stats"]["allocation.all.allocated"] == 1
     text = md.report(client)
     assert text.startswith("mempool on 2 Dask worker(s)")
-    assert f"{a} (pid {infos[a]['pid']}): sim device 0, reserved 2MiB, used 1MiB" in text
-    assert f"{b} (pid {infos[b]['pid']}): sim device 0, reserved 20MiB, used 4MiB" in text
-    assert "total: reserved 22MiB, used 5MiB, cached 17MiB, OOMs 0" in text
-    assert text.count("memory summary, device ID 0") == 2            # each worker's summary
+    assert f"{a} (pid {infos[a]['pid']}): sim device 0, reserved 2.00 MiB, used 1.00 MiB" in text
+    assert f"{b} (pid {infos[b]['pid']}): sim device 0, reserved 20.00 MiB, used 4.00 MiB" in text
+    assert "total: reserved 22.00 MiB, used 5.00 MiB, cached 17.00 MiB, OOMs 0" in text
+    assert text.count("memory summary, sim device 0") == 2            # each worker's summary
 
 
 def test_a_worker_over_its_limit_gets_the_pools_error(client):
@@ -100,7 +100,7 @@ def test_a_worker_over_its_limit_gets_the_pools_error(client):
     a, b = sorted(client.scheduler_info()["workers"])
     message = client.submit(_overflow, 100 * MiB, workers=[a],
                             pure=False).result(timeout=TASK_TIMEOUT)
-    assert "limit of 64MiB" in message
+    assert "limit of 64.00 MiB" in message
     held = client.submit(_hold, 8 * MiB, workers=[b], pure=False)
     assert held.result(timeout=TASK_TIMEOUT) > 0
     infos = md.gather(client)

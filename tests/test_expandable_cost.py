@@ -16,8 +16,7 @@ from mempool import replay as rp
 from mempool import trace as mt
 
 MiB = 1 << 20
-TRACES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
-                      "traces")
+TRACES = os.path.join(os.path.dirname(os.path.abspath(mt.__file__)), "traces")   # shipped
 COUNTERS = ("num_device_alloc", "num_device_free", "num_stream_syncs", "num_event_records",
             "num_event_waits", "num_stream_queries", "mapped_bytes.allocated",
             "mapped_bytes.freed")

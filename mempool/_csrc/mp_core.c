@@ -1205,14 +1205,6 @@ static void hand_over_stream_locked(mp_pool *p, mp_stream *s, mp_stream *legacy,
             b->events[i] = b->events[b->nuses];
         }
     }
-    if (p->npending) mp_process_pending_locked(p);
-    for (mp_segment *seg = p->segments, *next; seg; seg = next) {
-        next = seg->next;
-        if (seg->expandable && seg->stream == s && mp_expand_detach_range_locked(p, seg, s, rel)) {
-            for (int k = 0; k < 2; k++)
-                if (s->expandable[k] == seg) s->expandable[k] = NULL;
-        }
-    }
     /* Note [Graph capture]: a free deferred during a capture would record an event on s
      * later, on a dead handle; s is synchronized, so its use is over now. */
     for (mp_block *b = p->pending_head, *next; b; b = next) {
@@ -1222,6 +1214,14 @@ static void hand_over_stream_locked(mp_pool *p, mp_stream *s, mp_stream *legacy,
         if (!b->nuses) {
             pending_remove_locked(p, b);
             complete_free_locked(p, b);
+        }
+    }
+    if (p->npending) mp_process_pending_locked(p);
+    for (mp_segment *seg = p->segments, *next; seg; seg = next) {
+        next = seg->next;
+        if (seg->expandable && seg->stream == s && mp_expand_detach_range_locked(p, seg, s, rel)) {
+            for (int k = 0; k < 2; k++)
+                if (s->expandable[k] == seg) s->expandable[k] = NULL;
         }
     }
     for (mp_segment *seg = p->segments; seg; seg = seg->next) {

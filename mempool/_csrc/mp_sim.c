@@ -153,10 +153,17 @@ static int capture_violation(mp_sim *s) {
     return MP_EUPSTREAM;
 }
 
+/* The live stream of that handle, or NULL: through the hash, since a destroyed stream's slot
+ * keeps its old handle until it is reused. */
+static sim_stream *live_stream(mp_sim *s, uintptr_t stream) {
+    if (!s->shash) return NULL;
+    size_t *slot = shash_find(s, stream);
+    return *slot ? &s->streams[*slot - 1] : NULL;
+}
+
 static int is_capturing(mp_sim *s, uintptr_t stream) {
-    for (size_t i = 0; i < s->nstreams; i++)
-        if (s->streams[i].id == stream) return s->streams[i].capturing;
-    return 0;
+    sim_stream *st = live_stream(s, stream);
+    return st ? st->capturing : 0;
 }
 
 static uintptr_t bump(mp_sim *s, size_t nbytes, size_t align) {
@@ -688,6 +695,11 @@ int mp_sim_destroy_stream(mp_sim *s, uintptr_t stream) {
              * stay with the slot, so events recorded on it stay complete when it is reused. */
             complete_upto(s, i, s->streams[i].submitted);
             s->streams[i].nwaits = 0;
+            if (s->streams[i].capturing) {   /* a destroyed stream's capture ends with it */
+                s->streams[i].capturing = 0;
+                s->streams[i].broken = 0;
+                s->ncapturing--;
+            }
             shash_remove(s, slot);
             s->free_slots[s->nfree_slots++] = i;
             rc = MP_OK;
@@ -844,9 +856,8 @@ int mp_sim_begin_capture(mp_sim *s, uintptr_t stream) {
 int mp_sim_end_capture(mp_sim *s, uintptr_t stream) {
     pthread_mutex_lock(&s->mu);
     int rc = MP_EINVAL;
-    for (size_t i = 0; i < s->nstreams; i++) {
-        sim_stream *st = &s->streams[i];
-        if (st->id != stream || !st->capturing) continue;
+    sim_stream *st = live_stream(s, stream);
+    if (st && st->capturing) {
         st->capturing = 0;
         s->ncapturing--;
         rc = st->broken ? MP_EUPSTREAM : MP_OK;
