@@ -1,7 +1,8 @@
 """Command line: ``python -m mempool COMMAND``.
 
 Commands: ``demo`` (the main job), ``bench`` (the latency suite), ``replay``, ``tune`` and
-``plot`` (traces). Each lives in its own module; this file only dispatches.
+``plot`` (traces), ``run`` (a script on the pool), ``build-torch`` (the PyTorch allocator,
+ahead of time). Each lives in its own module; this file only dispatches.
 """
 import importlib
 import os
@@ -14,13 +15,14 @@ COMMANDS = {
     "tune": ("mempool.cli_trace", "search settings that use least memory for a trace"),
     "plot": ("mempool.cli_trace", "draw a snapshot's segment map or a trace's memory over time"),
     "run": ("mempool.run", "run a script with the pool as PyTorch's and CuPy's allocator"),
+    "build-torch": ("mempool.torch_build", "compile mempool's PyTorch allocator now (cached)"),
 }
 
 
 def usage() -> str:
     lines = ["usage: python -m mempool COMMAND [ARGS]", "       python -m mempool --version",
              "", "commands:"]
-    lines += [f"  {name:<8} {text}" for name, (_, text) in COMMANDS.items()]
+    lines += [f"  {name:<11} {text}" for name, (_, text) in COMMANDS.items()]
     return "\n".join(lines)
 
 

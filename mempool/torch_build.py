@@ -6,7 +6,7 @@ docs/architecture.md). It is built on first use, with the C++ compiler that buil
 PyTorch extension, and cached under ``$MEMPOOL_CACHE_DIR`` (default
 ``~/.cache/mempool``) by a key of the source, the PyTorch build and the compiler, so each
 PyTorch build compiles it once (about 10 s). ``python -m mempool build-torch`` builds it
-ahead of time (e.g. in a container image).
+ahead of time (e.g. in a container image) and prints its path.
 
 What it needs: a C++17 compiler (``$CXX``, else ``c++``), PyTorch's headers (every PyTorch
 wheel ships them), and the CUDA runtime headers (``cuda_runtime_api.h``: the
@@ -19,6 +19,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -139,3 +140,24 @@ def build(force: bool = False, verbose: bool = False) -> Path:
                              f"{done.returncode}):\n{done.stderr[-4000:]}")
         os.replace(tmp, lib)   # atomic: a concurrent loader never sees half a file
     return lib
+
+
+def main(command, argv):
+    """``python -m mempool build-torch [--force]``: build the glue now (e.g. in a container
+    image, so that the first ``install`` pays nothing), and print where it is."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m mempool build-torch", description=main.__doc__)
+    ap.add_argument("--force", action="store_true", help="rebuild even if a cached copy exists")
+    args = ap.parse_args(argv)
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("mempool build-torch: needs PyTorch (pip install torch)", file=sys.stderr)
+        return 1
+    try:
+        path = build(force=args.force)
+    except BuildError as exc:
+        print(f"mempool build-torch: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0

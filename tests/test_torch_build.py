@@ -74,3 +74,18 @@ def test_install_refuses_an_unknown_allocator_before_touching_torch():
     import mempool.torch as mt
     with pytest.raises(ValueError, match="allocator must be 'auto', 'full' or 'pluggable'"):
         mt.install(mempool.Pool(backend="sim"), allocator="fast")
+
+
+def test_the_build_command_says_what_it_needs_without_pytorch():
+    import subprocess
+    import sys
+    code = ("import sys, builtins; real = builtins.__import__\n"
+            "def block(name, *a, **k):\n"
+            "    if name == 'torch' or name.startswith('torch.'): raise ImportError(name)\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = block\n"
+            "from mempool.__main__ import main; sys.exit(main(['build-torch']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1
+    assert "needs PyTorch (pip install torch)" in out.stderr
