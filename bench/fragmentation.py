@@ -3,7 +3,7 @@
     python bench/fragmentation.py                        # print the table
     python bench/fragmentation.py --out bench/results/fragmentation.json
 
-Each trace in bench/traces/ (a transformer with dynamic sequence lengths and a CNN with
+Each trace in mempool/traces/ (a transformer with dynamic sequence lengths and a CNN with
 variable resolution) is replayed on the simulated device, at GPU scale, under the settings
 users reach for. The figure of merit is peak reserved bytes over peak live (requested)
 bytes: 1.0 means the pool held nothing beyond what the program used at its peak.
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from bench.provenance import commit  # noqa: E402
 from mempool import replay as rp  # noqa: E402
 from mempool import trace as mtrace  # noqa: E402
+from mempool.cli_trace import TRACES_DIR  # noqa: E402
 
 TRACES = ("transformer_train.jsonl.gz", "vision_train.jsonl.gz")
 SETTINGS = [
@@ -59,7 +60,7 @@ def run(traces=TRACES, settings=SETTINGS, capacity=None) -> list:
     extra = {} if capacity is None else {"capacity": capacity}
     rows = []
     for name in traces:
-        path = name if os.path.exists(name) else os.path.join(HERE, "traces", name)
+        path = name if os.path.exists(name) else os.path.join(TRACES_DIR, name)
         prep = rp.prepare(mtrace.load(path))
         for label, options in settings:
             row = {"trace": os.path.basename(path), "setting": label, "options": options,
@@ -77,15 +78,22 @@ def run(traces=TRACES, settings=SETTINGS, capacity=None) -> list:
                        peak_allocated_bytes=r.peak_allocated_bytes, ratio=r.ratio,
                        num_ooms=r.num_ooms, num_device_alloc=r.num_device_alloc,
                        num_device_free=r.num_device_free, ns_per_event=r.ns_per_event,
+                       calls_per_step=r.calls_per_step,
                        meets_target=r.ratio <= row["target"] and r.num_ooms == 0)
             rows.append(row)
     return rows
 
 
+def _later(row) -> str:
+    steps = row.get("calls_per_step")
+    return "-" if not steps else str(max(steps[3:], default=0))
+
+
 def table(rows: list) -> str:
     gib = float(1 << 30)
     lines = [f"{'trace':<27} {'setting':<43} {'live GiB':>8} {'reserved':>8} "
-             f"{'res/live':>8} {'target':>6} {'ok':>3} {'upstream':>8} {'ns/ev':>6}"]
+             f"{'res/live':>8} {'target':>6} {'ok':>3} {'upstream':>8} {'later':>5} "
+             f"{'ns/ev':>6}"]
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['trace']:<27} {r['setting']:<43} skipped: {r['skipped']}")
@@ -94,8 +102,11 @@ def table(rows: list) -> str:
             f"{r['trace']:<27} {r['setting']:<43} {r['peak_live_bytes'] / gib:>8.3f} "
             f"{r['peak_reserved_bytes'] / gib:>8.3f} {r['ratio']:>8.3f} "
             f"{r['target']:>6.2f} {'yes' if r['meets_target'] else 'NO':>3} "
-            f"{r['num_device_alloc'] + r['num_device_free']:>8} {r['ns_per_event']:>6.0f}")
+            f"{r['num_device_alloc'] + r['num_device_free']:>8} {_later(r):>5} "
+            f"{r['ns_per_event']:>6.0f}")
     lines.append("")
+    lines.append("upstream: segment allocs and frees (expandable: page maps and unmaps); later: "
+                 "the most upstream calls in one step after the first three")
     lines.append("PyTorch on ANCHORS.md's transformer loop: " + ", ".join(
         f"{k} {v:.3f}" for k, v in ANCHORS.items()) + "; CuPy MemoryPool 1.228, "
         "cudaMallocAsync 1.077")

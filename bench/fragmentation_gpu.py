@@ -3,7 +3,7 @@ would pick instead, side by side in one run.
 
     python bench/fragmentation_gpu.py [--out FILE.json] [--snapshot FILE.pickle]
 
-For each trace in bench/traces/ (transformer, vision) it replays every alloc and free,
+For each trace in mempool/traces/ (transformer, vision) it replays every alloc and free,
 allocating real device memory (no kernels), through:
 
 - mempool ``backend="cuda"`` (default settings, and expandable segments where available);
@@ -12,7 +12,8 @@ allocating real device memory (no kernels), through:
   once, at CUDA initialisation);
 - CuPy's ``MemoryPool`` (reserved bytes sampled after every allocation).
 
-and reports peak reserved / peak live and ns per event. With ``--snapshot`` it also records
+and reports peak reserved / peak live, ns per event (the median of ``--repeat`` processes per
+row, 3 by default) and the upstream calls per training step. With ``--snapshot`` it also records
 a small PyTorch training loop with ``torch.cuda.memory._record_memory_history`` and saves the
 snapshot pickle (no stack frames, to keep it small), the fixture for the importer's tests.
 """
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from mempool import replay as rp  # noqa: E402
 from mempool import trace as mtrace  # noqa: E402
+from mempool.cli_trace import TRACES_DIR  # noqa: E402
 
 TRACES = ("transformer_train.jsonl.gz", "vision_train.jsonl.gz")
 TORCH_CONFS = ("", "expandable_segments:True", "roundup_power2_divisions:4",
@@ -37,7 +39,7 @@ TORCH_CONFS = ("", "expandable_segments:True", "roundup_power2_divisions:4",
 
 
 def _trace_path(name):
-    return name if os.path.exists(name) else os.path.join(HERE, "traces", name)
+    return name if os.path.exists(name) else os.path.join(TRACES_DIR, name)
 
 
 def torch_replay(trace) -> dict:
@@ -57,8 +59,18 @@ def torch_replay(trace) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     ooms = 0
+    # Upstream calls per training step: the allocator's device allocs and frees (with
+    # expandable segments, its page maps and unmaps), read between steps, outside the timing.
+    starts = set(prep.step_ops or ())
+    marks = []
+    elapsed = 0
     t0 = time.perf_counter_ns()
-    for slot, n, s in prep.ops:
+    for i, (slot, n, s) in enumerate(prep.ops):
+        if i in starts:
+            elapsed += time.perf_counter_ns() - t0
+            st = torch.cuda.memory_stats()
+            marks.append(st.get("num_device_alloc", 0) + st.get("num_device_free", 0))
+            t0 = time.perf_counter_ns()
         if n:
             try:
                 ptrs[slot] = alloc(n, 0, streams[s])
@@ -67,8 +79,9 @@ def torch_replay(trace) -> dict:
         elif ptrs[slot]:
             delete(ptrs[slot])
             ptrs[slot] = 0
-    elapsed = time.perf_counter_ns() - t0
+    elapsed += time.perf_counter_ns() - t0
     st = torch.cuda.memory_stats()
+    marks.append(st.get("num_device_alloc", 0) + st.get("num_device_free", 0))
     for p in ptrs:                     # a trace cut short leaves buffers live
         if p:
             delete(p)
@@ -78,7 +91,10 @@ def torch_replay(trace) -> dict:
             "peak_allocated_bytes": st["allocated_bytes.all.peak"],
             "peak_live_bytes": prep.peak_live_bytes, "num_ooms": ooms,
             "ns_per_event": elapsed / len(prep.ops),
-            "ratio": st["reserved_bytes.all.peak"] / prep.peak_live_bytes}
+            "ratio": st["reserved_bytes.all.peak"] / prep.peak_live_bytes,
+            "num_device_alloc": st.get("num_device_alloc"),
+            "num_device_free": st.get("num_device_free"),
+            "calls_per_step": [b - a for a, b in zip(marks, marks[1:])] if starts else None}
 
 
 def cupy_replay(path: str) -> dict:
@@ -108,11 +124,25 @@ def cupy_replay(path: str) -> dict:
 
 def mempool_replay(path: str, conf: dict) -> dict:
     r = rp.replay(mtrace.load(path), conf=conf, backend="cuda", check=True)
+    # calls_per_step: segment allocs and frees (expandable: page maps and unmaps, each
+    # mapped_bytes / 2 MiB pages of driver calls), stream syncs, event records and waits.
     return {"peak_reserved_bytes": r.peak_reserved_bytes,
             "peak_allocated_bytes": r.peak_allocated_bytes,
             "peak_live_bytes": r.peak_live_bytes, "num_ooms": r.num_ooms,
             "ns_per_event": r.ns_per_event, "ratio": r.ratio,
-            "num_device_alloc": r.num_device_alloc}
+            "num_device_alloc": r.num_device_alloc, "num_device_free": r.num_device_free,
+            "calls_per_step": r.calls_per_step,
+            "syncs_per_step": [st["stream_syncs"] for st in r.steps] if r.steps else None,
+            "mapped_bytes": r.upstream["mapped_bytes"] if r.upstream else None}
+
+
+def _calls(row) -> str:
+    """Upstream calls in the first three steps, and the most in any later step."""
+    steps = row.get("calls_per_step")
+    if not steps:
+        return ""
+    later = max(steps[3:], default=0)
+    return f"  calls/step {'+'.join(map(str, steps[:3]))}, then at most {later}"
 
 
 def record_torch_snapshot(path: str) -> dict:
@@ -159,31 +189,56 @@ def _guard(fn, *args):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def _median_of(repeat: int, worker_args, env) -> dict:
+    """Run a worker `repeat` times, one process each: the first run's row, with ns_per_event
+    the median over the runs (all kept in ns_per_event_runs)."""
+    rows = []
+    for _ in range(repeat):
+        p = subprocess.run([sys.executable, __file__, *worker_args], env=env,
+                           capture_output=True, text=True, timeout=600)
+        try:
+            rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
+        except (ValueError, IndexError):
+            rows.append({"error": (p.stderr or p.stdout)[-2000:]})
+        if "error" in rows[-1]:
+            return rows[-1]
+    times = sorted(r["ns_per_event"] for r in rows)
+    return {**rows[0], "ns_per_event": times[len(times) // 2], "ns_per_event_runs": times}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--snapshot", default=None, help="record a torch snapshot pickle here")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="processes per mempool and PyTorch row; ns/event is their median "
+                         "(default 3)")
     ap.add_argument("--torch-worker", nargs=1, metavar="TRACE", help=argparse.SUPPRESS)
+    ap.add_argument("--mempool-worker", nargs=2, metavar=("TRACE", "CONF"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error(f"--repeat must be at least 1; got {args.repeat}")
     if args.torch_worker:
         print(json.dumps(_guard(torch_replay, args.torch_worker[0])))
+        return 0
+    if args.mempool_worker:
+        path, conf = args.mempool_worker
+        print(json.dumps(_guard(mempool_replay, path, json.loads(conf))))
         return 0
     results = {"rows": []}
     for name in TRACES:
         path = _trace_path(name)
         for label, conf in (("mempool default", {}),
                             ("mempool expandable_segments:True", {"expandable_segments": True})):
-            row = {"trace": name, "allocator": label, **_guard(mempool_replay, path, conf)}
+            got = _median_of(args.repeat, ["--mempool-worker", path, json.dumps(conf)],
+                             dict(os.environ))
+            row = {"trace": name, "allocator": label, **got}
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
         for conf in TORCH_CONFS:
             env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
-            p = subprocess.run([sys.executable, __file__, "--torch-worker", path], env=env,
-                               capture_output=True, text=True, timeout=300)
-            try:
-                got = json.loads(p.stdout.strip().splitlines()[-1])
-            except (ValueError, IndexError):
-                got = {"error": (p.stderr or p.stdout)[-2000:]}
+            got = _median_of(args.repeat, ["--torch-worker", path], env)
             row = {"trace": name, "allocator": f"torch {conf or 'default'}", **got}
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
@@ -199,7 +254,7 @@ def main(argv=None) -> int:
             print(f"{r['trace']:<27} {r['allocator']:<36} error: {r['error'][:150]}")
         else:
             print(f"{r['trace']:<27} {r['allocator']:<36} reserved/live {r['ratio']:.3f}  "
-                  f"{r['ns_per_event']:7.0f} ns/event")
+                  f"{r['ns_per_event']:7.0f} ns/event{_calls(r)}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2, default=str)

@@ -30,7 +30,8 @@ T_TESTS=${T_TESTS:-150}
 T_SANITIZER=${T_SANITIZER:-90}   # for each group of SANITIZER_GROUPS
 T_BENCH=${T_BENCH:-240}
 T_FRAG=${T_FRAG:-120}
-STAGES=" ${STAGES:-build tests sanitizer bench fragmentation} "
+T_TORCH=${T_TORCH:-480}
+STAGES=" ${STAGES:-build tests sanitizer bench fragmentation torch} "
 # SANITIZER_GROUPS: a file with one line of pytest arguments per memcheck process (default:
 # one process per file of tests/gpu; in one process for all of them a test hung under the
 # sanitizer after others had run, bench/results/2026-12-02-h200-evening.md). A group that
@@ -137,11 +138,17 @@ frag() {
 }
 stage fragmentation "$OUT/fragmentation.log" timeout "$T_FRAG" bash -c "$(declare -f frag); frag"
 
+# ---- PyTorch workloads (bench/torch_workloads.py): GPT and ResNet-50 training, compiled
+# inference, the largest batch under a cap and torch.empty, under PyTorch's allocator and
+# mempool's, each in processes of their own; TORCH_ARGS narrows it (e.g. "--workloads gpt").
+stage torch "$OUT/torch-workloads.log" timeout "$T_TORCH" "$PY" bench/torch_workloads.py \
+    "$OUT/torch" ${TORCH_ARGS:-}
+
 # ---- summary
 {
     cat "$OUT/versions.txt"
     echo
-    for name in build tests sanitizer bench fragmentation; do
+    for name in build tests sanitizer bench fragmentation torch; do
         echo "stage $name: ${STATUS[$name]:-not run} (0 = passed; 124 = over its time limit)"
     done
     echo

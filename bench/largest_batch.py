@@ -7,7 +7,7 @@
 A fragmentation ratio says how much memory an allocator wastes; what a user of expandable
 segments wants to know is how much larger a batch the same GPU then holds. For a fixed limit
 this generates the transformer training trace of bench/make_traces.py (``transformer(batch=B)``,
-the other parameters as shipped unless set: batch 16 is bench/traces/transformer_train.jsonl.gz)
+the other parameters as shipped unless set: batch 16 is mempool/traces/transformer_train.jsonl.gz)
 at one batch size after another, replays each through each allocator under the limit, and
 reports the largest batch that replays with no OOM:
 

@@ -1,4 +1,4 @@
-"""Generate the allocation traces shipped in bench/traces/ (seeded: the same files every run).
+"""Generate the allocation traces shipped in mempool/traces/ (seeded: the same files every run).
 
     python bench/make_traces.py            # write the traces, print what they hold
     python bench/make_traces.py --check    # regenerate in memory, compare with the files
@@ -29,8 +29,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from mempool import trace as mtrace  # noqa: E402
+from mempool.cli_trace import TRACES_DIR  # noqa: E402
 
-OUT_DIR = os.path.join(HERE, "traces")
+OUT_DIR = TRACES_DIR
 BF16, FP32 = 2, 4
 MiB = 1 << 20
 
@@ -44,6 +45,10 @@ class Recorder:
         self.next_id = 1
         self.t = 0
         self.live = {}
+        self.steps = []       # index of each training step's first event (meta step_starts)
+
+    def step(self) -> None:
+        self.steps.append(len(self.events))
 
     def alloc(self, nbytes: int, stream: int = 0) -> int:
         nbytes = int(nbytes)
@@ -94,6 +99,7 @@ def transformer(seed=1, steps=14, layers=12, hidden=1024, heads=16, batch=16, vo
     adam = None
     grads = None
     for step in range(steps):
+        r.step()
         L = rng.randint(*lengths)
         T = batch * L
         # Input ids and targets (int64), copied from the host.
@@ -222,6 +228,7 @@ def transformer(seed=1, steps=14, layers=12, hidden=1024, heads=16, batch=16, vo
                        f"batch {batch}, sequence length {lengths[0]}..{lengths[1]} per step, "
                        f"{steps} steps, mixed precision, Adam",
         "seed": seed,
+        "step_starts": r.steps,
     })
 
 
@@ -253,6 +260,7 @@ def vision(seed=2, steps=20, batch=32, resolutions=range(160, 321, 32), classes=
     momentum = None
     grads = None
     for step in range(steps):
+        r.step()
         res = rng.choice(list(resolutions))
         B = batch
         # Input batch: pinned host -> device on the copy stream, then used on stream 0.
@@ -356,6 +364,7 @@ def vision(seed=2, steps=20, batch=32, resolutions=range(160, 321, 32), classes=
                        f"{min(resolutions)}..{max(resolutions)} px per step, {steps} steps, "
                        "mixed precision, SGD with momentum, inputs copied on stream 1",
         "seed": seed,
+        "step_starts": r.steps,
     })
 
 
@@ -476,7 +485,7 @@ def _summary(name, events) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out-dir", default=OUT_DIR, help="where to write (default bench/traces)")
+    ap.add_argument("--out-dir", default=OUT_DIR, help="where to write (default mempool/traces)")
     ap.add_argument("--check", action="store_true",
                     help="regenerate in memory and compare with the files instead of writing")
     ap.add_argument("--record-torch", metavar="FILE",

@@ -1,5 +1,11 @@
-"""Shared bits of the examples: picking a backend and printing a pool's accounting."""
+"""Shared bits of the examples: picking a backend, checking what is installed, and printing
+a pool's accounting."""
 import argparse
+import importlib
+import os
+import sys
+
+from mempool._units import format_bytes
 
 
 def gpu_available():
@@ -24,15 +30,44 @@ def parse_backend(description, cpu_backend, argv=None):
     return ap.parse_args(argv)
 
 
-def mib(nbytes):
-    return f"{nbytes / (1 << 20):9.2f} MiB"
+def require(module, what, install):
+    """Import `module`; without it, say in one line what to install and exit (status 0: the
+    example does not apply to this machine, nothing failed)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        name = os.path.basename(sys.argv[0]) or "this example"
+        print(f"{name}: skipped, it needs {what}, which is not installed here "
+              f"(pip install {install})")
+        sys.exit(0)
+
+
+def size_text(nbytes):
+    return f"{format_bytes(nbytes):>10}"
 
 
 def report(pool, title):
     st = pool.stats()
     print(f"-- {title}")
-    print(f"   used {mib(pool.used_bytes())}  cached {mib(pool.cached_bytes())}  "
-          f"reserved {mib(pool.reserved_bytes())}")
+    print(f"   used {size_text(pool.used_bytes())}  cached {size_text(pool.cached_bytes())}  "
+          f"reserved {size_text(pool.reserved_bytes())}")
     print(f"   allocations {st['allocation.all.allocated']}, frees {st['allocation.all.freed']}, "
-          f"peak allocated {mib(st['allocated_bytes.all.peak'])}, "
+          f"peak allocated {size_text(st['allocated_bytes.all.peak'])}, "
           f"segments {st['segment.all.current']}")
+
+
+def train_mlp(torch, steps, batch, width, hidden):
+    """A few AdamW steps of a Linear-GELU-Linear MLP on random data (seed 0); returns the
+    last loss and the last hidden activations (detached)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.GELU(),
+                                torch.nn.Linear(hidden, width)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        x = torch.randn(batch, width, device="cuda")
+        act = model[1](model[0](x))
+        loss = model[2](act).square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return loss, act.detach()

@@ -18,7 +18,7 @@ native
 The work: a few training steps of an MLP in PyTorch; a CuPy elementwise kernel and a
 reduction over the hidden activations; a jitted JAX function over a copy of them. It prints
 the pool's accounting for all three frameworks, then the reserved bytes side by side.
-Needs a GPU.
+Needs a GPU (CUDA PyTorch, CuPy and JAX); without one it says so and exits.
 """
 import argparse
 import json
@@ -28,7 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import gpu_available, mib   # noqa: E402
+from _common import gpu_available, require, size_text, train_mlp   # noqa: E402
 
 BATCH, WIDTH, HIDDEN = 1024, 2048, 8192
 
@@ -62,17 +62,7 @@ def run(mode, steps):
 
     # PyTorch: training steps; keep the last hidden activations.
     mark("start")
-    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, HIDDEN), torch.nn.GELU(),
-                                torch.nn.Linear(HIDDEN, WIDTH)).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(steps):
-        x = torch.randn(BATCH, WIDTH, device="cuda")
-        hidden = model[1](model[0](x))
-        loss = model[2](hidden).square().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    act = hidden.detach()
+    loss, act = train_mlp(torch, steps, BATCH, WIDTH, HIDDEN)
     mark("torch")
 
     # CuPy: a kernel on PyTorch's activations, zero-copy (both on the current stream).
@@ -137,21 +127,21 @@ def table(results):
     m, n = results["mempool"], results["native"]
     print("\n== one pool (mempool) ==")
     for name, d in m["per_framework"].items():
-        print(f"   {name:<6} {d['allocations']:6d} allocations from the pool, {mib(d['bytes'])}")
-    print(f"   pool: peak reserved {mib(m['pool_reserved_peak'])}, reserved now "
-          f"{mib(m['pool_reserved'])}, used now {mib(m['pool_used'])}")
-    print(f"   JAX's own temporaries (shared cudaMemPool): peak {mib(m['jax_peak'])}")
+        print(f"   {name:<6} {d['allocations']:6d} allocations from the pool, {size_text(d['bytes'])}")
+    print(f"   pool: peak reserved {size_text(m['pool_reserved_peak'])}, reserved now "
+          f"{size_text(m['pool_reserved'])}, used now {size_text(m['pool_used'])}")
+    print(f"   JAX's own temporaries (shared cudaMemPool): peak {size_text(m['jax_peak'])}")
     print("\n== reserved bytes, side by side (same work) ==")
     print(f"   {'':<28}{'mempool':>16}{'native':>16}")
-    print(f"   {'PyTorch (peak)':<28}{'(in pool)':>16}{mib(n['torch_reserved_peak']):>16}")
-    print(f"   {'CuPy':<28}{'(in pool)':>16}{mib(n['cupy_reserved']):>16}")
-    print(f"   {'mempool pool (peak)':<28}{mib(m['pool_reserved_peak']):>16}{'-':>16}")
-    print(f"   {'JAX (peak)':<28}{mib(m['jax_peak']):>16}{mib(n['jax_reserved']):>16}")
+    print(f"   {'PyTorch (peak)':<28}{'(in pool)':>16}{size_text(n['torch_reserved_peak']):>16}")
+    print(f"   {'CuPy':<28}{'(in pool)':>16}{size_text(n['cupy_reserved']):>16}")
+    print(f"   {'mempool pool (peak)':<28}{size_text(m['pool_reserved_peak']):>16}{'-':>16}")
+    print(f"   {'JAX (peak)':<28}{size_text(m['jax_peak']):>16}{size_text(n['jax_reserved']):>16}")
     total_m = m["pool_reserved_peak"] + m["jax_peak"]
     total_n = n["torch_reserved_peak"] + n["cupy_reserved"] + n["jax_reserved"]
-    print(f"   {'sum':<28}{mib(total_m):>16}{mib(total_n):>16}")
+    print(f"   {'sum':<28}{size_text(total_m):>16}{size_text(total_n):>16}")
     print(f"   one pool reserves less than the three side by side: {total_m < total_n}")
-    print(f"   {'device memory in use':<28}{mib(m['device_used']):>16}{mib(n['device_used']):>16}")
+    print(f"   {'device memory in use':<28}{size_text(m['device_used']):>16}{size_text(n['device_used']):>16}")
     same = all(abs(m[k] - n[k]) <= 1e-3 * max(1.0, abs(n[k])) for k in ("energy", "jax"))
     print(f"\n   results agree across modes: {same} (loss {m['loss']:.5f} vs {n['loss']:.5f})")
 
@@ -162,8 +152,15 @@ def main(argv=None):
     ap.add_argument("--mode", choices=("both", "mempool", "native"), default="both")
     args = ap.parse_args(argv)
     if not gpu_available():
-        print("all_three: needs a GPU (PyTorch, CuPy and JAX on CUDA); nothing to do here")
+        # The point is three frameworks' device allocations on one pool: nothing on a CPU
+        # stands for that (PyTorch's CPU allocator cannot be replaced).
+        print("all_three.py: skipped, it needs a CUDA GPU (PyTorch, CuPy and JAX allocating "
+              "on one device) and none was found here (on a GPU machine: pip install torch "
+              "cupy-cuda12x 'jax[cuda12]')")
         return 0
+    require("torch", "PyTorch with CUDA", "torch")
+    require("cupy", "CuPy", "cupy-cuda12x")
+    require("jax", "JAX with CUDA", "'jax[cuda12]'")
     if args.mode != "both":
         run(args.mode, args.steps)
         return 0

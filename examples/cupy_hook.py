@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mempool                      # noqa: E402
 import mempool.cupy as mc           # noqa: E402
-from _common import parse_backend, report   # noqa: E402
+from _common import parse_backend, report, require   # noqa: E402
 
 
 def on_gpu(stream):
@@ -52,6 +52,9 @@ def on_sim():
 
 def main(argv=None):
     args = parse_backend(__doc__.splitlines()[0], "sim", argv)
+    # pool.malloc builds CuPy's MemoryPointer, so CuPy is needed even on sim (it imports
+    # without a GPU).
+    require("cupy", "CuPy", "cupy-cuda12x")
     print(f"backend: {args.backend}")
     if args.backend == "cuda":
         import cupy

@@ -155,6 +155,8 @@ def main(argv=None):
     ap.add_argument("--expandable", action="store_true",
                     help="pools with expandable segments")
     args = ap.parse_args(argv)
+    from _common import require
+    require("torch", "PyTorch (the CPU build is enough on host)", "torch")
     import torch.multiprocessing as tmp
     if args.backend == "cuda":
         from cupy.cuda import runtime   # counting devices must not start CUDA in torch
@@ -166,8 +168,10 @@ def main(argv=None):
     else:
         procs = args.procs or 2
         worker = worker_host
-    say(f"backend: {args.backend}; {procs} processes, NCCL_NVLS_ENABLE="
-        f"{os.environ['NCCL_NVLS_ENABLE']}")
+    # NCCL_NVLS_ENABLE matters to NCCL only, so only the cuda run names it.
+    say(f"backend: {args.backend}; {procs} processes over "
+        + (f"NCCL, NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}" if args.backend == "cuda"
+           else "gloo"))
     tmp.spawn(worker, args=(procs, _free_port(), args.steps, args.expandable), nprocs=procs,
               join=True)
     say("all ranks agree")

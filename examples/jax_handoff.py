@@ -8,8 +8,10 @@ it allocate from the device's default cudaMemPool (``cuda_async``), the one a
 then views pool memory without a copy; JAX passes its stream, which mempool orders after the
 buffer's. On ``--backend host`` the same hand-off runs on JAX's CPU backend.
 """
+import gc
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,11 +19,12 @@ import numpy                        # noqa: E402
 
 import mempool                      # noqa: E402
 import mempool.jax as mj            # noqa: E402
-from _common import parse_backend, report   # noqa: E402
+from _common import parse_backend, report, require   # noqa: E402
 
 
 def main(argv=None):
     args = parse_backend(__doc__.splitlines()[0], "host", argv)
+    require("jax", "JAX", "'jax[cpu]'" if args.backend == "host" else "'jax[cuda12]'")
     if args.backend == "cuda":
         print("JAX environment:", mj.configure())
     else:
@@ -58,7 +61,16 @@ def main(argv=None):
     except ValueError as exc:
         print(f"refused as expected: {exc}")
     del x, misaligned
+    # The Python array is gone at once, but jaxlib lets go of the buffer (and DLPack's
+    # deleter returns the block) from its own thread a moment after the computation that
+    # read it, so the count can lag; wait for it, bounded. gc.collect() for jaxlib
+    # versions whose arrays sit in a reference cycle.
+    deadline = time.monotonic() + 10
+    while pool.used_bytes() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.005)
     report(pool, "after the JAX array died")
+    assert pool.used_bytes() == 0, "the JAX array's block did not come back"
     pool.check_invariants()
     return 0
 

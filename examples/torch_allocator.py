@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mempool                      # noqa: E402
 import mempool.torch as mt          # noqa: E402
-from _common import mib, parse_backend, report   # noqa: E402
+from _common import parse_backend, report, size_text   # noqa: E402
 
 
 def on_gpu():
@@ -65,7 +65,7 @@ def on_sim():
         free(ptr, n, dev, None)
     for dev, pool in enumerate(pools):
         mempool._core._torch_unregister(dev)
-        print(f"   device {dev} after the frees: used {mib(pool.used_bytes())}")
+        print(f"   device {dev} after the frees: used {size_text(pool.used_bytes())}")
         pool.check_invariants()
 
 

@@ -14,7 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mempool                      # noqa: E402
-from _common import parse_backend, report   # noqa: E402
+from _common import parse_backend, report, require   # noqa: E402
 
 
 def handoff(backend, producer):
@@ -42,6 +42,7 @@ def handoff(backend, producer):
 
 def main(argv=None):
     args = parse_backend(__doc__.splitlines()[0], "host", argv)
+    require("torch", "PyTorch (the CPU build is enough on host)", "torch")
     print(f"backend: {args.backend}")
     producer = None
     if args.backend == "cuda":

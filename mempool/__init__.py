@@ -10,11 +10,14 @@ See README.md for the stream contract and docs/options.md for every option.
 import threading as _threading
 
 from mempool._core import HostDevice, Pool, SimDevice, round_size, segment_size, stream_handle
+from mempool._core import live_pools   # every live Pool, weakly (mempool.prometheus)
 from mempool._core import Buffer   # sharing: Pool.empty's result (mempool/_buffer.pxi)
 from mempool._errors import InvariantError, OutOfMemoryError
+from mempool._config import ConfigWarning   # a conf setting accepted but not applied
 
-__all__ = ["Pool", "Buffer", "OutOfMemoryError", "InvariantError", "default_pool", "round_size",
-           "segment_size", "stream_handle", "SimDevice", "HostDevice"]
+__all__ = ["Pool", "Buffer", "OutOfMemoryError", "InvariantError", "ConfigWarning",
+           "default_pool", "round_size", "segment_size", "stream_handle", "SimDevice",
+           "HostDevice", "live_pools"]
 __version__ = "0.1.0"
 
 _default_pools = {}

@@ -310,10 +310,20 @@ cdef class Buffer:
     # ---- DLPack --------------------------------------------------------------------------
 
     def __dlpack_device__(self):
-        """(device type, device id): (kDLCPU=1, 0) on a host pool, (kDLCUDA=2, id) else."""
+        """(device type, device id): (kDLCPU=1, 0) on a host pool, (kDLCUDA=2, id) on cuda.
+
+        A sim pool's Buffer raises ``BufferError`` here already: consumers (PyTorch's
+        ``from_dlpack``) ask for the device first and would otherwise fail on their own
+        terms (a CPU-only PyTorch: "Torch not compiled with CUDA enabled") before reaching
+        ``__dlpack__``'s refusal.
+        """
         self._ready()
         if self.backend == "host":
             return (1, 0)
+        if self.backend == "sim":
+            raise BufferError("a sim pool's memory is simulated: its addresses cannot be "
+                              "handed to another framework (use a host pool on CPU, a cuda "
+                              "pool on a GPU)")
         return (2, self.device_id)
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):

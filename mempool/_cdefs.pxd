@@ -87,6 +87,10 @@ cdef extern from "mp_core.h" nogil:
         uint64_t num_device_free
         uint64_t num_cross_stream_reuse
         uint64_t num_event_waits
+        uint64_t num_streams
+        uint64_t num_stream_syncs
+        uint64_t num_event_records
+        uint64_t num_stream_queries
 
     ctypedef struct mp_pool:
         pass
@@ -120,6 +124,9 @@ cdef extern from "mp_core.h" nogil:
     int mp_set_limit(mp_pool *p, size_t limit)
     int mp_set_release_threshold(mp_pool *p, size_t threshold)
     int mp_check_invariants(mp_pool *p, char *msg, size_t msglen)
+    int mp_capture_begin(mp_pool *p)
+    int mp_capture_end(mp_pool *p)
+    int mp_capture_active(mp_pool *p, uintptr_t stream)
 
     enum:
         MP_BLOCK_FREE
@@ -188,9 +195,13 @@ cdef extern from "mp_sim.h" nogil:
     void mp_sim_lock(mp_sim *sim)
     void mp_sim_unlock(mp_sim *sim)
     void mp_sim_hold_allocs(mp_sim *sim, unsigned n, unsigned timeout_ms)
+    void mp_sim_hold_syncs(mp_sim *sim, unsigned n, unsigned timeout_ms)
     unsigned mp_sim_held(mp_sim *sim)
     void mp_sim_release_held(mp_sim *sim)
     uint64_t mp_sim_hold_timeouts(mp_sim *sim)
+    int mp_sim_destroy_stream(mp_sim *sim, uintptr_t stream)
+    size_t mp_sim_num_streams(mp_sim *sim)
+    void mp_sim_fail_events(mp_sim *sim, unsigned n)
     size_t mp_sim_live_segments(mp_sim *sim)
     size_t mp_sim_mapped_bytes(mp_sim *sim)
     uint64_t mp_sim_num_syncs(mp_sim *sim)
@@ -199,3 +210,7 @@ cdef extern from "mp_sim.h" nogil:
     uint64_t mp_sim_num_waits(mp_sim *sim)
     uint64_t mp_sim_num_errors(mp_sim *sim)
     size_t mp_sim_live_events(mp_sim *sim)
+    int mp_sim_begin_capture(mp_sim *sim, uintptr_t stream)
+    int mp_sim_end_capture(mp_sim *sim, uintptr_t stream)
+    int mp_sim_is_capturing(mp_sim *sim, uintptr_t stream)
+    void mp_sim_capture_counts(mp_sim *sim, uint64_t *violations, uint64_t *allocs)

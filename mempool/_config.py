@@ -8,9 +8,13 @@ tested) without a build. Three ways in, one set of rules:
   ``Pool.from_conf("release_threshold:2GB,max_split_size_mb:64")`` -> :func:`parse_conf`;
 - the ``MEMPOOL_CONF`` environment variable -> :func:`conf_from_env`.
 
-Every bad key or value is a ``ValueError`` that names the key, the value, and what is
-accepted. PyTorch allocator keys that have no meaning here are refused by name, never
-ignored: a setting that silently does nothing is worse than an error.
+Every bad value, and every key neither ours nor PyTorch's, is a ``ValueError`` that names
+the key, the value, and what is accepted. A conf string is read the way PyTorch reads its
+own (so strings copied from PyTorch guides work): the ``_mb`` spelling of every size option
+is accepted; a PyTorch allocator key that has no meaning for the pool is accepted with a
+one-time :class:`ConfigWarning` that says so; where settings contradict each other, PyTorch's
+precedence decides, with a one-time warning. Nothing is ignored silently. Keywords
+(``Pool(...)``) know the canonical names only.
 """
 from __future__ import annotations
 
@@ -20,12 +24,17 @@ import numbers
 import operator
 import os
 import re
+import sys
+import warnings
 from fractions import Fraction
 from typing import Any, Callable, Mapping, NamedTuple
 
+from mempool._units import format_bytes
+
 __all__ = [
-    "OPTIONS", "Option", "parse_size", "parse_roundup_divisions", "normalize",
-    "parse_conf", "conf_from_env", "to_conf", "to_pytorch_conf", "format_size",
+    "OPTIONS", "Option", "ConfigWarning", "PYTORCH_KEYS", "PYTORCH_HOST_KEYS", "parse_size",
+    "parse_roundup_divisions", "normalize", "overridden", "parse_conf", "conf_from_env",
+    "to_conf", "canonical_conf", "split_pytorch_conf", "to_pytorch_conf", "format_size",
 ]
 
 KiB = 1 << 10
@@ -81,6 +90,31 @@ class _OptionError(ValueError):
 def _error(key: str, value: Any, accepted: str, why: str = "") -> _OptionError:
     shown = f" ({why})" if why else ""
     return _OptionError(f"option {key!r}: {value!r} is not valid{shown}; accepted: {accepted}", why)
+
+
+class ConfigWarning(UserWarning):
+    """A conf-string setting the pool accepts but does not apply: a PyTorch allocator key
+    with no meaning for the pool, or a setting that another one overrides."""
+
+
+# Topics already warned about (a key, a pair of options): each is warned once per process,
+# however many pools read the same string (default_pool reads MEMPOOL_CONF once per device).
+# Guarded by the GIL; a race between threads costs at most one extra warning.
+_warned: set = set()
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _warn_once(topic: Any, message: str) -> None:
+    if topic in _warned:
+        return
+    _warned.add(topic)
+    # Point the warning at the first caller outside mempool: the line that built the pool.
+    level, frame = 2, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, ConfigWarning, stacklevel=level)
 
 
 # --------------------------------------------------------------------------- value parsers
@@ -182,7 +216,7 @@ def _parse_max_split_size(value: Any, key: str) -> int | None:
     n = _size_or_none(value, key, accepted)
     if n is not None and n < MIN_MAX_SPLIT_SIZE:
         raise _error(key, value, accepted,
-                     f"{n} bytes is below 20 MiB: 1-10 MiB requests take 20 MiB segments, "
+                     f"{format_bytes(n, exact=True)} is below 20.00 MiB: 1-10 MiB requests take 20 MiB segments, "
                      "which such a limit would make unsplittable")
     return n
 
@@ -433,6 +467,7 @@ class Option(NamedTuple):
     example: str             # a conf-string value, for the docs
     pytorch: str = ""        # nearest PyTorch allocator setting, "" when none
     cuda_only: bool = False  # meaningful only with backend="cuda"
+    sized: bool = False      # a byte count: conf strings also take NAME_mb, in MiB
 
 
 OPTIONS: dict[str, Option] = {
@@ -440,13 +475,13 @@ OPTIONS: dict[str, Option] = {
         "cuda", "'sim' | 'host' | 'cuda'",
         "where segments come from: a simulated device, host malloc, or a cudaMemPool",
         _parse_backend, "sim",
-        pytorch="`backend` (its values native and cudaMallocAsync are refused)"),
+        pytorch="`backend` (PyTorch's values `native` and `cudaMallocAsync`: see below)"),
     "device": Option(
         0, "int >= 0", "the device the pool allocates on", _parse_device, "0"),
     "capacity": Option(
         None, "size or None",
         "device memory the pool sees (the simulated device's size; None = the device's own)",
-        _parse_capacity, "80GiB"),
+        _parse_capacity, "80GiB", sized=True),
     "roundup_power2_divisions": Option(
         (0,) * ROUNDUP_INTERVALS, "int, '[256:1,>:8]', dict or list of 16",
         "cut each power-of-two size interval into N rounding steps (0 = 512 B rounding)",
@@ -455,7 +490,7 @@ OPTIONS: dict[str, Option] = {
     "max_split_size": Option(
         None, "size >= 20 MiB or None",
         "blocks this large or larger are never split (None = split every block)",
-        _parse_max_split_size, "64MB", pytorch="`max_split_size_mb` (in MB)"),
+        _parse_max_split_size, "64MB", pytorch="`max_split_size_mb` (in MB)", sized=True),
     "cross_stream_reuse": Option(
         True, "bool",
         "serve a stream from another stream's free blocks through an event wait, not a sync",
@@ -466,15 +501,16 @@ OPTIONS: dict[str, Option] = {
         "first (None = keep all); with expandable segments, free pages of streams with no "
         "work left, without a sync (docs/expandable.md); with backend='cuda' also the "
         "cudaMemPool's ReleaseThreshold",
-        _parse_optional_size, "2GB"),
+        _parse_optional_size, "2GB", sized=True),
     "limit": Option(
         None, "size, float in (0, 1], or None",
         "cap on reserved bytes, or that fraction of capacity (None = no cap)",
-        _parse_limit, "0.5", pytorch="`per_process_memory_fraction` (fraction form)"),
+        _parse_limit, "0.5", pytorch="`per_process_memory_fraction` (fraction form)",
+        sized=True),
     "initial_pool_size": Option(
         0, "size",
         "bytes reserved at creation and never released automatically",
-        _parse_nonnegative_size, "4GiB"),
+        _parse_nonnegative_size, "4GiB", sized=True),
     "garbage_collection_threshold": Option(
         0.0, "float in [0, 1)",
         "above this fraction of limit (or capacity), release idle segments before growing "
@@ -488,7 +524,7 @@ OPTIONS: dict[str, Option] = {
         None, "size or None",
         "page size of expandable segments on backend 'sim' and 'host' (None = 2 MiB; "
         "'cuda' uses the driver's granularity)",
-        _parse_optional_size, "4MiB"),
+        _parse_optional_size, "4MiB", sized=True),
     "pool_handle": Option(
         "create", "'create', 'default', 'current' or int",
         "which cudaMemPool supplies segments: a new one, the device's default or current "
@@ -517,8 +553,9 @@ def _accepted_keys() -> str:
 
 # --------------------------------------------------------------------------- PyTorch keys
 
-# PyTorch allocator keys (torch 2.13: AcceleratorAllocatorConfig and CUDAAllocatorConfig)
-# that map onto ours: conf key -> (our key, reader of the conf value).
+# Conf-string spellings beside the canonical names: conf key -> (our key, reader of the conf
+# value). Keywords take the canonical names only: one spelling per option in the Python API
+# and in everything written out (to_conf).
 def _mb_to_bytes(value: Any, key: str) -> int:
     text = value.strip() if isinstance(value, str) else value
     if isinstance(text, str) and _ascii_digits(text):
@@ -526,6 +563,11 @@ def _mb_to_bytes(value: Any, key: str) -> int:
     if _is_int(text) and operator.index(text) >= 0:
         return operator.index(text) * MiB
     raise _error(key, value, "a whole number of MB (MB = 2**20 bytes), as in PyTorch")
+
+
+def _mb_or_none(value: Any, key: str) -> int | None:
+    # The none-words pass through: the option's own parser accepts or refuses None.
+    return None if _is_none_word(value) else _mb_to_bytes(value, key)
 
 
 def _pytorch_fraction(value: Any, key: str) -> float:
@@ -541,19 +583,21 @@ def _pytorch_fraction(value: Any, key: str) -> float:
     return v
 
 
-_PYTORCH_ALIASES: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
-    "max_split_size_mb": ("max_split_size", _mb_to_bytes),
-    "per_process_memory_fraction": ("limit", _pytorch_fraction),
-}
+# Every size option NAME is also NAME_mb (whole MiB, as PyTorch reads max_split_size_mb),
+# and PyTorch's per_process_memory_fraction is limit's fraction form.
+_ALIASES: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
+    f"{name}_mb": (name, _mb_or_none) for name, opt in OPTIONS.items() if opt.sized}
+_ALIASES["per_process_memory_fraction"] = ("limit", _pytorch_fraction)
 
-_ALIAS_EXAMPLES = {"max_split_size_mb": "64", "per_process_memory_fraction": "0.5"}
-
-_NO_PINNED = "it configures PyTorch's pinned host-memory allocator, which mempool does not replace"
-_NO_LOCK = "it concerns PyTorch's allocator lock; mempool's lock rules are fixed " \
+_NO_PINNED = "it configures PyTorch's pinned host-memory allocator, which stays PyTorch's " \
+             "when the pool serves CUDA tensors"
+_NO_LOCK = "it concerns PyTorch's allocator lock; the pool's lock rules are fixed " \
            "(see docs/architecture.md)"
 
-# Every other key of PyTorch 2.13's allocator config, refused with the reason.
-_PYTORCH_REFUSED: dict[str, str] = {
+# Every other key of PyTorch's allocator config (torch 2.13: AcceleratorAllocatorConfig and
+# CUDAAllocatorConfig; 2.11 has a subset), with the reason it has no meaning for the pool.
+# A conf string may hold them (a warning says they are ignored); keywords may not.
+_PYTORCH_IGNORED: dict[str, str] = {
     "large_segment_size_mb": "segment sizes are fixed here: 2 MiB for requests up to 1 MiB, "
                              "20 MiB for requests under 10 MiB, larger ones rounded to 2 MiB",
     "max_non_split_rounding_mb": "an unsplit (oversize) block serves requests up to 20 MiB "
@@ -568,26 +612,58 @@ _PYTORCH_REFUSED: dict[str, str] = {
     "pinned_max_cached_size_mb": _NO_PINNED,
     "pinned_reserve_segment_size_mb": _NO_PINNED,
     "pinned_free_catch_all": _NO_PINNED,
-    "graph_capture_record_stream_reuse": "mempool does not take part in CUDA graph capture",
-    "throw_on_cudamalloc_oom": "mempool always raises mempool.OutOfMemoryError when it cannot "
-                               "allocate; there is nothing to switch on",
+    "graph_capture_record_stream_reuse": "it tunes how PyTorch's caching allocator reuses "
+                                         "record_stream blocks during CUDA graph capture",
+    "throw_on_cudamalloc_oom": "the pool always reports an allocation it cannot serve as an "
+                               "out-of-memory error; there is nothing to switch on",
 }
+
+# PyTorch's values of its `backend` key: which of its own allocators serves CUDA tensors.
+# Ours means where the pool's segments come from; see _read_entry.
+_PYTORCH_BACKENDS = ("native", "cudaMallocAsync", "hipMallocAsync")
+# What PyTorch's cudaMallocAsync backend ignores (it has no cache to tune); given with
+# backend:cudaMallocAsync, the pool ignores them too, as PyTorch would.
+_CACHE_OPTIONS = ("max_split_size", "roundup_power2_divisions", "garbage_collection_threshold",
+                  "expandable_segments")
+
+# Every key PyTorch's allocator config accepts (torch 2.13).
+PYTORCH_KEYS = frozenset(
+    ("backend", "max_split_size_mb", "per_process_memory_fraction", "roundup_power2_divisions",
+     "garbage_collection_threshold", "expandable_segments") + tuple(_PYTORCH_IGNORED))
+# The keys PyTorch still applies when the pool is its CUDA allocator: those of its pinned
+# host-memory allocator, which stays PyTorch's.
+PYTORCH_HOST_KEYS = frozenset(k for k in _PYTORCH_IGNORED if k.startswith("pinned_"))
+
+
+def _alias_example(alias: str) -> str:
+    """A conf value for `alias`, for the docs: the option's example in MB where it is one."""
+    target, _ = _ALIASES[alias]
+    if alias == "per_process_memory_fraction":
+        return "0.5"
+    try:
+        n = parse_size(OPTIONS[target].example)
+    except ValueError:
+        n = 0
+    return str(n // MiB) if n and n % MiB == 0 else "1024"
 
 
 def _unknown_key(key: Any, source: str) -> ValueError:
     hint = ""
-    if key in _PYTORCH_ALIASES:
-        target = _PYTORCH_ALIASES[key][0]
-        hint = (f" ({key!r} is PyTorch's conf spelling, accepted in conf strings; as a "
-                f"keyword write {target!r})")
-    elif key in _PYTORCH_REFUSED:
-        hint = f" ({key!r} is a PyTorch allocator key with no meaning here: {_PYTORCH_REFUSED[key]})"
+    if key in _ALIASES:
+        target = _ALIASES[key][0]
+        hint = (f" ({key!r} is a conf-string spelling; as a keyword write {target!r}, "
+                f"with a size such as '2048MiB')")
+    elif key in _PYTORCH_IGNORED:
+        hint = (f" ({key!r} is a PyTorch allocator key with no meaning here: "
+                f"{_PYTORCH_IGNORED[key]})")
     elif isinstance(key, str):
-        close = difflib.get_close_matches(key, list(OPTIONS) + list(_PYTORCH_ALIASES), n=1)
+        known = list(OPTIONS) + list(_ALIASES) + list(PYTORCH_KEYS)
+        close = difflib.get_close_matches(key, known, n=1)
         if close:
             hint = f" (did you mean {close[0]!r}?)"
     return ValueError(f"{source}: unknown option {key!r}{hint}; accepted options: "
-                      f"{_accepted_keys()}")
+                      f"{_accepted_keys()} (conf strings also take NAME_mb for each size "
+                      "option, and PyTorch's allocator keys)")
 
 
 # --------------------------------------------------------------------------- normalize
@@ -613,8 +689,34 @@ def normalize(options: Mapping[str, Any]) -> dict[str, Any]:
     ------
     ValueError
         For an unknown key (the message lists the accepted ones), a bad value (naming key,
-        value and what is accepted), or options that contradict each other.
+        value and what is accepted), or options that contradict each other where PyTorch
+        has no rule (between mempool's own options).
+
+    Notes
+    -----
+    Where PyTorch lets one setting win over another (``expandable_segments`` over
+    ``max_split_size``), the loser is set back to its default with a one-time
+    :class:`ConfigWarning` (see :func:`overridden`).
     """
+    out = _checked(options)
+    for name, why in _overridden(out).items():
+        _warn_once(("overridden", name), why)
+        out[name] = _default(name)
+    return out
+
+
+def overridden(options: Mapping[str, Any]) -> list[str]:
+    """The options of `options` that others override, by PyTorch's precedence.
+
+    :func:`normalize` sets them back to their defaults with a :class:`ConfigWarning`; this
+    says which, without a warning (for a search over settings that skips such points).
+    Raises as :func:`normalize` does.
+    """
+    return list(_overridden(_checked(options)))
+
+
+def _checked(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Every option parsed, defaults filled in, the contradictions that are errors raised."""
     if not isinstance(options, Mapping):
         raise TypeError(f"options must be a mapping of option name to value, "
                         f"got {type(options).__name__}")
@@ -628,12 +730,20 @@ def normalize(options: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_combination(out: dict[str, Any], given: Mapping[str, Any]) -> None:
+def _overridden(out: dict[str, Any]) -> dict[str, str]:
+    """Option -> why another setting overrides it, in parsed options."""
     if out["expandable_segments"] and out["max_split_size"] is not None:
-        raise ValueError(
+        # PyTorch takes both and lets expandable segments win: its should_split ignores
+        # max_split_size when they are on. Ours grow in place and never split-limit.
+        return {"max_split_size": (
             f"options 'expandable_segments' and 'max_split_size' "
-            f"({out['max_split_size']!r}) do not combine: expandable segments grow in place "
-            "and never split-limit; drop max_split_size or turn expandable_segments off")
+            f"({format_size(out['max_split_size'])}) do not combine: as in PyTorch, "
+            "expandable segments win and max_split_size is ignored (expandable segments "
+            "grow in place and are never split-limited)")}
+    return {}
+
+
+def _check_combination(out: dict[str, Any], given: Mapping[str, Any]) -> None:
     if out["backend"] == "cuda" and out["granularity"] is not None:
         raise ValueError(
             f"option 'granularity' ({out['granularity']!r}) applies to backend 'sim' and "
@@ -646,14 +756,16 @@ def _check_combination(out: dict[str, Any], given: Mapping[str, Any]) -> None:
                     f"not {out['backend']!r}")
     capacity, limit, initial = out["capacity"], out["limit"], out["initial_pool_size"]
     if capacity is not None and initial > capacity:
-        raise ValueError(f"option 'initial_pool_size' ({initial} bytes) exceeds "
-                         f"'capacity' ({capacity} bytes)")
+        raise ValueError(f"option 'initial_pool_size' ({format_bytes(initial, exact=True)}) "
+                         f"exceeds 'capacity' ({format_bytes(capacity, exact=True)})")
     if limit is not None:
         cap_bytes = limit if isinstance(limit, int) else (
             None if capacity is None else math.floor(limit * capacity))
         if cap_bytes is not None and initial > cap_bytes:
-            raise ValueError(f"option 'initial_pool_size' ({initial} bytes) exceeds "
-                             f"'limit' ({limit!r} = {cap_bytes} bytes)")
+            raise ValueError(f"option 'initial_pool_size' ({format_bytes(initial, exact=True)}) "
+                             f"exceeds 'limit' ({format_bytes(cap_bytes, exact=True)}"
+                             + ("" if isinstance(limit, int) else f", {limit!r} of 'capacity'")
+                             + ")")
 
 
 # --------------------------------------------------------------------------- conf strings
@@ -676,39 +788,12 @@ def _tokenize(conf: str) -> list[str]:
     return tokens
 
 
-def parse_conf(conf: str, source: str = "conf") -> dict[str, Any]:
-    """Parse a conf string in PyTorch's ``PYTORCH_CUDA_ALLOC_CONF`` syntax.
-
-    ``"key:value,key:value"``; a list value is bracketed and may hold commas and colons
-    (``"roundup_power2_divisions:[256:1,>:8]"``); whitespace is ignored. Every Pool keyword
-    is a key (``backend``, ``device`` and ``capacity`` included). PyTorch's
-    ``max_split_size_mb`` (MB) and ``per_process_memory_fraction`` are read onto
-    ``max_split_size`` and ``limit``; PyTorch's other allocator keys are refused by name.
-
-    Parameters
-    ----------
-    conf : str
-        The conf string; ``""`` gives ``{}``.
-    source : str
-        Where the string came from, named in error messages.
-
-    Returns
-    -------
-    dict
-        Only the keys present, each value parsed (pass it to :func:`normalize` for the
-        defaults and the checks between options).
-
-    Raises
-    ------
-    ValueError
-        For a syntax error, an unknown or refused key, a key given twice (in either
-        spelling), or a bad value.
-    """
+def _entries(conf: str, source: str) -> list[tuple[str, str]]:
+    """The ``(key, value)`` texts of a conf string, in order; a syntax error raises."""
     if not isinstance(conf, str):
         raise TypeError(f"{source}: a conf string is a str, got {type(conf).__name__}")
     tokens = _tokenize(conf)
-    out: dict[str, Any] = {}
-    spelled: dict[str, str] = {}
+    entries = []
     i, n = 0, len(tokens)
     while i < n:
         key = tokens[i]
@@ -735,11 +820,76 @@ def parse_conf(conf: str, source: str = "conf") -> dict[str, Any]:
                 raise ValueError(f"{source}: expected ',' after {key}:{value} in {conf!r}, "
                                  f"got {tokens[i]!r}")
             i += 1
-        if key in _PYTORCH_REFUSED:
-            raise ValueError(f"{source}: {key!r} is a PyTorch allocator option with no meaning "
-                             f"here: {_PYTORCH_REFUSED[key]}")
-        if key in _PYTORCH_ALIASES:
-            target, read = _PYTORCH_ALIASES[key]
+        entries.append((key, value))
+    return entries
+
+
+def _backend_ignored(value: str, source: str) -> None:
+    if value == "native":
+        what = "PyTorch's own caching allocator"
+    else:
+        what = (f"PyTorch's {value} allocator (the pool's backend 'cuda' draws its segments "
+                "from a cudaMemPool with cudaMallocFromPoolAsync)")
+    _warn_once(("backend", value),
+               f"{source}: 'backend:{value}' selects {what}; the pool takes the place of "
+               "PyTorch's allocator, so it has no meaning for the pool and is ignored "
+               "(mempool's own backend values are 'cuda', 'sim' and 'host')")
+
+
+def parse_conf(conf: str, source: str = "conf") -> dict[str, Any]:
+    """Parse a conf string in PyTorch's ``PYTORCH_CUDA_ALLOC_CONF`` syntax.
+
+    ``"key:value,key:value"``; a list value is bracketed and may hold commas and colons
+    (``"roundup_power2_divisions:[256:1,>:8]"``); whitespace is ignored. Every Pool keyword
+    is a key (``backend``, ``device`` and ``capacity`` included), and every size option
+    ``NAME`` is also ``NAME_mb`` (a whole number of MiB, as PyTorch's
+    ``max_split_size_mb``); PyTorch's ``per_process_memory_fraction`` is read onto ``limit``.
+
+    A string PyTorch accepts is accepted here, read the way PyTorch reads it; each of these
+    gives one :class:`ConfigWarning` per process:
+
+    - PyTorch's other allocator keys (``pinned_*``, ``release_lock_on_cudamalloc``, ...)
+      and its ``backend`` values ``native``/``cudaMallocAsync`` have no meaning for the
+      pool and are ignored;
+    - an option given twice (in either spelling): the later one wins;
+    - with ``backend:cudaMallocAsync``, the caching options PyTorch's cudaMallocAsync
+      ignores (``max_split_size``, ``roundup_power2_divisions``,
+      ``garbage_collection_threshold``, ``expandable_segments``) are ignored too.
+
+    Parameters
+    ----------
+    conf : str
+        The conf string; ``""`` gives ``{}``.
+    source : str
+        Where the string came from, named in error and warning messages.
+
+    Returns
+    -------
+    dict
+        Only the options set, under their canonical names, each value parsed (pass it to
+        :func:`normalize` for the defaults and the checks between options).
+
+    Raises
+    ------
+    ValueError
+        For a syntax error, a key that is neither an option, an alias nor a PyTorch
+        allocator key, or a bad value.
+    """
+    out: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    async_backend = None
+    for key, value in _entries(conf, source):
+        if key in _PYTORCH_IGNORED:
+            _warn_once(("ignored", key),
+                       f"{source}: {key!r} is a PyTorch allocator option with no meaning for "
+                       f"the pool ({_PYTORCH_IGNORED[key]}); ignored")
+            continue
+        if key == "backend" and value in _PYTORCH_BACKENDS:
+            _backend_ignored(value, source)
+            async_backend = None if value == "native" else value
+            continue
+        if key in _ALIASES:
+            target, read = _ALIASES[key]
         elif key in OPTIONS:
             target, read = key, None
         else:
@@ -749,10 +899,21 @@ def parse_conf(conf: str, source: str = "conf") -> dict[str, Any]:
         except ValueError as e:
             raise ValueError(f"{source}: in '{key}:{value}': {e}") from None
         if target in out:
-            raise ValueError(f"{source}: option {target!r} is given twice (as {spelled[target]!r} "
-                             f"and {key!r}) in {conf!r}")
+            _warn_once(("twice", target),
+                       f"{source}: option {target!r} is given twice (as {spelled[target]!r} "
+                       f"and {key!r}) in {conf!r}; as in PyTorch, the later one "
+                       f"('{key}:{value}') wins")
         out[target] = parsed
         spelled[target] = key
+    if async_backend is not None:
+        dropped = [name for name in _CACHE_OPTIONS if name in out]
+        if dropped:
+            _warn_once(("async", async_backend, tuple(dropped)),
+                       f"{source}: PyTorch's backend:{async_backend} ignores "
+                       f"{', '.join(spelled[name] for name in dropped)} (it has no cache to "
+                       "tune); read as PyTorch reads it, so does the pool")
+            for name in dropped:
+                del out[name]
     return out
 
 
@@ -825,6 +986,38 @@ def to_conf(options: Mapping[str, Any]) -> str:
     return ",".join(items)
 
 
+def canonical_conf(conf: str, source: str = "conf") -> str:
+    """`conf` with every option under its canonical name, as :func:`to_conf` writes it.
+
+    Aliases become canonical names, PyTorch keys the pool ignores are left out (warned about
+    as :func:`parse_conf` does), and no defaults are added or checks between options made:
+    the result builds the same pool as `conf`, on whichever backend that comes to.
+    """
+    return ",".join(f"{name}:{_conf_value(name, value)}"
+                    for name, value in parse_conf(conf, source).items())
+
+
+def split_pytorch_conf(conf: str, source: str = "conf") -> tuple[str, list[str]]:
+    """Split a PyTorch allocator conf string for a process whose CUDA allocator is the pool.
+
+    Returns
+    -------
+    (str, list of str)
+        The entries PyTorch still applies then, as written and in order: those of its pinned
+        host-memory allocator (:data:`PYTORCH_HOST_KEYS`); and the keys of the other
+        entries, which configure the allocator the pool replaces, or are mempool's own
+        (PyTorch refuses a key it does not know, and checks ``backend`` against the
+        allocator in use).
+    """
+    kept, dropped = [], []
+    for key, value in _entries(conf, source):
+        if key in PYTORCH_HOST_KEYS:
+            kept.append(f"{key}:{value}")
+        else:
+            dropped.append(key)
+    return ",".join(kept), dropped
+
+
 def to_pytorch_conf(options: Mapping[str, Any]) -> str | None:
     """The nearest ``PYTORCH_CUDA_ALLOC_CONF`` string for a set of our options.
 
@@ -863,16 +1056,15 @@ def _markdown_table() -> str:
     """The option table of docs/options.md, generated so that the two cannot drift apart."""
     rows = ["| option | type | default | meaning | conf spelling | PyTorch equivalent |",
             "|---|---|---|---|---|---|"]
-    aliases = {target: alias for alias, (target, _) in _PYTORCH_ALIASES.items()}
     for name, opt in OPTIONS.items():
         default = _default(name)
         if name == "roundup_power2_divisions":
             shown = "0"
         else:
             shown = repr(default)
-        conf = f"`{name}:{opt.example}`"
-        if name in aliases:
-            conf += f", `{aliases[name]}:{_ALIAS_EXAMPLES[aliases[name]]}`"
+        conf = ", ".join([f"`{name}:{opt.example}`"] + [
+            f"`{alias}:{_alias_example(alias)}`"
+            for alias, (target, _) in _ALIASES.items() if target == name])
         pytorch = opt.pytorch or "none"
         if opt.cuda_only:
             pytorch += " (backend='cuda' only)"

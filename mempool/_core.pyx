@@ -3,7 +3,8 @@
 
 Split by concern into include files: _pool.pxi (the Pool), _devices.pxi (the simulated and
 host devices' test controls), _peers.pxi (several devices: peer access), _buffer.pxi (the
-DLPack bridge), _torch.pxi (the PyTorch pluggable allocator's registry).
+DLPack bridge), _torch.pxi (the PyTorch pluggable allocator's registry), _capture.pxi (the
+pool's capture counter, for tests).
 """
 cimport cython
 from mempool._cdefs cimport *
@@ -17,3 +18,4 @@ include "_devices.pxi"
 include "_buffer.pxi"
 include "_torch.pxi"
 include "_bench.pxi"
+include "_capture.pxi"

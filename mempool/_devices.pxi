@@ -65,6 +65,17 @@ cdef class _DeviceBase:
                 "unmaps": b.num_unmaps, "failed": b.num_failed}
 
 
+def _hold_args(n, timeout):
+    """SimDevice.hold_allocs/hold_syncs arguments: (count, timeout in ms), checked."""
+    cdef size_t k = _as_nbytes(n, "n")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+            not 0 < timeout <= 3600:
+        raise ValueError(f"timeout must be a number of seconds in (0, 3600], got {timeout!r}")
+    if k > 1 << 31:
+        raise ValueError(f"n must be at most 2**31, got {n}")
+    return k, int(timeout * 1000)
+
+
 cdef class SimDevice(_DeviceBase):
     """The simulated device behind a ``Pool(backend="sim")``.
 
@@ -112,13 +123,16 @@ cdef class SimDevice(_DeviceBase):
         :meth:`release_held` or ``timeout`` seconds (then counted in
         ``counters()["hold_timeouts"]``)."""
         self._ready()
-        cdef size_t k = _as_nbytes(n, "n")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
-                not 0 < timeout <= 3600:
-            raise ValueError(f"timeout must be a number of seconds in (0, 3600], got {timeout!r}")
-        if k > 1 << 31:
-            raise ValueError(f"n must be at most 2**31, got {n}")
-        mp_sim_hold_allocs(self._sim, <unsigned>k, <unsigned>(timeout * 1000))
+        cdef unsigned k, ms
+        k, ms = _hold_args(n, timeout)
+        mp_sim_hold_allocs(self._sim, k, ms)
+
+    def hold_syncs(self, n=1, timeout=2.0):
+        """Hold the next ``n`` stream synchronizations the same way (:meth:`hold_allocs`)."""
+        self._ready()
+        cdef unsigned k, ms
+        k, ms = _hold_args(n, timeout)
+        mp_sim_hold_syncs(self._sim, k, ms)
 
     @property
     def held(self):
@@ -130,6 +144,82 @@ cdef class SimDevice(_DeviceBase):
         """Let every held segment allocation go on."""
         self._ready()
         mp_sim_release_held(self._sim)
+
+    # ---- graph capture (docs/architecture.md, Note [Graph capture]) ----
+    def begin_capture(self, stream):
+        """Make ``stream`` capture a CUDA graph, as ``cuStreamBeginCapture`` in the driver's
+        global mode. Until :meth:`end_capture`, every call a real driver refuses during a
+        capture or that would break it (a stream or device sync, a stream query, any event
+        query, an event wait across the capture's edge, a segment free, an unmap) fails, is
+        counted in :attr:`capture_violations` and invalidates the capture. Segment
+        allocations on the capturing stream are made outside the graph, as the ``cuda``
+        upstream's ``cuMemAlloc`` (:attr:`capture_allocs`); page maps are allowed.
+
+        Raises ``ValueError`` for the legacy stream (0 or 1), which cannot capture, or a
+        stream that captures already."""
+        self._ready()
+        cdef uintptr_t s = stream_handle(stream)
+        rc = mp_sim_begin_capture(self._sim, s)
+        if rc == MP_EINVAL:
+            raise ValueError(f"begin_capture: the legacy default stream ({s}) cannot capture; "
+                             f"use another stream")
+        if rc == MP_EBUSY:
+            raise ValueError(f"begin_capture: stream {s:#x} is capturing already")
+        if rc != MP_OK:
+            raise MemoryError("begin_capture: out of host memory")
+
+    def end_capture(self, stream):
+        """End the capture on ``stream``. Raises ``RuntimeError`` when an illegal call
+        invalidated it (the capture ends all the same, as ``cuStreamEndCapture`` does), and
+        ``ValueError`` when ``stream`` was not capturing."""
+        self._ready()
+        cdef uintptr_t s = stream_handle(stream)
+        rc = mp_sim_end_capture(self._sim, s)
+        if rc == MP_EINVAL:
+            raise ValueError(f"end_capture: stream {s:#x} is not capturing")
+        if rc != MP_OK:
+            raise RuntimeError(f"end_capture: the capture on stream {s:#x} was invalidated "
+                               f"by an illegal call ({self.capture_violations} so far)")
+
+    def is_capturing(self, stream):
+        """True between :meth:`begin_capture` and :meth:`end_capture` of ``stream``."""
+        self._ready()
+        return bool(mp_sim_is_capturing(self._sim, stream_handle(stream)))
+
+    @property
+    def capture_violations(self):
+        """Calls made during a capture that a real driver refuses or that break it."""
+        self._ready()
+        cdef uint64_t violations = 0, allocs = 0
+        mp_sim_capture_counts(self._sim, &violations, &allocs)
+        return violations
+
+    @property
+    def capture_allocs(self):
+        """Segments allocated outside a graph for a capturing stream."""
+        self._ready()
+        cdef uint64_t violations = 0, allocs = 0
+        mp_sim_capture_counts(self._sim, &violations, &allocs)
+        return allocs
+
+    def destroy_stream(self, stream):
+        """Destroy a stream as ``cudaStreamDestroy`` does: its queued work completes, and its
+        handle may name a new stream later. ``ValueError`` for a stream the device never saw."""
+        self._ready()
+        cdef uintptr_t s = stream_handle(stream)
+        cdef int rc = mp_sim_destroy_stream(self._sim, s)
+        if rc == MP_EINVAL:
+            raise ValueError(f"destroy_stream: stream {s:#x} is not a stream of this device")
+        if rc != MP_OK:
+            raise MemoryError("destroy_stream: out of host memory")
+
+    def fail_events(self, n=1):
+        """Make the next ``n`` event records fail, as a driver out of resources would."""
+        self._ready()
+        cdef size_t k = _as_nbytes(n, "n")
+        if k > 0xFFFFFFFF:
+            raise ValueError(f"fail_events: n must be at most 2**32-1; got {n!r}")
+        mp_sim_fail_events(self._sim, <unsigned>k)
 
     def stream_info(self, stream=0):
         self._ready()
@@ -146,6 +236,7 @@ cdef class SimDevice(_DeviceBase):
                    live_segments=mp_sim_live_segments(self._sim),
                    live_events=mp_sim_live_events(self._sim),
                    mapped_bytes=mp_sim_mapped_bytes(self._sim),
+                   streams=mp_sim_num_streams(self._sim),
                    hold_timeouts=mp_sim_hold_timeouts(self._sim))
         return out
 

@@ -38,9 +38,12 @@ cdef extern from *:
 
 mp_set_blocking_hooks(mp_py_blocking_begin, mp_py_blocking_end)
 
+import itertools as _itertools
 import os as _os
+import weakref as _weakref
 
 from mempool import _config
+from mempool._units import format_bytes as _fmt
 from mempool._errors import InvariantError, OutOfMemoryError
 
 cdef size_t _GiB = 1 << 30
@@ -168,6 +171,21 @@ def _not_initialised(object obj):
     return RuntimeError(f"this {name} was never initialised: its __init__ did not run (made "
                         f"with {name}.__new__, or a subclass whose __init__ does not call "
                         f"super().__init__(...)); make one with the class's constructor")
+
+
+# Every live Pool by its creation number, for exporters that watch all of them
+# (mempool.prometheus): weak, so being watched keeps no pool alive. Written at creation only.
+_live_pools = _weakref.WeakValueDictionary()
+_pool_numbers = _itertools.count()
+
+
+def live_pools():
+    """``[(number, pool)]`` of every Pool of this process still alive, oldest first.
+
+    ``number`` counts the pools made in this process from 0 and is never reused, so it
+    names one pool for its life (the ``pool`` label of mempool.prometheus).
+    """
+    return sorted(_live_pools.items(), key=lambda item: item[0])
 
 
 cdef size_t _or_unlimited(object value):
@@ -332,6 +350,7 @@ cdef class Pool:
             if kind == _CUDA:
                 mp_cuda_bind_errors(mp_pool_upstream(pool))
             self.device = _make_device(self)
+            _live_pools[next(_pool_numbers)] = self
             return
         # mp_pool_create destroys the upstream only when reserving initial_pool_size failed
         # (it has made a pool by then); every earlier failure leaves it to us.
@@ -339,8 +358,8 @@ cdef class Pool:
             up.destroy(up.ctx)
         if rc == MP_ENOMEM:
             raise OutOfMemoryError(
-                f"initial_pool_size={cfg.initial_pool_size} bytes could not be reserved on "
-                f"{backend_name} device {device_id} (capacity {total} bytes)")
+                f"initial_pool_size of {_fmt(cfg.initial_pool_size, exact=True)} could not be "
+                f"reserved on {backend_name} device {device_id} (capacity {_fmt(total)})")
         raise ValueError(f"invalid pool configuration (error {rc})")
 
     def __dealloc__(self):
@@ -511,6 +530,9 @@ cdef class Pool:
         mp_py_mark(1)
         cdef int rc = mp_forget_stream(self._pool, s)
         mp_py_mark(0)
+        if rc == MP_EBUSY:   # nothing changed: the stream stays pinned (Note [Graph capture])
+            raise RuntimeError(f"forget_stream: stream {s:#x} cannot be synchronized while a "
+                               f"CUDA graph capture is under way; call it after the capture")
         # Only now may the stream object go: the call above synchronized its handle.
         self._pinned_streams.pop(s, None)
         self._last_pinned = None
@@ -569,11 +591,11 @@ cdef class Pool:
         if rc not in (MP_ENOMEM, MP_ELIMIT):
             err = mp_pool_upstream(self._pool).last_error
             return OutOfMemoryError(
-                f"allocating {nbytes} bytes on stream {stream:#x} failed in the "
+                f"allocating {_fmt(nbytes, exact=True)} on stream {stream:#x} failed in the "
                 f"{self.backend} upstream (error {rc}, native error {err})")
         capacity = f"capacity {_fmt(self.capacity)}"
         if rc == MP_ELIMIT:
-            where = f"the pool's limit of {_fmt(limit)} (device {capacity})"
+            where = f"the pool's limit of {_fmt(limit, exact=True)}, on a device of {capacity}"
         elif nbytes > MP_MAX_ALLOC:
             where = f"the largest request accepted ({_fmt(MP_MAX_ALLOC)})"
         else:
@@ -594,11 +616,15 @@ cdef class Pool:
             advice = "reduce the request"
         else:
             advice = "free memory, reduce the request, or set 'limit' on other pools sharing the device"
+        if mp_capture_active(self._pool, stream):   # Note [Graph capture]
+            advice = (f"a CUDA graph capture was under way, during which the pool releases "
+                      f"no cached memory and waits for no stream; allocate what the graph "
+                      f"needs before capturing (a warm-up run), or free memory first")
         return OutOfMemoryError(
-            f"out of memory: tried to allocate {_fmt(nbytes)} (rounded to {_fmt(rounded)}) on "
-            f"stream {stream:#x}, refused by {where}; the pool has {_fmt(reserved)} reserved, "
-            f"{_fmt(used)} used, {_fmt(cached)} cached, largest free block {_fmt(largest)}. "
-            f"Hint: {advice}.")
+            f"out of memory: tried to allocate {_fmt(nbytes, exact=True)}, rounded to "
+            f"{_fmt(rounded)}, on stream {stream:#x}; refused by {where}; the pool has "
+            f"{_fmt(reserved)} reserved, {_fmt(used)} used, {_fmt(cached)} cached, largest free "
+            f"block {_fmt(largest)}. Hint: {advice}.")
 
     # ---- several devices (mempool/_peers.pxi, docs/multigpu.md) ----
     def enable_peer_access(self, peer_device):
@@ -721,7 +747,8 @@ cdef class Pool:
         ``oversize_segments``, ``num_alloc_retries``, ``num_ooms``, ``num_sync_all_streams``,
         ``num_device_alloc``, ``num_device_free``, ``max_split_size``; and mempool's own
         ``mapped_bytes``, ``va_reserved_bytes``, ``num_cross_stream_reuse``,
-        ``num_event_waits``.
+        ``num_event_waits``, ``num_streams`` (streams the pool keeps state for now),
+        ``num_stream_syncs``, ``num_event_records``, ``num_stream_queries`` (upstream calls).
         """
         self._ready()
         cdef mp_stats st
@@ -752,6 +779,10 @@ cdef class Pool:
         out["num_device_free"] = st.num_device_free
         out["num_cross_stream_reuse"] = st.num_cross_stream_reuse
         out["num_event_waits"] = st.num_event_waits
+        out["num_streams"] = st.num_streams
+        out["num_stream_syncs"] = st.num_stream_syncs
+        out["num_event_records"] = st.num_event_records
+        out["num_stream_queries"] = st.num_stream_queries
         mss = self.options["max_split_size"]
         out["max_split_size"] = -1 if mss is None else mss
         if self._kind == _CUDA:
@@ -873,7 +904,8 @@ cdef class Pool:
         """A text report in the layout of ``torch.cuda.memory_summary()``."""
         self._ready()
         from mempool import report
-        return report.summary(self.stats(), device=self.device_id, abbreviated=abbreviated)
+        return report.summary(self.stats(), device=self.device_id, abbreviated=abbreviated,
+                              backend=self.backend)
 
     def snapshot(self):
         """The pool in the format of ``torch.cuda.memory._snapshot()``."""
@@ -922,16 +954,6 @@ cdef _put_stat(dict out, str prefix, mp_stat s):
     out[prefix + ".peak"] = s.peak
     out[prefix + ".allocated"] = s.allocated
     out[prefix + ".freed"] = s.freed
-
-
-def _fmt(nbytes):
-    """A byte count for messages: exact, with a unit where one divides it ("20MiB")."""
-    if nbytes is None:
-        return "none"
-    text = _config.format_size(nbytes)
-    if not text.isdigit():
-        return text
-    return text + (" byte" if nbytes == 1 else " bytes")
 
 
 def round_size(nbytes, roundup_power2_divisions=0):

@@ -17,6 +17,9 @@ cdef extern from "mp_torch.h" nogil:
     void mempool_torch_reset()
     void mempool_torch_memory_fraction(double fraction, int device)
     void *mempool_torch_base_alloc(void *ptr, size_t *size)
+    ctypedef struct mp_torch_api:
+        pass
+    const mp_torch_api *mp_torch_api_table()
 
 cdef extern from "mp_core.h" nogil:
     int mp_alloc_torch(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out)
@@ -129,3 +132,9 @@ def _torch_alloc_at(address, nbytes):
     if rc == MP_ERETIRED:
         return "retired", 0
     return ("ok" if rc == MP_OK else f"error {rc}"), ptr
+
+
+def _torch_api_address():
+    """The address of the C table the C++ PyTorch allocator calls the pools through
+    (mp_torch.h, Note [Torch allocator glue])."""
+    return <uintptr_t>mp_torch_api_table()

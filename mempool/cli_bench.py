@@ -1,6 +1,7 @@
 """``python -m mempool bench``: run the allocation latency suite and print one table.
 
-The suite is the pytest-benchmark folder ``bench/`` of the source tree. This command runs it
+The suite is the pytest-benchmark package ``mempool.bench`` (installed with mempool; it needs
+the ``bench`` extra: pytest and pytest-benchmark). This command runs it
 with benchmarks enabled, keeps pytest's own output in ``OUT/bench.log`` and the results in
 ``OUT/bench.json``, prints one table (ns per pair by allocator and size, each row's ratio to
 mempool), and draws ``OUT/latency.png`` when matplotlib is installed. Without a CUDA device
@@ -144,6 +145,19 @@ def _ns_label(ns, _pos=None):
     return f"{ns:g} ns"
 
 
+def _bounds_125(lo, hi):
+    """The 1-2-5 steps (..., 20, 50, 100, 200, ...) at or below `lo` and at or above `hi`."""
+    import math
+
+    def steps(n):
+        for e in range(math.floor(math.log10(n)) - 1, math.floor(math.log10(n)) + 2):
+            for m in (1, 2, 5):
+                yield m * 10.0 ** e
+    below = max(v for v in steps(lo) if v <= lo * (1 + 1e-9))
+    above = min(v for v in steps(hi) if v >= hi * (1 - 1e-9))
+    return below, above
+
+
 def plot_latency(infos, path, note=None):
     """Draw latency by size per allocator (log scale) to `path`; return a message.
 
@@ -177,8 +191,16 @@ def plot_latency(infos, path, note=None):
                 linewidth=2.6 if mine else 1.3, linestyle="-" if mine else "--",
                 markersize=7 if mine else 5, label=row)
     ax.set_yscale("log")
-    # 1-2-5 steps: a run spanning one decade still gets several labelled ticks.
-    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    # 1-2-5 steps: a run spanning one decade still gets several labelled ticks; the axis
+    # runs from the 1-2-5 step at or below the fastest row to the one at or above the
+    # slowest, so every plotted row lies between two labelled ticks (a 31 ns row once sat
+    # below the lowest tick, 50 ns).
+    plotted = [cells[(r, c)]["ns"] for r in rows for c in columns if (r, c) in cells]
+    lower, upper = _bounds_125(min(plotted), max(plotted))
+    ax.set_ylim(lower, upper)
+    # Within about a decade, every integer step is labelled (20, 30, 40 ns ...).
+    subs = (1.0, 2.0, 5.0) if upper / lower > 10 else tuple(float(m) for m in range(1, 10))
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=subs))
     ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_ns_label))
     ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xticks(range(len(columns)))
@@ -201,8 +223,9 @@ def plot_latency(infos, path, note=None):
 # -------------------------------------------------------------------------------------- run
 
 def _bench_dir():
-    here = Path(__file__).resolve().parent.parent / "bench"
-    return here if (here / "test_latency.py").is_file() else None
+    # The suite ships inside the package, so an installed wheel runs the same files as a
+    # source checkout.
+    return Path(__file__).resolve().parent / "bench"
 
 
 def gpu_available():
@@ -253,7 +276,7 @@ class _Progress:
 
 def _parser():
     p = argparse.ArgumentParser(prog="python -m mempool bench",
-                                description="Run the allocation latency suite (bench/) and "
+                                description="Run the allocation latency suite (mempool.bench) and "
                                             "print one table of ns per malloc+free pair.")
     p.add_argument("--quick", action="store_true",
                    help="3 rounds of 500 pairs instead of 7 of 2000, and no 10^6-block setups")
@@ -269,11 +292,13 @@ def main(command, argv):
     """Entry point of ``python -m mempool bench``; returns the exit code."""
     args = _parser().parse_args(argv)
     bench_dir = _bench_dir()
-    if bench_dir is None:
-        print("mempool bench: the suite lives in the source tree's bench/ folder, which this "
-              "installation lacks; run it from a source checkout", file=sys.stderr)
+    try:
+        import pytest
+        import pytest_benchmark  # noqa: F401  (the suite's timer)
+    except ImportError as e:
+        print(f"mempool bench: the suite runs under pytest-benchmark, which is missing "
+              f"({e.name} is not installed): pip install 'mempool[bench]'", file=sys.stderr)
         return 2
-    import pytest
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@
 
 TRACE is a mempool trace (JSON lines, .gz allowed), a torch memory snapshot pickle, or an
 RMM log CSV, recognised by content. Without one, each command uses the transformer trace
-shipped in bench/traces/.
+shipped with the package (mempool/traces/).
 """
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ import sys
 
 __all__ = ["main", "default_trace"]
 
-TRACES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "bench", "traces")
+# Package data (pyproject.toml), so an installed wheel has them too; the benchmark scripts
+# and tests read them from here as well.
+TRACES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces")
 DEFAULT_TRACE = "transformer_train.jsonl.gz"
+SIM_CAPACITY = "80GiB"        # the sim backend's default capacity (mempool/_pool.pxi)
 
 
 def default_trace() -> str:
@@ -28,7 +30,7 @@ def default_trace() -> str:
     path = os.path.join(TRACES_DIR, DEFAULT_TRACE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no trace given and the shipped default {path} is missing "
-                                "(run from a source checkout, or pass a trace file)")
+                                "(a broken installation: reinstall mempool, or pass a trace file)")
     return path
 
 
@@ -59,7 +61,7 @@ def _replay(argv) -> int:
     ap = argparse.ArgumentParser(prog="python -m mempool replay",
                                  description="Replay an allocation trace through a pool and "
                                              "report peak live and reserved memory.")
-    ap.add_argument("trace", nargs="?", help=f"trace file (default: bench/traces/{DEFAULT_TRACE})")
+    ap.add_argument("trace", nargs="?", help=f"trace file (default: the shipped {DEFAULT_TRACE})")
     ap.add_argument("--conf", default=None,
                     help='pool options, as MEMPOOL_CONF takes them ("key:value,...")')
     ap.add_argument("--backend", default="sim", choices=rp.BACKENDS,
@@ -67,36 +69,66 @@ def _replay(argv) -> int:
                          "memory, no kernels) or host")
     ap.add_argument("--limit", type=_size_arg, default=None,
                     help="cap on reserved bytes: bytes, a size (40GB) or a fraction (0.5)")
+    ap.add_argument("--capacity", default=None,
+                    help="memory of the device replayed on (a size: 80GB). Default: the "
+                         "GPU's on cuda, 80 GiB on sim, and on host 80 GiB as on sim (the "
+                         "host backend's own default, 4 GiB, would refuse a GPU-sized trace; "
+                         "host segments reserve address space only, not memory)")
     ap.add_argument("--plot", metavar="FILE", default=None,
                     help="also draw live and reserved bytes over the replay to FILE (.png)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
     path = args.trace or default_trace()
     events = _load(path)
+    capacity = args.capacity
+    if capacity is None and args.backend == "host":
+        capacity = SIM_CAPACITY
+    extra = {} if capacity is None else {"capacity": capacity}
     result = rp.replay(events, conf=args.conf, backend=args.backend, limit=args.limit,
-                       timeseries=bool(args.plot))
+                       timeseries=bool(args.plot), **extra)
     if args.json:
         d = result.to_dict()
         d.pop("timeseries", None)
         d["trace"] = path
         print(json.dumps(d, indent=2, default=str))
     else:
-        gib = float(1 << 30)
-        print(f"trace          {path} ({result.events} events, {result.allocs} allocs, "
-              f"{result.frees} frees)")
-        print(f"settings       {args.conf or '(default)'} on {result.backend}")
-        print(f"peak live      {result.peak_live_bytes / gib:9.3f} GiB (requested bytes)")
-        print(f"peak allocated {result.peak_allocated_bytes / gib:9.3f} GiB (after rounding)")
-        print(f"peak reserved  {result.peak_reserved_bytes / gib:9.3f} GiB")
-        print(f"reserved/live  {result.ratio:9.3f}")
-        print(f"upstream calls {result.num_device_alloc} segment allocs, "
-              f"{result.num_device_free} frees")
-        print(f"OOMs           {result.num_ooms}" +
-              (f" (first: {result.first_oom})" if result.first_oom else ""))
+        import mempool
+        from ._units import format_bytes as fb
+
+        # The device's size, so that OOMs can be read against it.
+        probe = mempool.Pool(backend=args.backend, **extra)
+        where = f"{result.backend}, capacity {fb(probe.capacity)}" + (
+            " (host default raised to sim's: --capacity to change)"
+            if args.backend == "host" and args.capacity is None else "")
+        if args.limit is not None:
+            where += f", limit {args.limit}"
+        del probe
+        print(f"trace          {path} ({result.events:,} events, {result.allocs:,} allocs, "
+              f"{result.frees:,} frees)")
+        print(f"settings       {args.conf or '(default)'} on {where}")
+        print(f"peak live      {fb(result.peak_live_bytes, exact=True)}: the most the trace "
+              "held at once (requested sizes)")
+        print(f"peak allocated {fb(result.peak_allocated_bytes, exact=True)}: the same after "
+              "the pool's rounding")
+        print(f"peak reserved  {fb(result.peak_reserved_bytes, exact=True)}: the most the pool "
+              "held from the device (lower is better)")
+        print(f"reserved/live  {result.ratio:.3f} (1.000 = no overhead; lower is better)")
+        print(f"upstream calls {result.num_device_alloc:,} segment allocs, "
+              f"{result.num_device_free:,} frees (each a cudaMalloc/cudaFree-class call on a "
+              "GPU; fewer is better)")
+        if result.steps:
+            calls = result.calls_per_step
+            syncs = max(step["stream_syncs"] for step in result.steps)
+            print(f"calls per step {' '.join(map(str, calls))} ({len(calls)} steps; upstream "
+                  f"calls in each training step, 0 once the pool is warm; at most {syncs} "
+                  "stream syncs a step)")
+        print(f"OOMs           {result.num_ooms:,} allocations refused (the replay went on "
+              "without them)" + (f"; first: {result.first_oom}" if result.first_oom else ""))
         if result.unknown_frees or result.duplicate_allocs:
             print(f"trace issues   {result.unknown_frees} frees of unknown ids, "
                   f"{result.duplicate_allocs} allocs of ids already live")
-        print(f"time           {result.ns_per_event:9.0f} ns per event")
+        print(f"time           {result.ns_per_event:,.0f} ns per event of replay (this "
+              "machine's CPU; lower is better)")
     if args.plot:
         from . import plot
 
@@ -112,7 +144,7 @@ def _tune(argv) -> int:
                                  description="Replay a trace on the simulated device under a "
                                              "grid of settings and recommend the one that "
                                              "reserves least memory.")
-    ap.add_argument("trace", nargs="?", help=f"trace file (default: bench/traces/{DEFAULT_TRACE})")
+    ap.add_argument("trace", nargs="?", help=f"trace file (default: the shipped {DEFAULT_TRACE})")
     ap.add_argument("--limit", type=_size_arg, default=None,
                     help="replay under this cap on reserved bytes (bytes, 40GB, or 0.5)")
     ap.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
@@ -121,7 +153,10 @@ def _tune(argv) -> int:
     path = args.trace or default_trace()
     events = _load(path)
     results = tn.tune(events, limit=args.limit, progress=not args.quiet)
-    print(f"trace {path}: {len(events)} events, {len(results)} settings replayed on sim")
+    replayed = sum(r.result is not None for r in results)
+    print(f"trace {path}: {len(events):,} events, {replayed} settings replayed on sim"
+          + (f" under a limit of {args.limit}" if args.limit is not None else "")
+          + f" ({len(results) - replayed} refused, listed below)" * (replayed < len(results)))
     print(tn.report(results, top=args.top))
     return 0
 
@@ -134,7 +169,7 @@ def _plot(argv) -> int:
                                  description="Draw a snapshot's segment map, or a trace's live "
                                              "and reserved memory over time.")
     ap.add_argument("input", nargs="?",
-                    help=f"snapshot pickle or trace file (default: bench/traces/{DEFAULT_TRACE})")
+                    help=f"snapshot pickle or trace file (default: the shipped {DEFAULT_TRACE})")
     ap.add_argument("--out", default="mempool_plot.png", help="image file (default %(default)s)")
     ap.add_argument("--conf", default=None, help="pool options for replaying a trace")
     ap.add_argument("--segments", action="store_true",

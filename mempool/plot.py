@@ -12,10 +12,12 @@ import os
 
 __all__ = ["plot", "plot_segments", "plot_timeline"]
 
+from ._units import format_bytes as _size
+
 GiB = float(1 << 30)
-MiB = float(1 << 20)
-MAX_ROWS = 64
+MAX_ROWS = 24            # segments drawn; the figure stays under ~1,100 px tall
 MIN_WIDTH = 0.003        # share of a row: the narrowest block drawn
+BOUNDARY = "#222222"     # the line between two blocks
 
 # Block states in the torch snapshot vocabulary, and how to draw them.
 STATES = {
@@ -38,14 +40,6 @@ def _matplotlib():
     return Figure, FigureCanvasAgg, Patch
 
 
-def _size(nbytes: float) -> str:
-    if nbytes >= GiB:
-        return f"{nbytes / GiB:.2f} GiB"
-    if nbytes >= MiB:
-        return f"{nbytes / MiB:.1f} MiB"
-    return f"{nbytes / 1024:.0f} KiB"
-
-
 def _save(fig, canvas_cls, out) -> str:
     out = os.fspath(out)
     canvas_cls(fig)
@@ -57,9 +51,10 @@ def plot_segments(snapshot: dict, out, title: str | None = None, device: int | N
     """Draw the segment map of a snapshot dict to `out` (PNG, SVG or PDF by extension).
 
     Each row is one segment, its blocks drawn to scale within it (the x axis is the offset
-    as a share of the segment, so a 2 MiB segment is as readable as a 2 GiB one; the size is
-    written at the row's end). Rows are grouped by stream, largest segment first; beyond
-    64 rows the smallest segments are summarised in the title.
+    as a share of the segment, so a 2 MiB segment is as readable as a 2 GiB one; the size and
+    block count are written at the row's end), a dark line at every boundary between two
+    blocks. Rows are grouped by stream, largest segment first; beyond MAX_ROWS (24) rows the
+    smallest segments are summarised in the title, so the figure's size is bounded.
     """
     Figure, Canvas, Patch = _matplotlib()
     segments = [s for s in snapshot.get("segments") or ()
@@ -83,8 +78,8 @@ def plot_segments(snapshot: dict, out, title: str | None = None, device: int | N
             if name not in used_states:
                 used_states.append(name)
     rows = len(segments)
-    height = 2.2 + 0.28 * rows
-    fig = Figure(figsize=(11, height))
+    height = 2.6 + 0.32 * rows
+    fig = Figure(figsize=(12, height))
     ax = fig.add_subplot(1, 1, 1)
     labels = []
     free_color = STATES["inactive"][1]
@@ -94,7 +89,10 @@ def plot_segments(snapshot: dict, out, title: str | None = None, device: int | N
         # MIN_WIDTH wide so a 512 B allocation in a 2 MiB segment still shows.
         ax.barh(y, 1.0, left=0.0, height=0.8, color=free_color, linewidth=0)
         offset = 0
+        boundaries = []
         for b in seg.get("blocks") or ():
+            if offset:
+                boundaries.append(offset / total)
             state = b.get("state", "inactive")
             name, color, hatch = STATES.get(state, STATES["inactive"])
             size = int(b["size"])
@@ -106,14 +104,18 @@ def plot_segments(snapshot: dict, out, title: str | None = None, device: int | N
         if offset < total:          # space the snapshot does not describe
             ax.barh(y, (total - offset) / total, left=offset / total, height=0.8,
                     color="white", edgecolor="#999999", linewidth=0.3)
+        ax.vlines(boundaries, y - 0.4, y + 0.4, colors=BOUNDARY, linewidth=0.7)
         kind = "expandable" if seg.get("is_expandable") else seg.get("segment_type", "")
-        labels.append(f"stream {int(seg.get('stream', 0)):#x} · {kind}")
-        ax.text(1.01, y, _size(total), va="center", fontsize=7)
+        labels.append(f"stream {int(seg.get('stream', 0)):#x}, {kind}")
+        nblocks = len(seg.get("blocks") or ())
+        ax.text(1.01, y, f"{_size(total)}, {nblocks} block{'s' if nblocks != 1 else ''}",
+                va="center", fontsize=8.5)
     ax.set_yticks(range(rows))
-    ax.set_yticklabels(labels, fontsize=7)
+    ax.set_yticklabels(labels, fontsize=8.5)
     ax.set_ylim(rows - 0.5, -0.5)
     ax.set_xlim(0, 1)
-    ax.set_xlabel("offset within the segment (share of its size; size at the right)")
+    ax.set_xlabel("offset within the segment (share of its size); dark lines: block "
+                  "boundaries; size and block count at the right", fontsize=9)
     ax.xaxis.set_major_formatter(_percent())
     # Separators between streams.
     streams = [int(s.get("stream", 0)) for s in segments]
@@ -128,14 +130,14 @@ def plot_segments(snapshot: dict, out, title: str | None = None, device: int | N
     if hidden:
         sub += (f"\n{len(hidden)} smaller segments "
                 f"({_size(sum(int(s['total_size']) for s in hidden))}) not drawn")
-    ax.set_title(f"{head}\n{sub}", fontsize=9)
+    ax.set_title(f"{head}\n{sub}", fontsize=10)
     handles = [Patch(facecolor=STATES[k][1], edgecolor="#555555", hatch=STATES[k][2],
                      label=STATES[k][0])
                for k in ("active_allocated", "active_pending_free", "inactive", "unmapped")
                if STATES[k][0] in used_states]
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8,
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=9,
                frameon=False)
-    fig.tight_layout(rect=(0, 0.45 / height, 1, 1))
+    fig.tight_layout(rect=(0, 0.45 / height, 0.93, 1))
     return _save(fig, Canvas, out)
 
 
@@ -163,10 +165,10 @@ def plot_timeline(result, out, title: str | None = None) -> str:
     ax = fig.add_subplot(1, 1, 1)
     ax.fill_between(x, 0, reserved, step="post", color="#ff7f0e", alpha=0.25)
     ax.step(x, reserved, where="post", color="#d62728", linewidth=1.0,
-            label=f"reserved (peak {result.peak_reserved_bytes / GiB:.2f} GiB)")
+            label=f"reserved (peak {_size(result.peak_reserved_bytes)})")
     ax.fill_between(x, 0, live, step="post", color="#1f77b4", alpha=0.35)
     ax.step(x, live, where="post", color="#1f77b4", linewidth=1.0,
-            label=f"live, requested (peak {result.peak_live_bytes / GiB:.2f} GiB)")
+            label=f"live, requested (peak {_size(result.peak_live_bytes)})")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("GiB")
     ax.set_xlim(x[0] if len(x) else 0, x[-1] if len(x) else 1)
@@ -175,7 +177,8 @@ def plot_timeline(result, out, title: str | None = None) -> str:
     conf = getattr(result, "conf_text", None) or _conf_text(result.options)
     head = title or "memory over the replay"
     ax.set_title(f"{head}\n{result.events} events on {result.backend}, {conf}; "
-                 f"peak reserved / peak live = {result.ratio:.3f}, {result.num_ooms} OOMs",
+                 f"peak reserved / peak live = {result.ratio:.3f} (lower is better), "
+                 f"{result.num_ooms} OOMs",
                  fontsize=9)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()

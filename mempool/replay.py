@@ -20,6 +20,16 @@ __all__ = ["Prepared", "ReplayResult", "prepare", "replay", "pool_at", "BACKENDS
 
 BACKENDS = ("sim", "host", "cuda")
 TIMESERIES_POINTS = 2000
+# What the pool asked of its upstream, from its stats: key in the result -> stats key.
+# device_alloc / device_free are segment allocs and frees, or with expandable segments
+# page maps and unmaps (each of mapped_bytes / unmapped_bytes in pages of the granularity).
+UPSTREAM_COUNTERS = {"device_alloc": "num_device_alloc", "device_free": "num_device_free",
+                     "mapped_bytes": "mapped_bytes.allocated",
+                     "unmapped_bytes": "mapped_bytes.freed",
+                     "stream_syncs": "num_stream_syncs", "event_records": "num_event_records",
+                     "stream_waits": "num_event_waits", "stream_queries": "num_stream_queries"}
+CALL_COUNTERS = ("device_alloc", "device_free", "stream_syncs", "event_records",
+                 "stream_waits", "stream_queries")
 
 
 @dataclass
@@ -37,6 +47,8 @@ class Prepared:
     frees: int
     unknown_frees: int        # frees of ids with no live alloc: counted, not replayed
     duplicate_allocs: int     # allocs of an id already live: its earlier buffer is freed first
+    step_ops: list | None = None   # op index where each training step begins (from the
+                                   # trace's meta "step_starts"), None when unknown
 
     @property
     def peak_live_bytes(self) -> int:
@@ -65,6 +77,20 @@ class ReplayResult:
     first_oom: str | None = None      # the message of the first OutOfMemoryError
     timeseries: dict | None = None    # see replay(timeseries=True)
     stats: dict = field(default_factory=dict, repr=False)
+    # Upstream calls the pool made, in all (``upstream``) and per training step (``steps``,
+    # when the trace marks its steps; ``setup``: the events before the first), each a dict
+    # of UPSTREAM_COUNTERS. See docs/expandable.md, "Where the time goes".
+    upstream: dict | None = None
+    setup: dict | None = None
+    steps: list | None = None
+
+    @property
+    def calls_per_step(self) -> list | None:
+        """Upstream calls of each step: segment allocs or page maps, frees or unmaps,
+        stream syncs, event records and waits, stream queries."""
+        if self.steps is None:
+            return None
+        return [sum(step[k] for k in CALL_COUNTERS) for step in self.steps]
 
     @property
     def ratio(self) -> float:
@@ -77,9 +103,11 @@ class ReplayResult:
         return d
 
     def __str__(self) -> str:
-        gib = 2.0 ** 30
-        return (f"{self.events} events on {self.backend}: peak live {self.peak_live_bytes / gib:.3f}"
-                f" GiB, peak reserved {self.peak_reserved_bytes / gib:.3f} GiB, reserved/live "
+        from ._units import format_bytes as fb
+
+        return (f"{self.events} events on {self.backend}: peak live "
+                f"{fb(self.peak_live_bytes)}, peak reserved {fb(self.peak_reserved_bytes)}, "
+                "reserved/live "
                 f"{self.ratio:.3f}, {self.num_ooms} OOMs, {self.ns_per_event:.0f} ns/event")
 
 
@@ -103,7 +131,12 @@ def prepare(events) -> Prepared:
     stream_index = {0: 0}
     streams = [0]
     n_events = allocs = frees = unknown = dups = 0
+    starts = (getattr(events, "meta", None) or {}).get("step_starts")
+    step_events = set(starts) if isinstance(starts, list) and starts else None
+    step_ops = [] if step_events else None
     for ev in events:
+        if step_events is not None and n_events in step_events:
+            step_ops.append(len(ops))
         n_events += 1
         action, ident, nbytes, stream, t = ev
         s = stream_index.get(stream)
@@ -150,7 +183,7 @@ def prepare(events) -> Prepared:
                     partner=np.asarray(partner, dtype=np.int64),
                     times_ns=np.asarray(times, dtype=np.int64),
                     events=n_events, allocs=allocs, frees=frees, unknown_frees=unknown,
-                    duplicate_allocs=dups)
+                    duplicate_allocs=dups, step_ops=step_ops)
 
 
 def _make_pool(conf, backend, limit, options):
@@ -235,6 +268,30 @@ def _fast_run(pool, ops, handles, ptrs, oom_error, ooms):
     return True
 
 
+def _upstream(stats: dict) -> dict:
+    return {k: _stat(stats, key) for k, key in UPSTREAM_COUNTERS.items()}
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def _stepped_run(pool, prep, handles, ptrs, oom_error):
+    """_fast_run one step at a time: ([counters at the start, then at each step's start],
+    ns spent reading them), or (None, 0) after an OOM."""
+    ops = prep.ops
+    bounds = [0] + list(prep.step_ops) + [len(ops)]
+    counts = []
+    spent = 0
+    for i in range(len(bounds) - 1):
+        t = time.perf_counter_ns()
+        counts.append(_upstream(pool.stats()))
+        spent += time.perf_counter_ns() - t
+        if not _fast_run(pool, ops[bounds[i]:bounds[i + 1]], handles, ptrs, oom_error, []):
+            return None, 0
+    return counts, spent
+
+
 def _stat(stats: dict, key: str, default=0) -> int:
     value = stats.get(key, default)
     return int(value) if value is not None else default
@@ -284,8 +341,16 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
     ooms = []
     series = None
     t0 = time.perf_counter_ns()
+    counts = None
+    if not timeseries and prep.step_ops:
+        # Step by step, the upstream counters read between steps, outside the timing.
+        counts, spent = _stepped_run(pool, prep, handles, ptrs, oom_error)
+        t0 += spent
+        ok = counts is not None
+    elif not timeseries:
+        ok = _fast_run(pool, ops, handles, ptrs, oom_error, ooms)
     if not timeseries:
-        if not _fast_run(pool, ops, handles, ptrs, oom_error, ooms):
+        if not ok:
             # An OOM: start again on a fresh pool with the loop that records where.
             _release(pool, ptrs, keep_streams)
             pool = _make_pool(conf, backend, limit, options)
@@ -312,6 +377,12 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
     elapsed = time.perf_counter_ns() - t0
 
     stats = dict(pool.stats())
+    total = _upstream(stats)
+    setup = steps = None
+    if counts is not None:
+        marks = counts + [total]
+        setup = _delta(marks[1], marks[0])
+        steps = [_delta(marks[i + 1], marks[i]) for i in range(1, len(marks) - 1)]
     if peak_reserved is None:
         peak_reserved = _stat(stats, "reserved_bytes.all.peak")
         peak_allocated = _stat(stats, "allocated_bytes.all.peak")
@@ -344,7 +415,7 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
         num_device_alloc=_stat(stats, "num_device_alloc"),
         num_device_free=_stat(stats, "num_device_free"),
         ns_per_event=elapsed / max(1, len(ops)), first_oom=ooms[0][1] if ooms else None,
-        timeseries=series, stats=stats)
+        timeseries=series, stats=stats, upstream=total, setup=setup, steps=steps)
 
 
 def _release(pool, ptrs, keep_streams) -> None:

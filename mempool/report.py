@@ -92,7 +92,8 @@ def _required_keys(abbreviated: bool) -> list[str]:
     return keys + ["num_ooms", "num_alloc_retries"]
 
 
-def summary(stats: Mapping[str, int], device: int = 0, abbreviated: bool = False) -> str:
+def summary(stats: Mapping[str, int], device: int = 0, abbreviated: bool = False,
+            backend: str = "cuda") -> str:
     """Format pool statistics as ``torch.cuda.memory_summary()`` does.
 
     Parameters
@@ -109,6 +110,10 @@ def summary(stats: Mapping[str, int], device: int = 0, abbreviated: bool = False
         Device id shown in the title.
     abbreviated : bool
         Leave out the large-pool / small-pool sub-rows (the ``all`` rows remain).
+    backend : str
+        The pool's backend. On ``cuda`` the table is PyTorch's to the character; on ``sim``
+        and ``host`` the rows PyTorch calls "GPU reserved ..." read "Reserved ..." and the
+        title names the backend, since no GPU memory is involved.
 
     Returns
     -------
@@ -133,7 +138,8 @@ def summary(stats: Mapping[str, int], device: int = 0, abbreviated: bool = False
 
     lines = [
         "=" * _WIDTH,
-        f" {'':21} mempool memory summary, device ID {device:<17d} ",
+        (f" {'':21} mempool memory summary, device ID {device:<17d} " if backend == "cuda"
+         else f" {'':21} {f'mempool memory summary, {backend} device {device}':<52}"),
         "-" * _WIDTH,
         f"  {'':9} OOMs: {stats['num_ooms']:<17d} | {'':6} alloc retries: "
         f"{stats['num_alloc_retries']:<13d}  ",
@@ -141,6 +147,9 @@ def summary(stats: Mapping[str, int], device: int = 0, abbreviated: bool = False
         "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  ",
     ]
     for family, label, is_bytes in _POOL_METRICS:
+        if backend != "cuda":
+            label = label.replace("GPU reserved memory", "Reserved memory").replace(
+                "GPU reserved segments", "Reserved segments")
         fmt = _format_size if is_bytes else _format_count
         lines.append("-" * _WIDTH)
         rows = [("all", label)]
@@ -154,6 +163,8 @@ def summary(stats: Mapping[str, int], device: int = 0, abbreviated: bool = False
             cells = " | ".join(fmt(v, p) for v, p in zip(values, prefs))
             lines.append(f" {name:<21} | {cells} ")
     for family, label in _OVERSIZE_METRICS:
+        if backend != "cuda":
+            label = label.replace(" GPU", "")
         lines.append("-" * _WIDTH)
         values = [stats[f"{family}.{col}"] for col in _COLUMNS]
         cells = " | ".join(_format_count(v, v) for v in values)

@@ -3,17 +3,19 @@
 Three ways to share one pool with PyTorch, from most to least invasive:
 
 ``install(pool)`` / ``install_all(pools)``
-    Make the pool (one per device) PyTorch's CUDA allocator for the whole process
-    (``torch.cuda.memory.change_current_allocator``). Every CUDA tensor then comes from the
-    pool and PyTorch keeps no cache of its own. Must run before PyTorch touches CUDA.
-    ``torch.cuda.empty_cache()`` releases the pool's cached memory,
-    ``torch.cuda.set_per_process_memory_fraction(f)`` sets the pool's limit to f x capacity,
-    ``Tensor.record_stream(s)`` declares a use on another stream. PyTorch's own
-    ``memory_stats()`` is not available under a pluggable allocator: read ``pool.stats()``.
-    Caveats: PyTorch does not check the pluggable allocator's result, so an out-of-memory
-    returns a NULL tensor (mempool prints the reason on stderr) rather than raising
-    ``torch.OutOfMemoryError``; set the pool's limit with headroom, or use ``mem_pool``.
-    CUDA graph capture's private pools are not supported under a pluggable allocator.
+    Make the pool (one per device) PyTorch's CUDA allocator for the whole process. Every CUDA
+    tensor then comes from the pool and PyTorch keeps no cache of its own. Must run before
+    PyTorch touches CUDA. By default this is mempool's full allocator: a C++ class compiled
+    once per PyTorch build against its headers (:mod:`mempool.torch_build`) that answers every
+    call PyTorch makes of an allocator: ``memory_allocated``/``memory_stats``/
+    ``memory_summary``/``reset_peak_memory_stats`` report the pool, out of memory raises
+    ``torch.OutOfMemoryError`` with the pool's explanation, cuDNN benchmark's ``cacheInfo``,
+    ``torch.cuda.graph`` and ``torch.compile(mode="reduce-overhead")`` with graph-private
+    pools, ``MemPool``/``use_mem_pool``, ``_record_memory_history``/``_snapshot`` in
+    PyTorch's format, ``empty_cache``, ``set_per_process_memory_fraction``,
+    ``Tensor.record_stream``. ``allocator="pluggable"`` (or a machine with no C++ compiler,
+    with a warning) uses PyTorch's ``CUDAPluggableAllocator`` instead, which forwards only
+    allocation and free: see docs/sharing.md for what it lacks.
 ``mem_pool(pool)``
     A ``torch.cuda.MemPool`` whose segments come from the pool, for
     ``with torch.cuda.use_mem_pool(mp): ...``. PyTorch's caching allocator still caches
@@ -40,7 +42,7 @@ _SETTERS = {
     "memory_fraction": "set_memory_fraction_fn",
     "base_alloc": "set_base_alloc_fn",
 }
-_installed = None   # the CUDAPluggableAllocator given to change_current_allocator
+_installed = None   # what install() made PyTorch's allocator: a Glue or a CUDAPluggableAllocator
 
 
 def library_path():
@@ -229,20 +231,79 @@ def allocator(pool, *more_pools):
     return alloc
 
 
-def install(pool, *more_pools):
+_pluggable_allocator = allocator   # install()'s own `allocator` argument shadows it
+
+
+class Glue:
+    """mempool's C++ allocator, installed as PyTorch's (returned by :func:`install`).
+
+    Attributes
+    ----------
+    path : pathlib.Path
+        The compiled library (cached per PyTorch build).
+    """
+
+    def __init__(self, path, library):
+        self.path = path
+        self._library = library
+
+    def __repr__(self):
+        return f"<mempool.torch.Glue {self.path}>"
+
+
+def build(force=False):
+    """Compile mempool's C++ PyTorch allocator for the PyTorch imported here, or find it in
+    the cache; returns the library's path. Raises :class:`mempool.torch_build.BuildError`."""
+    _torch_cuda()
+    from mempool import torch_build
+    return torch_build.build(force=force)
+
+
+def _load_glue():
+    """Build (or find) the glue, load it, make it PyTorch's allocator; returns a Glue."""
+    import ctypes
+    torch = _torch_cuda()
+    path = build()
+    library = ctypes.CDLL(str(path))
+    install_fn = library.mempool_torch_glue_install
+    install_fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    install_fn.restype = ctypes.c_int
+    err = ctypes.create_string_buffer(1024)
+    rc = install_fn(_core._torch_api_address(), torch.cuda.device_count(), err, len(err))
+    if rc != 0:
+        raise RuntimeError(f"install: {err.value.decode(errors='replace')}")
+    return Glue(path, library)
+
+
+def install(pool, *more_pools, allocator="auto"):
     """Make `pool` PyTorch's CUDA allocator for this process (see the module docstring).
 
-    Returns the ``CUDAPluggableAllocator``. Calling it again with the same pools is a no-op;
-    once installed, pools for devices that have none are added (as :func:`register`).
+    Parameters
+    ----------
+    pool, *more_pools : mempool.Pool
+        ``cuda`` pools, one per device.
+    allocator : {"auto", "full", "pluggable"}
+        ``"full"``: mempool's C++ allocator (built on first use, cached). ``"pluggable"``:
+        PyTorch's CUDAPluggableAllocator over the pool's C entry points (allocation and
+        free only). ``"auto"``: the full one, or the pluggable one with a warning saying why
+        when it cannot be built (no C++ compiler or no CUDA headers).
+
+    Returns the installed :class:`Glue` or ``CUDAPluggableAllocator``. Calling it again with
+    the same pools is a no-op; once installed, pools for devices that have none are added
+    (as :func:`register`).
 
     Raises
     ------
     RuntimeError
         PyTorch already initialised CUDA (its default allocator is in use and cannot be
-        swapped), another pluggable allocator is installed, or mempool is installed with
-        another pool on one of the pools' devices.
+        swapped), another allocator is installed, or mempool is installed with another pool
+        on one of the pools' devices.
+    ValueError
+        `allocator` is not one of the three.
     """
     global _installed
+    if allocator not in ("auto", "full", "pluggable"):
+        raise ValueError(f"allocator must be 'auto', 'full' or 'pluggable', got {allocator!r}")
     torch = _torch_cuda()
     pools = (pool,) + more_pools
     if _installed is not None:
@@ -262,7 +323,31 @@ def install(pool, *more_pools):
                            "allocator is in use and cannot be swapped; call "
                            "mempool.torch.install(pool) before the first CUDA tensor, or use "
                            "mempool.torch.mem_pool(pool) with torch.cuda.use_mem_pool")
-    alloc = allocator(pool, *more_pools)
+    if allocator != "pluggable":
+        from mempool.torch_build import BuildError
+        for p in pools:
+            _check_pool(p)
+        devices = [p.device_id for p in pools]
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"pool: one pool per device, got devices {devices}")
+        try:
+            path = build()
+        except BuildError as exc:
+            if allocator == "full":
+                raise
+            import warnings
+            warnings.warn(f"mempool.torch.install: using PyTorch's pluggable allocator, "
+                          f"which forwards only allocation and free (memory_stats, "
+                          f"cudnn.benchmark, CUDA graphs and torch.OutOfMemoryError need "
+                          f"mempool's full allocator), because {exc}", RuntimeWarning,
+                          stacklevel=2)
+        else:
+            del path
+            for p in pools:
+                register(p)
+            _installed = _load_glue()
+            return _installed
+    alloc = _pluggable_allocator(pool, *more_pools)
     try:
         torch.cuda.memory.change_current_allocator(alloc)
     except RuntimeError as exc:

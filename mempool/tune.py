@@ -1,13 +1,16 @@
 """Search pool settings that reserve the least memory for a trace.
 
 ``tune(events)`` replays a trace on the simulated device once per point of a grid of
-settings and ranks the points: fewest OOMs first, then settings without upstream churn (far more
-segment allocations and frees than the default: each is a ``cudaMalloc``-class call on a
-real device), then least peak reserved memory, then fewest upstream calls, then the fewest
-settings changed. The default configuration is always replayed, and a setting ranks above
-it only when its replay has no more OOMs, no more peak reserved memory and no churn, so the
-recommendation is never worse than leaving the pool alone. Same trace, same grid: same
-ranking.
+settings and ranks the points by one key, the same for the progress line and the final
+table: fewest OOMs first (under a limit, a setting that fits more of the trace always wins),
+then settings without upstream churn (far more segment allocations and frees than the
+default: each is a ``cudaMalloc``-class call on a real device), then least peak reserved
+memory, then fewest upstream calls, then the fewest settings changed. The default
+configuration is always replayed, so the recommendation never has more OOMs than leaving the
+pool alone, and with as many OOMs it reserves no more and has no churn. A setting that beats
+a higher-ranked one on OOMs and memory but ranks below it because of churn carries the rule
+in ``TuneResult.rule``; :func:`report` lists such settings, and every setting the pool
+refused, with the reason. Same trace, same grid: same ranking.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from . import replay as _replay
+from ._units import format_bytes
 
 __all__ = ["TuneResult", "tune", "report", "churn_limit", "DEFAULT_GRID", "to_conf",
            "to_pytorch_conf"]
@@ -46,14 +50,16 @@ class TuneResult:
     result: _replay.ReplayResult | None
     skipped: str | None = None     # why the pool refused these settings, if it did
     churn: bool = False            # far more upstream calls than the default (see tune)
+    rule: str | None = None        # why it ranks below a setting it beats on memory
 
     @property
     def is_default(self) -> bool:
         return not self.options
 
     def key(self, order: int):
+        """The ranking key (lower ranks first); `order` breaks the last ties by grid order."""
         r = self.result
-        return (r.num_ooms > 0, r.num_ooms, self.churn, r.peak_reserved_bytes,
+        return (r.num_ooms, self.churn, r.peak_reserved_bytes,
                 r.num_device_alloc + r.num_device_free, len(self.options), order)
 
     def __str__(self) -> str:
@@ -63,57 +69,21 @@ class TuneResult:
 
 
 # ----------------------------------------------------------------------------------------
-# configuration strings
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GB", GiB), ("MB", MiB), ("KB", 1024)):
-        if nbytes and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)
-
-
-def _local_to_conf(options: dict) -> str:
-    parts = []
-    for key, value in options.items():
-        if isinstance(value, bool):
-            value = "True" if value else "False"
-        elif key in ("max_split_size", "release_threshold", "limit", "initial_pool_size") \
-                and isinstance(value, int):
-            value = _size(value)
-        parts.append(f"{key}:{value}")
-    return ",".join(parts)
-
-
-def _local_to_pytorch_conf(options: dict):
-    parts = []
-    for key, value in options.items():
-        if key == "max_split_size":
-            parts.append(f"max_split_size_mb:{max(1, value // MiB)}")
-        elif key == "expandable_segments":
-            parts.append(f"expandable_segments:{'True' if value else 'False'}")
-        elif key in ("roundup_power2_divisions", "garbage_collection_threshold"):
-            parts.append(f"{key}:{value}")
-        # release_threshold and limit have no PYTORCH_CUDA_ALLOC_CONF key.
-    return ",".join(parts) if parts else None
+# configuration strings (spelled by mempool._config, the one writer of conf strings)
 
 
 def to_conf(options: dict) -> str:
     """`options` as a ``MEMPOOL_CONF`` / ``Pool.from_conf`` string."""
-    try:
-        from ._config import to_conf as impl
-    except ImportError:
-        return _local_to_conf(options)
+    from ._config import to_conf as impl
+
     return impl(options)
 
 
 def to_pytorch_conf(options: dict):
     """The nearest ``PYTORCH_CUDA_ALLOC_CONF`` for `options` (None when PyTorch has none of
     them; ``release_threshold`` has no PyTorch counterpart in its native allocator)."""
-    try:
-        from ._config import to_pytorch_conf as impl
-    except ImportError:
-        return _local_to_pytorch_conf(options)
+    from ._config import to_pytorch_conf as impl
+
     return impl(options) or None
 
 
@@ -121,11 +91,8 @@ def to_pytorch_conf(options: dict):
 
 
 def _normalize():
-    """The option validator, when the config module is present."""
-    try:
-        from ._config import normalize
-    except ImportError:
-        return None
+    from ._config import normalize
+
     return normalize
 
 
@@ -144,25 +111,28 @@ def churn_limit(default_calls: int, events: int) -> int:
 
 def _candidates(grid: dict) -> tuple:
     """Every point of the grid as a dict of its non-default settings, the default first,
-    each distinct point once; and how many points were left out because their settings do
-    not combine (e.g. expandable segments with a max_split_size)."""
-    normalize = _normalize()
+    each distinct point once; and the points left out, as (point, reason) pairs: settings
+    that do not combine, or where one overrides another by PyTorch's precedence (such a
+    point is the same as one without the overridden setting)."""
+    from ._config import _checked, _overridden
     keys = list(grid)
     seen = {()}
     out = [{}]
-    left_out = 0
+    left_out = []
     for values in itertools.product(*(grid[k] for k in keys)):
         point = {k: v for k, v in zip(keys, values) if v is not None}
         ident = tuple(sorted((k, repr(v)) for k, v in point.items()))
         if ident in seen:
             continue
         seen.add(ident)
-        if normalize is not None:
-            try:
-                normalize(point)
-            except ValueError:
-                left_out += 1
-                continue
+        try:
+            dropped = _overridden(_checked(point))
+        except ValueError as e:
+            left_out.append((point, str(e)))
+            continue
+        if dropped:
+            left_out.append((point, "; ".join(dropped.values())))
+            continue
         out.append(point)
     return out, left_out
 
@@ -185,14 +155,13 @@ def _check_grid(grid) -> dict:
             raise ValueError(f"tune: grid[{key!r}] is empty; give at least one value "
                              "(None = the default)")
     normalize = _normalize()
-    if normalize is not None:
-        for key, values in out.items():
-            for v in values:
-                if v is not None:
-                    try:
-                        normalize({key: v})
-                    except ValueError as e:
-                        raise ValueError(f"tune: grid[{key!r}] holds a bad value: {e}") from None
+    for key, values in out.items():
+        for v in values:
+            if v is not None:
+                try:
+                    normalize({key: v})
+                except ValueError as e:
+                    raise ValueError(f"tune: grid[{key!r}] holds a bad value: {e}") from None
     return out
 
 
@@ -251,24 +220,30 @@ def tune(events, limit=None, grid=None, progress: bool = True, capacity=None,
     Returns
     -------
     list of TuneResult
-        Ranked: fewest OOMs, then no upstream churn (:func:`churn_limit`), then least peak
-        reserved, then fewest upstream calls, then fewest changed settings. Points the pool refused (for instance expandable
-        segments where they are not available) come last with ``skipped`` set. The first
-        entry is the recommendation; it is the default itself unless a point has no more
-        OOMs, no more peak reserved bytes and no churn (and ranks higher).
+        Ranked by :meth:`TuneResult.key`: fewest OOMs, then no upstream churn
+        (:func:`churn_limit`), then least peak reserved, then fewest upstream calls, then
+        fewest changed settings. Points the pool refused (settings that do not combine, or
+        expandable segments where they are not available) come last with ``skipped`` set.
+        The first entry is the recommendation: the default itself unless a point has fewer
+        OOMs, or as many with no churn and no more peak reserved bytes. A churning point that
+        reserves less than one ranked above it with as many OOMs carries ``rule``.
     """
     grid = _check_grid(grid)
     if limit is None and grid.get("garbage_collection_threshold") == \
             DEFAULT_GRID["garbage_collection_threshold"]:
         grid["garbage_collection_threshold"] = [None]
     prep = _replay.prepare(events)
-    points, _ = _candidates(grid)
+    points, left_out = _candidates(grid)
     extra = {} if capacity is None else {"capacity": capacity}
     bar = _Progress(len(points), progress, stream)
-    done = []
-    skipped = []
+    done = []                    # (item, grid order), every replayed point
+    # Spelled key by key: to_conf validates the whole point, which these fail.
+    skipped = [TuneResult(options=p, conf=",".join(to_conf({k: v}) for k, v in p.items()),
+                          pytorch_conf=None, result=None, skipped=why)
+               for p, why in left_out]
     unsupported = {}             # option -> reason, once one value of it is refused
-    best_text = "-"
+    bar_of_churn = None          # churn_limit of the default's calls; the default comes first
+    best = None
     for i, point in enumerate(points):
         reason = next((unsupported[k] for k in point if k in unsupported), None)
         result = None
@@ -287,52 +262,115 @@ def tune(events, limit=None, grid=None, progress: bool = True, capacity=None,
         if result is None:
             skipped.append(item)
         else:
+            if bar_of_churn is None:
+                bar_of_churn = churn_limit(_calls(result), result.events)
+            item.churn = _calls(result) > bar_of_churn
             done.append((item, i))
-            best = min(done, key=lambda p: p[0].key(p[1]))[0]
-            best_text = f"{best.result.ratio:.3f} ({best.conf or 'default'})"
-        bar.update(i + 1, best_text)
-    default = done[0][0]
-    calls = default.result.num_device_alloc + default.result.num_device_free
-    for item, _ in done:
-        r = item.result
-        item.churn = r.num_device_alloc + r.num_device_free > churn_limit(calls, r.events)
-
-    def rank(pair):
-        # A point outranks the default only if it has no more OOMs, no more peak reserved
-        # memory and no upstream churn; upstream calls and simplicity break ties.
-        item, order = pair
-        k = item.key(order)
-        d = default.result
-        no_worse = (item.result.num_ooms <= d.num_ooms and not item.churn
-                    and item.result.peak_reserved_bytes <= d.peak_reserved_bytes)
-        return (not no_worse and not item.is_default,) + k
-    ranked = [item for item, _ in sorted(done, key=rank)]
+            # The same key as the final ranking, so the line's best is the table's rank 1.
+            if best is None or item.key(i) < best[0].key(best[1]):
+                best = (item, i)
+        bar.update(i + 1, _best_text(best[0]) if best else "-")
+    ranked = [item for item, _ in sorted(done, key=lambda pair: pair[0].key(pair[1]))]
+    for n, item in enumerate(ranked):
+        if not item.churn:
+            continue
+        # Churn is the one rule that ranks a setting below another it beats on OOMs and
+        # memory; say so, with the figures.
+        beaten = next((r for r in ranked[:n] if not r.churn
+                       and r.result.num_ooms == item.result.num_ooms
+                       and r.result.peak_reserved_bytes > item.result.peak_reserved_bytes), None)
+        if beaten is not None:
+            item.rule = (f"upstream churn: {_calls(item.result):,} segment allocations + frees, "
+                         f"over the bar of {bar_of_churn:,} (4 x the default's "
+                         f"{_calls(_default_of(ranked).result):,}"
+                         f" + 1 per 100 events)")
     return ranked + skipped
 
 
+def _calls(result) -> int:
+    """Upstream calls of a replay: segment allocations + frees."""
+    return result.num_device_alloc + result.num_device_free
+
+
+def _default_of(results: list):
+    return next((r for r in results if r.is_default), None)
+
+
+def _best_text(item: TuneResult) -> str:
+    r = item.result
+    return (f"{item.conf or '(default)'}: {format_bytes(r.peak_reserved_bytes)} peak "
+            f"reserved, {_ooms(r.num_ooms)}")
+
+
+def _ooms(n: int) -> str:
+    return f"{n} OOM" if n == 1 else f"{n} OOMs"
+
+
+_LEGEND = (
+    "peak reserved: most memory the pool held from the device (lower is better); "
+    "reserved/live: peak reserved over the trace's peak live bytes (1.000 = no overhead, "
+    "lower is better); vs default: change of peak reserved; OOMs: allocations refused "
+    "(fewer is better, ranked first); upstream: segment allocations + frees, each a "
+    "cudaMalloc/cudaFree-class call on a GPU (fewer is better)")
+
+
 def report(results: list, top: int = 10) -> str:
-    """A table of the best `top` results and the recommendation, as text."""
-    gib = float(GiB)
-    default = next((r for r in results if r.is_default), None)
-    lines = [f"{'rank':>4}  {'reserved GiB':>12}  {'res/live':>8}  {'vs default':>10}  "
+    """The best `top` results as a text table, the settings ranked down by a rule or
+    refused (each with its reason), and the recommendation."""
+    import textwrap
+
+    default = _default_of(results)
+    ranked = [r for r in results if r.result is not None]
+    rank_of = {id(r): n for n, r in enumerate(ranked, 1)}
+    lines = [f"{'rank':>4}  {'peak reserved':>13}  {'reserved/live':>13}  {'vs default':>10}  "
              f"{'OOMs':>4}  {'upstream':>8}  settings"]
-    shown = [r for r in results if r.result is not None][:top]
-    for n, r in enumerate(shown, 1):
+
+    def row(r):
         rr = r.result
         vs = (rr.peak_reserved_bytes / default.result.peak_reserved_bytes - 1) * 100 \
             if default and default.result.peak_reserved_bytes else 0.0
-        calls = f"{rr.num_device_alloc + rr.num_device_free}{'*' if r.churn else ''}"
-        lines.append(f"{n:>4}  {rr.peak_reserved_bytes / gib:>12.3f}  {rr.ratio:>8.3f}  "
-                     f"{vs:>+9.1f}%  {rr.num_ooms:>4}  {calls:>8}  {r.conf or '(default)'}")
+        calls = f"{_calls(rr):,}{'*' if r.churn else ''}"
+        return (f"{rank_of[id(r)]:>4}  {format_bytes(rr.peak_reserved_bytes):>13}  "
+                f"{rr.ratio:>13.3f}  {vs:>+9.1f}%  {rr.num_ooms:>4}  {calls:>8}  "
+                f"{r.conf or '(default)'}")
+    shown = ranked[:top]
+    lines += [row(r) for r in shown]
+    if default is not None and default not in shown:
+        lines.append(row(default))
+    lines += textwrap.wrap(_LEGEND, 92)
     if any(r.churn for r in shown):
         lines.append("* upstream churn: far more segment allocations and frees than the "
                      "default (slow on a real GPU); ranked after settings without it")
-    skipped = [r for r in results if r.result is None]
-    if skipped:
-        lines.append(f"skipped {len(skipped)} settings the pool refused, e.g. "
-                     f"{skipped[0].conf}: {skipped[0].skipped}")
-    if results and results[0].result is not None:
-        best = results[0]
+    ruled = [r for r in ranked if r.rule]
+    if ruled:
+        # Those that would be the recommendation but for the rule are named, with it (at
+        # most five); the rest are counted.
+        first = ranked[0].result
+        named = [r for r in ruled if (r.result.num_ooms, r.result.peak_reserved_bytes)
+                 < (first.num_ooms, first.peak_reserved_bytes)][:5]
+        lines.append("")
+        lines.append(f"ranked down by a rule: {len(ruled)} settings that reserve less than a "
+                     "setting above them with as many OOMs")
+        for r in named:
+            lines.append(f"  rank {rank_of[id(r)]}: {r.conf} "
+                         f"({format_bytes(r.result.peak_reserved_bytes)} peak reserved, "
+                         f"{_ooms(r.result.num_ooms)}): {r.rule}")
+        others = [r for r in ruled if r not in named]
+        if others:
+            lines.append(f"  {'and ' if named else ''}{len(others)} {'more ' if named else ''}"
+                         f"{'(marked * above) ' if any(r in shown for r in others) else ''}"
+                         f"for the same rule, like {others[0].conf} (rank {rank_of[id(others[0])]}): {others[0].rule}")
+    refused = [r for r in results if r.result is None]
+    if refused:
+        by_reason = {}
+        for r in refused:
+            by_reason.setdefault(r.skipped, []).append(r.conf)
+        lines.append("")
+        lines.append(f"not replayed: {len(refused)} settings, by reason:")
+        for reason, confs in by_reason.items():
+            lines.append(f"  {len(confs)} like {confs[0]}: {reason}")
+    if ranked:
+        best = ranked[0]
         lines.append("")
         lines.append(f"MEMPOOL_CONF={best.conf}" if best.conf else
                      "MEMPOOL_CONF unset: the defaults are best for this trace")

@@ -88,3 +88,19 @@ def run_threads(target, argsets):
         t.start()
     for t in threads:
         t.join()
+
+
+def fetch_text(url, timeout=2, attempts=20):
+    """GET `url` and return its body: a bounded retry loop, for a server thread that may
+    still be starting (the metrics endpoints)."""
+    import time
+    import urllib.request
+    last = None
+    for _ in range(attempts):
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response:
+                return response.read().decode()
+        except OSError as exc:
+            last = exc
+            time.sleep(0.05)
+    raise AssertionError(f"no answer from {url} after {attempts} attempts: {last}")

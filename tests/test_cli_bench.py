@@ -98,3 +98,34 @@ def test_end_to_end_quick_run_of_the_floor(tmp_path):
     assert {f["column"] for f in figures} == {"512 B", "64 KiB"}
     assert all(f["ns"] > 0 and f["per_round"] == 500 for f in figures)
     assert (out / "table.txt").read_text().startswith("foundation:")
+
+
+def test_the_latency_axis_reaches_every_row():
+    # The H200 rows span 31 ns (the C loop) to 60 us: the axis once began at 50 ns.
+    assert cli_bench._bounds_125(31.0, 59608.0) == (20.0, 100000.0)
+    assert cli_bench._bounds_125(50.0, 200.0) == (50.0, 200.0)
+    lo, hi = cli_bench._bounds_125(32.0, 90.0)
+    assert (lo, hi) == (20.0, 100.0)
+
+
+def test_plot_latency_labels_ticks_around_the_fastest_row(tmp_path, monkeypatch):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    seen = {}
+    real = plt.Figure.savefig
+
+    def capture(fig, *a, **k):
+        ax = fig.axes[0]
+        seen["ylim"] = ax.get_ylim()
+        seen["ticks"] = [t for t in ax.get_yticks() if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]]
+        return real(fig, *a, **k)
+    monkeypatch.setattr(plt.Figure, "savefig", capture)
+    infos = [_info("mempool C loop (cuda)", "512 B", 32.0),
+             _info("two bare C-method calls (floor)", "512 B", 41.0),
+             _info("mempool alloc/free (cuda)", "512 B", 83.0, ref=0)]
+    cli_bench.plot_latency(infos, tmp_path / "l.png")
+    lo, hi = seen["ylim"]
+    assert lo <= 32.0 and hi >= 83.0
+    ticks = seen["ticks"]
+    assert any(t <= 32.0 for t in ticks) and any(32.0 < t <= 41.0 for t in ticks)

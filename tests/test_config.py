@@ -336,16 +336,14 @@ BAD_OPTIONS = [
     ({"garbage_collection_threshold": -0.1}, "'garbage_collection_threshold'", "[0, 1)"),
     ({"garbage_collection_threshold": "x"}, "'garbage_collection_threshold'", "[0, 1)"),
     ({"garbage_collection_threshold": True}, "'garbage_collection_threshold'", "[0, 1)"),
-    ({"max_split_size": MiB}, "'max_split_size'", "below 20 MiB"),
-    ({"max_split_size": "19MB"}, "'max_split_size'", "below 20 MiB"),
+    ({"max_split_size": MiB}, "'max_split_size'", "below 20.00 MiB"),
+    ({"max_split_size": "19MB"}, "'max_split_size'", "below 20.00 MiB"),
     ({"max_split_size": "big"}, "'max_split_size'", "at least 20 MiB"),
     ({"expandable_segments": "maybe"}, "'expandable_segments'", "True/False"),
     ({"pool_handle": "mine"}, "'pool_handle'", "'create'"),
     ({"pool_handle": 0}, "'pool_handle'", "int > 0"),
     ({"pool_handle": True}, "'pool_handle'", "int > 0"),
     ({"roundup_power2_divisions": 3}, "'roundup_power2_divisions'", "power of two"),
-    ({"expandable_segments": True, "max_split_size": "64MB"}, "'expandable_segments'",
-     "'max_split_size'"),
     ({"backend": "sim", "pool_handle": "default"}, "'pool_handle'", "backend='cuda'"),
     ({"backend": "host", "reuse_allow_opportunistic": False}, "'reuse_allow_opportunistic'",
      "backend='cuda'"),
@@ -416,16 +414,20 @@ def test_parse_conf_good(conf, expected):
     assert list(out) == list(expected)
 
 
-@pytest.mark.parametrize("key", sorted(cfg._PYTORCH_REFUSED))
-def test_parse_conf_refuses_pytorch_keys_by_name(key):
-    for value in ("True", "1", "[1,2]"):
-        with pytest.raises(ValueError) as e:
-            parse_conf(f"release_threshold:1GB,{key}:{value}")
-        assert f"'{key}'" in str(e.value) and "no meaning here" in str(e.value)
+@pytest.mark.parametrize("key", sorted(cfg._PYTORCH_IGNORED))
+def test_parse_conf_ignores_pytorch_keys_with_one_warning(key, monkeypatch):
+    monkeypatch.setattr(cfg, "_warned", set())
+    with pytest.warns(cfg.ConfigWarning) as record:
+        for value in ("True", "1", "[1,2]"):
+            assert parse_conf(f"release_threshold:1GB,{key}:{value}") == {
+                "release_threshold": GiB}
+    assert len(record) == 1
+    assert f"'{key}'" in str(record[0].message)
+    assert "no meaning for the pool" in str(record[0].message)
 
 
-def test_refused_keys_cover_pytorch_2_13():
-    # Every key of torch 2.13's allocator config is either ours, mapped, or refused by name.
+def test_pytorch_keys_cover_pytorch_2_13():
+    # Every key of torch 2.13's allocator config is either ours, mapped, or ignored by name.
     pytorch_keys = {
         "large_segment_size_mb", "max_split_size_mb", "max_non_split_rounding_mb",
         "garbage_collection_threshold", "roundup_power2_divisions", "expandable_segments",
@@ -436,14 +438,13 @@ def test_refused_keys_cover_pytorch_2_13():
         "pinned_reserve_segment_size_mb", "pinned_num_register_threads",
         "per_process_memory_fraction", "pinned_free_catch_all", "throw_on_cudamalloc_oom",
     }
-    handled = set(OPTIONS) | set(cfg._PYTORCH_ALIASES) | set(cfg._PYTORCH_REFUSED)
+    handled = set(OPTIONS) | set(cfg._ALIASES) | set(cfg._PYTORCH_IGNORED)
     assert pytorch_keys <= handled
+    assert cfg.PYTORCH_KEYS == pytorch_keys
 
 
 BAD_CONFS = [
     ("foo:1", "'foo'", "accepted options"),
-    ("backend:native", "'native'", "PyTorch's own allocators"),
-    ("backend:cudaMallocAsync", "'cudaMallocAsync'", "PyTorch's own allocators"),
     ("release_threshold", "'release_threshold'", "has no value"),
     ("release_threshold:", "'release_threshold'", "empty value"),
     ("release_threshold:,limit:1", "'release_threshold'", "empty value"),
@@ -453,10 +454,7 @@ BAD_CONFS = [
     ("limit:1[", "limit:1", "expected ','"),
     ("roundup_power2_divisions:[256:1", "'roundup_power2_divisions'", "unclosed"),
     ("roundup_power2_divisions:[256:3]", "roundup_power2_divisions:[256:3]", "power of two"),
-    ("limit:0.5,limit:0.6", "'limit'", "twice"),
-    ("max_split_size:64MB,max_split_size_mb:64", "'max_split_size_mb'", "twice"),
-    ("limit:0.5,per_process_memory_fraction:0.5", "'per_process_memory_fraction'", "twice"),
-    ("max_split_size_mb:4", "max_split_size_mb:4", "below 20 MiB"),
+    ("max_split_size_mb:4", "max_split_size_mb:4", "below 20.00 MiB"),
     ("max_split_size_mb:64MB", "max_split_size_mb:64MB", "whole number of MB"),
     ("per_process_memory_fraction:1.5", "per_process_memory_fraction:1.5", "(0, 1]"),
     ("per_process_memory_fraction:0", "per_process_memory_fraction:0", "(0, 1]"),
@@ -494,8 +492,8 @@ def test_conf_from_env(monkeypatch):
     monkeypatch.setenv("MEMPOOL_CONF", "release_threshold:lots")
     with pytest.raises(ValueError, match="environment variable MEMPOOL_CONF.*release_threshold"):
         conf_from_env()
-    monkeypatch.setenv("OTHER_CONF", "pinned_use_background_threads:True")
-    with pytest.raises(ValueError, match="OTHER_CONF.*pinned_use_background_threads"):
+    monkeypatch.setenv("OTHER_CONF", "release_threshold:2GB,limit:lots")
+    with pytest.raises(ValueError, match="OTHER_CONF.*'limit'"):
         conf_from_env("OTHER_CONF")
 
 
@@ -577,8 +575,8 @@ def test_docs_table_is_the_generated_one():
 def test_every_documented_example_parses():
     for name, opt in OPTIONS.items():
         assert name in parse_conf(f"{name}:{opt.example}")
-    for alias, example in cfg._ALIAS_EXAMPLES.items():
-        assert parse_conf(f"{alias}:{example}")
+    for alias, (target, _) in cfg._ALIASES.items():
+        assert target in parse_conf(f"{alias}:{cfg._alias_example(alias)}")
 
 
 def test_granularity_is_for_the_simulated_and_host_devices():

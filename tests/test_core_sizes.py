@@ -77,7 +77,11 @@ def test_size_classes_are_monotone_and_exact_up_to_64k():
     assert classes == sorted(classes)
     assert [size_class(512 * k) for k in range(1, 129)] == list(range(128))
     # Above, a class spans 1/64 of its sizes, a power of two at its top: (lo, lo + lo/64].
-    for k in range(17, 60):
+    for k in range(17, 40):
         lo = 1 << k
         assert size_class(lo + 512) == size_class(lo + (lo >> 6)) == size_class(lo) + 1
         assert size_class(lo + (lo >> 6) + 512) == size_class(lo) + 2
+    # Past 1 TiB one last class holds every size (a stream's lists stay small).
+    last = size_class((1 << 40) + 512)
+    assert last == size_class(1 << 40) + 1 == size_class(1 << 61)
+    assert last == size_class((1 << 40) + (1 << 34) + 512)

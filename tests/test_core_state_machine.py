@@ -92,6 +92,23 @@ class PoolMachine(RuleBasedStateMachine):
     def fail_next(self, n):
         self.dev.fail_next(n)
 
+    @rule(n=st.integers(1, 3))
+    def fail_events(self, n):
+        """Event records fail: frees and releases fall back to synchronizing the streams."""
+        self.dev.fail_events(n)
+
+    @rule(stream=st.sampled_from(STREAMS[1:]), destroy=st.booleans())
+    def forget(self, stream, destroy):
+        """forget_stream, then maybe destroy it: its handle may name a new stream later."""
+        self.pool.forget_stream(stream)
+        assert self.dev.stream_info(stream)["completed"] == self.dev.stream_info(stream)["submitted"]
+        for ptr, (size, owner, recorded) in list(self.live.items()):
+            self.live[ptr] = (size, 0 if owner == stream else owner, recorded - {stream})
+            assert self.pool.block_info(ptr)[2] == self.live[ptr][1]
+        assert all(s["stream"] != stream for s in self.pool.layout())
+        if destroy:
+            self.dev.destroy_stream(stream)
+
     @rule()
     def empty_cache(self):
         self.pool.empty_cache()

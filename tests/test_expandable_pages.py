@@ -150,11 +150,17 @@ def test_conf_string_turns_expandable_segments_on():
     pool.check_invariants()
 
 
-def test_max_split_size_is_refused_with_expandable_segments():
-    with pytest.raises(ValueError, match="'expandable_segments' and 'max_split_size'"):
-        mempool.Pool(backend="sim", expandable_segments=True, max_split_size="64MB")
-    with pytest.raises(ValueError, match="do not combine"):
-        mempool.Pool.from_conf("backend:sim,expandable_segments:True,max_split_size_mb:64")
+def test_expandable_segments_win_over_max_split_size_as_in_pytorch(monkeypatch):
+    monkeypatch.setattr(mempool._config, "_warned", set())
+    with pytest.warns(mempool.ConfigWarning, match="'expandable_segments' and 'max_split_size'"):
+        pool = mempool.Pool(backend="sim", expandable_segments=True, max_split_size="64MB")
+    assert pool.options["expandable_segments"] is True and pool.options["max_split_size"] is None
+    pool = mempool.Pool.from_conf("backend:sim,expandable_segments:True,max_split_size_mb:64")
+    assert pool.options["max_split_size"] is None            # warned once, above
+    p = pool.alloc(64 * MiB)
+    assert pool.layout()[0]["is_expandable"]
+    pool.free(p)
+    pool.check_invariants()
 
 
 def test_growth_refills_a_hole_when_that_maps_fewer_bytes_than_the_edge(sim):

@@ -206,7 +206,7 @@ def test_limit_reclaims_free_pages_before_refusing(sim):
     assert layout(pool)[:3] == [(0, 4 * MiB, UNMAPPED), (4 * MiB, 4 * MiB, ALLOCATED),
                                 (8 * MiB, 6 * MiB, ALLOCATED)]
     before = layout(pool)
-    with pytest.raises(mempool.OutOfMemoryError, match="limit of 10MiB"):
+    with pytest.raises(mempool.OutOfMemoryError, match=r"limit of 10.00 MiB \(10,485,760 bytes\)"):
         pool.alloc(2 * MiB)                              # nothing free left to give
     assert layout(pool) == before and mapped(pool) == 10 * MiB
     pool.set_limit(12 * MiB)
@@ -274,7 +274,7 @@ def test_initial_pool_size_is_mapped_at_the_start_and_stays(sim):
 
 
 def test_initial_pool_size_that_whole_pages_cannot_hold_fails_clearly():
-    with pytest.raises(mempool.OutOfMemoryError, match="initial_pool_size=5242880 bytes"):
+    with pytest.raises(mempool.OutOfMemoryError, match=r"initial_pool_size of 5.00 MiB \(5,242,880 bytes\)"):
         mempool.Pool(backend="sim", expandable_segments=True, capacity=5 * MiB,
                      initial_pool_size=5 * MiB)           # three 2 MiB pages on a 5 MiB device
 

@@ -98,6 +98,13 @@ UNINITIALISED = [
     "_core._export_simulated(mempool.Buffer.__new__(mempool.Buffer))",
     "_core._pool_empty(mempool.Pool.__new__(mempool.Pool), 4)",
     "_core.bench_core_roundtrips(mempool.Pool.__new__(mempool.Pool), 512, 1)",
+    "_core._capture_begin(mempool.Pool.__new__(mempool.Pool))",
+    "_core._capture_end(mempool.Pool.__new__(mempool.Pool))",
+    "mempool.SimDevice.__new__(mempool.SimDevice).begin_capture(5)",
+    "mempool.SimDevice.__new__(mempool.SimDevice).capture_violations",
+    "mempool.SimDevice.__new__(mempool.SimDevice).destroy_stream(5)",
+    "mempool.SimDevice.__new__(mempool.SimDevice).fail_events(1)",
+    "mempool.SimDevice.__new__(mempool.SimDevice).hold_syncs(1)",
 ]
 
 

@@ -108,14 +108,31 @@ def test_views_and_releases_see_the_plain_layout(sim, release):
     pool.check_invariants()
 
 
-@pytest.mark.parametrize("options", [dict(expandable_segments=True),
-                                     dict(release_threshold=0)], ids=["expandable", "threshold"])
-def test_pools_whose_free_path_keeps_books_park_nothing(sim, options):
-    pool = sim(**options)
+def test_pools_whose_free_path_keeps_books_park_nothing(sim):
+    pool = sim(release_threshold=0)
     a, b, c = three_blocks(pool)
     pool.free(a)
     pool.free(c)
     assert pool.alloc(4 * KiB, stream=S) == a      # plain best fit: the hole
+    pool.check_invariants()
+
+
+def test_expandable_pools_park_hot_blocks_and_fold_them_in_before_growing(sim):
+    """Expandable pools park hot blocks too (their free path keeps no books of its own);
+    a growth folds them in first, so a parked block still merges with the free edge it
+    would extend instead of leaving more pages to map."""
+    pool = sim(expandable_segments=True, granularity=64 * KiB)
+    a, b, c = three_blocks(pool)
+    pool.free(a)
+    pool.free(c)
+    assert pool.alloc(4 * KiB, stream=S) == c       # the hot block, as without expandable
+    pool.check_invariants()
+    pool.free(c)                                    # parked again, next to the free tail
+    maps = pool.device.counters()["maps"]
+    big = pool.alloc(60 * KiB, stream=S)            # needs c's bytes and the tail's
+    assert big == c
+    assert pool.device.counters()["maps"] == maps + 1
+    assert pool.reserved_bytes() == 128 * KiB       # one page more, not more than that
     pool.check_invariants()
 
 

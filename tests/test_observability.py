@@ -18,6 +18,7 @@ from contextlib import redirect_stdout
 import pytest
 
 import mempool
+from mempool import report
 from conftest import BASE, MiB
 
 S1, S2 = 7, 9
@@ -175,8 +176,12 @@ def test_summary_is_pytorchs_layout(sim, abbreviated):
     pool = sim(max_split_size="32MiB")
     a, b, c = scripted(pool)
     big = [pool.alloc(900 * MiB) for _ in range(2)]       # units up to GiB
-    ours = pool.summary(abbreviated=abbreviated).splitlines()
+    # The table of a cuda pool is PyTorch's; a sim pool's renames the "GPU reserved" rows.
+    ours = report.summary(pool.stats(), 0, abbreviated).splitlines()
     theirs = torch_summary(pool.stats(), 0, abbreviated).splitlines()
+    on_sim = pool.summary(abbreviated=abbreviated).splitlines()
+    assert [x for x in on_sim if "GPU" in x] == []
+    assert sum(x.startswith("| Reserved memory ") for x in on_sim) == 1
     assert len(ours) == len(theirs) == (29 if abbreviated else 47)
     # Only the title and the OOM line name the allocator; every other line is PyTorch's.
     assert [i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y] == [1, 3]
@@ -193,6 +198,7 @@ ROW_LABELS = {
     "Non-releasable memory": "inactive_split_bytes", "Allocations": "allocation",
     "Active allocs": "active", "GPU reserved segments": "segment",
     "Non-releasable allocs": "inactive_split",
+    "Reserved memory": "reserved_bytes", "Reserved segments": "segment",   # sim and host
 }
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "": 1, "K": 1000,
          "M": 1000 ** 2}
@@ -212,7 +218,8 @@ def summary_rows(text):
             pool = "large_pool" if "large" in label else "small_pool"
         else:
             family_name, pool = {"Oversize allocations": "oversize_allocations",
-                                 "Oversize GPU segments": "oversize_segments"}[label], None
+                                 "Oversize GPU segments": "oversize_segments",
+                                 "Oversize segments": "oversize_segments"}[label], None
         values = []
         for cell in cells[1:]:
             number, _, unit = cell.partition(" ")

@@ -171,7 +171,7 @@ def test_real_device_exhaustion_goes_through_the_same_chain(sim):
     assert counters(pool) == {"num_alloc_retries": 1, "num_ooms": 0, "num_device_alloc": 3,
                               "num_device_free": 1, "num_sync_all_streams": 0}
     assert device(pool, "failed") == {"failed": 1}
-    with pytest.raises(mempool.OutOfMemoryError, match="capacity 40MiB"):
+    with pytest.raises(mempool.OutOfMemoryError, match=r"capacity 40.00 MiB\)"):
         pool.alloc(10 * MiB)                 # 32 + 10 > 40 and nothing left to release
     assert counters(pool)["num_alloc_retries"] == 3 and counters(pool)["num_ooms"] == 1
     c = pool.alloc(MiB)                      # a 2 MiB small segment fits the 8 MiB left
@@ -190,10 +190,10 @@ def test_message_names_the_request_the_pool_and_the_device(sim):
     with pytest.raises(mempool.OutOfMemoryError) as err:
         pool.alloc(3000, S1)
     assert str(err.value) == (
-        "out of memory: tried to allocate 3000 bytes (rounded to 3KiB) on stream 0x7, "
-        "refused by sim device 0 (capacity 100MiB); the pool has 30MiB reserved, 30MiB used, "
-        "0 bytes cached, largest free block 0 bytes. Hint: free memory, reduce the request, "
-        "or set 'limit' on other pools sharing the device.")
+        "out of memory: tried to allocate 2.93 KiB (3,000 bytes), rounded to 3.00 KiB, on "
+        "stream 0x7; refused by sim device 0 (capacity 100.00 MiB); the pool has 30.00 MiB "
+        "reserved, 30.00 MiB used, 0 bytes cached, largest free block 0 bytes. Hint: free "
+        "memory, reduce the request, or set 'limit' on other pools sharing the device.")
     pool.free(a)
 
 
@@ -203,10 +203,10 @@ def test_message_names_the_limit_when_the_limit_refuses(sim):
     with pytest.raises(mempool.OutOfMemoryError) as err:
         pool.alloc(20 * MiB)
     assert str(err.value) == (
-        "out of memory: tried to allocate 20MiB (rounded to 20MiB) on stream 0x0, refused by "
-        "the pool's limit of 40MiB (device capacity 1GiB); the pool has 24MiB reserved, "
-        "24MiB used, 0 bytes cached, largest free block 0 bytes. Hint: raise 'limit', or "
-        "free memory.")
+        "out of memory: tried to allocate 20.00 MiB (20,971,520 bytes), rounded to 20.00 MiB, "
+        "on stream 0x0; refused by the pool's limit of 40.00 MiB (41,943,040 bytes), on a "
+        "device of capacity 1.00 GiB; the pool has 24.00 MiB reserved, 24.00 MiB used, "
+        "0 bytes cached, largest free block 0 bytes. Hint: raise 'limit', or free memory.")
     pool.free(a)
 
 
@@ -214,7 +214,7 @@ def test_message_names_a_limit_that_did_not_refuse(sim):
     pool = sim(capacity="1GiB", limit="512MiB")
     pool.device.fail_next(3)
     with pytest.raises(mempool.OutOfMemoryError,
-                       match=r"refused by sim device 0 \(capacity 1GiB, pool limit 512MiB\)"):
+                       match=r"refused by sim device 0 \(capacity 1.00 GiB, pool limit 512.00 MiB\)"):
         pool.alloc(MiB)
 
 
@@ -234,9 +234,10 @@ def test_message_suggests_expandable_segments_when_free_memory_is_fragmented(sim
     with pytest.raises(mempool.OutOfMemoryError) as err:
         pool.alloc(4 * MiB)
     msg = str(err.value)
-    assert "the pool has 20MiB reserved, 10MiB used, 10MiB cached, largest free block 2MiB" in msg
-    assert msg.endswith("Hint: free memory is fragmented (10MiB cached, but no free block "
-                        "holds 4MiB): expandable_segments=True lets free neighbours merge.")
+    assert ("the pool has 20.00 MiB reserved, 10.00 MiB used, 10.00 MiB cached, largest free "
+            "block 2.00 MiB") in msg
+    assert msg.endswith("Hint: free memory is fragmented (10.00 MiB cached, but no free block "
+                        "holds 4.00 MiB): expandable_segments=True lets free neighbours merge.")
     hole = pool.alloc(2 * MiB)               # a request that fits a hole still succeeds
     assert hole in {BASE + 4 * MiB * i for i in range(5)}
     assert pool.device.counters()["allocs"] == 1
@@ -246,7 +247,7 @@ def test_message_suggests_expandable_segments_when_free_memory_is_fragmented(sim
 
 def test_message_suggests_expandable_segments_under_a_limit_too(sim):
     pool, live = fragmented_pool(sim, limit="20MiB")
-    with pytest.raises(mempool.OutOfMemoryError, match=r"limit of 20MiB.*fragmented.*"
+    with pytest.raises(mempool.OutOfMemoryError, match=r"limit of 20.00 MiB.*fragmented.*"
                        r"expandable_segments=True lets free neighbours merge, or raise 'limit'"):
         pool.alloc(4 * MiB)
     for p in live:
@@ -256,8 +257,8 @@ def test_message_suggests_expandable_segments_under_a_limit_too(sim):
 def test_a_request_beyond_any_device_is_refused_outright(sim):
     pool = sim()
     with pytest.raises(mempool.OutOfMemoryError,
-                       match=r"tried to allocate 8388608TiB .* refused by the largest request "
-                             r"accepted \(4194304TiB\).*Hint: reduce the request\."):
+                       match=r"tried to allocate 8388608.00 TiB .* refused by the largest "
+                             r"request accepted \(4194304.00 TiB\).*Hint: reduce the request\."):
         pool.alloc(1 << 63)
     assert counters(pool)["num_ooms"] == 1 and counters(pool)["num_alloc_retries"] == 0
     assert pool.device.counters()["failed"] == 0     # the device was never asked

@@ -10,7 +10,7 @@ from mempool import trace as mt
 from mempool.trace import Event
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRACES = os.path.join(REPO, "bench", "traces")
+TRACES = os.path.join(REPO, "mempool", "traces")
 SMALL = os.path.join(TRACES, "small.jsonl")
 MiB = 1 << 20
 

@@ -13,7 +13,7 @@ from mempool import trace as mt
 from mempool.trace import Event
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRACES = os.path.join(REPO, "bench", "traces")
+TRACES = os.path.join(REPO, "mempool", "traces")
 
 EVENTS = [
     Event("alloc", 1, 4096, 0, 0),

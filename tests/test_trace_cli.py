@@ -12,7 +12,7 @@ from mempool import cli_trace
 from test_trace import RMM_LOG, torch_snapshot
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = os.path.join(REPO, "bench", "traces", "small.jsonl")
+SMALL = os.path.join(REPO, "mempool", "traces", "small.jsonl")
 
 
 def test_replay_default_trace(capsys):

@@ -11,7 +11,7 @@ from mempool import trace as mt
 from test_trace import torch_snapshot
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = os.path.join(REPO, "bench", "traces", "small.jsonl")
+SMALL = os.path.join(REPO, "mempool", "traces", "small.jsonl")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -53,3 +53,30 @@ def test_empty_snapshot_is_refused(tmp_path):
     pytest.importorskip("matplotlib")
     with pytest.raises(ValueError, match="no segments to draw"):
         mplot.plot({"segments": [], "device_traces": []}, tmp_path / "x.png")
+
+
+def _png_size(path):
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == PNG
+    return struct.unpack(">II", head[16:24])
+
+
+def test_segment_map_size_is_bounded_and_block_boundaries_are_drawn(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    # 200 segments of 3 blocks each: once a 2,000+ px tall image with no boundaries.
+    segs = [{"address": i << 30, "total_size": 6 << 20, "stream": 0, "segment_type": "large",
+             "blocks": [{"size": 2 << 20, "state": "active_allocated"}] * 3}
+            for i in range(200)]
+    drawn = []
+    from matplotlib.axes import Axes
+    real = Axes.vlines
+    monkeypatch.setattr(Axes, "vlines", lambda ax, x, *a, **k: drawn.append(list(x))
+                        or real(ax, x, *a, **k))
+    out = mplot.plot({"segments": segs}, tmp_path / "map.png")
+    width, height = _png_size(out)
+    assert height <= 1200 and width <= 1400
+    assert len(drawn) == mplot.MAX_ROWS
+    assert all(x == pytest.approx([1 / 3, 2 / 3]) for x in drawn)

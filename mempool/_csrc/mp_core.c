@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mp_capture.h"
 #include "mp_expand.h"
 #include "mp_internal.h"
 
@@ -161,6 +162,7 @@ void mp_remove_free_locked(mp_pool *p, mp_block *b) {
 /* The smallest size a class can hold: the inverse of mp_size_class. */
 static size_t class_min_bytes(uint32_t c) {
     if (c < MP_EXACT_CLASSES) return ((size_t)c + 1) << 9;
+    if (c == MP_NCLASSES - 1) return (((size_t)1 << (MP_TOP_K + 1)) + 1) << 9;
     uint32_t k = 7 + (c - MP_EXACT_CLASSES) / MP_SUBCLASSES;
     uint64_t sub = (c - MP_EXACT_CLASSES) % MP_SUBCLASSES;
     return ((size_t)((MP_SUBCLASSES + sub) << (k - 6)) + 1) << 9;
@@ -211,9 +213,12 @@ static mp_block *take_from_other_stream_locked(mp_pool *p, mp_stream *s, int kin
         if (b && (!best || b->nbytes < best->nbytes)) best = b;
     }
     if (!best) return NULL;
+    /* Note [Graph capture]: the event would be recorded, queried or waited on across a
+     * capture's edge. */
+    if (mp_capture_stream_locked(p, s) || mp_capture_handle(p, best->stream->handle)) return NULL;
     uintptr_t ev;
     if (mp_event_get_locked(p, &ev) != MP_OK) return NULL;
-    int rc = p->up.event_record(p->up.ctx, ev, best->stream->handle);
+    int rc = mp_up_record(p, ev, best->stream->handle);
     /* When the owner has no work queued, nothing needs waiting for: skip the wait, which
      * would otherwise order all of s's later work after the owner's. */
     int waited = 0;
@@ -407,10 +412,11 @@ static void hot_flush_stream_locked(mp_pool *p, mp_stream *s) {
 
 void mp_hot_flush_locked(mp_pool *p) {
     for (size_t i = 0; p->nhot && i < p->nstreams; i++) hot_flush_stream_locked(p, p->streams[i]);
+    for (mp_stream *d = p->dead; p->nhot && d; d = d->next_dead) hot_flush_stream_locked(p, d);
 }
 
 static inline int hot_allowed(const mp_pool *p) {
-    return !p->cfg.expandable_segments && p->cfg.release_threshold == MP_UNLIMITED;
+    return p->cfg.release_threshold == MP_UNLIMITED;
 }
 
 /* A free of b completes: it is no longer active (counters and trace). */
@@ -489,7 +495,7 @@ void mp_pool_destroy(mp_pool *p) {
     if (p->up.device_synchronize && p->up.device_synchronize(p->up.ctx) == MP_OK)
         legacy = mp_stream_get_locked(p, 0);
     if (!legacy && p->cfg.expandable_segments)
-        for (size_t i = 0; i < p->nstreams; i++) p->up.stream_synchronize(p->up.ctx, p->streams[i]->handle);
+        for (size_t i = 0; i < p->nstreams; i++) mp_up_sync(p, p->streams[i]->handle);
     mp_segment *seg = p->segments;
     while (seg) {
         mp_segment *next = seg->next;
@@ -503,7 +509,7 @@ void mp_pool_destroy(mp_pool *p) {
             free(b->events);
             b = bn;
         }
-        if (legacy) seg->stream = legacy;
+        seg->release_stream = legacy ? 0 : seg->stream->handle;
         mp_segment_release_upstream(p, seg);
         free(seg);
         seg = next;
@@ -512,6 +518,11 @@ void mp_pool_destroy(mp_pool *p) {
     free(p->event_cache);
     for (size_t i = 0; i < p->nstreams; i++) free(p->streams[i]);
     free(p->streams);
+    while (p->dead) {
+        mp_stream *d = p->dead;
+        p->dead = d->next_dead;
+        free(d);
+    }
     while (p->slabs) {
         mp_block_slab *next = p->slabs->next;
         free(p->slabs);
@@ -540,12 +551,13 @@ void mp_pool_release(mp_pool *p) {
 static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
                                      mp_release_list *rel, uintptr_t *ptr) {
     p->inflight_bytes += nbytes;
-    mp_lock_release(&p->lock);
+    uintptr_t handle = s->handle;
+    mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
     mp_release_finish(p, rel);
-    int rc = p->up.segment_alloc(p->up.ctx, nbytes, s->handle, ptr);
+    int rc = p->up.segment_alloc(p->up.ctx, nbytes, handle, ptr);
     mp_blocking_end(blocking);
-    mp_lock_acquire(&p->lock);
+    mp_lock_retake(p);
     p->inflight_bytes -= nbytes;
     return rc;
 }
@@ -553,7 +565,7 @@ static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
 /* Block the host on every stream that pending blocks wait for, then return those blocks.
  * The last resort before an OOM: it syncs only the streams that hold memory back. */
 void mp_sync_pending_unlocked(mp_pool *p) {
-    if (!p->npending) return;
+    if (!p->npending || mp_capture_stream_locked(p, NULL)) return;   /* Note [Graph capture] */
     size_t n = 0, cap = 16;
     uintptr_t *handles = malloc(cap * sizeof *handles);
     for (mp_block *b = p->pending_head; b && handles; b = b->fnext) {
@@ -571,12 +583,13 @@ void mp_sync_pending_unlocked(mp_pool *p) {
         }
     }
     p->stats.num_sync_all_streams++;
-    mp_lock_release(&p->lock);
+    mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
-    for (size_t j = 0; j < n; j++) p->up.stream_synchronize(p->up.ctx, handles[j]);
+    for (size_t j = 0; j < n; j++)
+        if (!mp_capture_handle(p, handles[j])) mp_up_sync(p, handles[j]);
     mp_blocking_end(blocking);
     free(handles);
-    mp_lock_acquire(&p->lock);
+    mp_lock_retake(p);
     mp_process_pending_locked(p);
 }
 
@@ -620,6 +633,8 @@ static mp_block *new_segment_locked(mp_pool *p, mp_stream *s, int kind, uintptr_
     p->stats.num_device_alloc++;
     mp_stat3_inc(p->stats.segment, kind, 1);
     mp_stat3_inc(p->stats.reserved_bytes, kind, (int64_t)nbytes);
+    if (mp_reserved_now_locked(p) > p->reserved_high_water)
+        p->reserved_high_water = mp_reserved_now_locked(p);
     if (nbytes >= p->cfg.max_split_size) mp_stat_inc(&p->stats.oversize_segments, 1);
     mp_trace_locked(p, MP_TRACE_SEGMENT_ALLOC, ptr, nbytes, s->handle);
     return b;
@@ -659,6 +674,9 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
                        mp_block **out) {
     size_t seg_size = mp_segment_size(size);
     size_t limit = p->cfg.limit;
+    /* Note [Graph capture]: during a capture releases skip themselves, and neither the sync
+     * of pending frees nor the retries run: the limit, a capture-safe segment, else out of
+     * memory. Asked only there (rel keeps the answer): a growth alone asks nothing. */
 
     if (p->nhot) {   /* Note [Hot blocks]: parked blocks may serve, or merge into, this */
         mp_hot_flush_locked(p);
@@ -673,6 +691,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
     if (limit != MP_UNLIMITED && mp_reserved_now_locked(p) + seg_size > limit) {
         mp_release_idle_locked(p, mp_reserved_now_locked(p) + seg_size - limit, rel);
         if (mp_reserved_now_locked(p) + seg_size > limit) {
+            if (mp_capture_call_locked(p, rel)) return MP_ELIMIT;
             if (p->npending) {
                 mp_sync_pending_unlocked(p);
                 if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
@@ -687,10 +706,17 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
      * oldest first, before growing. Reserved memory then tracks what the work needs instead
      * of piling up segments of sizes it no longer asks for. */
     if (p->idle_bytes >= seg_size) mp_release_idle_kind_locked(p, kind, seg_size, rel);
+    /* Note [Reserved high water] (docs/architecture.md): before reserving more than it ever
+     * held, the pool gives back every idle segment of this kind, none of which could serve
+     * the request, so a new peak is not set with idle segments beside it. */
+    if (p->idle_bytes >= MP_HIGH_WATER_MIN_IDLE &&
+        p->idle_bytes >= p->reserved_high_water / MP_HIGH_WATER_IDLE_DIV &&
+        mp_reserved_now_locked(p) + seg_size > p->reserved_high_water)
+        mp_release_idle_kind_locked(p, kind, 0, rel);
 
     uintptr_t ptr = 0;
     int rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);
-    if (rc == MP_ENOMEM) {
+    if (rc == MP_ENOMEM && !mp_capture_call_locked(p, rel)) {
         /* Release just enough cached memory first, then everything, syncing pending frees. */
         for (int attempt = 0; attempt < 2 && rc == MP_ENOMEM; attempt++) {
             p->stats.num_alloc_retries++;
@@ -706,12 +732,15 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
     if (rc != MP_OK) return rc;
     mp_block *b = new_segment_locked(p, s, kind, ptr, seg_size);
     if (!b) {
-        /* No host memory for the bookkeeping: give the segment straight back. */
-        mp_lock_release(&p->lock);
+        /* No host memory for the bookkeeping: give the segment straight back (not during a
+         * capture, Note [Graph capture]: then it is lost). */
+        int capture = mp_capture_call_locked(p, rel);
+        uintptr_t handle = s->handle;
+        mp_lock_drop(p);
         void *blocking = mp_blocking_begin();
-        p->up.segment_free(p->up.ctx, ptr, seg_size, s->handle);
+        if (!capture) p->up.segment_free(p->up.ctx, ptr, seg_size, handle);
         mp_blocking_end(blocking);
-        mp_lock_acquire(&p->lock);
+        mp_lock_retake(p);
         return MP_ENOMEM;
     }
     *out = b;
@@ -752,6 +781,7 @@ static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, int to
         rc = MP_ENOMEM;
         goto oom;
     }
+    rel.stream = s;   /* Note [Graph capture] */
     /* Make room in the live map first, so nothing can fail after a block is chosen. */
     if ((p->live.count + 2) * 2 > p->live.mask + 1) {
         if (mp_ptrmap_insert(&p->live, 1, NULL) != MP_OK) {
@@ -760,7 +790,7 @@ static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, int to
         }
         mp_ptrmap_remove(&p->live, 1);
     }
-    if (p->npending) mp_process_pending_locked(p);
+    if (p->npending && !mp_capture_call_locked(p, &rel)) mp_process_pending_locked(p);
 
     int kind = size <= MP_SMALL_SIZE ? KIND_SMALL : KIND_LARGE;
     mp_block *b = s->hot ? take_hot_locked(p, s, size) : NULL;
@@ -912,11 +942,54 @@ static void complete_free_locked(mp_pool *p, mp_block *b) {
     mp_free_block_locked(p, b);
 }
 
+/* Note [Stream reuse]: record an event on each stream that used b (events[], one per use),
+ * keeping the uses whose stream has not yet passed this point. A use whose event cannot be
+ * had keeps events[i] == 0 and must be synchronized instead, without the lock (Note [Lock
+ * order]): the count of those is returned, for sync_uses_unlocked. Sets b->nuses and
+ * b->events (NULL, with events freed, when no use is left). */
+static uint16_t record_uses_locked(mp_pool *p, mp_block *b, uintptr_t *events) {
+    uint16_t n = 0, nsync = 0;
+    for (uint16_t i = 0; i < b->nuses; i++) {
+        uintptr_t ev;
+        int got = mp_event_get_locked(p, &ev) == MP_OK;
+        if (got && mp_up_record(p, ev, b->uses[i]->handle) == MP_OK) {
+            if (p->up.event_query(p->up.ctx, ev) == MP_OK) {
+                mp_event_put_locked(p, ev);   /* that stream is past the free already */
+                continue;
+            }
+        } else {
+            if (got) mp_event_put_locked(p, ev);
+            ev = 0;
+            nsync++;
+        }
+        b->uses[n] = b->uses[i];
+        events[n++] = ev;
+    }
+    b->nuses = n;
+    b->events = n ? events : NULL;
+    if (!n) free(events);
+    return nsync;
+}
+
+static int record_deferred_locked(mp_pool *p, mp_block *b);
+
 int mp_process_pending_locked(mp_pool *p) {
+    if (mp_capture_stream_locked(p, NULL)) return MP_OK;   /* Note [Graph capture]: no query */
     mp_block *b = p->pending_head;
     while (b) {
         mp_block *next = b->fnext;
-        int done = 1;
+        if (!b->events) {
+            int r = record_deferred_locked(p, b);
+            if (r == 0) {
+                b = next;
+                continue;
+            }
+            if (r == 2) {   /* the lock was dropped to synchronize: the list may have changed */
+                b = p->pending_head;
+                continue;
+            }
+        }
+        int done = !b->busy;   /* busy: its freeing thread is synchronizing a stream */
         for (uint16_t i = 0; i < b->nuses && done; i++) {
             if (p->up.event_query(p->up.ctx, b->events[i]) != MP_OK) done = 0;
         }
@@ -931,6 +1004,64 @@ int mp_process_pending_locked(mp_pool *p) {
         b = next;
     }
     return MP_OK;
+}
+
+/* mp_free's fallback for the streams of pending block b it had no event for (events[i] ==
+ * 0, nsync of them): synchronize them with the lock dropped (Note [Lock order]), then drop
+ * those uses and complete the free when no other use is left. The block is marked busy
+ * meanwhile, so that no other thread completes it; a forget_stream of one of those streams
+ * may drop its use meanwhile (Note [Forgotten streams]). */
+static void sync_uses_unlocked(mp_pool *p, mp_block *b, uint16_t nsync) {
+    uintptr_t handles[8], *h = nsync <= 8 ? handles : malloc(nsync * sizeof *h);
+    uint16_t n = 0;
+    for (uint16_t i = 0; i < b->nuses; i++) {
+        if (b->events[i]) continue;
+        if (h) h[n++] = b->uses[i]->handle;
+        else mp_up_sync(p, b->uses[i]->handle);   /* no host memory */
+    }
+    if (n) {
+        b->busy = 1;
+        mp_lock_drop(p);
+        void *blocking = mp_blocking_begin();
+        for (uint16_t i = 0; i < n; i++) mp_up_sync(p, h[i]);
+        mp_blocking_end(blocking);
+        mp_lock_retake(p);
+        b->busy = 0;
+    }
+    if (h != handles) free(h);
+    uint16_t kept = 0;
+    for (uint16_t i = 0; i < b->nuses; i++) {
+        if (!b->events[i]) continue;
+        b->uses[kept] = b->uses[i];
+        b->events[kept++] = b->events[i];
+    }
+    b->nuses = kept;
+    if (!kept) {
+        pending_remove_locked(p, b);
+        free(b->events);
+        b->events = NULL;
+        complete_free_locked(p, b);
+    }
+}
+
+/* Note [Graph capture]: the events of a free deferred during a capture, recorded once no
+ * capture touches its streams. 0: still deferred; 1: recorded; 2: a stream had to be
+ * synchronized, with the lock dropped meanwhile (the caller's list walk starts again). */
+static int record_deferred_locked(mp_pool *p, mp_block *b) {
+    if (mp_capture_uses_locked(p, b)) return 0;
+    uintptr_t *events = malloc(b->nuses * sizeof *events);
+    if (!events) return 0;
+    uint16_t nsync = record_uses_locked(p, b, events);
+    if (!nsync) {
+        if (!b->nuses) {
+            pending_remove_locked(p, b);
+            complete_free_locked(p, b);
+            return 2;   /* the walk's next pointer may have been merged away */
+        }
+        return 1;
+    }
+    sync_uses_unlocked(p, b, nsync);
+    return 2;
 }
 
 int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
@@ -962,6 +1093,7 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
         b->uses[b->nuses++] = b->stream;
     }
     /* Nothing can fail from here on. */
+    rel.stream = fs;   /* Note [Graph capture] */
     int torch = b->torch;   /* Note [Torch table lifetime]: uncounted at the very end */
     b->torch = 0;
     int park = !b->nuses && hot_allowed(p);   /* Note [Hot blocks]: keeps its map entry */
@@ -977,32 +1109,20 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
         if (park) park_hot_locked(p, b);
         else complete_free_locked(p, b);
     } else {
-        /* Note [Stream reuse]: the block returns to a free list only once every stream that
-         * used it has passed the point of this free. */
-        uint16_t n = 0;
-        for (uint16_t i = 0; i < b->nuses; i++) {
-            uintptr_t ev;
-            if (mp_event_get_locked(p, &ev) == MP_OK &&
-                p->up.event_record(p->up.ctx, ev, b->uses[i]->handle) == MP_OK) {
-                if (p->up.event_query(p->up.ctx, ev) == MP_OK) {
-                    mp_event_put_locked(p, ev);   /* that stream is past the free already */
-                    continue;
-                }
-                b->uses[n] = b->uses[i];
-                events[n++] = ev;
-            } else {
-                /* No event to be had: fall back to blocking on that stream. */
-                p->up.stream_synchronize(p->up.ctx, b->uses[i]->handle);
-            }
-        }
-        b->nuses = n;
-        b->events = events;
         b->state = MP_BLOCK_PENDING;
-        if (n) pending_push_locked(p, b);
-        else {
-            free(events);
-            b->events = NULL;
-            complete_free_locked(p, b);
+        if (mp_capture_uses_locked(p, b)) {
+            free(events);   /* Note [Graph capture]: recorded once the capture is over */
+            pending_push_locked(p, b);
+        } else {
+            uint16_t nsync = record_uses_locked(p, b, events);
+            if (nsync) {
+                pending_push_locked(p, b);
+                sync_uses_unlocked(p, b, nsync);
+            } else if (b->nuses) {
+                pending_push_locked(p, b);
+            } else {
+                complete_free_locked(p, b);
+            }
         }
     }
     mp_apply_release_threshold_locked(p, &rel);
@@ -1065,28 +1185,44 @@ static void remerge_segment_locked(mp_pool *p, mp_segment *seg) {
     }
 }
 
-int mp_forget_stream(mp_pool *p, uintptr_t handle) {
-    if (handle == 0) return MP_OK;   /* the legacy stream is never destroyed */
-    mp_lock_acquire(&p->lock);
-    mp_hot_flush_locked(p);
-    mp_stream *s = NULL;
-    for (size_t i = 0; i < p->nstreams && !s; i++)
-        if (p->streams[i]->handle == handle) s = p->streams[i];
-    if (!s) {
-        mp_lock_release(&p->lock);
-        return MP_OK;
+/* Note [Forgotten streams] (docs/architecture.md): hand everything the pool keeps on s,
+ * which has no work left, to the legacy stream, and release s's expandable ranges that hold
+ * nothing else. Afterwards nothing of the pool refers to s. */
+static void hand_over_stream_locked(mp_pool *p, mp_stream *s, mp_stream *legacy,
+                                    mp_release_list *rel) {
+    if (s->hot) hot_flush_stream_locked(p, s);
+    /* Pending frees waiting on s: its events have completed (s was synchronized). */
+    for (mp_block *b = p->pending_head; b; b = b->fnext) {
+        if (!b->events) continue;   /* deferred during a capture: below */
+        for (uint16_t i = 0; i < b->nuses;) {
+            if (b->uses[i] != s) {
+                i++;
+                continue;
+            }
+            if (b->events[i]) mp_event_put_locked(p, b->events[i]);
+            b->nuses--;
+            b->uses[i] = b->uses[b->nuses];
+            b->events[i] = b->events[b->nuses];
+        }
     }
-    mp_lock_release(&p->lock);
-    /* The stream is still alive here: let its queued work finish, then nothing of the pool
-     * needs ordering on it again. */
-    void *blocking = mp_blocking_begin();
-    int rc = p->up.stream_synchronize(p->up.ctx, handle);
-    mp_blocking_end(blocking);
-    mp_lock_acquire(&p->lock);
-    mp_stream *legacy = rc == MP_OK ? mp_stream_get_locked(p, 0) : NULL;
-    if (!legacy) {
-        mp_lock_release(&p->lock);
-        return rc == MP_OK ? MP_ENOMEM : rc;
+    /* Note [Graph capture]: a free deferred during a capture would record an event on s
+     * later, on a dead handle; s is synchronized, so its use is over now. */
+    for (mp_block *b = p->pending_head, *next; b; b = next) {
+        next = b->fnext;   /* pending too: a completed free merges only free neighbours */
+        if (b->events) continue;
+        remove_use(b, s);
+        if (!b->nuses) {
+            pending_remove_locked(p, b);
+            complete_free_locked(p, b);
+        }
+    }
+    if (p->npending) mp_process_pending_locked(p);
+    for (mp_segment *seg = p->segments, *next; seg; seg = next) {
+        next = seg->next;
+        if (seg->expandable && seg->stream == s && mp_expand_detach_range_locked(p, seg, s, rel)) {
+            for (int k = 0; k < 2; k++)
+                if (s->expandable[k] == seg) s->expandable[k] = NULL;
+        }
     }
     for (mp_segment *seg = p->segments; seg; seg = seg->next) {
         int moved = 0;
@@ -1105,10 +1241,145 @@ int mp_forget_stream(mp_pool *p, uintptr_t handle) {
         }
         if (moved) remerge_segment_locked(p, seg);
     }
+    /* A range that keeps blocks grows on for the legacy stream when that has none of its
+     * kind; otherwise it grows no more, and goes once empty (mp_release_idle_locked). */
     for (int k = 0; k < 2; k++) {
-        if (s->expandable[k] && !legacy->expandable[k]) legacy->expandable[k] = s->expandable[k];
+        mp_segment *seg = s->expandable[k];
+        if (!seg) continue;
+        if (!legacy->expandable[k]) legacy->expandable[k] = seg;
+        else seg->growing = 0;
         s->expandable[k] = NULL;
     }
+}
+
+/* Note [Forgotten streams]: free the structs of forgotten streams once no operation that
+ * dropped the lock may still hold a pointer to one; hand over first what such operations
+ * gave them meanwhile. */
+static void reap_dead_locked(mp_pool *p, mp_release_list *rel) {
+    if (!p->dead || p->nunlocked) return;
+    mp_stream *legacy = mp_stream_get_locked(p, 0);
+    if (!legacy) return;   /* out of host memory: a later call reaps them */
+    while (p->dead) {
+        mp_stream *d = p->dead;
+        p->dead = d->next_dead;
+        p->ndead--;
+        hand_over_stream_locked(p, d, legacy, rel);
+        free(d);
+    }
+}
+
+static mp_stream *find_stream_locked(mp_pool *p, uintptr_t handle, size_t *index) {
+    for (size_t i = 0; i < p->nstreams; i++) {
+        if (p->streams[i]->handle == handle) {
+            *index = i;
+            return p->streams[i];
+        }
+    }
+    return NULL;
+}
+
+int mp_forget_stream(mp_pool *p, uintptr_t handle) {
+    if (handle == 0) return MP_OK;   /* the legacy stream is never destroyed */
+    mp_release_list rel = {0};
+    size_t i;
+    mp_lock_acquire(&p->lock);
+    reap_dead_locked(p, &rel);
+    mp_stream *known = find_stream_locked(p, handle, &i);
+    /* Note [Graph capture]: a capturing stream cannot be synchronized. */
+    int capture = known && mp_capture_stream_locked(p, known);
+    if (known && !capture && p->capture_seen == known) p->capture_seen = NULL;   /* may die */
     mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
+    if (!known) return MP_OK;
+    if (capture) return MP_EBUSY;
+    /* The stream is still alive here: let its queued work finish, then nothing of the pool
+     * needs ordering on it again. */
+    void *blocking = mp_blocking_begin();
+    int rc = mp_up_sync(p, handle);
+    mp_blocking_end(blocking);
+    mp_lock_acquire(&p->lock);
+    /* Found again: another thread may have forgotten it meanwhile. */
+    mp_stream *s = find_stream_locked(p, handle, &i);
+    mp_stream *legacy = s && rc == MP_OK ? mp_stream_get_locked(p, 0) : NULL;
+    if (!legacy) {
+        mp_lock_release(&p->lock);
+        if (!s) return MP_OK;
+        return rc == MP_OK ? MP_ENOMEM : rc;
+    }
+    hand_over_stream_locked(p, s, legacy, &rel);
+    p->streams[i] = p->streams[--p->nstreams];
+    if (p->last_stream == s) p->last_stream = NULL;
+    if (p->nunlocked) {
+        /* Another operation dropped the lock holding stream pointers, maybe this one:
+         * keep the struct until none does, on the legacy handle, which never dies. */
+        s->handle = 0;
+        s->next_dead = p->dead;
+        p->dead = s;
+        p->ndead++;
+    } else {
+        free(s);
+    }
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
     return MP_OK;
+}
+
+/* ---------------------------------------------------------------- allocation at an address */
+
+/* Note [Allocation at an address] (docs/architecture.md): PyTorch's cudagraph trees restore a
+ * graph pool to a checkpoint, which puts blocks back at the addresses a recorded graph uses.
+ * The block holding [ptr, ptr + nbytes) must be free: its head, when ptr is inside it, stays
+ * free with its owner; the rest is carved as any allocation on `stream`. */
+int mp_alloc_at(mp_pool *p, uintptr_t ptr, size_t nbytes, uintptr_t stream) {
+    if (nbytes == 0 || (ptr & (MP_MIN_BLOCK - 1)) || nbytes > MP_MAX_ALLOC) return MP_EINVAL;
+    size_t size = (nbytes + MP_MIN_BLOCK - 1) & ~(MP_MIN_BLOCK - 1);
+    int rc = MP_OK;
+    mp_lock_acquire(&p->lock);
+    mp_stream *s = mp_stream_get_locked(p, stream);
+    if (!s || (((p->live.count + 2) * 2 > p->live.mask + 1) &&
+               mp_ptrmap_insert(&p->live, 1, NULL) != MP_OK)) {
+        rc = MP_ENOMEM;
+        goto out;
+    }
+    mp_ptrmap_remove(&p->live, 1);
+    mp_hot_flush_locked(p);
+    if (p->npending) mp_process_pending_locked(p);
+    mp_segment *seg = p->segments;
+    while (seg && !(ptr >= seg->ptr && ptr < seg->ptr + seg->nbytes)) seg = seg->next;
+    mp_block *b = seg ? seg->first : NULL;
+    while (b && !(ptr >= b->ptr && ptr < b->ptr + b->nbytes)) b = b->next;
+    if (!b) {
+        rc = MP_ENOTFOUND;
+        goto out;
+    }
+    if (b->state != MP_BLOCK_FREE || ptr + size > b->ptr + b->nbytes) {
+        rc = MP_EBUSY;
+        goto out;
+    }
+    if (b->ptr < ptr) {
+        mp_block *head = mp_block_new_locked(p);
+        if (!head) {
+            rc = MP_ENOMEM;
+            goto out;
+        }
+        if (b->cls != MP_NOT_LISTED) mp_remove_free_locked(p, b);
+        head->ptr = b->ptr;
+        head->nbytes = ptr - b->ptr;
+        head->seg = seg;
+        head->stream = b->stream;
+        head->prev = b->prev;
+        head->next = b;
+        if (b->prev) b->prev->next = head;
+        else seg->first = head;
+        b->prev = head;
+        b->ptr = ptr;
+        b->nbytes -= head->nbytes;
+        mp_insert_free_locked(p, head);
+    }
+    p->tick++;
+    b = carve_locked(p, b, size, size, s);
+    mp_trace_locked(p, MP_TRACE_ALLOC, b->ptr, b->requested, stream);
+out:
+    mp_lock_release(&p->lock);
+    return rc;
 }

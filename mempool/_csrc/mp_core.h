@@ -70,6 +70,12 @@ typedef struct mp_stats {
     uint64_t num_device_free;
     uint64_t num_cross_stream_reuse;          /* blocks taken from another stream */
     uint64_t num_event_waits;
+    uint64_t num_streams;                     /* streams the pool keeps state for now */
+    /* Upstream calls besides segments and maps (num_device_alloc/free), for replays and
+     * docs/expandable.md's counts per step. */
+    uint64_t num_stream_syncs;
+    uint64_t num_event_records;
+    uint64_t num_stream_queries;
 } mp_stats;
 
 typedef struct mp_pool mp_pool;
@@ -108,6 +114,11 @@ int mp_alloc_torch(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
 int mp_torch_retire(mp_pool *p);
 void mp_torch_admit(mp_pool *p);
 int64_t mp_torch_blocks(mp_pool *p);
+/* Allocate the free memory at [ptr, ptr + nbytes) on `stream` (Note [Allocation at an
+ * address]): MP_ENOTFOUND when no segment of the pool holds ptr, MP_EBUSY when that memory is
+ * not free, MP_EINVAL for a pointer not 512-byte aligned. The block may be larger than
+ * nbytes where the size policy does not split off the rest. */
+int mp_alloc_at(mp_pool *p, uintptr_t ptr, size_t nbytes, uintptr_t stream);
 /* Free a live block. `stream` is where it was last used when has_stream, else the stream it
  * was allocated on (or last freed to). MP_ENOTFOUND / MP_EINTERIOR / MP_EDOUBLEFREE for a
  * pointer that is not the start of a live block; nothing changes then. */
@@ -118,6 +129,18 @@ int mp_record_stream(mp_pool *p, uintptr_t ptr, uintptr_t stream);
  * block and segment the pool keeps on it to the legacy stream (0), so that no later call is
  * made on the dead handle. Handle 0 and unknown handles are a no-op. */
 int mp_forget_stream(mp_pool *p, uintptr_t stream);
+/* CUDA graph capture (docs/architecture.md, Note [Graph capture]). The core finds a
+ * capture on the streams a call involves by itself (the upstream's stream_capturing); a
+ * capture on a stream it does not involve, made by another thread in CUDA's global capture
+ * mode, also forbids its syncs, queries and frees, and only the caller knows of it: call
+ * mp_capture_begin before such a capture starts and mp_capture_end after it has ended.
+ * They count (captures nest or overlap); while the count is above 0 the pool releases
+ * nothing, makes no stream sync, event query or cross-stream reuse, and defers frees with
+ * recorded streams. mp_capture_end with no capture begun: MP_EINVAL, nothing changes.
+ * mp_capture_active: 1 while the count is above 0 or `stream` captures, else 0. */
+int mp_capture_begin(mp_pool *p);
+int mp_capture_end(mp_pool *p);
+int mp_capture_active(mp_pool *p, uintptr_t stream);
 /* Size and stream of a live block (MP_ENOTFOUND otherwise). */
 int mp_block_info(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested,
                   uintptr_t *stream);

@@ -32,6 +32,19 @@
  * Enabling is all or nothing: the pages are granted first (their grants are ours alone and
  * revocable), the pool last; a failure revokes what was granted. Peer access is never
  * revoked otherwise: a pool's memory may be in use on the peer at any time.
+ *
+ * Note [Capture segments]
+ * A segment asked for on a stream that is capturing a CUDA graph must not come from
+ * cuMemAllocFromPoolAsync there: that would be a graph allocation node, memory the graph
+ * owns and frees, not a segment of the pool. cu_segment_alloc asks cuStreamIsCapturing
+ * first (an error counts as capturing: the legacy stream cannot be asked while another
+ * stream captures) and then allocates with plain cuMemAlloc, in the thread's relaxed capture
+ * mode (cuThreadExchangeStreamCaptureMode), as PyTorch's allocator does: cuMemAlloc is not
+ * stream-ordered, and the global mode counts it as unsafe. Such segments are remembered
+ * (`plain`) and freed with cuMemFree, which waits for the device, never with cuMemFreeAsync.
+ * A growth of an expandable segment during a capture reserves and maps pages (PyTorch's
+ * graph pools map them too): those calls run in the relaxed mode as well.
+ * See docs/architecture.md, Note [Graph capture], for the rest of the core's rules.
  */
 #include "mp_cuda.h"
 
@@ -52,6 +65,9 @@ typedef struct CUevent_st *CUevent;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef unsigned long long CUdeviceptr;
 typedef unsigned long long CUmemGenericAllocationHandle;
+
+#define CU_STREAM_CAPTURE_STATUS_NONE 0
+#define CU_STREAM_CAPTURE_MODE_RELAXED 2
 
 enum {
     CUDA_SUCCESS = 0,
@@ -141,7 +157,13 @@ static struct {
     CUresult (*MemPoolSetAccess)(CUmemoryPool, const CUmemAccessDesc *, size_t);
     CUresult (*MemPoolGetAccess)(int *, CUmemoryPool, CUmemLocation *);
     CUresult (*MemGetAccess)(unsigned long long *, const CUmemLocation *, CUdeviceptr);
+    /* Graph capture: optional (without them the upstream reports no capture). */
+    CUresult (*StreamIsCapturing)(CUstream, int *);
+    CUresult (*MemAlloc)(CUdeviceptr *, size_t);
+    CUresult (*MemFree)(CUdeviceptr);
+    CUresult (*ThreadExchangeStreamCaptureMode)(int *);
     int has_vmm;
+    int has_capture;
 } D;
 
 static pthread_once_t d_once = PTHREAD_ONCE_INIT;
@@ -158,7 +180,7 @@ static void d_resolve(void) {
                  why ? why : "unknown reason");
         return;
     }
-    enum { REQUIRED, VMM, PEER };   /* what lacks when the symbol does */
+    enum { REQUIRED, VMM, PEER, CAPTURE };   /* what lacks when the symbol does */
     struct { void **slot; const char *name; int kind; } table[] = {
         {(void **)&D.Init, "cuInit", REQUIRED},
         {(void **)&D.DeviceGetCount, "cuDeviceGetCount", REQUIRED},
@@ -196,8 +218,12 @@ static void d_resolve(void) {
         {(void **)&D.MemPoolSetAccess, "cuMemPoolSetAccess", PEER},
         {(void **)&D.MemPoolGetAccess, "cuMemPoolGetAccess", PEER},
         {(void **)&D.MemGetAccess, "cuMemGetAccess", PEER},
+        {(void **)&D.StreamIsCapturing, "cuStreamIsCapturing", CAPTURE},
+        {(void **)&D.MemAlloc, "cuMemAlloc_v2", CAPTURE},
+        {(void **)&D.MemFree, "cuMemFree_v2", CAPTURE},
+        {(void **)&D.ThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode", CAPTURE},
     };
-    int has_vmm = 1;
+    int has_vmm = 1, has_capture = 1;
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
         *table[i].slot = dlsym(lib, table[i].name);
         if (*table[i].slot) continue;
@@ -208,8 +234,10 @@ static void d_resolve(void) {
             return;  /* lib stays open: harmless, and other users may share it */
         }
         if (table[i].kind == VMM) has_vmm = 0;
+        if (table[i].kind == CAPTURE) has_capture = 0;
     }
     D.has_vmm = has_vmm;
+    D.has_capture = has_capture;
 }
 
 static const char *d_load(void) {
@@ -248,6 +276,9 @@ typedef struct {
     size_t naccess;
     mp_cuda_range *ranges;
     size_t nranges, cap;
+    pthread_mutex_t plain_lock;  /* guards plain, cap_plain and the writes of nplain (atomic) */
+    CUdeviceptr *plain;          /* Note [Capture segments]: segments from cuMemAlloc */
+    size_t nplain, cap_plain;
 } mp_cuda;
 
 static int fail(mp_cuda *c, CUresult r) {
@@ -292,11 +323,104 @@ static void ctx_leave(CUcontext prev) {
 
 /* ---- Segments, events, streams. ---- */
 
+/* Note [Capture segments]: whether `stream` captures (an error counts as capturing). */
+static int capturing(mp_cuda *c, uintptr_t stream) {
+    if (!D.has_capture) return 0;
+    int status = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUresult r;
+    CU_CALL(c, r, D.StreamIsCapturing((CUstream)stream, &status));
+    return r != CUDA_SUCCESS || status != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+static int cu_stream_capturing(void *ctx, uintptr_t stream, int *out) {
+    mp_cuda *c = ctx;
+    int status = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUresult r;
+    CU_CALL(c, r, D.StreamIsCapturing((CUstream)stream, &status));
+    int rc = check(c, r);
+    if (rc == MP_OK) *out = status != CU_STREAM_CAPTURE_STATUS_NONE;
+    return rc;
+}
+
+/* Note [Capture segments]: the calling thread in the relaxed capture mode until
+ * relaxed_leave(the returned mode), for calls that are not stream-ordered (cuMemAlloc, and
+ * the virtual-memory calls of a growth during a capture), which the global mode refuses. */
+static int relaxed_enter(void) {
+    int mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    if (D.has_capture) D.ThreadExchangeStreamCaptureMode(&mode);
+    return mode;
+}
+
+static void relaxed_leave(int mode) {
+    if (D.has_capture) D.ThreadExchangeStreamCaptureMode(&mode);
+}
+
+/* Note [Capture segments]: a segment outside the capture's graph, remembered as plain. */
+static int plain_alloc(mp_cuda *c, size_t nbytes, CUdeviceptr *p) {
+    CUresult r;
+    int mode = relaxed_enter();
+    CU_CALL(c, r, D.MemAlloc(p, nbytes));
+    relaxed_leave(mode);
+    int rc = check(c, r);
+    if (rc != MP_OK) return rc;
+    pthread_mutex_lock(&c->plain_lock);
+    if (c->nplain == c->cap_plain) {
+        size_t cap = c->cap_plain ? 2 * c->cap_plain : 16;
+        CUdeviceptr *grown = realloc(c->plain, cap * sizeof *grown);
+        if (grown) {
+            c->plain = grown;
+            c->cap_plain = cap;
+        } else {
+            rc = MP_ENOMEM;
+        }
+    }
+    if (rc == MP_OK) {
+        c->plain[c->nplain] = *p;
+        __atomic_store_n(&c->nplain, c->nplain + 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&c->plain_lock);
+    if (rc != MP_OK) {
+        /* Out of host memory for the note: give it back. Only after the capture would be
+         * legal, but a capture that allocates with no host memory left fails anyway. */
+        mode = relaxed_enter();
+        CU_CALL(c, r, D.MemFree(*p));
+        relaxed_leave(mode);
+    }
+    return rc;
+}
+
+/* 1 when p was a plain segment (now forgotten): the caller frees it with cuMemFree. */
+static int plain_take(mp_cuda *c, CUdeviceptr p) {
+    if (!__atomic_load_n(&c->nplain, __ATOMIC_ACQUIRE)) return 0;   /* the usual case */
+    pthread_mutex_lock(&c->plain_lock);
+    size_t i = 0;
+    while (i < c->nplain && c->plain[i] != p) i++;
+    int found = i < c->nplain;
+    if (found) {
+        c->plain[i] = c->plain[c->nplain - 1];
+        __atomic_store_n(&c->nplain, c->nplain - 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&c->plain_lock);
+    return found;
+}
+
+static int cu_segment_free(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t stream);
+
 static int cu_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr_t *out) {
     mp_cuda *c = ctx;
     if (nbytes == 0 || !out) return MP_EINVAL;
     CUdeviceptr p = 0;
     CUresult r;
+    if (capturing(c, stream)) {
+        int rc = plain_alloc(c, nbytes, &p);
+        if (rc != MP_OK) return rc;
+        if (p & 511) {   /* see below; cuMemAlloc aligns to 256 bytes at least */
+            cu_segment_free(c, (uintptr_t)p, nbytes, stream);
+            return fail(c, -1);
+        }
+        *out = (uintptr_t)p;
+        return MP_OK;
+    }
     if (c->pool)
         CU_CALL(c, r, D.MemAllocFromPoolAsync(&p, nbytes, c->pool, (CUstream)stream));
     else
@@ -317,7 +441,10 @@ static int cu_segment_free(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t st
     mp_cuda *c = ctx;
     (void)nbytes;
     CUresult r;
-    CU_CALL(c, r, D.MemFreeAsync((CUdeviceptr)ptr, (CUstream)stream));
+    if (plain_take(c, (CUdeviceptr)ptr))   /* Note [Capture segments] */
+        CU_CALL(c, r, D.MemFree((CUdeviceptr)ptr));
+    else
+        CU_CALL(c, r, D.MemFreeAsync((CUdeviceptr)ptr, (CUstream)stream));
     return check(c, r);
 }
 
@@ -455,7 +582,9 @@ static int cu_va_reserve(void *ctx, size_t nbytes, uintptr_t *out) {
     }
     CUdeviceptr va = 0;
     CUresult r;
+    int mode = relaxed_enter();   /* a first growth may come during a capture */
     CU_CALL(c, r, D.MemAddressReserve(&va, nbytes, c->granularity, 0, 0));
+    relaxed_leave(mode);
     rc = check(c, r);
     if (rc != MP_OK) goto out;
     c->ranges[c->nranges++] = (mp_cuda_range){
@@ -491,6 +620,7 @@ static int cu_map(void *ctx, uintptr_t va, size_t nbytes) {
         }
     }
     CUcontext prev;
+    int mode = relaxed_enter();   /* growth maps pages during a capture too */
     CUresult e = ctx_enter(c, &prev);
     for (; e == CUDA_SUCCESS && done < n; done++) {
         CUmemGenericAllocationHandle h = 0;
@@ -508,6 +638,7 @@ static int cu_map(void *ctx, uintptr_t va, size_t nbytes) {
     if (e == CUDA_SUCCESS) e = D.MemSetAccess(va, nbytes, c->access, c->naccess);
     if (e != CUDA_SUCCESS) pages_release_locked(c, r, first, done);  /* all or nothing */
     ctx_leave(prev);
+    relaxed_leave(mode);
     rc = check(c, e);
 out:
     pthread_mutex_unlock(&c->vmm_lock);
@@ -587,6 +718,8 @@ static void cu_destroy(void *ctx) {
     }
     free(c->ranges);
     pthread_mutex_destroy(&c->vmm_lock);
+    free(c->plain);   /* the pool freed every segment before: none is left */
+    pthread_mutex_destroy(&c->plain_lock);
     /* Frees still queued on streams are fine: the driver releases the pool's memory once
      * they complete. */
     if (c->pool && __atomic_load_n(&c->owns_pool, __ATOMIC_ACQUIRE)) {
@@ -705,8 +838,15 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
         set_err(err, errlen, "could not initialise a mutex");
         return MP_ENOMEM;
     }
+    if (pthread_mutex_init(&c->plain_lock, NULL) != 0) {
+        pthread_mutex_destroy(&c->vmm_lock);
+        free(c);
+        set_err(err, errlen, "could not initialise a mutex");
+        return MP_ENOMEM;
+    }
     r = D.DevicePrimaryCtxRetain(&c->ctx, dev);
     if (r != CUDA_SUCCESS) {
+        pthread_mutex_destroy(&c->plain_lock);
         pthread_mutex_destroy(&c->vmm_lock);
         free(c);
         return describe(err, errlen, "cuDevicePrimaryCtxRetain", r);
@@ -739,6 +879,7 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
     up->stream_synchronize = cu_stream_synchronize;
     up->stream_query = cu_stream_query;
     up->device_synchronize = cu_device_synchronize;
+    if (D.has_capture) up->stream_capturing = cu_stream_capturing;
     up->mem_info = cu_mem_info;
     up->granularity = c->granularity;
     if (c->granularity) {
@@ -926,4 +1067,82 @@ out:
     if (rc == MP_OK && e != CUDA_SUCCESS) rc = describe(err, errlen, what, e);
     if (rc == MP_OK) *mask = m;
     return rc;
+}
+
+/* ---- Plain segments for private pools (Note [Torch allocator glue]). ----
+ *
+ * A CUDA graph's private pool gets its segments while the graph's stream captures, and a
+ * stream-ordered allocation on a capturing stream would become a node of the graph: its
+ * memory would exist only while the graph runs. cuMemAlloc is not stream-ordered and is
+ * legal during capture (PyTorch's own allocator relies on it); cuMemFree synchronizes, so
+ * the owner releases these segments only once no capture is under way. */
+
+static struct {
+    CUresult (*MemAlloc)(CUdeviceptr *, size_t);
+    CUresult (*MemFree)(CUdeviceptr);
+    CUresult (*ThreadExchangeStreamCaptureMode)(int *);   /* CUstreamCaptureMode */
+} P;
+#define MP_CU_STREAM_CAPTURE_MODE_RELAXED 2
+static pthread_once_t p_once = PTHREAD_ONCE_INIT;
+
+static void p_resolve(void) {
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return;
+    P.MemAlloc = (CUresult (*)(CUdeviceptr *, size_t))dlsym(lib, "cuMemAlloc_v2");
+    P.MemFree = (CUresult (*)(CUdeviceptr))dlsym(lib, "cuMemFree_v2");
+    P.ThreadExchangeStreamCaptureMode =
+        (CUresult (*)(int *))dlsym(lib, "cuThreadExchangeStreamCaptureMode");
+}
+
+static int cu_plain_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr_t *out) {
+    mp_cuda *c = ctx;
+    (void)stream;   /* not stream-ordered: usable on every stream at once */
+    if (nbytes == 0 || !out) return MP_EINVAL;
+    CUdeviceptr p = 0;
+    CUresult r;
+    /* A capture in the global mode (PyTorch's default) forbids cuMemAlloc in every thread;
+     * this thread's relaxed mode allows it, as PyTorch's own allocator does around its
+     * cudaMalloc. */
+    int mode = MP_CU_STREAM_CAPTURE_MODE_RELAXED;
+    if (P.ThreadExchangeStreamCaptureMode) P.ThreadExchangeStreamCaptureMode(&mode);
+    CU_CALL(c, r, P.MemAlloc(&p, nbytes));
+    if (P.ThreadExchangeStreamCaptureMode) P.ThreadExchangeStreamCaptureMode(&mode);
+    int rc = check(c, r);
+    if (rc != MP_OK) return rc;
+    *out = (uintptr_t)p;   /* cuMemAlloc aligns to at least 256 bytes; in practice 2 MiB */
+    return MP_OK;
+}
+
+static int cu_plain_segment_free(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t stream) {
+    mp_cuda *c = ctx;
+    (void)nbytes;
+    CUresult r;
+    /* Work queued on `stream` may still use the segment: cuMemFree waits for the device
+     * only on its own, so wait for that stream first. */
+    if (stream) {
+        CU_CALL(c, r, D.StreamSynchronize((CUstream)stream));
+        if (r != CUDA_SUCCESS) return check(c, r);
+    }
+    CU_CALL(c, r, P.MemFree((CUdeviceptr)ptr));
+    return check(c, r);
+}
+
+int mp_cuda_plain_upstream(const mp_upstream *like, mp_upstream *out) {
+    if (!like || !out || like->destroy != cu_destroy) return MP_EINVAL;
+    pthread_once(&p_once, p_resolve);
+    if (!P.MemAlloc || !P.MemFree) return MP_EUNSUPPORTED;
+    const mp_cuda *src = like->ctx;
+    char err[64];
+    int rc = mp_cuda_upstream(out, src->ordinal, 0, err, sizeof err);
+    if (rc != MP_OK) return rc;
+    out->name = "cuda-plain";
+    out->segment_alloc = cu_plain_segment_alloc;
+    out->segment_free = cu_plain_segment_free;
+    /* Plain segments only: expandable pages would need the same capture care. */
+    out->granularity = 0;
+    out->va_reserve = NULL;
+    out->map = NULL;
+    out->unmap = NULL;
+    out->va_release = NULL;
+    return MP_OK;
 }

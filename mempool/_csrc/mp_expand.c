@@ -8,8 +8,9 @@
  * va_reserved_bytes.
  *
  * Layout: one range per (stream, small/large), reserved on the stream's first request of
- * that kind, as large as the device (p->capacity, or the request if larger), released only
- * when the pool is destroyed. Per stream, because a block may be reused in its stream's
+ * that kind, as large as the device (p->capacity, or the request if larger), released when
+ * its stream is forgotten or, once no stream grows it, when nothing in it is mapped (Note
+ * [Forgotten streams] in docs/architecture.md), else when the pool is destroyed. Per stream, because a block may be reused in its stream's
  * order at once, so free neighbours of one stream merge without any event; per size kind,
  * because small blocks left live among large ones would pin pages and split large free
  * runs (one range per stream for both kinds measured no better on the transformer loop:
@@ -60,18 +61,18 @@
  * counted against the limit (inflight_bytes) until they are gone.
  *
  * Limits: max_split_size has no meaning with expandable segments (the configuration refuses
- * the pair). Address ranges are never given back before the pool is destroyed. Each release
+ * the pair). A range that a stream still grows is never given back before the stream is
+ * forgotten or the pool destroyed. Each release
  * costs a sync of the streams it takes pages from, which makes a release_threshold that is
- * crossed at every free expensive. A stream sync inside CUDA graph capture would break the
- * capture: releases (hence the high-water rule) must not run while a stream the pool serves
- * is capturing.
+ * crossed at every free expensive. A stream sync or query inside a CUDA graph capture would
+ * break it: no page is unmapped while a capture is under way (Note [Graph capture] in
+ * docs/architecture.md), growth maps pages as usual.
  */
 #include <stdlib.h>
 
+#include "mp_capture.h"
 #include "mp_expand.h"
 
-#define MP_HIGH_WATER_MIN_IDLE ((size_t)32 << 20)
-#define MP_HIGH_WATER_IDLE_DIV 128
 
 static size_t round_up(size_t n, size_t g) { return (n + g - 1) / g * g; }
 static size_t round_down(size_t n, size_t g) { return n / g * g; }
@@ -154,6 +155,7 @@ static mp_segment *segment_of_locked(mp_pool *p, mp_stream *s, int kind, size_t 
     seg->stream = s;
     seg->kind = kind;
     seg->expandable = 1;
+    seg->growing = 1;
     seg->first = u;
     seg->next = p->segments;
     if (p->segments) p->segments->prev = seg;
@@ -168,6 +170,62 @@ static mp_segment *segment_of_locked(mp_pool *p, mp_stream *s, int kind, size_t 
     mp_stat3_inc(p->stats.segment, kind, 1);
     mp_stat_inc(&p->stats.va_reserved_bytes, (int64_t)va);
     return seg;
+}
+
+/* ---------------------------------------------------------------- ranges that go */
+
+int mp_expand_detach_range_locked(mp_pool *p, mp_segment *seg, mp_stream *only,
+                                  mp_release_list *out) {
+    if (seg->pinned) return 0;
+    size_t nruns = 0;
+    for (mp_block *b = seg->first; b; b = b->next) {
+        if (b->state == MP_BLOCK_UNMAPPED) {
+            if (b->busy) return 0;   /* being mapped by another thread */
+            continue;
+        }
+        if (b->state != MP_BLOCK_FREE || b->stream != only) return 0;
+        if (!b->prev || b->prev->state == MP_BLOCK_UNMAPPED) nruns++;
+    }
+    struct mp_run *runs = nruns ? malloc(nruns * sizeof *runs) : NULL;
+    if (nruns && !runs) return 0;
+    /* Mapped runs are whole pages (unmapped blocks are page-aligned): note them for the
+     * unmap, which runs without the lock (mp_release_finish). */
+    size_t r = 0;
+    for (mp_block *b = seg->first, *next; b; b = next) {
+        next = b->next;
+        if (b->state == MP_BLOCK_FREE) {
+            if (!b->prev || b->prev->state == MP_BLOCK_UNMAPPED) runs[r++] = (struct mp_run){b->ptr, 0};
+            runs[r - 1].nbytes += b->nbytes;
+            mp_remove_free_locked(p, b);
+        }
+        mp_block_delete_locked(p, b);
+    }
+    seg->first = NULL;
+    for (size_t i = 0; i < nruns; i++)
+        mp_trace_locked(p, MP_TRACE_SEGMENT_UNMAP, runs[i].ptr, runs[i].nbytes, seg->stream->handle);
+    p->stats.num_device_free += nruns;
+    out->nbytes += seg->mapped_bytes;
+    if (seg->mapped_bytes) count_mapped_locked(p, seg, seg->mapped_bytes, 0);
+    mp_stat3_dec(p->stats.segment, seg->kind, 1);
+    mp_stat_dec(&p->stats.va_reserved_bytes, (int64_t)seg->nbytes);
+    if (seg->prev) seg->prev->next = seg->next;
+    else p->segments = seg->next;
+    if (seg->next) seg->next->prev = seg->prev;
+    p->nsegments--;
+    seg->release_stream = seg->stream->handle;
+    seg->release_runs = runs;
+    seg->nrelease_runs = nruns;
+    seg->inext = out->head;
+    out->head = seg;
+    return 1;
+}
+
+void mp_expand_drop_empty_locked(mp_pool *p, mp_release_list *out) {
+    for (mp_segment *seg = p->segments, *next; seg; seg = next) {
+        next = seg->next;
+        if (seg->expandable && !seg->growing && !seg->mapped_bytes)
+            mp_expand_detach_range_locked(p, seg, NULL, out);
+    }
 }
 
 /* ---------------------------------------------------------------- release */
@@ -384,7 +442,11 @@ static int stream_idle_locked(mp_pool *p, mp_stream *s, mp_stream **asked, int *
                               size_t *nasked) {
     for (size_t j = 0; j < *nasked; j++)
         if (asked[j] == s) return idle[j];
-    int ok = p->up.stream_query && p->up.stream_query(p->up.ctx, s->handle) == MP_OK;
+    /* Note [Graph capture]: a capturing stream is never idle (and must not be queried). */
+    int capturing = mp_capture_handle(p, s->handle);
+    if (p->up.stream_query && !capturing) mp_count_call(&p->stats.num_stream_queries);
+    int ok = p->up.stream_query && !capturing &&
+             p->up.stream_query(p->up.ctx, s->handle) == MP_OK;
     asked[*nasked] = s;
     idle[(*nasked)++] = ok;
     return ok;
@@ -412,19 +474,25 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
     int64_t free_bytes = mp_stat3_current(p->stats.reserved_bytes) -
                          mp_stat3_current(p->stats.active_bytes);
     if (!target || free_bytes < (int64_t)p->up.granularity) return 0;
+    if (mp_capture_stream_locked(p, NULL)) return 0;   /* Note [Graph capture]; owners below */
     run_list runs = {0};
     each_run_locked(p, keep_lo, keep_hi, add_run, &runs);
     unmap_job *jobs = runs.n ? malloc(runs.n * sizeof *jobs) : NULL;
-    mp_stream **owners = runs.n ? malloc(p->nstreams * sizeof *owners) : NULL;
-    int *synced = runs.n ? malloc(p->nstreams * sizeof *synced) : NULL;
+    /* Room for every stream a block may belong to: forgotten ones too (Note [Forgotten
+     * streams]: an operation under way may have handed them blocks). */
+    size_t nall = p->nstreams + p->ndead;
+    mp_stream **owners = runs.n ? malloc(nall * sizeof *owners) : NULL;
+    int *synced = runs.n ? malloc(nall * sizeof *synced) : NULL;
+    uintptr_t *handles = runs.n ? malloc(nall * sizeof *handles) : NULL;
     /* !wait: the streams asked whether idle, and their answers */
-    mp_stream **asked = runs.n && !wait ? malloc(p->nstreams * sizeof *asked) : NULL;
-    int *idle = runs.n && !wait ? malloc(p->nstreams * sizeof *idle) : NULL;
-    if (!jobs || !owners || !synced || (!wait && (!asked || !idle))) {
+    mp_stream **asked = runs.n && !wait ? malloc(nall * sizeof *asked) : NULL;
+    int *idle = runs.n && !wait ? malloc(nall * sizeof *idle) : NULL;
+    if (!jobs || !owners || !synced || !handles || (!wait && (!asked || !idle))) {
         free(runs.runs);
         free(jobs);
         free(owners);
         free(synced);
+        free(handles);
         free(asked);
         free(idle);
         return 0;
@@ -461,15 +529,19 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
         free(jobs);
         free(owners);
         free(synced);
+        free(handles);
         return 0;
     }
     p->inflight_bytes += released;   /* still held until unmapped: count it for the limit */
     /* !wait: every owner was idle when asked, after the frees of these pages. */
     for (size_t j = 0; j < nowners && !wait; j++) synced[j] = 1;
-    mp_lock_release(&p->lock);
+    /* The handles, read under the lock (forget_stream may change a struct's meanwhile) */
+    for (size_t j = 0; j < nowners; j++) handles[j] = owners[j]->handle;
+    mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
+    /* Note [Graph capture]: a capturing owner is not synchronized; its pages stay. */
     for (size_t j = 0; j < nowners && wait; j++)
-        synced[j] = p->up.stream_synchronize(p->up.ctx, owners[j]->handle) == MP_OK;
+        synced[j] = !mp_capture_handle(p, handles[j]) && mp_up_sync(p, handles[j]) == MP_OK;
     for (size_t i = 0; i < n; i++) {
         for (size_t k = 0; k < jobs[i].nparts; k++) {
             size_t j = 0;
@@ -485,7 +557,7 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
         if (jobs[i].ok) jobs[i].ok = p->up.unmap(p->up.ctx, jobs[i].u->ptr, jobs[i].u->nbytes) == MP_OK;
     }
     mp_blocking_end(blocking);
-    mp_lock_acquire(&p->lock);
+    mp_lock_retake(p);
     p->inflight_bytes -= released;
     /* One at a time: a later job's block stays busy (so unmerged and valid) until its turn. */
     for (size_t i = 0; i < n; i++) {
@@ -504,6 +576,7 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
     free(jobs);
     free(owners);
     free(synced);
+    free(handles);
     return released;
 }
 
@@ -578,14 +651,14 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
     }
     m->busy = 1;
     p->inflight_bytes += plan->nbytes;
-    mp_lock_release(&p->lock);
+    mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
     mp_assert(m->state == MP_BLOCK_UNMAPPED && m->nbytes > 0);
     mp_assert(m->ptr % p->up.granularity == 0 && m->nbytes % p->up.granularity == 0);
     mp_assert(m->ptr >= m->seg->ptr && m->ptr + m->nbytes <= m->seg->ptr + m->seg->nbytes);
     int rc = p->up.map(p->up.ctx, m->ptr, m->nbytes);
     mp_blocking_end(blocking);
-    mp_lock_acquire(&p->lock);
+    mp_lock_retake(p);
     p->inflight_bytes -= plan->nbytes;
     m->busy = 0;
     if (rc != MP_OK) {
@@ -593,7 +666,8 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
          * unmapped as before. Out of device memory, free pages elsewhere may make room
          * (the caller then comes back). */
         merge_unmapped_locked(p, m);
-        if (rc == MP_ENOMEM && release_pages_locked(p, plan->nbytes, plan->lo, plan->hi, 1, NULL)) {
+        if (rc == MP_ENOMEM && !mp_capture_stream_locked(p, s) &&   /* Note [Graph capture] */
+            release_pages_locked(p, plan->nbytes, plan->lo, plan->hi, 1, NULL)) {
             p->stats.num_alloc_retries++;
             return MP_OK;
         }
@@ -629,6 +703,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_block
             s->expandable[kind] = seg;
             return MP_ENOMEM;
         }
+        seg->growing = 0;   /* released once empty (mp_expand_drop_empty_locked) */
         seg = fresh;
         if (!plan_growth_locked(p, seg, s, size, &plan)) return MP_ENOMEM;
     }
@@ -649,17 +724,25 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_block
         if (idle >= MP_HIGH_WATER_MIN_IDLE && idle >= p->mapped_high_water / MP_HIGH_WATER_IDLE_DIV)
             excess = idle > excess ? idle : excess;
     }
-    if (excess && release_pages_locked(p, excess, plan.lo, plan.hi, 1, NULL)) return MP_OK;   /* re-plan */
+    if (excess && !mp_capture_stream_locked(p, s) &&   /* Note [Graph capture] */
+        release_pages_locked(p, excess, plan.lo, plan.hi, 1, NULL))
+        return MP_OK;   /* re-plan */
     if (limit != MP_UNLIMITED && need > limit) return MP_ELIMIT;
     return map_locked(p, seg, s, &plan, size, out);
 }
 
 int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
                            mp_release_list *rel, mp_block **out) {
-    (void)rel;   /* expandable pools release pages here, not whole segments */
+    /* rel: expandable pools release pages here, not whole segments; it tells the capture. */
     int rc = MP_ENOMEM, stage = 0;
     for (int round = 0; round < 32; round++) {
         if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
+        if (p->nhot) {
+            /* Note [Hot blocks]: a parked block is not free to growth planning nor to
+             * releases: fold them in first, as the plain free would have. */
+            mp_hot_flush_locked(p);
+            if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
+        }
         rc = grow_locked(p, s, kind, size, out);
         if (rc == MP_OK) {
             if (*out) return MP_OK;
@@ -673,7 +756,7 @@ int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
             p->stats.num_alloc_retries++;
             continue;
         }
-        if (stage < 2 && p->npending) {
+        if (stage < 2 && p->npending && !mp_capture_call_locked(p, rel)) {
             /* Last resort: wait for the streams that hold frees pending, then try again. */
             stage = 2;
             p->stats.num_alloc_retries++;
@@ -705,7 +788,13 @@ int mp_expand_reserve_initial(mp_pool *p, size_t nbytes) {
 
 void mp_segment_release_upstream(mp_pool *p, mp_segment *seg) {
     if (!seg->expandable) {
-        p->up.segment_free(p->up.ctx, seg->ptr, seg->nbytes, seg->stream->handle);
+        p->up.segment_free(p->up.ctx, seg->ptr, seg->nbytes, seg->release_stream);
+        return;
+    }
+    if (!seg->first) {   /* detached: its mapped runs were noted (mp_expand_detach_range_locked) */
+        for (size_t i = 0; i < seg->nrelease_runs; i++)
+            p->up.unmap(p->up.ctx, seg->release_runs[i].ptr, seg->release_runs[i].nbytes);
+        p->up.va_release(p->up.ctx, seg->ptr, seg->nbytes);
         return;
     }
     /* Maximal mapped runs start and end on page boundaries: unmap each, then the range. */

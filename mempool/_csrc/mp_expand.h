@@ -22,6 +22,9 @@ size_t mp_expand_release_idle_locked(mp_pool *p, size_t target, int *busy);
 /* initial_pool_size for an expandable pool: map that much (rounded up to pages) at the start
  * of stream 0's large segment and pin it there. Takes the lock. */
 int mp_expand_reserve_initial(mp_pool *p, size_t nbytes);
+/* Note [Forgotten streams]: detach every range that no stream grows any more and that has
+ * nothing mapped, for mp_release_finish to give back. */
+void mp_expand_drop_empty_locked(mp_pool *p, mp_release_list *out);
 /* Give a detached (or, at destroy, any) segment back to the upstream. Without the lock. */
 void mp_segment_release_upstream(mp_pool *p, mp_segment *seg);
 

@@ -14,7 +14,11 @@
 
 #define MP_EXACT_CLASSES 128
 #define MP_SUBCLASSES 64
-#define MP_NCLASSES 3200
+/* Classes stop at 1 TiB: blocks from there up (larger than any device's memory) share one
+ * last class, searched for the best fit like any other. The bound keeps a stream's two
+ * lists near 27 KB (Note [Forgotten streams]); 3,200 classes to 2^62 bytes took 52 KB. */
+#define MP_TOP_K 30          /* log2 of (512-byte units - 1) of the last regular classes */
+#define MP_NCLASSES (MP_EXACT_CLASSES + (MP_TOP_K - 6) * MP_SUBCLASSES + 1)
 #define MP_NWORDS ((MP_NCLASSES + 63) / 64)
 #define MP_NOT_LISTED UINT32_MAX   /* mp_block.cls of a block in no free list */
 
@@ -39,6 +43,7 @@ static inline uint32_t mp_class_of(size_t nbytes) {
     uint64_t v = u - 1;
     if (v < MP_EXACT_CLASSES) return (uint32_t)v;
     int k = 63 - __builtin_clzll(v);   /* >= 7 */
+    if (k > MP_TOP_K) return MP_NCLASSES - 1;
     uint32_t sub = (uint32_t)((v >> (k - 6)) & (MP_SUBCLASSES - 1));
     return MP_EXACT_CLASSES + (uint32_t)(k - 7) * MP_SUBCLASSES + sub;
 }

@@ -25,6 +25,7 @@ void mp_get_stats(mp_pool *p, mp_stats *out) {
     mp_lock_acquire(&p->lock);
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     *out = p->stats;
+    out->num_streams = p->nstreams;
     mp_lock_release(&p->lock);
     fill_totals(out);
 }
@@ -50,6 +51,7 @@ void mp_reset_accumulated_stats(mp_pool *p) {
     p->stats.num_alloc_retries = p->stats.num_ooms = p->stats.num_sync_all_streams = 0;
     p->stats.num_device_alloc = p->stats.num_device_free = 0;
     p->stats.num_cross_stream_reuse = p->stats.num_event_waits = 0;
+    p->stats.num_stream_syncs = p->stats.num_event_records = p->stats.num_stream_queries = 0;
     mp_lock_release(&p->lock);
 }
 
@@ -199,7 +201,8 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
             case MP_BLOCK_PENDING:
                 busy++;
                 npending++;
-                CHECK(b->nuses > 0 && b->events, "pending block %#lx: no events", (unsigned long)b->ptr);
+                /* no events: a free deferred during a capture (Note [Graph capture]) */
+                CHECK(b->nuses > 0, "pending block %#lx: no recorded streams", (unsigned long)b->ptr);
                 CHECK(mp_ptrmap_get(&p->live, b->ptr) == NULL, "pending block %#lx: still live",
                       (unsigned long)b->ptr);
                 CHECK(b->requested <= b->nbytes, "block %#lx: requested %zu > size %zu",
@@ -213,9 +216,8 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
                 nhot++;
                 CHECK(b->stream->hot == b && b->stream->hot_frees <= b->stream->frees,
                       "hot block %#lx: not its stream's hot block", (unsigned long)b->ptr);
-                CHECK(!seg->expandable && !in_list(&b->stream->lists[seg->kind], b),
-                      "hot block %#lx: in a free list, or in an expandable segment",
-                      (unsigned long)b->ptr);
+                CHECK(!in_list(&b->stream->lists[seg->kind], b),
+                      "hot block %#lx: in a free list", (unsigned long)b->ptr);
                 CHECK(mp_ptrmap_get(&p->live, b->ptr) == b, "hot block %#lx: not in the pointer map",
                       (unsigned long)b->ptr);
                 CHECK(b->requested == 0 && b->nuses == 0 && !b->split_counted,
@@ -265,6 +267,11 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
         for (int k = 0; k < 2; k++) {
             list_count += p->streams[i]->lists[k].count;
             list_bytes += p->streams[i]->lists[k].nbytes;
+        }
+    for (mp_stream *d = p->dead; d; d = d->next_dead)   /* Note [Forgotten streams] */
+        for (int k = 0; k < 2; k++) {
+            list_count += d->lists[k].count;
+            list_bytes += d->lists[k].nbytes;
         }
     CHECK(list_count == nfree && list_bytes == free_bytes,
           "free lists hold %zu blocks / %zu bytes, segments %zu / %zu", list_count, list_bytes, nfree, free_bytes);

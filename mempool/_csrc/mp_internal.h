@@ -29,7 +29,9 @@ struct mp_block {
     uint32_t cls;                /* size class while in a free list, else MP_NOT_LISTED */
     uint8_t state;               /* MP_BLOCK_* */
     uint8_t split_counted;       /* counted in inactive_split while free */
-    uint8_t busy;                /* unmapped: being mapped or unmapped with the lock dropped */
+    uint8_t busy;                /* unmapped: being mapped or unmapped with the lock dropped;
+                                    pending: the freeing thread is synchronizing, without the
+                                    lock, a stream it had no event for (events[i] == 0) */
     uint8_t torch;               /* allocated: handed to PyTorch (counted in torch_blocks) */
     uint16_t nuses;              /* streams recorded by record_stream (never the owner) */
     uint16_t cap_uses;
@@ -46,11 +48,21 @@ struct mp_segment {
     int kind;
     int pinned;                  /* initial_pool_size: never released automatically */
     int expandable;
+    int growing;                 /* expandable: some stream's growing range (expandable[kind]) */
     mp_block *first;
     size_t nbusy;                /* allocated + pending blocks */
     mp_segment *prev, *next;     /* all segments */
     mp_segment *iprev, *inext;   /* idle list (nbusy == 0, not expandable), oldest first */
     uint64_t idle_since;
+    /* Detached, on its way upstream (mp_release_list): the stream handle to free it on, and
+     * for an expandable range the mapped runs to unmap (its blocks are gone by then). */
+    uintptr_t release_stream;
+    struct mp_run { uintptr_t ptr; size_t nbytes; } *release_runs;
+    size_t nrelease_runs;
+    /* Streams to synchronize first, where no event could be had to order the free after
+     * their work (Note [Lock order]: never under the lock). */
+    uintptr_t *release_sync;
+    size_t nrelease_sync;
 };
 
 /* Note [Hot blocks]: a freed block parked on its stream, unmerged and in no list, for the
@@ -65,6 +77,7 @@ struct mp_stream {
     uint64_t hot_frees;          /* `frees` when `hot` was parked */
     mp_freelist lists[2];        /* KIND_SMALL, KIND_LARGE */
     mp_segment *expandable[2];   /* the growing segment per kind, when expandable */
+    mp_stream *next_dead;        /* in mp_pool.dead (Note [Forgotten streams]) */
 };
 
 typedef struct mp_block_slab {
@@ -79,8 +92,14 @@ struct mp_pool {
     mp_upstream up;
     size_t capacity;             /* device total as the upstream reports it */
 
-    mp_stream **streams;         /* never freed before the pool; pointers stay valid */
+    mp_stream **streams;         /* the streams in use; forget_stream frees one (Note
+                                    [Forgotten streams]) */
     size_t nstreams, cap_streams;
+    /* Note [Forgotten streams]: operations that dropped the lock in their middle while
+     * holding stream pointers, and the forgotten streams whose struct waits for them. */
+    uint32_t nunlocked;
+    mp_stream *dead;
+    size_t ndead;
     size_t nhot;                 /* streams holding a hot block (Note [Hot blocks]) */
     /* Note [Threshold releases without a sync]: threshold checks still to skip, and the
      * skip that the next attempt finding only busy streams sets (doubling, reset by one
@@ -103,9 +122,13 @@ struct mp_pool {
     mp_block_slab *slabs;
 
     size_t inflight_bytes;       /* segments being allocated with the lock dropped */
+    size_t reserved_high_water;  /* fixed segments: the most bytes ever reserved at once
+                                    (Note [Reserved high water]; never reset) */
     size_t mapped_high_water;    /* expandable segments: the most bytes ever mapped at once
                                     (mp_expand.c; unlike the stats' peak, never reset) */
     uint64_t tick;               /* advances on every alloc and free */
+    int captures;                /* Note [Graph capture]: mp_capture_begin less mp_capture_end */
+    mp_stream *capture_seen;     /* Note [Graph capture]: the stream last found capturing */
     mp_stats stats;
 
     /* PyTorch's device table (Note [Torch table lifetime]), guarded by the lock. */
@@ -172,6 +195,35 @@ void mp_free_block_locked(mp_pool *p, mp_block *b);
 int mp_event_get_locked(mp_pool *p, uintptr_t *ev);
 void mp_event_put_locked(mp_pool *p, uintptr_t ev);
 mp_stream *mp_stream_get_locked(mp_pool *p, uintptr_t handle);
+/* Note [Forgotten streams]: drop the lock in the middle of an operation that keeps stream
+ * pointers across it, and take it back. */
+static inline void mp_lock_drop(mp_pool *p) {
+    p->nunlocked++;
+    mp_lock_release(&p->lock);
+}
+static inline void mp_lock_retake(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    p->nunlocked--;
+}
+
+/* Upstream stream and event calls, counted (mp_stats.num_stream_syncs ...). The count is a
+ * relaxed atomic add: some are made without the lock. */
+static inline void mp_count_call(uint64_t *counter) {
+    __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+}
+static inline int mp_up_sync(mp_pool *p, uintptr_t stream) {
+    mp_count_call(&p->stats.num_stream_syncs);
+    return p->up.stream_synchronize(p->up.ctx, stream);
+}
+static inline int mp_up_record(mp_pool *p, uintptr_t ev, uintptr_t stream) {
+    mp_count_call(&p->stats.num_event_records);
+    return p->up.event_record(p->up.ctx, ev, stream);
+}
+
+/* The high-water rules (Note [Expandable segments], Note [Reserved high water]) act only
+ * on this much idle memory, and 1/MP_HIGH_WATER_IDLE_DIV of the mark: few releases. */
+#define MP_HIGH_WATER_MIN_IDLE ((size_t)32 << 20)
+#define MP_HIGH_WATER_IDLE_DIV 128
 
 /* Note [Threshold releases without a sync]: the most threshold checks skipped in a row. */
 #define MP_THRESHOLD_BACKOFF_MAX 64
@@ -180,14 +232,23 @@ mp_stream *mp_stream_get_locked(mp_pool *p, uintptr_t handle);
 typedef struct mp_release_list {
     mp_segment *head;
     size_t nbytes;
+    /* Note [Graph capture]: the stream of the alloc or free the list belongs to (NULL for
+     * calls that have none), and whether it captures: 0 not asked yet, 1 no, 2 yes. */
+    mp_stream *stream;
+    int capture;
 } mp_release_list;
+/* Note [Forgotten streams]: detach an expandable range that holds nothing but unmapped pages
+ * and free blocks of `only` (NULL: of nobody): its mapped runs are unmapped and its address
+ * space released by mp_release_finish. 0 when it holds anything else (nothing changes). */
+int mp_expand_detach_range_locked(mp_pool *p, mp_segment *seg, mp_stream *only, mp_release_list *out);
 void mp_detach_segment_locked(mp_pool *p, mp_segment *s, mp_release_list *out);
 /* Release cached memory until at least `target` bytes are released or nothing releasable is
  * left: idle segments oldest first (pinned ones never), then free pages of expandable
  * segments. Returns the bytes released. May drop and retake the lock (expandable pages). */
 size_t mp_release_idle_locked(mp_pool *p, size_t target, mp_release_list *out);
 /* Release idle segments of one kind (small/large), oldest first, at least `target` bytes,
- * but only when that kind's idle segments hold that much: "release beyond need". */
+ * but only when that kind's idle segments hold that much: "release beyond need"; target 0:
+ * all of them. */
 size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_release_list *out);
 void mp_release_finish_slow(mp_pool *p, mp_release_list *list);
 /* Free what was detached, upstream; call WITHOUT the lock. Inline: usually nothing to do. */

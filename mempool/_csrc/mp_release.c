@@ -8,6 +8,7 @@
  * (mp_release_finish), see Note [Lock order] in mp_core.c. */
 #include <stdlib.h>
 
+#include "mp_capture.h"
 #include "mp_expand.h"
 #include "mp_internal.h"
 
@@ -37,6 +38,7 @@ void mp_segment_idle_remove_locked(mp_pool *p, mp_segment *s) {
  * reuse or freed there) first make that stream wait for theirs: no host sync. */
 void mp_detach_segment_locked(mp_pool *p, mp_segment *seg, mp_release_list *out) {
     mp_segment_idle_remove_locked(p, seg);
+    seg->release_stream = seg->stream->handle;
     if (seg->prev) seg->prev->next = seg->next;
     else p->segments = seg->next;
     if (seg->next) seg->next->prev = seg->prev;
@@ -54,12 +56,23 @@ void mp_detach_segment_locked(mp_pool *p, mp_segment *seg, mp_release_list *out)
             uintptr_t ev;
             int rc = mp_event_get_locked(p, &ev);
             if (rc == MP_OK) {
-                rc = p->up.event_record(p->up.ctx, ev, owner->handle);
+                rc = mp_up_record(p, ev, owner->handle);
                 if (rc == MP_OK) rc = p->up.stream_wait_event(p->up.ctx, seg->stream->handle, ev);
                 mp_event_put_locked(p, ev);
                 p->stats.num_event_waits++;
             }
-            if (rc != MP_OK) p->up.stream_synchronize(p->up.ctx, owner->handle);
+            if (rc != MP_OK) {
+                /* No event to order the free after the owner's work: the owner is
+                 * synchronized before the free, without the lock (Note [Lock order]). */
+                uintptr_t *grown = realloc(seg->release_sync,
+                                           (seg->nrelease_sync + 1) * sizeof *grown);
+                if (grown) {
+                    seg->release_sync = grown;
+                    seg->release_sync[seg->nrelease_sync++] = owner->handle;
+                } else {
+                    mp_up_sync(p, owner->handle);   /* no host memory */
+                }
+            }
             if (nwaited < 8) waited[nwaited++] = owner;
         }
         /* remove from its free list (and the inactive_split counters) */
@@ -84,17 +97,21 @@ void mp_detach_segment_locked(mp_pool *p, mp_segment *seg, mp_release_list *out)
 
 size_t mp_release_idle_locked(mp_pool *p, size_t target, mp_release_list *out) {
     size_t released = 0;
+    /* Note [Graph capture]: nothing goes while a capture is under way; later calls see it. */
+    if ((p->idle_bytes || p->cfg.expandable_segments) && mp_capture_call_locked(p, out)) return 0;
     mp_segment *seg = p->idle_head;
     while (seg && released < target) {
         mp_segment *next = seg->inext;
-        if (!seg->pinned) {
+        if (!seg->pinned && !mp_capture_segment_locked(p, out, seg)) {
             released += seg->nbytes;
             mp_detach_segment_locked(p, seg, out);
         }
         seg = next;
     }
-    if (released < target && p->cfg.expandable_segments)
+    if (released < target && p->cfg.expandable_segments) {
         released += mp_expand_release_locked(p, target - released);
+        mp_expand_drop_empty_locked(p, out);
+    }
     return released;
 }
 
@@ -103,11 +120,11 @@ size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_relea
     for (mp_segment *seg = p->idle_head; seg; seg = seg->inext)
         if (!seg->pinned && seg->kind == kind) idle += seg->nbytes;
     if (idle < target) return 0;   /* not a new segment's worth of this kind: keep them */
-    size_t released = 0;
+    size_t released = 0, want = target ? target : SIZE_MAX;   /* 0: every one */
     mp_segment *seg = p->idle_head;
-    while (seg && released < target) {
+    while (seg && released < want) {
         mp_segment *next = seg->inext;
-        if (!seg->pinned && seg->kind == kind) {
+        if (!seg->pinned && seg->kind == kind && !mp_capture_segment_locked(p, out, seg)) {
             released += seg->nbytes;
             mp_detach_segment_locked(p, seg, out);
         }
@@ -121,7 +138,11 @@ void mp_release_finish_slow(mp_pool *p, mp_release_list *list) {
     void *blocking = mp_blocking_begin();
     while (seg) {
         mp_segment *next = seg->inext;
+        for (size_t i = 0; i < seg->nrelease_sync; i++)
+            mp_up_sync(p, seg->release_sync[i]);
         mp_segment_release_upstream(p, seg);
+        free(seg->release_sync);
+        free(seg->release_runs);
         free(seg);
         seg = next;
     }
@@ -144,7 +165,9 @@ void mp_apply_release_threshold_slow_locked(mp_pool *p, mp_release_list *out) {
         return;
     }
     /* Note [Threshold releases without a sync]: pages of idle streams only, and after an
-     * attempt that found only busy ones, fewer attempts until one releases again. */
+     * attempt that found only busy ones, fewer attempts until one releases again. None
+     * during a capture (Note [Graph capture]), which the next check after it makes up for. */
+    if (mp_capture_call_locked(p, out)) return;
     if (p->threshold_skip) {
         p->threshold_skip--;
         return;

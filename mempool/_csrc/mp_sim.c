@@ -19,6 +19,8 @@ typedef struct sim_wait {
 typedef struct sim_stream {
     uintptr_t id;
     uint64_t submitted, completed;
+    int capturing;   /* between mp_sim_begin_capture and mp_sim_end_capture */
+    int broken;      /* its capture was invalidated by an illegal call */
     sim_wait *waits;
     size_t nwaits, cap_waits;
 } sim_stream;
@@ -32,6 +34,7 @@ typedef struct sim_event {
     size_t stream;   /* index into streams, SIZE_MAX until recorded */
     uint64_t target;
     int in_use;
+    int captured;    /* last recorded on a capturing stream: a graph node, never queried */
     /* Waits the stream had pending when the event was recorded: the event completes only
      * after them too, as a CUDA event recorded after cudaStreamWaitEvent does. */
     sim_dep *deps;
@@ -48,6 +51,11 @@ struct mp_sim {
     mp_ptrmap pages;          /* mapped page address -> access mask (own device's bit set) */
     sim_stream *streams;
     size_t nstreams, cap_streams;
+    /* Stream id -> index + 1 (0: empty), open addressing; and the slots of destroyed
+     * streams, reused with their counters, so that old events and waits stay complete. */
+    size_t *shash, shash_mask, shash_count;
+    size_t *free_slots, nfree_slots, cap_free_slots;
+    unsigned fail_events;     /* the next N event records fail (mp_sim_fail_events) */
     sim_event *events;
     size_t nevents, cap_events, live_events;
     uint64_t num_syncs, num_records, num_waits, num_errors, num_queries;
@@ -56,26 +64,106 @@ struct mp_sim {
     /* mp_sim_hold_allocs: segment allocations still to hold, those waiting now, the
      * release generation they wait for a change of, and those that gave up waiting. */
     unsigned hold_next, held, hold_timeout_ms;
+    unsigned hold_syncs_next;     /* mp_sim_hold_syncs: stream syncs still to hold */
     uint64_t release_gen, hold_timeouts;
     pthread_cond_t hold_cv;
+    /* Graph capture (mp_sim_begin_capture): streams capturing now, calls a real driver
+     * would refuse or that would break a capture, segments allocated outside a capture's
+     * graph for a capturing stream. */
+    size_t ncapturing;
+    uint64_t capture_violations, capture_allocs;
 };
 
 /* The access a page gets when mapped: the device itself and every peer granted so far. */
 static uint64_t own_access(const mp_sim *s) { return s->peers | (uint64_t)1 << s->device; }
 
-static size_t stream_index(mp_sim *s, uintptr_t id) {
-    for (size_t i = 0; i < s->nstreams; i++)
-        if (s->streams[i].id == id) return i;
-    if (s->nstreams == s->cap_streams) {
-        size_t cap = s->cap_streams ? s->cap_streams * 2 : 8;
-        sim_stream *grown = realloc(s->streams, cap * sizeof *grown);
-        if (!grown) return SIZE_MAX;
-        s->streams = grown;
-        s->cap_streams = cap;
+static size_t shash_home(const mp_sim *s, uintptr_t id) {
+    return (size_t)(((uint64_t)id * 0x9E3779B97F4A7C15ull) >> 17) & s->shash_mask;
+}
+
+/* Index of stream id in the hash, inserting (index) when absent and `insert` is given. */
+static size_t *shash_find(mp_sim *s, uintptr_t id) {
+    for (size_t h = shash_home(s, id);; h = (h + 1) & s->shash_mask) {
+        size_t v = s->shash[h];
+        if (!v || s->streams[v - 1].id == id) return &s->shash[h];
     }
-    memset(&s->streams[s->nstreams], 0, sizeof(sim_stream));
-    s->streams[s->nstreams].id = id;
-    return s->nstreams++;
+}
+
+static int shash_grow(mp_sim *s) {
+    size_t cap = s->shash ? 2 * (s->shash_mask + 1) : 64;
+    size_t *old = s->shash, old_cap = s->shash ? s->shash_mask + 1 : 0;
+    size_t *grown = calloc(cap, sizeof *grown);
+    if (!grown) return 0;
+    s->shash = grown;
+    s->shash_mask = cap - 1;
+    for (size_t i = 0; i < old_cap; i++)
+        if (old[i]) *shash_find(s, s->streams[old[i] - 1].id) = old[i];
+    free(old);
+    return 1;
+}
+
+/* Backward-shift deletion, so lookups stay short however many streams come and go. */
+static void shash_remove(mp_sim *s, size_t *slot) {
+    size_t i = (size_t)(slot - s->shash);
+    for (size_t j = (i + 1) & s->shash_mask; s->shash[j]; j = (j + 1) & s->shash_mask) {
+        size_t home = shash_home(s, s->streams[s->shash[j] - 1].id);
+        /* j's entry may move to i when its home is not in (i, j] (cyclically) */
+        if (((j - home) & s->shash_mask) >= ((j - i) & s->shash_mask)) {
+            s->shash[i] = s->shash[j];
+            i = j;
+        }
+    }
+    s->shash[i] = 0;
+    s->shash_count--;
+}
+
+static size_t stream_index(mp_sim *s, uintptr_t id) {
+    if ((s->shash_count + 1) * 2 > (s->shash ? s->shash_mask + 1 : 0) && !shash_grow(s))
+        return SIZE_MAX;
+    size_t *slot = shash_find(s, id);
+    if (*slot) return *slot - 1;
+    size_t i;
+    if (s->nfree_slots) {
+        i = s->free_slots[--s->nfree_slots];
+        s->streams[i].id = id;   /* counters carried on: see mp_sim_destroy_stream */
+    } else {
+        if (s->nstreams == s->cap_streams) {
+            size_t cap = s->cap_streams ? s->cap_streams * 2 : 8;
+            sim_stream *grown = realloc(s->streams, cap * sizeof *grown);
+            if (!grown) return SIZE_MAX;
+            s->streams = grown;
+            s->cap_streams = cap;
+        }
+        memset(&s->streams[s->nstreams], 0, sizeof(sim_stream));
+        s->streams[s->nstreams].id = id;
+        i = s->nstreams++;
+    }
+    *slot = i + 1;
+    s->shash_count++;
+    return i;
+}
+
+/* A call that CUDA refuses during a capture, or that invalidates it (the driver's global
+ * capture mode, the strictest): it fails, is counted, and every capture under way is
+ * invalidated, as the driver invalidates them. */
+static int capture_violation(mp_sim *s) {
+    s->capture_violations++;
+    for (size_t i = 0; i < s->nstreams; i++)
+        if (s->streams[i].capturing) s->streams[i].broken = 1;
+    return MP_EUPSTREAM;
+}
+
+/* The live stream of that handle, or NULL: through the hash, since a destroyed stream's slot
+ * keeps its old handle until it is reused. */
+static sim_stream *live_stream(mp_sim *s, uintptr_t stream) {
+    if (!s->shash) return NULL;
+    size_t *slot = shash_find(s, stream);
+    return *slot ? &s->streams[*slot - 1] : NULL;
+}
+
+static int is_capturing(mp_sim *s, uintptr_t stream) {
+    sim_stream *st = live_stream(s, stream);
+    return st ? st->capturing : 0;
 }
 
 static uintptr_t bump(mp_sim *s, size_t nbytes, size_t align) {
@@ -88,8 +176,8 @@ static uintptr_t bump(mp_sim *s, size_t nbytes, size_t align) {
 
 /* A held segment allocation: wait, the sim's mutex let go meanwhile, for
  * mp_sim_release_held or the timeout. */
-static void hold_locked(mp_sim *s) {
-    s->hold_next--;
+static void hold_locked(mp_sim *s, unsigned *next) {
+    (*next)--;
     s->held++;
     uint64_t gen = s->release_gen;
     struct timespec until;
@@ -107,11 +195,14 @@ static void hold_locked(mp_sim *s) {
     s->held--;
 }
 
+/* On a capturing stream the segment is allocated outside the graph, as the CUDA upstream
+ * does with cuMemAlloc (a stream-ordered allocation there would be a graph node): legal,
+ * counted in capture_allocs. */
 static int sim_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr_t *out) {
     mp_sim *s = ctx;
-    (void)stream;
     pthread_mutex_lock(&s->mu);
-    if (s->hold_next) hold_locked(s);
+    int plain = s->ncapturing && is_capturing(s, stream);
+    if (s->hold_next) hold_locked(s, &s->hold_next);
     int rc = mp_budget_take(&s->budget, nbytes);
     if (rc == MP_OK) {
         uintptr_t p = bump(s, nbytes, 512);
@@ -120,6 +211,7 @@ static int sim_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr
             rc = MP_ENOMEM;
         } else {
             s->budget.num_allocs++;
+            s->capture_allocs += plain;
             *out = p;
         }
     }
@@ -127,10 +219,17 @@ static int sim_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr
     return rc;
 }
 
+/* During a capture a free is refused: on the capturing stream it would be a graph node, and
+ * elsewhere (cuMemFree) an unsafe call. */
 static int sim_segment_free(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t stream) {
     mp_sim *s = ctx;
     (void)stream;
     pthread_mutex_lock(&s->mu);
+    if (s->ncapturing) {
+        int rc = capture_violation(s);
+        pthread_mutex_unlock(&s->mu);
+        return rc;
+    }
     void *v = mp_ptrmap_remove(&s->segments, ptr);
     int rc = MP_OK;
     if (!v || (size_t)(uintptr_t)v != nbytes) {
@@ -166,6 +265,7 @@ static int sim_event_create(void *ctx, uintptr_t *out) {
     s->events[i].stream = SIZE_MAX;
     s->events[i].target = 0;
     s->events[i].ndeps = 0;
+    s->events[i].captured = 0;
     s->live_events++;
     *out = i + 1;
     pthread_mutex_unlock(&s->mu);
@@ -183,6 +283,11 @@ static sim_event *event_at(mp_sim *s, uintptr_t ev) {
 static int sim_event_record(void *ctx, uintptr_t ev, uintptr_t stream) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
+    if (s->fail_events) {
+        s->fail_events--;
+        pthread_mutex_unlock(&s->mu);
+        return MP_EUPSTREAM;
+    }
     sim_event *e = event_at(s, ev);
     size_t si = stream_index(s, stream);
     int rc = e && si != SIZE_MAX ? MP_OK : MP_EINVAL;
@@ -201,6 +306,7 @@ static int sim_event_record(void *ctx, uintptr_t ev, uintptr_t stream) {
         sim_stream *st = &s->streams[si];
         e->stream = si;
         e->target = st->submitted;
+        e->captured = st->capturing;
         e->ndeps = 0;
         for (size_t i = 0; i < st->nwaits; i++) {
             const sim_wait *w = &st->waits[i];
@@ -221,11 +327,14 @@ static int event_done(mp_sim *s, const sim_event *e) {
     return 1;
 }
 
+/* An event recorded during a capture cannot be queried (CUDA_ERROR_CAPTURED_EVENT), and no
+ * event can while a capture is under way (an unsafe call). */
 static int sim_event_query(void *ctx, uintptr_t ev) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
     sim_event *e = event_at(s, ev);
     int rc = !e ? MP_EINVAL : event_done(s, e) ? MP_OK : MP_ENOTREADY;
+    if (e && (e->captured || s->ncapturing)) rc = capture_violation(s);
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
@@ -236,6 +345,10 @@ static int sim_stream_wait_event(void *ctx, uintptr_t stream, uintptr_t ev) {
     sim_event *e = event_at(s, ev);
     size_t si = stream_index(s, stream);
     int rc = e && si != SIZE_MAX ? MP_OK : MP_EINVAL;
+    /* Across a capture's edge: a capturing stream waiting on an event from outside
+     * (isolation), or a stream outside waiting on a captured event (it would join the
+     * capture and leave it unjoined). */
+    if (rc == MP_OK && e->captured != s->streams[si].capturing) rc = capture_violation(s);
     s->num_waits += rc == MP_OK;
     if (rc == MP_OK && !event_done(s, e)) {
         /* The stream now waits for the event's work and for what that work waited on. */
@@ -302,6 +415,12 @@ static void complete_upto(mp_sim *s, size_t si, uint64_t seq) {
 static int sim_stream_synchronize(void *ctx, uintptr_t stream) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
+    if (s->ncapturing) {   /* a sync during a capture: refused, and it breaks the capture */
+        int rc = capture_violation(s);
+        pthread_mutex_unlock(&s->mu);
+        return rc;
+    }
+    if (s->hold_syncs_next) hold_locked(s, &s->hold_syncs_next);
     size_t si = stream_index(s, stream);
     if (si != SIZE_MAX) complete_upto(s, si, s->streams[si].submitted);
     s->num_syncs++;
@@ -318,6 +437,7 @@ static int sim_stream_query(void *ctx, uintptr_t stream) {
     size_t si = stream_index(s, stream);
     int rc = si == SIZE_MAX ? MP_ENOMEM : MP_OK;
     if (rc == MP_OK && s->streams[si].completed < s->streams[si].submitted) rc = MP_ENOTREADY;
+    if (s->ncapturing) rc = capture_violation(s);
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
@@ -325,6 +445,11 @@ static int sim_stream_query(void *ctx, uintptr_t stream) {
 static int sim_device_synchronize(void *ctx) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
+    if (s->ncapturing) {
+        int rc = capture_violation(s);
+        pthread_mutex_unlock(&s->mu);
+        return rc;
+    }
     for (size_t i = 0; i < s->nstreams; i++) complete_upto(s, i, s->streams[i].submitted);
     s->num_syncs++;
     pthread_mutex_unlock(&s->mu);
@@ -366,7 +491,7 @@ static int sim_map(void *ctx, uintptr_t va, size_t nbytes) {
         pthread_mutex_unlock(&s->mu);
         return MP_EINVAL;
     }
-    if (s->hold_next) hold_locked(s);
+    if (s->hold_next) hold_locked(s, &s->hold_next);
     int rc = MP_OK;
     if (s->budget.fail_next) {
         s->budget.fail_next--;
@@ -407,9 +532,17 @@ static int sim_map(void *ctx, uintptr_t va, size_t nbytes) {
     return rc;
 }
 
+/* Pages are mapped during a capture as PyTorch's expandable segments map them for a graph's
+ * pool; an unmap then would pull memory from under the graph (and a real one needs the
+ * streams synchronized first): refused. */
 static int sim_unmap(void *ctx, uintptr_t va, size_t nbytes) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
+    if (s->ncapturing) {
+        int rc = capture_violation(s);
+        pthread_mutex_unlock(&s->mu);
+        return rc;
+    }
     unmap_pages(s, va, nbytes / s->granularity);
     s->budget.num_unmaps++;
     pthread_mutex_unlock(&s->mu);
@@ -419,8 +552,21 @@ static int sim_unmap(void *ctx, uintptr_t va, size_t nbytes) {
 static int sim_va_release(void *ctx, uintptr_t va, size_t nbytes) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
+    if (s->ncapturing) {
+        int rc = capture_violation(s);
+        pthread_mutex_unlock(&s->mu);
+        return rc;
+    }
     void *v = mp_ptrmap_remove(&s->reservations, va);
     if (!v || (size_t)(uintptr_t)v != nbytes) s->num_errors++;
+    pthread_mutex_unlock(&s->mu);
+    return MP_OK;
+}
+
+static int sim_stream_capturing(void *ctx, uintptr_t stream, int *capturing) {
+    mp_sim *s = ctx;
+    pthread_mutex_lock(&s->mu);
+    *capturing = is_capturing(s, stream);
     pthread_mutex_unlock(&s->mu);
     return MP_OK;
 }
@@ -432,6 +578,8 @@ static void sim_destroy(void *ctx) {
     mp_ptrmap_destroy(&s->pages);
     for (size_t i = 0; i < s->nstreams; i++) free(s->streams[i].waits);
     free(s->streams);
+    free(s->shash);
+    free(s->free_slots);
     for (size_t i = 0; i < s->nevents; i++) free(s->events[i].deps);
     free(s->events);
     pthread_cond_destroy(&s->hold_cv);
@@ -468,6 +616,7 @@ int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
     up->stream_synchronize = sim_stream_synchronize;
     up->stream_query = sim_stream_query;
     up->device_synchronize = sim_device_synchronize;
+    up->stream_capturing = sim_stream_capturing;
     up->mem_info = sim_mem_info;
     up->granularity = granularity;
     up->va_reserve = sim_va_reserve;
@@ -479,6 +628,14 @@ int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
 }
 
 /* ---------------------------------------------------------------- test controls */
+
+/* The free-slot list with room for one more, or NULL (the list unchanged). */
+static size_t *realloc_slots(mp_sim *s) {
+    size_t cap = s->cap_free_slots ? 2 * s->cap_free_slots : 16;
+    size_t *grown = realloc(s->free_slots, cap * sizeof *grown);
+    if (grown) s->cap_free_slots = cap;
+    return grown;
+}
 
 uint64_t mp_sim_launch(mp_sim *s, uintptr_t stream) {
     pthread_mutex_lock(&s->mu);
@@ -522,14 +679,65 @@ void mp_sim_stream_info(mp_sim *s, uintptr_t stream, uint64_t *submitted, uint64
     pthread_mutex_unlock(&s->mu);
 }
 
+int mp_sim_destroy_stream(mp_sim *s, uintptr_t stream) {
+    pthread_mutex_lock(&s->mu);
+    size_t *slot = s->shash ? shash_find(s, stream) : NULL;
+    int rc = MP_EINVAL;
+    if (slot && *slot) {
+        size_t i = *slot - 1;
+        rc = MP_ENOMEM;
+        if (s->nfree_slots == s->cap_free_slots) {
+            size_t *grown = realloc_slots(s);
+            if (grown) s->free_slots = grown;
+        }
+        if (s->nfree_slots < s->cap_free_slots) {
+            /* Its queued work runs to the end, as after cudaStreamDestroy; the counters
+             * stay with the slot, so events recorded on it stay complete when it is reused. */
+            complete_upto(s, i, s->streams[i].submitted);
+            s->streams[i].nwaits = 0;
+            if (s->streams[i].capturing) {   /* a destroyed stream's capture ends with it */
+                s->streams[i].capturing = 0;
+                s->streams[i].broken = 0;
+                s->ncapturing--;
+            }
+            shash_remove(s, slot);
+            s->free_slots[s->nfree_slots++] = i;
+            rc = MP_OK;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+void mp_sim_fail_events(mp_sim *s, unsigned n) {
+    pthread_mutex_lock(&s->mu);
+    s->fail_events = n;
+    pthread_mutex_unlock(&s->mu);
+}
+
+size_t mp_sim_num_streams(mp_sim *s) {
+    pthread_mutex_lock(&s->mu);
+    size_t n = s->shash_count;
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
 mp_budget *mp_sim_budget(mp_sim *s) { return &s->budget; }
 void mp_sim_lock(mp_sim *s) { pthread_mutex_lock(&s->mu); }
 void mp_sim_unlock(mp_sim *s) { pthread_mutex_unlock(&s->mu); }
-void mp_sim_hold_allocs(mp_sim *s, unsigned n, unsigned timeout_ms) {
+static void set_hold(mp_sim *s, unsigned *next, unsigned n, unsigned timeout_ms) {
     pthread_mutex_lock(&s->mu);
-    s->hold_next = n;
+    *next = n;
     s->hold_timeout_ms = timeout_ms;
     pthread_mutex_unlock(&s->mu);
+}
+
+void mp_sim_hold_allocs(mp_sim *s, unsigned n, unsigned timeout_ms) {
+    set_hold(s, &s->hold_next, n, timeout_ms);
+}
+
+void mp_sim_hold_syncs(mp_sim *s, unsigned n, unsigned timeout_ms) {
+    set_hold(s, &s->hold_syncs_next, n, timeout_ms);
 }
 
 unsigned mp_sim_held(mp_sim *s) {
@@ -627,4 +835,47 @@ uint64_t mp_sim_access_mask(mp_sim *s, uintptr_t addr, size_t nbytes) {
 out:
     pthread_mutex_unlock(&s->mu);
     return mask;
+}
+
+/* ---------------------------------------------------------------- graph capture */
+
+int mp_sim_begin_capture(mp_sim *s, uintptr_t stream) {
+    if (stream == 0 || stream == 1) return MP_EINVAL;   /* the legacy stream cannot capture */
+    pthread_mutex_lock(&s->mu);
+    size_t si = stream_index(s, stream);
+    int rc = si == SIZE_MAX ? MP_ENOMEM : s->streams[si].capturing ? MP_EBUSY : MP_OK;
+    if (rc == MP_OK) {
+        s->streams[si].capturing = 1;
+        s->streams[si].broken = 0;
+        s->ncapturing++;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+int mp_sim_end_capture(mp_sim *s, uintptr_t stream) {
+    pthread_mutex_lock(&s->mu);
+    int rc = MP_EINVAL;
+    sim_stream *st = live_stream(s, stream);
+    if (st && st->capturing) {
+        st->capturing = 0;
+        s->ncapturing--;
+        rc = st->broken ? MP_EUPSTREAM : MP_OK;
+        st->broken = 0;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+int mp_sim_is_capturing(mp_sim *s, uintptr_t stream) {
+    int capturing = 0;
+    sim_stream_capturing(s, stream, &capturing);
+    return capturing;
+}
+
+void mp_sim_capture_counts(mp_sim *s, uint64_t *violations, uint64_t *allocs) {
+    pthread_mutex_lock(&s->mu);
+    *violations = s->capture_violations;
+    *allocs = s->capture_allocs;
+    pthread_mutex_unlock(&s->mu);
 }

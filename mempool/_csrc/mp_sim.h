@@ -34,9 +34,17 @@ void mp_sim_unlock(mp_sim *sim);
  * as a driver call that blocks, until mp_sim_release_held or `timeout_ms` (then counted in
  * mp_sim_hold_timeouts). Tests see with it what runs while a pool waits on its upstream. */
 void mp_sim_hold_allocs(mp_sim *sim, unsigned n, unsigned timeout_ms);
+/* The same for the next `n` stream synchronizations. */
+void mp_sim_hold_syncs(mp_sim *sim, unsigned n, unsigned timeout_ms);
 unsigned mp_sim_held(mp_sim *sim);         /* allocations waiting now */
 void mp_sim_release_held(mp_sim *sim);     /* let every waiting one go */
 uint64_t mp_sim_hold_timeouts(mp_sim *sim);
+/* A stream goes away, as with cudaStreamDestroy: its queued work completes, and its id may
+ * name a new stream later. MP_EINVAL for a stream the sim never saw. */
+int mp_sim_destroy_stream(mp_sim *sim, uintptr_t stream);
+size_t mp_sim_num_streams(mp_sim *sim);                   /* streams the sim tracks now */
+/* The next `n` event records fail (MP_EUPSTREAM), to test the paths without an event. */
+void mp_sim_fail_events(mp_sim *sim, unsigned n);
 size_t mp_sim_live_segments(mp_sim *sim);
 size_t mp_sim_mapped_bytes(mp_sim *sim);
 uint64_t mp_sim_num_syncs(mp_sim *sim);
@@ -45,6 +53,25 @@ uint64_t mp_sim_num_event_records(mp_sim *sim);
 uint64_t mp_sim_num_waits(mp_sim *sim);
 uint64_t mp_sim_num_errors(mp_sim *sim);   /* contract breaches seen (double map, bad free) */
 size_t mp_sim_live_events(mp_sim *sim);
+
+/* ---- CUDA graph capture (docs/architecture.md, Note [Graph capture]) ---- */
+/* Make `stream` capture, as cuStreamBeginCapture in the driver's global mode: until
+ * mp_sim_end_capture, every call a real driver refuses during a capture or that would break
+ * it fails with MP_EUPSTREAM, is counted (mp_sim_capture_violations) and invalidates every
+ * capture under way: a sync or query of any stream, a device sync, a query of any event (one
+ * recorded on a capturing stream stays unqueryable after the capture too, until recorded
+ * again), a capturing stream waiting on an event recorded outside or another stream waiting
+ * on a captured event, a segment free, an unmap or an address release. Segment allocations
+ * on a capturing stream are made outside the graph, as the CUDA upstream's cuMemAlloc
+ * (counted in mp_sim_capture_allocs); page maps are allowed. MP_EINVAL for the legacy
+ * stream (0, 1), MP_EBUSY when it captures already. */
+int mp_sim_begin_capture(mp_sim *sim, uintptr_t stream);
+/* MP_OK when the capture stayed valid, MP_EUPSTREAM when a violation invalidated it (it ends
+ * either way), MP_EINVAL when the stream was not capturing. */
+int mp_sim_end_capture(mp_sim *sim, uintptr_t stream);
+int mp_sim_is_capturing(mp_sim *sim, uintptr_t stream);
+/* The violations counted, and the segments allocated outside a graph, so far. */
+void mp_sim_capture_counts(mp_sim *sim, uint64_t *violations, uint64_t *allocs);
 
 /* ---- several devices (see docs/multigpu.md) ---- */
 /* Make the sim device ordinal `device` (0 at creation): its addresses move to that device's

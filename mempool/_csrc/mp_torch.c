@@ -25,6 +25,7 @@
 #include <stdio.h>
 
 #include "mp_assert.h"
+#include "mp_cuda.h"
 #include "mp_torch.h"
 
 typedef struct mp_torch_slot {
@@ -246,3 +247,210 @@ void *mempool_torch_base_alloc(void *ptr, size_t *size) {
     }
     return ptr;
 }
+
+/* ---- the table of the C++ allocator (Note [Torch allocator glue]) ------------------------ */
+
+static int api_alloc(int device, size_t nbytes, uintptr_t stream, uintptr_t *out) {
+    if (!valid_device(device)) return MP_EINVAL;
+    mp_torch_slot *s = &slots[device];
+    for (;;) {
+        mp_pool *p = LOAD(s->pool);
+        if (!p) return MP_EINVAL;
+        int rc = mp_alloc_torch(p, nbytes, stream, out);
+        if (rc != MP_ERETIRED) {
+            if (rc != MP_OK) ADD(s->failed, 1);
+            return rc;
+        }
+        sched_yield();   /* retired since it was read: the change swaps the slot next */
+    }
+}
+
+static void api_free(int device, uintptr_t ptr) {
+    if (!ptr || !valid_device(device)) return;
+    mp_pool *p = LOAD(slots[device].pool);   /* the block's own count pins the pool */
+    if (p) (void)mp_free(p, ptr, 0, 0);
+}
+
+static int api_find_device(uintptr_t ptr) {
+    int top = LOAD(max_device);
+    for (int d = 0; d <= top; d++) {
+        mp_torch_slot *s = &slots[d];
+        mp_pool *p = slot_enter(s);
+        if (!p) continue;
+        size_t nbytes, requested;
+        uintptr_t stream;
+        int rc = mp_block_info(p, ptr, &nbytes, &requested, &stream);
+        slot_exit(s);
+        if (rc == MP_OK) return d;
+    }
+    return -1;
+}
+
+/* Run `body` with the device's pool `p` entered (Note [Torch table lifetime]). */
+#define WITH_SLOT(device, body)                           \
+    do {                                                  \
+        if (!valid_device(device)) return MP_EINVAL;      \
+        mp_torch_slot *s_ = &slots[device];               \
+        mp_pool *p = slot_enter(s_);                      \
+        if (!p) return MP_EINVAL;                         \
+        body;                                             \
+        slot_exit(s_);                                    \
+    } while (0)
+
+static int api_record_stream(int device, uintptr_t ptr, uintptr_t stream) {
+    int rc;
+    WITH_SLOT(device, rc = mp_record_stream(p, ptr, stream));
+    return rc;
+}
+
+static int api_base_allocation(int device, uintptr_t ptr, uintptr_t *base, size_t *nbytes) {
+    int rc;
+    size_t requested;
+    uintptr_t stream;
+    /* Each block is its own base: the core may split a segment between blocks of
+     * different streams, and PyTorch uses the base only to share or to offset within it. */
+    WITH_SLOT(device, rc = mp_block_info(p, ptr, nbytes, &requested, &stream));
+    if (rc == MP_OK) *base = ptr;
+    return rc;
+}
+
+static int api_stats(int device, mp_stats *out) {
+    WITH_SLOT(device, mp_get_stats(p, out));
+    return MP_OK;
+}
+
+static int api_reset_peak_stats(int device) {
+    WITH_SLOT(device, mp_reset_peak_stats(p));
+    return MP_OK;
+}
+
+static int api_reset_accumulated_stats(int device) {
+    WITH_SLOT(device, mp_reset_accumulated_stats(p));
+    return MP_OK;
+}
+
+static int api_empty_cache(int device) {
+    int rc;
+    WITH_SLOT(device, rc = mp_empty_cache(p));
+    return rc;
+}
+
+static int api_memory_figures(int device, size_t figures[MP_TORCH_FIGURES]) {
+    WITH_SLOT(device, {
+        figures[0] = mp_reserved_bytes(p);
+        figures[1] = mp_used_bytes(p);
+        figures[2] = mp_cached_bytes(p);
+        figures[3] = mp_largest_free_block(p);
+        figures[4] = mp_pool_config(p)->limit;
+        figures[5] = mp_capacity(p);
+        figures[6] = mp_pool_config(p)->max_split_size;
+    });
+    return MP_OK;
+}
+
+static int api_set_limit(int device, size_t limit) {
+    int rc;
+    WITH_SLOT(device, rc = mp_set_limit(p, limit));
+    return rc;
+}
+
+static int api_mem_info(int device, size_t *free_bytes, size_t *total_bytes) {
+    int rc;
+    WITH_SLOT(device, {
+        mp_upstream *up = mp_pool_upstream(p);
+        rc = up->mem_info ? up->mem_info(up->ctx, free_bytes, total_bytes) : MP_EUNSUPPORTED;
+    });
+    return rc;
+}
+
+static int api_layout(int device, mp_layout *out) {
+    int rc;
+    WITH_SLOT(device, rc = mp_layout_take(p, out));
+    return rc;
+}
+
+static int api_enable_peer_access(int owner_device, int peer_device) {
+    int rc;
+    char err[256];
+    WITH_SLOT(owner_device, {
+        mp_upstream *up = mp_pool_upstream(p);
+        rc = up->destroy && up->name && up->name[0] == 'c'
+                 ? mp_cuda_enable_peer_access(up, peer_device, err, sizeof err)
+                 : MP_EUNSUPPORTED;
+    });
+    return rc;
+}
+
+static int api_capture_begin(int device) {
+    int rc;
+    WITH_SLOT(device, rc = mp_capture_begin(p));
+    return rc;
+}
+
+static int api_capture_end(int device) {
+    int rc;
+    WITH_SLOT(device, rc = mp_capture_end(p));
+    return rc;
+}
+
+static int api_private_pool_create(int device, mp_pool **out) {
+    int rc;
+    WITH_SLOT(device, {
+        mp_upstream up;
+        rc = mp_cuda_plain_upstream(mp_pool_upstream(p), &up);
+        if (rc == MP_OK) {
+            /* The device pool's size policy; nothing given back on its own (a graph's
+             * memory must stay where the graph recorded it), and no stream waits to take
+             * another stream's blocks: a private pool serves its graph's streams. */
+            mp_config cfg = *mp_pool_config(p);
+            cfg.release_threshold = MP_UNLIMITED;
+            cfg.limit = MP_UNLIMITED;
+            cfg.initial_pool_size = 0;
+            cfg.gc_threshold = 0.0;
+            cfg.expandable_segments = 0;
+            cfg.cross_stream_reuse = 0;
+            rc = mp_pool_create(&cfg, &up, out);
+        }
+    });
+    return rc;
+}
+
+static const mp_torch_api api = {
+    .version = MP_TORCH_API_VERSION,
+    .max_devices = MP_TORCH_MAX_DEVICES,
+    .struct_size = sizeof(mp_torch_api),
+    .alloc = api_alloc,
+    .free = api_free,
+    .find_device = api_find_device,
+    .record_stream = api_record_stream,
+    .base_allocation = api_base_allocation,
+    .stats = api_stats,
+    .reset_peak_stats = api_reset_peak_stats,
+    .reset_accumulated_stats = api_reset_accumulated_stats,
+    .empty_cache = api_empty_cache,
+    .memory_figures = api_memory_figures,
+    .set_limit = api_set_limit,
+    .mem_info = api_mem_info,
+    .layout = api_layout,
+    .enable_peer_access = api_enable_peer_access,
+    .capture_begin = api_capture_begin,
+    .capture_end = api_capture_end,
+    .private_pool_create = api_private_pool_create,
+    .pool_alloc = mp_alloc,
+    .pool_free = mp_free,
+    .pool_alloc_at = mp_alloc_at,
+    .pool_record_stream = mp_record_stream,
+    .pool_block_info = mp_block_info,
+    .pool_stats = mp_get_stats,
+    .pool_reset_peak_stats = mp_reset_peak_stats,
+    .pool_reset_accumulated_stats = mp_reset_accumulated_stats,
+    .pool_empty_cache = mp_empty_cache,
+    .pool_used_bytes = mp_used_bytes,
+    .pool_reserved_bytes = mp_reserved_bytes,
+    .pool_largest_free_block = mp_largest_free_block,
+    .pool_layout = mp_layout_take,
+    .layout_free = mp_layout_free,
+    .pool_release = mp_pool_release,
+};
+
+const mp_torch_api *mp_torch_api_table(void) { return &api; }

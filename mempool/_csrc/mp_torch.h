@@ -62,4 +62,70 @@ MP_TORCH_API void mempool_torch_memory_fraction(double fraction, int device);
  * itself, with *size set to the block's size (unchanged for an unknown pointer). */
 MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
 
+/* ---- the table of the C++ allocator (glue/torch_allocator.cpp) --------------------------- */
+
+/* Note [Torch allocator glue] (docs/architecture.md): `mempool.torch.install` builds a C++
+ * class against the installed PyTorch's headers, implementing every method of PyTorch's
+ * CUDAAllocator (statistics, OOM, cacheInfo, snapshots, history, graph pools). It reaches
+ * the core only through this table, handed over as an address: the extension is loaded with
+ * RTLD_LOCAL, so its symbols are not visible to another shared object, and a versioned
+ * table keeps the two builds honest with each other. Every function is safe without the
+ * GIL and from any thread; per-device ones route through the device table above
+ * (MP_EINVAL for a device with no pool). */
+#define MP_TORCH_API_VERSION 1
+#define MP_TORCH_FIGURES 7
+
+typedef struct mp_torch_api {
+    int version;            /* MP_TORCH_API_VERSION */
+    int max_devices;        /* MP_TORCH_MAX_DEVICES */
+    size_t struct_size;     /* sizeof(mp_torch_api) */
+    /* Data path of the device table: the code, not a NULL and a line on stderr. */
+    int (*alloc)(int device, size_t nbytes, uintptr_t stream, uintptr_t *out);
+    void (*free)(int device, uintptr_t ptr);
+    /* The device whose pool holds the live block at ptr, or -1. */
+    int (*find_device)(uintptr_t ptr);
+    int (*record_stream)(int device, uintptr_t ptr, uintptr_t stream);
+    int (*base_allocation)(int device, uintptr_t ptr, uintptr_t *base, size_t *nbytes);
+    /* Per device. */
+    int (*stats)(int device, mp_stats *out);
+    int (*reset_peak_stats)(int device);
+    int (*reset_accumulated_stats)(int device);
+    int (*empty_cache)(int device);
+    /* Figures for reports, in this order: reserved, used, cached, largest free block,
+     * limit, capacity, max_split_size (MP_UNLIMITED for none). */
+    int (*memory_figures)(int device, size_t figures[MP_TORCH_FIGURES]);
+    int (*set_limit)(int device, size_t limit);
+    int (*mem_info)(int device, size_t *free_bytes, size_t *total_bytes);
+    int (*layout)(int device, mp_layout *out);
+    int (*enable_peer_access)(int owner_device, int peer_device);
+    /* Note [Graph capture]: tell the device's pool that a capture is (no longer) under way,
+     * so that it makes no call a global-mode capture refuses, whatever stream it serves. */
+    int (*capture_begin)(int device);
+    int (*capture_end)(int device);
+    /* Separate pools (CUDA-graph and MemPool private pools) on a device: plain segments
+     * that are legal to allocate during stream capture, the device pool's size policy,
+     * nothing released until empty_cache. The caller owns the reference. */
+    int (*private_pool_create)(int device, mp_pool **out);
+    int (*pool_alloc)(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
+    int (*pool_free)(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream);
+    int (*pool_alloc_at)(mp_pool *p, uintptr_t ptr, size_t nbytes, uintptr_t stream);
+    int (*pool_record_stream)(mp_pool *p, uintptr_t ptr, uintptr_t stream);
+    int (*pool_block_info)(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested,
+                           uintptr_t *stream);
+    void (*pool_stats)(mp_pool *p, mp_stats *out);
+    void (*pool_reset_peak_stats)(mp_pool *p);
+    void (*pool_reset_accumulated_stats)(mp_pool *p);
+    int (*pool_empty_cache)(mp_pool *p);
+    size_t (*pool_used_bytes)(mp_pool *p);
+    size_t (*pool_reserved_bytes)(mp_pool *p);
+    size_t (*pool_largest_free_block)(mp_pool *p);
+    int (*pool_layout)(mp_pool *p, mp_layout *out);
+    void (*layout_free)(mp_layout *l);
+    void (*pool_release)(mp_pool *p);
+} mp_torch_api;
+
+/* The table (static storage, never freed). */
+const mp_torch_api *mp_torch_api_table(void);
+
+
 #endif

@@ -66,6 +66,14 @@ typedef struct mp_upstream {
     /* Block the host until all work on the device has completed (optional, may be NULL).
      * Needs no stream handle: the pool uses it at destroy, when streams it saw may be gone. */
     int (*device_synchronize)(void *ctx);
+    /* Whether `stream` is capturing a CUDA graph now: *capturing = 1 or 0, MP_OK; an error
+     * code when the upstream cannot tell (the core then takes the stream as capturing).
+     * Optional, may be NULL: the upstream's streams never capture (host). Never itself
+     * breaks a capture. While a stream captures, segment_alloc on it must give a segment
+     * outside the graph (not a graph allocation node), and segment_free of that segment
+     * must not be stream-ordered; the core makes no other call that a capture refuses
+     * (docs/architecture.md, Note [Graph capture]). */
+    int (*stream_capturing)(void *ctx, uintptr_t stream, int *capturing);
 
     /* Device memory: *free_bytes and *total_bytes as the device reports them. */
     int (*mem_info)(void *ctx, size_t *free_bytes, size_t *total_bytes);

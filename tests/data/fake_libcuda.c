@@ -108,8 +108,14 @@ CUresult cuGetErrorString(CUresult r, const char **s) {
     *s = "fake driver error";
     return OK;
 }
+static uintptr_t capturing_stream;   /* graph capture, below: the stream capturing, or 0 */
+static int capture_counts[10];
+static __thread int capture_mode;   /* the thread's capture mode: 0 global .. 2 relaxed */
+
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, void *pool, void *stream) {
-    (void)pool; (void)stream;
+    (void)pool;
+    capture_counts[3]++;
+    if (capturing_stream && (uintptr_t)stream == capturing_stream) capture_counts[2]++;
     *p = next_seg;
     next_seg += (n + GRAN - 1) / GRAN * GRAN;
     return OK;
@@ -117,7 +123,11 @@ CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, void *pool, void *str
 CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, void *stream) {
     return cuMemAllocFromPoolAsync(p, n, NULL, stream);
 }
-CUresult cuMemFreeAsync(CUdeviceptr p, void *stream) { (void)p; (void)stream; return OK; }
+CUresult cuMemFreeAsync(CUdeviceptr p, void *stream) {
+    (void)p; (void)stream;
+    capture_counts[5]++;
+    return OK;
+}
 CUresult cuMemPoolDestroy(void *pool) { (void)pool; return OK; }
 CUresult cuEventCreate(void **e, unsigned flags) {
     (void)flags;
@@ -145,6 +155,7 @@ CUresult cuMemAddressReserve(CUdeviceptr *p, size_t n, size_t align, CUdeviceptr
                              unsigned long long flags) {
     (void)align; (void)addr; (void)flags;
     if (n % GRAN) return INVALID_VALUE;
+    capture_counts[9] += capture_mode == 2;
     *p = next_va;
     next_va += n + GRAN;   /* a gap: reservations are never adjacent */
     return OK;
@@ -172,6 +183,7 @@ CUresult cuMemMap(CUdeviceptr p, size_t n, size_t offset, unsigned long long h,
                   unsigned long long flags) {
     (void)offset; (void)flags;
     if (n != GRAN || p % GRAN || page_index(p) >= 0) return INVALID_VALUE;
+    capture_counts[8] += capture_mode == 2;
     if (h == 0 || h >= MAX_HANDLES || !handles[h].used) return INVALID_VALUE;
     for (int i = 0; i < MAX_PAGES; i++)
         if (!pages[i].used) {
@@ -256,5 +268,41 @@ CUresult cuMemPoolGetAccess(int *flags, void *pool, Loc *loc) {
     size_t i = (uintptr_t)pool - 0x5000;
     if (i >= (size_t)npools || loc->id < 0 || loc->id >= NDEV) return INVALID_VALUE;
     *flags = pools[i].mask >> loc->id & 1 ? 3 : 0;
+    return OK;
+}
+
+/* ---- graph capture (Note [Capture segments] in mp_cuda.c) ---- */
+
+/* Make `stream` capture (0: end the capture). */
+void fake_begin_capture(uintptr_t stream) { capturing_stream = stream; }
+/* Counts: 0 cuMemAlloc, 1 of those in relaxed mode, 2 cuMemAllocFromPoolAsync on the
+ * capturing stream, 3 cuMemAllocFromPoolAsync, 4 cuMemFree, 5 cuMemFreeAsync, 6 cuMemFree
+ * while a capture runs, 8 cuMemMap and 9 cuMemAddressReserve in relaxed mode; 7: the calling
+ * thread's capture mode now. */
+int fake_capture_count(int what) { return what == 7 ? capture_mode : capture_counts[what]; }
+
+CUresult cuStreamIsCapturing(void *stream, int *status) {
+    /* The legacy stream cannot be asked while another stream captures. */
+    if (!stream && capturing_stream) return 906;   /* CUDA_ERROR_STREAM_CAPTURE_IMPLICIT */
+    *status = capturing_stream && (uintptr_t)stream == capturing_stream;
+    return OK;
+}
+CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
+    int old = capture_mode;
+    capture_mode = *mode;
+    *mode = old;
+    return OK;
+}
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
+    capture_counts[0]++;
+    capture_counts[1] += capture_mode == 2;
+    *p = next_seg;
+    next_seg += (n + GRAN - 1) / GRAN * GRAN;
+    return OK;
+}
+CUresult cuMemFree_v2(CUdeviceptr p) {
+    (void)p;
+    capture_counts[4]++;
+    capture_counts[6] += capturing_stream != 0;
     return OK;
 }

@@ -143,3 +143,36 @@ def test_release_threshold_keeps_a_busy_streams_pages_and_never_syncs(cuda_pool,
     pool.set_release_threshold(0)                          # a check now finds s idle
     assert pool.reserved_bytes() == 0
     pool.check_invariants()
+
+
+def test_forgotten_streams_give_their_ranges_back_to_the_driver(cuda_pool, cupy_device):
+    """Note [Forgotten streams] on the driver: each stream's range (cuMemAddressReserve of the
+    device's size) is unmapped and freed at forget_stream, before the stream is destroyed;
+    a block kept past its stream's end stays usable on the legacy stream."""
+    cupy = cupy_device
+    pool = cuda_pool(expandable_segments=True, cross_stream_reuse=False)
+    pool.free(pool.alloc(MiB, stream=0))
+    base = pool.stats()
+    kept = None
+    for i in range(200):
+        s = cupy.cuda.Stream(non_blocking=True)
+        p = pool.alloc(MiB, stream=s.ptr)
+        cupy.cuda.runtime.memsetAsync(p, i & 0xFF, MiB, s.ptr)
+        if i == 100:
+            kept = p
+        else:
+            pool.free(p)
+        pool.forget_stream(s.ptr)
+        del s
+    st = pool.stats()
+    assert st["num_streams"] == 1
+    # The range that still holds `kept` stays (the legacy stream has its own: it goes once
+    # nothing in it is mapped); every other stream's range went back.
+    assert st["va_reserved_bytes.current"] == 2 * base["va_reserved_bytes.current"]
+    host = cupy.empty(MiB, dtype=cupy.uint8)
+    cupy.cuda.runtime.memcpy(host.data.ptr, kept, MiB, 3)   # device to device
+    assert int(host[0]) == 100 and int(host[-1]) == 100
+    pool.free(kept)
+    pool.empty_cache()                      # nothing mapped in it now: the range goes
+    assert pool.stats()["va_reserved_bytes.current"] == base["va_reserved_bytes.current"]
+    pool.check_invariants()

@@ -1,7 +1,7 @@
 """Where a ``torch.empty`` + drop through ``mempool.torch.install`` spends its time, in a
 fresh process (PyTorch picks its allocator once per process).
 
-    python bench/torch_empty_probe.py [--tree DIR] [--options JSON] [--pairs N]
+    python mempool/bench/torch_empty_probe.py [--tree DIR] [--options JSON] [--pairs N]
 
 Prints one JSON object: the median ns of a ``torch.empty(512, uint8)`` + drop over 5 rounds;
 the same pair of PyTorch entry points called through ctypes (mostly ctypes' own cost: a

@@ -199,6 +199,8 @@ def mempool_cloop(backend):
 
 def mempool_malloc(backend):
     """The CuPy hook: ``pool.malloc(n)`` returns a MemoryPointer; dropping it frees."""
+    pytest.importorskip("cupy", reason="CuPy is not installed (the hook returns CuPy "
+                                       "MemoryPointers)")
     pool = new_pool(backend)
     return Contender(pool.malloc, check=pool_check(pool), info=pool_info(pool),
                      close=pool_close(pool))

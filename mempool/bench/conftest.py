@@ -10,6 +10,12 @@ import pytest
 from .benchkit import gpu_available, pairs_for
 
 
+def pytest_configure(config):
+    # Registered here as well as in pyproject.toml: an installed package runs the suite
+    # without the project's configuration.
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+
+
 @pytest.fixture
 def pairs(benchmark):
     """Pairs per timed round (a handful when benchmarks are disabled)."""

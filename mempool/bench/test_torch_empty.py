@@ -1,5 +1,5 @@
 """``torch.empty`` through mempool's pluggable allocator against PyTorch's own caching
-allocator, each in a fresh process (bench/torch_empty_child.py says why), by size.
+allocator, each in a fresh process (mempool/bench/torch_empty_child.py says why), by size.
 
 The figures are the children's own timings (the same loop shape and round count as the rest
 of the suite), the best of REPEATS children per allocator run alternately;

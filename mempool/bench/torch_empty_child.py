@@ -1,6 +1,6 @@
 """Time ``torch.empty(n, dtype=uint8, device="cuda")`` + drop in a process of its own.
 
-    python bench/torch_empty_child.py {caching,mempool} ROUNDS PAIRS SIZE [SIZE ...]
+    python mempool/bench/torch_empty_child.py {caching,mempool} ROUNDS PAIRS SIZE [SIZE ...]
 
 PyTorch reads its allocator once, before the first CUDA allocation, so the pluggable
 allocator (``mempool.torch.install``) and PyTorch's own caching allocator are each timed in

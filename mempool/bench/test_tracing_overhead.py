@@ -12,7 +12,7 @@ recording
 - ``on``: enabled, a ring of 65,536 entries (three entries per pair: alloc,
   free_requested, free_completed).
 
-Run ``pytest bench/test_tracing_overhead.py --benchmark-enable`` for pytest-benchmark's
+Run ``pytest mempool/bench/test_tracing_overhead.py --benchmark-enable`` for pytest-benchmark's
 tables, and ``-s`` to print the interleaved comparison (``test_tracing_off_costs_nothing``),
 which times the pools side by side with a second never-enabled pool as the control for the
 noise, and reports how far ``off`` is from ``never`` (a figure, not a pass/fail: timings

@@ -1,0 +1,20 @@
+# The pool's capture counter (docs/architecture.md, Note [Graph capture]). Native glue
+# (PyTorch's) calls mp_capture_begin/mp_capture_end itself; these are their Python faces,
+# for tests and for code that captures on one thread while others allocate.
+
+
+def _capture_begin(Pool pool not None):
+    """Tell ``pool`` that a CUDA graph capture is about to start (counted; see
+    :func:`_capture_end`): until then it releases nothing, makes no stream sync, event query
+    or cross-stream reuse, and defers frees with recorded streams."""
+    pool._ready()
+    if mp_capture_begin(pool._pool) != MP_OK:
+        raise ValueError("_capture_begin: too many captures under way")
+
+
+def _capture_end(Pool pool not None):
+    """Tell ``pool`` that a capture it was told of has ended; when none is left, deferred
+    frees and releases happen now. ``ValueError`` when none was begun."""
+    pool._ready()
+    if mp_capture_end(pool._pool) != MP_OK:
+        raise ValueError("_capture_end: no capture was begun on this pool")

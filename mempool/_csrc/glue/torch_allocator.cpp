@@ -1,0 +1,1055 @@
+// PyTorch's CUDA allocator over mempool pools: every method of c10's CUDAAllocator.
+//
+// Note [Torch allocator glue] (docs/architecture.md). PyTorch's CUDAPluggableAllocator
+// forwards only malloc and free; its statistics, cacheInfo (cuDNN benchmark), history and
+// graph-pool methods throw. This class implements the whole interface of the installed
+// PyTorch, is compiled against that PyTorch's headers (mempool/torch_build.py) and reaches
+// the pools only through the C table of mp_torch.h, so the core knows nothing of PyTorch:
+//   - allocations on the current stream go to the device's pool (the device table), or to a
+//     private pool while a CUDA graph captures or a MemPool is in use on this thread;
+//   - statistics are the core's counters, which already have PyTorch's meaning, summed over
+//     the device's pool and its private pools;
+//   - out of memory throws c10::OutOfMemoryError (torch.OutOfMemoryError in Python) with the
+//     pool's explanation, after the OOM observers ran; the pool is unchanged;
+//   - history and snapshots are kept here, in PyTorch's structures, so torch.cuda.memory
+//     ._snapshot() and memory_viz read them unchanged.
+// Lock order: history_mu_ and pools_mu_ are never held while calling into a pool whose
+// call may block for long (segment allocation); neither is held while the other is taken.
+
+#include <c10/core/Allocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/ApproximateClock.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cinttypes>
+#include <cstdio>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+extern "C" {
+#include "../mp_torch.h"
+}
+
+namespace {
+
+using c10::CachingDeviceAllocator::BlockInfo;
+using c10::CachingDeviceAllocator::DeviceStats;
+using c10::CachingDeviceAllocator::RecordContext;
+using c10::CachingDeviceAllocator::SegmentInfo;
+using c10::CachingDeviceAllocator::TraceEntry;
+using c10::cuda::CUDACachingAllocator::CUDAAllocator;
+using CreateContextFn = c10::CachingDeviceAllocator::CreateContextFn;
+using c10::MempoolId_t;
+
+const mp_torch_api* api = nullptr;
+
+// Low bits of a DataPtr's context say where the block lives; blocks are 512-byte aligned.
+constexpr uintptr_t kTagMask = 511;
+constexpr uintptr_t kTagPrivate = 256;   // a private pool's block: look it up in the map
+
+std::string fmt_size(size_t n) {
+  // PyTorch's format_size style: "20.00 MiB".
+  char buf[64];
+  if (n == SIZE_MAX) return "unlimited";
+  if (n < 1024) {
+    std::snprintf(buf, sizeof buf, "%zu bytes", n);
+  } else if (n < (size_t(1) << 20)) {
+    std::snprintf(buf, sizeof buf, "%.2f KiB", n / 1024.0);
+  } else if (n < (size_t(1) << 30)) {
+    std::snprintf(buf, sizeof buf, "%.2f MiB", n / 1048576.0);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", n / 1073741824.0);
+  }
+  return buf;
+}
+
+// Messages are built here with snprintf and std::string, and handed to TORCH_CHECK as one
+// string: c10::str of several arguments instantiates iostream code in this library, and on
+// the H200 every error message built that way crashed inside that code (`<< int` in
+// c10::str), while one string is passed through without a stream.
+std::string piece(const char* s) { return s; }
+std::string piece(const std::string& s) { return s; }
+std::string piece(int v) { return std::to_string(v); }
+std::string piece(unsigned long v) { return std::to_string(v); }
+std::string piece(double v) { return std::to_string(v); }
+std::string piece(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return buf;
+}
+template <typename... A>
+std::string cat(const A&... parts) {
+  std::string out;
+  ((out += piece(parts)), ...);
+  return out;
+}
+
+void add_stat(c10::CachingAllocator::Stat& to, const mp_stat& from) {
+  to.current += from.current;
+  to.peak += from.peak;
+  to.allocated += from.allocated;
+  to.freed += from.freed;
+}
+
+void add_stats(DeviceStats& to, const mp_stats& s) {
+  for (int t = 0; t < MP_STAT_TYPES; t++) {
+    add_stat(to.allocation[t], s.allocation[t]);
+    add_stat(to.segment[t], s.segment[t]);
+    add_stat(to.active[t], s.active[t]);
+    add_stat(to.inactive_split[t], s.inactive_split[t]);
+    add_stat(to.allocated_bytes[t], s.allocated_bytes[t]);
+    add_stat(to.reserved_bytes[t], s.reserved_bytes[t]);
+    add_stat(to.active_bytes[t], s.active_bytes[t]);
+    add_stat(to.inactive_split_bytes[t], s.inactive_split_bytes[t]);
+    add_stat(to.requested_bytes[t], s.requested_bytes[t]);
+  }
+  add_stat(to.oversize_allocations, s.oversize_allocations);
+  add_stat(to.oversize_segments, s.oversize_segments);
+  to.num_alloc_retries += static_cast<int64_t>(s.num_alloc_retries);
+  to.num_ooms += static_cast<int64_t>(s.num_ooms);
+  to.num_sync_all_streams += static_cast<int64_t>(s.num_sync_all_streams);
+  to.num_device_alloc += static_cast<int64_t>(s.num_device_alloc);
+  to.num_device_free += static_cast<int64_t>(s.num_device_free);
+}
+
+// A graph's or a MemPool's memory: a core pool of its own (plain segments, legal during
+// capture), or, for a MemPool given its own CUDAAllocator, that allocator.
+struct PrivatePool {
+  MempoolId_t id;
+  int device = 0;
+  mp_pool* pool = nullptr;
+  std::shared_ptr<CUDAAllocator> custom;
+  int use_count = 1;
+  bool use_on_oom = false;
+  int64_t live_blocks = 0;
+};
+
+// Allocations routed to a private pool: a capture (its filter tests the stream) or a
+// MemPool context on one thread.
+struct Route {
+  MempoolId_t id;
+  std::function<bool(cudaStream_t)> filter;
+};
+
+struct CheckpointState : c10::cuda::CUDACachingAllocator::AllocatorState {
+  MempoolId_t id;
+  int device;
+  std::map<uintptr_t, std::pair<size_t, uintptr_t>> blocks;   // address -> (size, stream)
+};
+
+struct IdHash {
+  size_t operator()(const MempoolId_t& id) const {
+    return std::hash<unsigned long long>()(id.first * 1000003ULL ^ id.second);
+  }
+};
+
+void delete_block(void* ctx);
+
+class MempoolAllocator final : public CUDAAllocator {
+ public:
+  // ---- data path ---------------------------------------------------------------------
+  c10::DataPtr allocate(size_t nbytes) override {
+    c10::DeviceIndex device = c10::cuda::current_device();
+    if (nbytes == 0) {
+      return {nullptr, nullptr, &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
+    }
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+    uintptr_t tag = 0;
+    void* ptr = alloc_on(device, nbytes, stream, &tag);
+    return {ptr, reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(ptr) | tag),
+            &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_block; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+  }
+
+  void* raw_alloc(size_t nbytes) override {
+    if (nbytes == 0) return nullptr;
+    c10::DeviceIndex device = c10::cuda::current_device();
+    uintptr_t tag = 0;
+    return alloc_on(device, nbytes, c10::cuda::getCurrentCUDAStream(device).stream(), &tag);
+  }
+
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    if (nbytes == 0) return nullptr;
+    uintptr_t tag = 0;
+    return alloc_on(c10::cuda::current_device(), nbytes, stream, &tag);
+  }
+
+  void raw_delete(void* ptr) override { free_tagged(reinterpret_cast<uintptr_t>(ptr)); }
+
+  // ctx: the block's address with the tag of allocate() in its low bits.
+  void free_tagged(uintptr_t ctx) {
+    uintptr_t ptr = ctx & ~kTagMask;
+    uintptr_t tag = ctx & kTagMask;
+    if (!ptr) return;
+    if (tag == 0 || tag == kTagPrivate) {
+      if (n_private_blocks_.load(std::memory_order_acquire) > 0 && free_private(ptr)) return;
+      if (tag == kTagPrivate) return;   // freed already: PyTorch's precondition was broken
+      int device = api->find_device(ptr);
+      if (device < 0) return;
+      tag = static_cast<uintptr_t>(device) + 1;
+    }
+    int device = static_cast<int>(tag) - 1;
+    if (history_on_.load(std::memory_order_relaxed)) record_free(device, ptr, 0, {0, 0});
+    api->free(device, ptr);
+  }
+
+  void init(int device_count) override { device_count_ = device_count; }
+  bool initialized() override { return true; }
+
+  // ---- limits and caches ---------------------------------------------------------------
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    size_t f[MP_TORCH_FIGURES];
+    check_device(device, api->memory_figures(device, f), "getMemoryFraction");
+    if (f[4] == SIZE_MAX || f[5] == 0) return 1.0;
+    return static_cast<double>(f[4]) / static_cast<double>(f[5]);
+  }
+
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0,
+                cat("invalid fraction: ", fraction, ". Please set within [0, 1]."));
+    size_t f[MP_TORCH_FIGURES];
+    check_device(device, api->memory_figures(device, f), "setMemoryFraction");
+    size_t limit = fraction >= 1.0 ? SIZE_MAX
+                                   : static_cast<size_t>(fraction * static_cast<double>(f[5]));
+    check_device(device, api->set_limit(device, limit), "setMemoryFraction");
+  }
+
+  void emptyCache(MempoolId_t mempool_id) override {
+    if (capturing()) return;   // releases wait for the end of every capture
+    std::vector<mp_pool*> pools;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      collect_freeable_locked();
+      for (auto& [key, pp] : private_) {
+        if (pp->pool && (mempool_id == MempoolId_t{0, 0} || pp->id == mempool_id))
+          pools.push_back(pp->pool);
+      }
+    }
+    for (mp_pool* p : pools) api->pool_empty_cache(p);
+    if (mempool_id == MempoolId_t{0, 0}) {
+      for (int d = 0; d < api->max_devices && d < device_limit(); d++) api->empty_cache(d);
+    }
+  }
+
+  void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
+    // As PyTorch's own: free device memory as the first guess when *largest is 0 (cuDNN
+    // benchmark sizes its workspace from this), then the largest cached block. A pool
+    // limit caps the guess at what the limit still allows.
+    size_t f[MP_TORCH_FIGURES];
+    if (api->memory_figures(device, f) != MP_OK) return;
+    if (*largest == 0) {
+      size_t free_bytes = 0, total = 0;
+      if (api->mem_info(device, &free_bytes, &total) == MP_OK) *largest = free_bytes;
+      if (f[4] != SIZE_MAX) *largest = std::min(*largest, f[4] > f[0] ? f[4] - f[0] : 0);
+    }
+    *largest = std::max(*largest, f[3]);
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    for (auto& [key, pp] : private_)
+      if (pp->pool && pp->device == device)
+        *largest = std::max(*largest, api->pool_largest_free_block(pp->pool));
+  }
+
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      auto it = private_blocks_.find(p);
+      if (it != private_blocks_.end() && it->second->pool) {
+        size_t nbytes = 0, requested = 0;
+        uintptr_t stream = 0;
+        if (api->pool_block_info(it->second->pool, p, &nbytes, &requested, &stream) == MP_OK &&
+            size)
+          *size = nbytes;
+        return ptr;
+      }
+    }
+    int device = api->find_device(p);
+    uintptr_t base = p;
+    size_t nbytes = 0;
+    if (device >= 0 && api->base_allocation(device, p, &base, &nbytes) == MP_OK && size)
+      *size = nbytes;
+    return reinterpret_cast<void*>(base);
+  }
+
+  void recordStream(const c10::DataPtr& data, c10::cuda::CUDAStream stream) override {
+    uintptr_t p = reinterpret_cast<uintptr_t>(data.get());
+    if (!p) return;
+    // Only blocks of this allocator: a tensor from elsewhere (from_blob) has another deleter.
+    if (data.get_deleter() != &delete_block) return;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      auto it = private_blocks_.find(p);
+      if (it != private_blocks_.end()) {
+        if (it->second->pool)
+          api->pool_record_stream(it->second->pool, p, reinterpret_cast<uintptr_t>(stream.stream()));
+        return;
+      }
+    }
+    int device = data.device().index();
+    api->record_stream(device, p, reinterpret_cast<uintptr_t>(stream.stream()));
+  }
+
+  // ---- statistics ------------------------------------------------------------------------
+  DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    DeviceStats out;
+    mp_stats s;
+    check_device(device, api->stats(device, &s), "getDeviceStats");
+    add_stats(out, s);
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      for (auto& [key, pp] : private_) {
+        if (pp->pool && pp->device == device) {
+          api->pool_stats(pp->pool, &s);
+          add_stats(out, s);
+        }
+      }
+    }
+    size_t f[MP_TORCH_FIGURES];
+    if (api->memory_figures(device, f) == MP_OK)
+      out.max_split_size = static_cast<int64_t>(f[6]);   // SIZE_MAX reads -1, as PyTorch's
+    return out;
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    check_device(device, api->reset_accumulated_stats(device), "resetAccumulatedStats");
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    for (auto& [key, pp] : private_)
+      if (pp->pool && pp->device == device) api->pool_reset_accumulated_stats(pp->pool);
+  }
+
+  void resetPeakStats(c10::DeviceIndex device) override {
+    check_device(device, api->reset_peak_stats(device), "resetPeakStats");
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    for (auto& [key, pp] : private_)
+      if (pp->pool && pp->device == device) api->pool_reset_peak_stats(pp->pool);
+  }
+
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    size_t free_bytes = 0, total = 0;
+    check_device(device, api->mem_info(device, &free_bytes, &total), "getMemoryInfo");
+    return {free_bytes, total};
+  }
+
+  std::vector<c10::cuda::CUDACachingAllocator::StreamSegmentSize> getExpandableSegmentSizes(
+      c10::DeviceIndex /*device*/) override {
+    // The pool's expandable segments grow by pages, not by PyTorch's per-stream sizes.
+    return {};
+  }
+
+  void enable(bool value) override {
+    TORCH_CHECK(value, "mempool: the allocator cannot be disabled while installed "
+                       "(torch.cuda.memory._set_allocator_enabled(False) is not supported)");
+  }
+  bool isEnabled() const override { return true; }
+
+  // ---- snapshots and history -----------------------------------------------------------
+  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(MempoolId_t mempool_id,
+                                                         bool include_traces) override {
+    c10::cuda::CUDACachingAllocator::SnapshotInfo info;
+    std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> contexts;
+    {
+      std::lock_guard<std::mutex> lock(history_mu_);
+      contexts = live_contexts_;
+      if (include_traces) {
+        info.device_traces.resize(std::max(device_count_, 1));
+        for (const TraceEntry& e : trace_) {
+          if (e.device_ >= 0 && e.device_ < static_cast<int>(info.device_traces.size()))
+            info.device_traces[e.device_].push_back(e);
+        }
+      }
+    }
+    if (mempool_id == MempoolId_t{0, 0}) {
+      for (int d = 0; d < device_limit(); d++) {
+        mp_layout l;
+        if (api->layout(d, &l) != MP_OK) continue;
+        add_segments(info, l, d, {0, 0}, contexts);
+        api->layout_free(&l);
+      }
+    }
+    std::vector<std::pair<mp_pool*, std::pair<int, MempoolId_t>>> pools;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      for (auto& [key, pp] : private_)
+        if (pp->pool && (mempool_id == MempoolId_t{0, 0} || pp->id == mempool_id))
+          pools.push_back({pp->pool, {pp->device, pp->id}});
+    }
+    for (auto& [pool, where] : pools) {
+      mp_layout l;
+      if (api->pool_layout(pool, &l) != MP_OK) continue;
+      add_segments(info, l, where.first, where.second, contexts);
+      api->layout_free(&l);
+    }
+    size_t f[MP_TORCH_FIGURES];
+    if (api->memory_figures(0, f) == MP_OK) {
+      info.config_metadata.max_split_size = f[6];
+    }
+    info.config_metadata.last_allocator_settings = "mempool";
+    return info;
+  }
+
+  bool isHistoryEnabled() override { return history_on_.load(); }
+
+  void recordHistory(bool enabled, CreateContextFn context_recorder,
+                     size_t alloc_trace_max_entries, RecordContext when, bool clearHistory,
+                     const std::vector<std::string>& skip_actions) override {
+    std::lock_guard<std::mutex> lock(history_mu_);
+    if (clearHistory) {
+      trace_.clear();
+      live_contexts_.clear();
+    }
+    record_when_ = enabled ? when : RecordContext::NEVER;
+    context_recorder_ = enabled ? context_recorder : nullptr;
+    max_entries_ = std::max<size_t>(alloc_trace_max_entries, 1);
+    skip_.clear();
+    for (const std::string& a : skip_actions) skip_.insert(a);
+    while (trace_.size() > max_entries_) trace_.pop_front();
+    history_on_.store(enabled);
+  }
+
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& /*md*/) override {}
+  void pushCompileContext(std::string& md) override {
+    std::lock_guard<std::mutex> lock(history_mu_);
+    compile_contexts_.push_back(md);
+  }
+  void popCompileContext() override {
+    std::lock_guard<std::mutex> lock(history_mu_);
+    if (!compile_contexts_.empty()) compile_contexts_.pop_back();
+  }
+  void setUserMetadata(const std::string& metadata) override {
+    std::lock_guard<std::mutex> lock(history_mu_);
+    user_metadata_ = metadata;
+  }
+  std::string getUserMetadata() override {
+    std::lock_guard<std::mutex> lock(history_mu_);
+    return user_metadata_;
+  }
+
+  void attachOutOfMemoryObserver(
+      c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> lock(history_mu_);
+    oom_observers_.push_back(std::move(observer));
+  }
+
+  void attachAllocatorTraceTracker(
+      c10::CachingDeviceAllocator::AllocatorTraceTracker tracker) override {
+    std::lock_guard<std::mutex> lock(history_mu_);
+    trackers_.push_back(std::move(tracker));
+  }
+
+  // ---- CUDA graphs and MemPools ------------------------------------------------------------
+  void beginAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    PrivatePool* pp = create_or_incref_locked(device, mempool_id, nullptr);
+    (void)pp;
+    auto& routes = routes_[device_slot(device)];
+    for (const Route& r : routes)
+      TORCH_CHECK(r.id != mempool_id, "beginAllocateToPool: already recording to mempool_id");
+    routes.push_back(Route{mempool_id, std::move(filter)});
+    n_routes_[device_slot(device)].fetch_add(1, std::memory_order_release);
+    captures_.fetch_add(1, std::memory_order_acq_rel);
+    // A capture may begin right after this (PyTorch routes first): from now on the device's
+    // pool makes no call a global-mode capture refuses. A MemPool context routes the same
+    // way; for it this only defers the pool's releases until the context ends.
+    (void)api->capture_begin(device);
+  }
+
+  void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    bool found = false;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      auto& routes = routes_[device_slot(device)];
+      for (auto it = routes.begin(); it != routes.end(); ++it) {
+        if (it->id == mempool_id) {
+          routes.erase(it);
+          n_routes_[device_slot(device)].fetch_sub(1, std::memory_order_release);
+          captures_.fetch_sub(1, std::memory_order_acq_rel);
+          found = true;
+          break;
+        }
+      }
+    }
+    TORCH_CHECK(found, "endAllocateToPool: not currently recording to mempool_id");
+    // The pool may now make the releases it deferred: without our lock, it may synchronize.
+    (void)api->capture_end(device);
+  }
+
+  void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    mp_pool* to_empty = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      auto it = private_.find(mempool_id);
+      TORCH_CHECK(it != private_.end(),
+                  cat("releasePool: no pool with this id on device ", static_cast<int>(device)));
+      PrivatePool* pp = it->second.get();
+      TORCH_INTERNAL_ASSERT(pp->use_count > 0);
+      if (--pp->use_count == 0 && pp->pool && !capturing()) to_empty = pp->pool;
+      collect_freeable_locked();
+      if (private_.find(mempool_id) == private_.end()) to_empty = nullptr;   // destroyed
+    }
+    if (to_empty) api->pool_empty_cache(to_empty);
+  }
+
+  int getPoolUseCount(c10::DeviceIndex /*device*/, MempoolId_t mempool_id) override {
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    auto it = private_.find(mempool_id);
+    return it == private_.end() ? 0 : it->second->use_count;
+  }
+
+  void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id,
+                          std::shared_ptr<CUDAAllocator> allocator) override {
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    create_or_incref_locked(device, mempool_id, std::move(allocator));
+  }
+
+  void setUseOnOOM(c10::DeviceIndex /*device*/, MempoolId_t mempool_id, bool use_on_oom) override {
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    auto it = private_.find(mempool_id);
+    TORCH_CHECK(it != private_.end(), "setUseOnOOM: no pool with this id");
+    it->second->use_on_oom = use_on_oom;
+  }
+
+  void setNoSplit(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/) override {
+    TORCH_CHECK(false, "mempool: MemPool(no_split=True) is not supported; the pool splits "
+                       "segments by its own size policy (see max_split_size)");
+  }
+
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
+                                const std::unordered_set<void*>& expected) override {
+    auto live = allocated_blocks(device, mempool_id);
+    if (live.size() != expected.size()) return false;
+    for (void* p : expected)
+      if (!live.count(reinterpret_cast<uintptr_t>(p))) return false;
+    return true;
+  }
+
+  std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
+      c10::DeviceIndex device, MempoolId_t id) override {
+    auto state = std::make_shared<CheckpointState>();
+    state->id = id;
+    state->device = device;
+    state->blocks = allocated_blocks(device, id);
+    return state;
+  }
+
+  c10::cuda::CUDACachingAllocator::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex device,
+      std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> pps) override {
+    auto state = std::dynamic_pointer_cast<CheckpointState>(pps);
+    TORCH_CHECK(state, "setCheckpointPoolState: not a mempool checkpoint");
+    c10::cuda::CUDACachingAllocator::CheckpointDelta delta;
+    auto now = allocated_blocks(device, state->id);
+    PrivatePool* pp = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      auto it = private_.find(state->id);
+      TORCH_CHECK(it != private_.end(), "setCheckpointPoolState: the pool no longer exists");
+      pp = it->second.get();
+    }
+    TORCH_CHECK(pp->pool, "setCheckpointPoolState: a MemPool with its own allocator has no "
+                          "checkpoints");
+    // As PyTorch's own: every block allocated now is freed, and every block of the
+    // checkpoint is allocated again at its address (Note [Allocation at an address]).
+    // Blocks in both simply stay.
+    for (auto& [p, what] : now) {
+      delta.ptrs_freed.push_back(reinterpret_cast<void*>(p));
+      if (!state->blocks.count(p)) free_private(p);
+    }
+    for (auto& [p, what] : state->blocks) {
+      if (!now.count(p)) {
+        int rc = api->pool_alloc_at(pp->pool, p, what.first, what.second);
+        TORCH_CHECK(rc == MP_OK, cat("mempool: restoring a CUDA-graph pool checkpoint could "
+                                     "not put the block at ", reinterpret_cast<void*>(p), " (",
+                                     fmt_size(what.first), ") back (code ", rc, ")"));
+        {
+          std::lock_guard<std::mutex> lock(pools_mu_);
+          private_blocks_[p] = pp;
+          pp->live_blocks++;
+        }
+        n_private_blocks_.fetch_add(1, std::memory_order_release);
+      }
+      delta.dataptrs_allocd.emplace_back(
+          reinterpret_cast<void*>(p), reinterpret_cast<void*>(p | kTagPrivate), &delete_block,
+          c10::Device(c10::DeviceType::CUDA, device));
+    }
+    return delta;
+  }
+
+  // ---- IPC and peers ---------------------------------------------------------------------
+  c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* ptr) override {
+    TORCH_CHECK(false, cat("mempool: sharing a CUDA tensor with another process "
+                           "(torch.multiprocessing, tensor.share_memory_) is not supported: "
+                           "the pool's memory (", static_cast<const void*>(ptr), ") comes "
+                           "from a cudaMemPool whose allocations have no legacy IPC handle. "
+                           "Receiving tensors from a process on PyTorch's own allocator "
+                           "works."));
+  }
+
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    TORCH_CHECK(handle.size() == CUDA_IPC_HANDLE_SIZE,
+                cat("mempool: this CUDA IPC handle (", handle.size(),
+                    " bytes) is not a legacy cudaIpcMemHandle; only those can be opened here"));
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle.data(), CUDA_IPC_HANDLE_SIZE);
+    void* dev_ptr = nullptr;
+    C10_CUDA_CHECK(cudaIpcOpenMemHandle(&dev_ptr, h, cudaIpcMemLazyEnablePeerAccess));
+    return std::shared_ptr<void>(dev_ptr, [](void* p) { (void)cudaIpcCloseMemHandle(p); });
+  }
+
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    c10::cuda::CUDAGuard guard(dev);
+    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+    } else {
+      C10_CUDA_CHECK(err);
+    }
+    // Contexts' peer access does not reach pool memory: grant the pool's own.
+    (void)api->enable_peer_access(dev_to_access, dev);
+  }
+
+  cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice,
+                          size_t count, cudaStream_t stream, bool p2p_enabled) override {
+    if (p2p_enabled || dstDevice == srcDevice)
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
+  }
+
+  std::string name() override { return "mempool"; }
+
+ private:
+  // ---- allocation ------------------------------------------------------------------------
+  void* alloc_on(int device, size_t nbytes, cudaStream_t stream, uintptr_t* tag) {
+    if (n_routes_[device_slot(device)].load(std::memory_order_acquire) > 0) {
+      PrivatePool* pp = route(device, stream);
+      if (pp) {
+        *tag = kTagPrivate;
+        return alloc_private(pp, nbytes, stream);
+      }
+    }
+    uintptr_t out = 0;
+    int rc = api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
+    if (rc == MP_OK) {
+      *tag = static_cast<uintptr_t>(device) + 1;
+      if (history_on_.load(std::memory_order_relaxed))
+        record_alloc(device, out, nbytes, stream, {0, 0});
+      return reinterpret_cast<void*>(out);
+    }
+    if (rc == MP_ENOMEM || rc == MP_ELIMIT) {
+      void* p = alloc_use_on_oom(device, nbytes, stream);
+      if (p) {
+        *tag = kTagPrivate;
+        return p;
+      }
+    }
+    throw_oom(device, nbytes, stream, rc, nullptr);
+  }
+
+  PrivatePool* route(int device, cudaStream_t stream) {
+    std::vector<Route> routes;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      routes = routes_[device_slot(device)];
+    }
+    // Filters call the CUDA runtime: run them without the lock.
+    for (const Route& r : routes) {
+      if (r.filter(stream)) {
+        std::lock_guard<std::mutex> lock(pools_mu_);
+        auto it = private_.find(r.id);
+        if (it != private_.end()) return it->second.get();
+      }
+    }
+    return nullptr;
+  }
+
+  void* alloc_private(PrivatePool* pp, size_t nbytes, cudaStream_t stream) {
+    uintptr_t out = 0;
+    if (pp->custom) {
+      out = reinterpret_cast<uintptr_t>(pp->custom->raw_alloc_with_stream(nbytes, stream));
+    } else {
+      int rc = api->pool_alloc(pp->pool, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
+      if (rc != MP_OK) throw_oom(pp->device, nbytes, stream, rc, pp);
+    }
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      private_blocks_[out] = pp;
+      pp->live_blocks++;
+    }
+    n_private_blocks_.fetch_add(1, std::memory_order_release);
+    if (history_on_.load(std::memory_order_relaxed))
+      record_alloc(pp->device, out, nbytes, stream, pp->id);
+    return reinterpret_cast<void*>(out);
+  }
+
+  void* alloc_use_on_oom(int device, size_t nbytes, cudaStream_t stream) {
+    PrivatePool* found = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      for (auto& [key, pp] : private_)
+        if (pp->use_on_oom && pp->device == device) found = pp.get();
+    }
+    if (!found) return nullptr;
+    try {
+      return alloc_private(found, nbytes, stream);
+    } catch (const c10::OutOfMemoryError&) {
+      return nullptr;
+    }
+  }
+
+  // True when ptr was a private pool's block (now freed).
+  bool free_private(uintptr_t ptr) {
+    PrivatePool* pp = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      auto it = private_blocks_.find(ptr);
+      if (it == private_blocks_.end()) return false;
+      pp = it->second;
+      private_blocks_.erase(it);
+      pp->live_blocks--;
+    }
+    n_private_blocks_.fetch_sub(1, std::memory_order_release);
+    if (history_on_.load(std::memory_order_relaxed)) record_free(pp->device, ptr, 0, pp->id);
+    if (pp->custom) {
+      pp->custom->raw_delete(reinterpret_cast<void*>(ptr));
+    } else {
+      api->pool_free(pp->pool, ptr, 0, 0);
+    }
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    collect_freeable_locked();
+    return true;
+  }
+
+  [[noreturn]] void throw_oom(int device, size_t nbytes, cudaStream_t stream, int rc,
+                              PrivatePool* pp) {
+    size_t f[MP_TORCH_FIGURES] = {0, 0, 0, 0, SIZE_MAX, 0, SIZE_MAX};
+    (void)api->memory_figures(device, f);
+    size_t free_bytes = 0, total = 0;
+    (void)api->mem_info(device, &free_bytes, &total);
+    std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> observers;
+    {
+      std::lock_guard<std::mutex> lock(history_mu_);
+      observers = oom_observers_;
+      if (history_on_.load())
+        push_trace_locked(TraceEntry(TraceEntry::OOM, static_cast<c10::DeviceIndex>(device),
+                                     free_bytes, nbytes, stream,
+                                     pp ? pp->id : MempoolId_t{0, 0},
+                                     c10::getApproximateTime()));
+    }
+    for (auto& observer : observers) observer(device, f[1], total, free_bytes);
+    std::string where;
+    if (rc == MP_ELIMIT) {
+      where = "the pool's limit of " + fmt_size(f[4]) + " (set_per_process_memory_fraction "
+              "or the pool's 'limit')";
+    } else if (rc == MP_ENOMEM) {
+      where = "the device (" + fmt_size(free_bytes) + " free of " + fmt_size(total) + ")";
+    } else {
+      where = "an upstream error (code " + std::to_string(rc) + ")";
+    }
+    std::string hint;
+    bool fragmented = f[2] >= nbytes && f[3] < nbytes;
+    if (fragmented)
+      hint = "free memory is fragmented: expandable_segments:True in MEMPOOL_CONF lets free "
+             "neighbours merge";
+    else if (rc == MP_ELIMIT)
+      hint = "raise the limit, or free memory";
+    else
+      hint = "free memory, reduce the batch, or cap other processes on the device";
+    TORCH_CHECK_WITH(OutOfMemoryError, false,
+                     cat("CUDA out of memory (mempool",
+                         pp ? ", a CUDA-graph/MemPool private pool" : "",
+                         "). Tried to allocate ", fmt_size(nbytes), " on device ", device,
+                         ", refused by ", where, ". The pool has ", fmt_size(f[0]),
+                         " reserved, ", fmt_size(f[1]), " allocated, ", fmt_size(f[2]),
+                         " cached; largest free block ", fmt_size(f[3]), ". Hint: ", hint,
+                         "."));
+  }
+
+  // ---- private pools ---------------------------------------------------------------------
+  PrivatePool* create_or_incref_locked(int device, MempoolId_t id,
+                                       std::shared_ptr<CUDAAllocator> custom) {
+    auto it = private_.find(id);
+    if (it != private_.end()) {
+      it->second->use_count++;
+      return it->second.get();
+    }
+    auto pp = std::make_unique<PrivatePool>();
+    pp->id = id;
+    pp->device = device;
+    if (custom) {
+      pp->custom = std::move(custom);
+    } else {
+      int rc = api->private_pool_create(device, &pp->pool);
+      TORCH_CHECK(rc == MP_OK,
+                  cat("mempool: could not create a private pool (CUDA graph or MemPool) on "
+                      "device ", device, ": ",
+                      rc == MP_EINVAL ? std::string("no mempool pool is registered for this "
+                                                    "device")
+                                      : cat("the driver lacks plain allocations (code ", rc,
+                                            ")")));
+    }
+    PrivatePool* raw = pp.get();
+    private_.emplace(id, std::move(pp));
+    return raw;
+  }
+
+  // Destroy private pools nobody uses and that hold no live block. Called with pools_mu_.
+  void collect_freeable_locked() {
+    if (capturing()) return;
+    for (auto it = private_.begin(); it != private_.end();) {
+      PrivatePool* pp = it->second.get();
+      if (pp->use_count == 0 && pp->live_blocks == 0) {
+        if (pp->pool) api->pool_release(pp->pool);
+        it = private_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  std::map<uintptr_t, std::pair<size_t, uintptr_t>> allocated_blocks(int device,
+                                                                      MempoolId_t id) {
+    std::map<uintptr_t, std::pair<size_t, uintptr_t>> out;
+    mp_pool* pool = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      auto it = private_.find(id);
+      if (it == private_.end()) return out;
+      if (!it->second->pool) {   // a custom allocator: what this allocator handed out
+        for (auto& [p, pp] : private_blocks_)
+          if (pp == it->second.get()) out[p] = {0, 0};
+        return out;
+      }
+      pool = it->second->pool;
+    }
+    (void)device;
+    mp_layout l;
+    if (api->pool_layout(pool, &l) != MP_OK) return out;
+    for (size_t i = 0; i < l.nblocks; i++)
+      if (l.blocks[i].state == MP_BLOCK_ALLOCATED)
+        out[l.blocks[i].ptr] = {l.blocks[i].nbytes, l.blocks[i].stream};
+    api->layout_free(&l);
+    return out;
+  }
+
+  // ---- history ---------------------------------------------------------------------------
+  void record_alloc(int device, uintptr_t ptr, size_t nbytes, cudaStream_t stream,
+                    MempoolId_t pool) {
+    std::shared_ptr<c10::GatheredContext> ctx;
+    CreateContextFn recorder;
+    RecordContext when;
+    {
+      std::lock_guard<std::mutex> lock(history_mu_);
+      recorder = context_recorder_;
+      when = record_when_;
+    }
+    // The recorder gathers Python and C++ stacks (it takes the GIL itself): no lock held.
+    if (recorder && when != RecordContext::NEVER) ctx = recorder();
+    std::lock_guard<std::mutex> lock(history_mu_);
+    if (ctx) live_contexts_[ptr] = ctx;
+    if (skip_.count("alloc")) return;
+    push_trace_locked(TraceEntry(TraceEntry::ALLOC, static_cast<c10::DeviceIndex>(device), ptr,
+                                 nbytes, stream, pool, c10::getApproximateTime(),
+                                 when >= RecordContext::ALLOC ? ctx : nullptr,
+                                 compile_contexts_.empty() ? "" : compile_contexts_.back(),
+                                 user_metadata_));
+  }
+
+  void record_free(int device, uintptr_t ptr, size_t nbytes, MempoolId_t pool) {
+    if (nbytes == 0) nbytes = block_size(device, ptr, pool);
+    std::shared_ptr<c10::GatheredContext> ctx;
+    CreateContextFn recorder;
+    RecordContext when;
+    {
+      std::lock_guard<std::mutex> lock(history_mu_);
+      recorder = context_recorder_;
+      when = record_when_;
+    }
+    if (recorder && when == RecordContext::ALL) ctx = recorder();
+    std::lock_guard<std::mutex> lock(history_mu_);
+    live_contexts_.erase(ptr);
+    auto time = c10::getApproximateTime();
+    // The pool returns the block to its free lists at once (reuse on other streams waits
+    // for their events inside the pool), so the free completes when it is requested.
+    if (!skip_.count("free_requested"))
+      push_trace_locked(TraceEntry(TraceEntry::FREE_REQUESTED,
+                                   static_cast<c10::DeviceIndex>(device), ptr, nbytes, nullptr,
+                                   pool, time, ctx));
+    if (!skip_.count("free_completed"))
+      push_trace_locked(TraceEntry(TraceEntry::FREE_COMPLETED,
+                                   static_cast<c10::DeviceIndex>(device), ptr, nbytes, nullptr,
+                                   pool, time, ctx));
+  }
+
+  size_t block_size(int device, uintptr_t ptr, MempoolId_t pool) {
+    size_t nbytes = 0, requested = 0;
+    uintptr_t stream = 0, base = 0;
+    if (pool == MempoolId_t{0, 0})
+      return api->base_allocation(device, ptr, &base, &nbytes) == MP_OK ? nbytes : 0;
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    auto it = private_.find(pool);
+    if (it != private_.end() && it->second->pool &&
+        api->pool_block_info(it->second->pool, ptr, &nbytes, &requested, &stream) == MP_OK)
+      return nbytes;
+    return 0;
+  }
+
+  void push_trace_locked(TraceEntry entry) {
+    for (auto& tracker : trackers_) tracker(entry);
+    trace_.push_back(std::move(entry));
+    while (trace_.size() > max_entries_) trace_.pop_front();
+  }
+
+  void add_segments(c10::cuda::CUDACachingAllocator::SnapshotInfo& info, const mp_layout& l,
+                    int device, MempoolId_t owner,
+                    const std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>>&
+                        contexts) {
+    for (size_t s = 0; s < l.nsegments; s++) {
+      const mp_segment_view& seg = l.segments[s];
+      // An expandable segment is one segment per run of mapped pages: PyTorch's viewer
+      // lays blocks end to end from the segment's address, and unmapped address space is
+      // neither reserved nor free memory.
+      SegmentInfo cur;
+      bool open = false;
+      auto close = [&]() {
+        if (open) info.segments.push_back(std::move(cur));
+        cur = SegmentInfo();
+        open = false;
+      };
+      for (size_t b = seg.first_block; b < seg.first_block + seg.nblocks; b++) {
+        const mp_block_view& bv = l.blocks[b];
+        if (bv.state == MP_BLOCK_UNMAPPED) {
+          close();
+          continue;
+        }
+        if (!open) {
+          cur.device = static_cast<c10::DeviceIndex>(device);
+          cur.address = bv.ptr;
+          cur.stream = reinterpret_cast<void*>(seg.stream);
+          cur.is_large = !seg.is_small;
+          cur.is_expandable = seg.is_expandable;
+          cur.owner_private_pool_id = owner;
+          open = true;
+        }
+        BlockInfo bi;
+        bi.size = bv.nbytes;
+        bi.requested_size = bv.requested;
+        bi.allocated = bv.state == MP_BLOCK_ALLOCATED;
+        bi.active = bv.state == MP_BLOCK_ALLOCATED || bv.state == MP_BLOCK_PENDING;
+        if (bi.allocated) {
+          auto it = contexts.find(bv.ptr);
+          if (it != contexts.end()) bi.context_when_allocated = it->second;
+          cur.allocated_size += bv.nbytes;
+          cur.requested_size += bv.requested;
+        }
+        if (bi.active) cur.active_size += bv.nbytes;
+        cur.total_size += bv.nbytes;
+        cur.blocks.push_back(std::move(bi));
+      }
+      close();
+    }
+  }
+
+  // ---- helpers ---------------------------------------------------------------------------
+  bool capturing() const { return captures_.load(std::memory_order_acquire) > 0; }
+  static size_t device_slot(int device) {
+    return static_cast<size_t>(device) < MP_TORCH_MAX_DEVICES ? static_cast<size_t>(device) : 0;
+  }
+  int device_limit() const {
+    return std::min(std::max(device_count_, 1), static_cast<int>(MP_TORCH_MAX_DEVICES));
+  }
+  static void check_device(int device, int rc, const char* what) {
+    TORCH_CHECK(rc == MP_OK, cat("mempool: ", what, " on device ", device,
+                                 ": no mempool pool is registered for this device "
+                                 "(mempool.torch.install serves the devices it was given)"));
+  }
+
+  int device_count_ = 0;
+  // Private pools, routes and their blocks: guarded by pools_mu_.
+  std::mutex pools_mu_;
+  std::unordered_map<MempoolId_t, std::unique_ptr<PrivatePool>, IdHash> private_;
+  std::vector<Route> routes_[MP_TORCH_MAX_DEVICES];
+  std::unordered_map<uintptr_t, PrivatePool*> private_blocks_;
+  // Lock-free hints read on every allocation and free (exact counts, updated under pools_mu_
+  // or right after): skip the lock when no route or private block exists.
+  std::atomic<int> n_routes_[MP_TORCH_MAX_DEVICES] = {};
+  std::atomic<int64_t> n_private_blocks_{0};
+  std::atomic<int> captures_{0};
+  // History: guarded by history_mu_ (history_on_ is read without it on the hot path).
+  std::mutex history_mu_;
+  std::atomic<bool> history_on_{false};
+  RecordContext record_when_ = RecordContext::NEVER;
+  CreateContextFn context_recorder_ = nullptr;
+  size_t max_entries_ = 1;
+  std::deque<TraceEntry> trace_;
+  std::unordered_set<std::string> skip_;
+  std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> live_contexts_;
+  std::vector<std::string> compile_contexts_;
+  std::string user_metadata_;
+  std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> oom_observers_;
+  std::vector<c10::CachingDeviceAllocator::AllocatorTraceTracker> trackers_;
+};
+
+MempoolAllocator* the_allocator = nullptr;
+
+void delete_block(void* ctx) {
+  if (ctx && the_allocator) the_allocator->free_tagged(reinterpret_cast<uintptr_t>(ctx));
+}
+
+}  // namespace
+
+// Install: check the table, then make the allocator PyTorch's, as PyTorch's own
+// changeCurrentAllocator does (refused once PyTorch's allocator has served memory). Returns 0,
+// or a code with a message in err: 1 a table of another version, 2 PyTorch already
+// allocated on CUDA, 3 an exception.
+extern "C" __attribute__((visibility("default"))) int mempool_torch_glue_install(
+    const mp_torch_api* table, int device_count, char* err, size_t errlen) {
+  auto say = [&](const std::string& s) {
+    if (err && errlen) std::snprintf(err, errlen, "%s", s.c_str());
+  };
+  if (!table || table->version != MP_TORCH_API_VERSION ||
+      table->struct_size != sizeof(mp_torch_api)) {
+    say("the compiled glue and the mempool extension disagree on the table version; "
+        "rebuild the glue (mempool.torch.build(force=True))");
+    return 1;
+  }
+  try {
+    auto* current = c10::cuda::CUDACachingAllocator::allocator.load();
+    if (the_allocator && current == the_allocator) return 0;
+    if (current && current->initialized()) {
+      say("PyTorch's CUDA allocator has already been initialised (a CUDA tensor was made "
+          "before mempool.torch.install); install before the first CUDA allocation");
+      return 2;
+    }
+    api = table;
+    if (!the_allocator) the_allocator = new MempoolAllocator();   // lives for the process
+    the_allocator->init(device_count);
+    c10::cuda::CUDACachingAllocator::allocator.store(the_allocator);
+    return 0;
+  } catch (const std::exception& e) {
+    say(e.what());
+    return 3;
+  }
+}
+
+// Whether this glue is PyTorch's allocator now.
+extern "C" __attribute__((visibility("default"))) int mempool_torch_glue_installed(void) {
+  return the_allocator && c10::cuda::CUDACachingAllocator::allocator.load() == the_allocator;
+}

@@ -1,0 +1,216 @@
+"""The calls real PyTorch scripts make, under ``mempool.torch.install`` (the full allocator).
+
+Each case runs in a fresh interpreter: install() must come before PyTorch initialises CUDA,
+and a broken capture or a crash must cost only its own case. The scripts use PyTorch's own
+API only, as a training or inference script would, and check that the answers are the
+pool's.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+PRELUDE = """
+import torch, mempool, mempool.torch as mt
+pool = mempool.Pool(backend="cuda", device=0)
+glue = mt.install(pool, allocator="full")
+assert isinstance(glue, mt.Glue), glue
+assert torch.cuda.memory.get_allocator_backend() == "mempool"
+"""
+
+
+def run(body, timeout=300):
+    code = PRELUDE + textwrap.dedent(body)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=timeout, cwd=os.getcwd())
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+def test_memory_statistics_report_the_pool():
+    out = run("""
+        x = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+        s = pool.stats()
+        assert torch.cuda.memory_allocated() == s["allocated_bytes.all.current"] >= 8 << 20
+        assert torch.cuda.memory_reserved() == pool.reserved_bytes()
+        peak = torch.cuda.max_memory_allocated()
+        y = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+        assert torch.cuda.max_memory_allocated() >= peak + (32 << 20)
+        del y
+        torch.cuda.reset_peak_memory_stats()
+        assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
+        stats = torch.cuda.memory_stats()
+        for key in ("allocated_bytes.all.current", "reserved_bytes.large_pool.peak",
+                    "active_bytes.small_pool.allocated", "num_ooms", "num_alloc_retries",
+                    "requested_bytes.all.current", "segment.all.current"):
+            assert key in stats, key
+        summary = torch.cuda.memory_summary()
+        assert "Allocated memory" in summary and "GPU reserved memory" in summary
+        free, total = torch.cuda.mem_get_info()
+        assert 0 < free <= total
+        print("allocated", torch.cuda.memory_allocated())
+    """)
+    assert "allocated" in out
+
+
+def test_cudnn_benchmark_conv_training():
+    run("""
+        torch.backends.cudnn.benchmark = True
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(),
+                                  torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.Flatten(),
+                                  torch.nn.Linear(32 * 32 * 32, 10)).cuda()
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        for _ in range(3):
+            x = torch.randn(16, 3, 32, 32, device="cuda")
+            loss = net(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        torch.cuda.synchronize()
+        assert torch.isfinite(loss).item()
+        largest = torch.cuda.memory.caching_allocator_alloc  # the module still imports
+    """)
+
+
+def test_out_of_memory_is_torch_out_of_memory_error_and_training_goes_on():
+    run("""
+        x = torch.ones(1 << 20, device="cuda")
+        before = pool.used_bytes()
+        try:
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError as exc:
+            msg = str(exc)
+            assert "mempool" in msg and "Tried to allocate" in msg, msg
+        else:
+            raise AssertionError("no OutOfMemoryError")
+        assert pool.used_bytes() == before
+        pool.check_invariants()
+        assert torch.cuda.memory_stats()["num_ooms"] >= 1
+        y = (x * 2).sum().item()
+        assert y == 2 * (1 << 20)
+    """)
+
+
+def test_oom_observer_is_called():
+    run("""
+        seen = []
+        torch._C._cuda_attach_out_of_memory_observer(lambda *a: seen.append(a))
+        try:
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError:
+            pass
+        assert len(seen) == 1 and seen[0][0] == 0, seen
+    """)
+
+
+def test_cuda_graph_capture_and_replay():
+    run("""
+        static_in = torch.randn(1024, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):          # warm up, as PyTorch's docs do
+                out = (static_in * 2).sin()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static_out = (static_in * 2).sin()
+        for _ in range(3):
+            static_in.copy_(torch.randn(1024, device="cuda"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.allclose(static_out, (static_in * 2).sin())
+        # A second graph shares the first one's private pool.
+        g2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g2, pool=g.pool()):
+            out2 = static_out + 1
+        g2.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(out2, static_out + 1)
+        reserved = torch.cuda.memory_reserved()
+        del g, g2, static_out, out2
+        import gc; gc.collect()
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_reserved() < reserved, (torch.cuda.memory_reserved(), reserved)
+    """)
+
+
+def test_torch_compile_reduce_overhead():
+    run("""
+        def f(x, w):
+            return torch.nn.functional.gelu(x @ w).sum(dim=-1)
+        cf = torch.compile(f, mode="reduce-overhead")
+        w = torch.randn(256, 256, device="cuda")
+        for step in range(6):
+            x = torch.randn(64, 256, device="cuda")
+            y = cf(x, w)
+            torch.testing.assert_close(y, f(x, w), rtol=1e-3, atol=1e-3)
+        print("compiled ok")
+    """, timeout=600)
+
+
+def test_memory_history_and_snapshot_in_pytorch_format():
+    run("""
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+        a = torch.randn(1 << 20, device="cuda")
+        b = torch.randn(256, device="cuda")
+        del b
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        actions = [e["action"] for e in snap["device_traces"][0]]
+        assert "alloc" in actions and "free_completed" in actions, actions
+        assert any(e["frames"] for e in snap["device_traces"][0] if e["action"] == "alloc")
+        seg_total = sum(s["total_size"] for s in snap["segments"])
+        assert seg_total == pool.reserved_bytes(), (seg_total, pool.reserved_bytes())
+        from torch.cuda import _memory_viz
+        html = _memory_viz.trace_plot(snap)
+        assert "<html" in html.lower() or len(html) > 1000
+        _memory_viz.segment_plot(snap)
+    """)
+
+
+def test_empty_cache_fraction_record_stream_and_mem_pool():
+    run("""
+        x = torch.randn(1 << 22, device="cuda")
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            y = x * 2
+        x.record_stream(s)
+        del x, y
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(0.25, 0)
+        assert abs(torch.cuda.get_per_process_memory_fraction(0) - 0.25) < 1e-6
+        try:
+            torch.empty(int(pool.capacity * 0.3), dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError as exc:
+            assert "limit" in str(exc), str(exc)
+        else:
+            raise AssertionError("the memory fraction did not cap the pool")
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        mp = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(mp):
+            z = torch.ones(1 << 20, device="cuda")
+        segs = mp.snapshot()
+        assert any(seg["segment_pool_id"] == mp.id for seg in segs), segs
+        assert z.sum().item() == 1 << 20
+        del z
+    """)
+
+
+def test_ipc_export_is_refused_clearly():
+    run("""
+        x = torch.ones(16, device="cuda")
+        try:
+            x.untyped_storage()._share_cuda_()
+        except RuntimeError as exc:
+            assert "mempool" in str(exc) and "another process" in str(exc), str(exc)
+        else:
+            raise AssertionError("sharing was not refused")
+    """)

@@ -1,0 +1,67 @@
+"""The CUDA upstream during a graph capture (mp_cuda.c, Note [Capture segments]), on the
+stand-in driver of tests/test_cuda_fake_driver.py: a segment asked for on a capturing stream
+comes from cuMemAlloc in the relaxed capture mode, never from the stream-ordered pool, and
+goes back with cuMemFree, never with cuMemFreeAsync. What the real driver does is the GPU
+tier's to check (tests/gpu/test_gpu_capture.py)."""
+import textwrap
+
+from test_cuda_fake_driver import fake_driver, run_fake  # noqa: F401  (fixture)
+
+CAPTURE = r"""
+cap = CFUNCTYPE(c_int, c_void_p, c_size_t, POINTER(c_int))
+seg_free = CFUNCTYPE(c_int, c_void_p, c_size_t, c_size_t, c_size_t)
+n = lambda what: fake.fake_capture_count(what)
+PLAIN, RELAXED, POOL_ON_CAPTURING, POOL, FREE, FREE_ASYNC, FREE_IN_CAPTURE, MODE = range(8)
+MAP_RELAXED, RESERVE_RELAXED = 8, 9
+"""
+
+
+def test_segments_of_a_capturing_stream_come_from_cumemalloc(fake_driver):
+    run_fake(fake_driver, CAPTURE + textwrap.dedent("""
+        c = Cuda(0)
+        capturing = cap(c.up.stream_capturing)
+        flag = c_int(-1)
+        assert capturing(c.up.ctx, 0x77, byref(flag)) == OK and flag.value == 0
+        fake.fake_begin_capture(0x77)
+        assert capturing(c.up.ctx, 0x77, byref(flag)) == OK and flag.value == 1
+        assert capturing(c.up.ctx, 0x88, byref(flag)) == OK and flag.value == 0
+        assert capturing(c.up.ctx, 0, byref(flag)) == EUPSTREAM   # legacy: cannot be asked
+
+        alloc = c._fn("segment_alloc", c_size_t, c_size_t, POINTER(c_size_t))
+        out = c_size_t()
+        assert alloc(c.up.ctx, 2 << 20, 0x77, byref(out)) == OK
+        plain = out.value
+        assert (n(PLAIN), n(RELAXED), n(POOL)) == (1, 1, 0)   # cuMemAlloc, relaxed mode
+        assert n(MODE) == 0                                   # and the mode restored
+        assert alloc(c.up.ctx, 2 << 20, 0, byref(out)) == OK  # legacy: counts as capturing
+        legacy = out.value
+        assert (n(PLAIN), n(RELAXED), n(POOL)) == (2, 2, 0)
+        assert alloc(c.up.ctx, 2 << 20, 0x88, byref(out)) == OK   # not capturing: the pool
+        pooled = out.value
+        assert (n(PLAIN), n(POOL), n(POOL_ON_CAPTURING)) == (2, 1, 0)
+        fake.fake_begin_capture(0)
+
+        free = seg_free(c.up.segment_free)
+        assert free(c.up.ctx, plain, 2 << 20, 0x77) == OK
+        assert (n(FREE), n(FREE_ASYNC)) == (1, 0)            # cuMemFree, not stream-ordered
+        assert free(c.up.ctx, pooled, 2 << 20, 0x88) == OK
+        assert (n(FREE), n(FREE_ASYNC)) == (1, 1)
+        assert free(c.up.ctx, legacy, 2 << 20, 0) == OK
+        assert free(c.up.ctx, plain, 2 << 20, 0x77) == OK    # forgotten: stream-ordered now
+        assert (n(FREE), n(FREE_ASYNC), n(FREE_IN_CAPTURE)) == (2, 2, 0)
+        c.destroy()
+    """))
+
+
+def test_pages_are_reserved_and_mapped_in_the_relaxed_capture_mode(fake_driver):
+    """A growth during a capture maps pages (as PyTorch's expandable segments do for a
+    graph's pool): cuMemAddressReserve and cuMemMap are not stream-ordered, and the driver's
+    global capture mode would refuse them."""
+    run_fake(fake_driver, CAPTURE + textwrap.dedent("""
+        c = Cuda(0)
+        va = c.reserve(4 * c.g)
+        assert c.map(va, 2 * c.g) == OK
+        assert (n(RESERVE_RELAXED), n(MAP_RELAXED), n(MODE)) == (1, 2, 0)
+        assert c.unmap(va, 2 * c.g) == OK and c.release(va, 4 * c.g) == OK
+        c.destroy()
+    """))

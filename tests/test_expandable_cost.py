@@ -1,0 +1,104 @@
+"""What expandable segments ask of the upstream, step by step (docs/expandable.md, "Where the
+time goes"), on sim, where every call is counted exactly.
+
+- a loop of identical training steps makes no upstream call at all once warm: no map, no
+  unmap/map cycle, no sync, no event; and its warm-up steps sync a bounded number of times;
+- the shipped traces' counts per step are pinned exactly, both modes, with their peaks
+  (the default pool's transformer peak is Note [Reserved high water]'s: 1.059 before).
+"""
+import os
+import random
+
+import pytest
+
+import mempool
+from mempool import replay as rp
+from mempool import trace as mt
+
+MiB = 1 << 20
+TRACES = os.path.join(os.path.dirname(os.path.abspath(mt.__file__)), "traces")   # shipped
+COUNTERS = ("num_device_alloc", "num_device_free", "num_stream_syncs", "num_event_records",
+            "num_event_waits", "num_stream_queries", "mapped_bytes.allocated",
+            "mapped_bytes.freed")
+
+
+def steady_step(layers=6, tokens=4096, hidden=1024, seed=0):
+    """One training step's sizes: activations kept for backward, temporaries, gradients that
+    live until the next step. The same sizes every call (a steady loop)."""
+    rng = random.Random(seed)
+    acts = [tokens * hidden * rng.choice((2, 4, 8)) for _ in range(layers * 4)]
+    temps = [rng.randint(1, 64) * MiB for _ in range(layers)]
+    grads = [hidden * hidden * 4 * rng.choice((1, 3, 4)) for _ in range(layers * 2)]
+    return acts, temps, grads
+
+
+def run_loop(pool, steps, step=steady_step()):
+    """Per step, the change of each counter in COUNTERS."""
+    acts, temps, grads = step
+    weights = [pool.alloc(n) for n in grads]          # persistent, as a model's parameters
+    live_grads = []
+    out = []
+    for _ in range(steps):
+        before = pool.stats()
+        for p in live_grads:                          # zero_grad(set_to_none=True)
+            pool.free(p)
+        saved = []
+        for i, n in enumerate(acts):                  # forward
+            saved.append(pool.alloc(n))
+            if i % 4 == 3:
+                pool.free(pool.alloc(temps[i // 4]))
+        live_grads = []
+        for i, p in enumerate(reversed(saved)):       # backward
+            t = pool.alloc(acts[-1 - i])
+            pool.free(p)
+            pool.free(t)
+            if i % 2 == 0:
+                live_grads.append(pool.alloc(grads[i // 2]))
+        after = pool.stats()
+        out.append({k: after[k] - before[k] for k in COUNTERS})
+    for p in live_grads + weights:
+        pool.free(p)
+    return out
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["default", "expandable"])
+def test_a_steady_loop_makes_no_upstream_call_once_warm(expandable):
+    pool = mempool.Pool(backend="sim", expandable_segments=expandable)
+    steps = run_loop(pool, 8)
+    for i, counts in enumerate(steps[3:], start=3):
+        assert all(v == 0 for v in counts.values()), f"step {i}: {counts}"
+    # Warm-up: no map is undone and redone in a loop whose sizes never change, and the
+    # high-water rule syncs at most once a step.
+    assert max(c["num_stream_syncs"] for c in steps) <= 1
+    assert sum(c["num_device_free"] for c in steps[1:]) == 0
+    pool.check_invariants()
+
+
+def replay_steps(name, conf):
+    return rp.replay(mt.load(os.path.join(TRACES, name)), conf=conf, check=True)
+
+
+# Calls per step (segment allocs or page maps, frees or unmaps, syncs, events, queries) and
+# syncs per step on sim: docs/expandable.md's table. A change here changes what a GPU pays.
+PINNED = {
+    ("transformer_train.jsonl.gz", False): ([127, 74, 28] + [0] * 11, [0] * 14, 1.036),
+    ("transformer_train.jsonl.gz", True): ([210, 98, 24] + [0] * 11, [2, 7, 1] + [0] * 11,
+                                           1.012),
+    ("vision_train.jsonl.gz", False): ([84, 15, 180, 0, 14] + [0] * 8 + [1] + [0] * 6,
+                                       [0] * 20, 1.041),
+    ("vision_train.jsonl.gz", True): ([173, 64, 173, 0, 29] + [0] * 15,
+                                      [1, 0, 3] + [0] * 17, 1.007),
+}
+
+
+@pytest.mark.parametrize("name,expandable", list(PINNED),
+                         ids=[f"{n.split('_')[0]}-{'expandable' if e else 'default'}"
+                              for n, e in PINNED])
+def test_shipped_traces_calls_per_step(name, expandable):
+    calls, syncs, ratio = PINNED[name, expandable]
+    r = replay_steps(name, {"expandable_segments": True} if expandable else {})
+    assert r.calls_per_step == calls
+    assert [s["stream_syncs"] for s in r.steps] == syncs
+    assert round(r.ratio, 3) == ratio
+    assert r.ratio <= 1.05                               # the default path too
+

@@ -1,0 +1,244 @@
+"""The C table the C++ PyTorch allocator reaches the pools through (mp_torch.h), on `sim`.
+
+The glue itself needs PyTorch's CUDA headers and a GPU (tests/gpu/test_gpu_torch_dropin.py);
+everything it asks of the core goes through this table, so the table is checked here, with
+ctypes playing the glue: routing by device, the codes instead of NULLs, statistics that match
+``Pool.stats()``, the figures of an OOM report, and the layout that snapshots are built from.
+"""
+import ctypes
+
+import pytest
+
+import mempool
+from mempool import _core
+
+MiB = 1 << 20
+DEVICE = 7            # a slot no other test uses
+MP_OK, MP_ENOMEM, MP_ELIMIT, MP_EINVAL = 0, 1, 2, 3
+
+u, sz, i32, vp = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p
+
+
+class Stat(ctypes.Structure):
+    _fields_ = [("current", ctypes.c_int64), ("peak", ctypes.c_int64),
+                ("allocated", ctypes.c_int64), ("freed", ctypes.c_int64)]
+
+
+FAMILIES = ["allocation", "segment", "active", "inactive_split", "allocated_bytes",
+            "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes"]
+
+
+class Stats(ctypes.Structure):
+    _fields_ = ([(f, Stat * 3) for f in FAMILIES]
+                + [(f, Stat) for f in ("oversize_allocations", "oversize_segments",
+                                       "mapped_bytes", "va_reserved_bytes")]
+                + [(f, u) for f in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                                    "num_device_alloc", "num_device_free",
+                                    "num_cross_stream_reuse", "num_event_waits",
+                                    "num_streams", "num_stream_syncs", "num_event_records",
+                                    "num_stream_queries")])
+
+
+class BlockView(ctypes.Structure):
+    _fields_ = [("ptr", u), ("nbytes", sz), ("requested", sz), ("stream", u), ("state", i32)]
+
+
+class SegmentView(ctypes.Structure):
+    _fields_ = [("ptr", u), ("nbytes", sz), ("mapped_bytes", sz), ("stream", u),
+                ("is_small", i32), ("is_expandable", i32), ("is_pinned", i32),
+                ("first_block", sz), ("nblocks", sz)]
+
+
+class Layout(ctypes.Structure):
+    _fields_ = [("segments", ctypes.POINTER(SegmentView)), ("nsegments", sz),
+                ("blocks", ctypes.POINTER(BlockView)), ("nblocks", sz)]
+
+
+F = ctypes.CFUNCTYPE
+FIELDS = [
+    ("version", i32), ("max_devices", i32), ("struct_size", sz),
+    ("alloc", F(i32, i32, sz, u, ctypes.POINTER(u))),
+    ("free", F(None, i32, u)),
+    ("find_device", F(i32, u)),
+    ("record_stream", F(i32, i32, u, u)),
+    ("base_allocation", F(i32, i32, u, ctypes.POINTER(u), ctypes.POINTER(sz))),
+    ("stats", F(i32, i32, ctypes.POINTER(Stats))),
+    ("reset_peak_stats", F(i32, i32)),
+    ("reset_accumulated_stats", F(i32, i32)),
+    ("empty_cache", F(i32, i32)),
+    ("memory_figures", F(i32, i32, ctypes.POINTER(sz * 7))),
+    ("set_limit", F(i32, i32, sz)),
+    ("mem_info", F(i32, i32, ctypes.POINTER(sz), ctypes.POINTER(sz))),
+    ("layout", F(i32, i32, ctypes.POINTER(Layout))),
+    ("enable_peer_access", F(i32, i32, i32)),
+    ("capture_begin", F(i32, i32)),
+    ("capture_end", F(i32, i32)),
+    ("private_pool_create", F(i32, i32, ctypes.POINTER(vp))),
+]
+# The pool_* members follow; their count pins the struct's size.
+N_POOL_FUNCTIONS = 15
+
+
+class Api(ctypes.Structure):
+    _fields_ = FIELDS + [(f"pool_fn_{i}", vp) for i in range(N_POOL_FUNCTIONS)]
+
+
+@pytest.fixture
+def api():
+    table = Api.from_address(_core._torch_api_address())
+    assert table.version == 1
+    assert table.struct_size == ctypes.sizeof(Api), "the table's layout changed: update Api"
+    yield table
+
+
+@pytest.fixture
+def routed():
+    pool = mempool.Pool(backend="sim", capacity="1GiB", device=DEVICE)
+    _core._torch_register(DEVICE, pool)
+    yield pool
+    pool.empty_cache()
+    _core._torch_unregister(DEVICE)
+    pool.check_invariants()
+
+
+def stats_of(api, device):
+    s = Stats()
+    assert api.stats(device, ctypes.byref(s)) == MP_OK
+    return s
+
+
+def test_alloc_and_free_route_by_device_and_match_pool_stats(api, routed):
+    out = u()
+    assert api.alloc(DEVICE, 3 * MiB, 0, ctypes.byref(out)) == MP_OK
+    assert routed.used_bytes() >= 3 * MiB
+    assert api.find_device(out.value) == DEVICE
+    s = stats_of(api, DEVICE)
+    py = routed.stats()
+    assert s.allocated_bytes[0].current == py["allocated_bytes.all.current"] >= 3 * MiB
+    assert s.reserved_bytes[0].current == py["reserved_bytes.all.current"]
+    assert s.requested_bytes[0].current == 3 * MiB
+    base, nbytes = u(), sz()
+    assert api.base_allocation(DEVICE, out.value, ctypes.byref(base), ctypes.byref(nbytes)) == 0
+    assert base.value == out.value and nbytes.value >= 3 * MiB
+    api.free(DEVICE, out.value)
+    assert routed.used_bytes() == 0
+    assert api.find_device(out.value) == -1
+
+
+def test_an_unrouted_device_is_a_code_not_a_crash(api):
+    out = u()
+    for device in (DEVICE + 1, -1, 64, 1 << 30):
+        assert api.alloc(device, MiB, 0, ctypes.byref(out)) == MP_EINVAL
+        assert api.stats(device, ctypes.byref(Stats())) == MP_EINVAL
+        assert api.empty_cache(device) == MP_EINVAL
+    api.free(DEVICE + 1, 12345)       # ignored
+
+
+def test_oom_codes_and_the_figures_of_the_report(api, routed):
+    routed.set_limit(64 * MiB)
+    out = u()
+    assert api.alloc(DEVICE, 128 * MiB, 0, ctypes.byref(out)) == MP_ELIMIT
+    assert routed.used_bytes() == 0
+    fig = (sz * 7)()
+    assert api.memory_figures(DEVICE, ctypes.byref(fig)) == MP_OK
+    reserved, used, cached, largest, limit, capacity, max_split = list(fig)
+    assert (limit, capacity) == (64 * MiB, 1 << 30)
+    assert used == 0 and reserved == routed.reserved_bytes()
+    assert max_split == (1 << 64) - 1            # unlimited, read by PyTorch as -1
+    assert api.set_limit(DEVICE, (1 << 64) - 1) == MP_OK
+    assert api.alloc(DEVICE, 128 * MiB, 0, ctypes.byref(out)) == MP_OK
+    api.free(DEVICE, out.value)
+
+
+def test_peaks_reset_and_cache_release(api, routed):
+    out = u()
+    assert api.alloc(DEVICE, 8 * MiB, 0, ctypes.byref(out)) == MP_OK
+    api.free(DEVICE, out.value)
+    assert stats_of(api, DEVICE).allocated_bytes[0].peak >= 8 * MiB
+    assert api.reset_peak_stats(DEVICE) == MP_OK
+    assert stats_of(api, DEVICE).allocated_bytes[0].peak == 0
+    assert api.reset_accumulated_stats(DEVICE) == MP_OK
+    assert stats_of(api, DEVICE).allocation[0].allocated == 0
+    assert routed.reserved_bytes() > 0
+    assert api.empty_cache(DEVICE) == MP_OK
+    assert routed.reserved_bytes() == 0
+
+
+def test_layout_covers_every_segment(api, routed):
+    ptrs = []
+    for n in (512, 4096, 3 * MiB, 12 * MiB):
+        out = u()
+        assert api.alloc(DEVICE, n, 0, ctypes.byref(out)) == MP_OK
+        ptrs.append(out.value)
+    lay = Layout()
+    assert api.layout(DEVICE, ctypes.byref(lay)) == MP_OK
+    try:
+        total = sum(lay.segments[i].nbytes for i in range(lay.nsegments))
+        assert total == routed.reserved_bytes()
+        allocated = {lay.blocks[i].ptr for i in range(lay.nblocks) if lay.blocks[i].state == 1}
+        assert allocated == set(ptrs)
+        for i in range(lay.nsegments):       # blocks tile their segment end to end
+            seg = lay.segments[i]
+            addr = seg.ptr
+            for b in range(seg.first_block, seg.first_block + seg.nblocks):
+                assert lay.blocks[b].ptr == addr
+                addr += lay.blocks[b].nbytes
+            assert addr == seg.ptr + seg.nbytes
+    finally:
+        ctypes.CDLL(_core.__file__)   # the extension stays loaded: layout_free is pool fn 13
+        free_layout = ctypes.CFUNCTYPE(None, ctypes.POINTER(Layout))(api.pool_fn_13)
+        free_layout(ctypes.byref(lay))
+    for p in ptrs:
+        api.free(DEVICE, p)
+
+
+def test_record_stream_and_private_pools_need_a_cuda_pool(api, routed):
+    out = u()
+    assert api.alloc(DEVICE, MiB, 0, ctypes.byref(out)) == MP_OK
+    assert api.record_stream(DEVICE, out.value, 0x1234) == MP_OK
+    assert api.record_stream(DEVICE, out.value + 512, 0x1234) != MP_OK   # not a block start
+    api.free(DEVICE, out.value)
+    routed.forget_stream(0x1234)
+    handle = vp()
+    # Private pools take plain cuMemAlloc segments: a sim pool has none to give.
+    assert api.private_pool_create(DEVICE, ctypes.byref(handle)) == MP_EINVAL
+    assert not handle.value
+
+
+def test_allocation_at_an_address_puts_a_freed_block_back(api, routed):
+    """What restoring a cudagraph-trees checkpoint needs (Note [Allocation at an address])."""
+    pool_address = _core._torch_pool_address(DEVICE)
+    alloc_at = ctypes.CFUNCTYPE(i32, vp, u, sz, u)(api.pool_fn_2)
+    a, b, c = u(), u(), u()
+    for out in (a, b, c):
+        assert api.alloc(DEVICE, 2 * MiB, 0, ctypes.byref(out)) == MP_OK
+    api.free(DEVICE, b.value)
+    assert alloc_at(pool_address, b.value, 2 * MiB, 0) == MP_OK
+    assert api.find_device(b.value) == DEVICE
+    assert alloc_at(pool_address, b.value, 2 * MiB, 0) == 10          # MP_EBUSY: taken
+    assert alloc_at(pool_address, b.value + 100, 512, 0) == MP_EINVAL  # misaligned
+    assert alloc_at(pool_address, 1 << 20, 512, 0) == 4                # MP_ENOTFOUND
+    # Inside a free block: its head stays free, the tail is carved.
+    api.free(DEVICE, b.value)
+    inner = b.value + MiB
+    assert alloc_at(pool_address, inner, MiB, 0) == MP_OK
+    routed.check_invariants()
+    assert routed.stats()["allocation.all.current"] == 3
+    for p in (a.value, inner, c.value):
+        api.free(DEVICE, p)
+    routed.check_invariants()
+    assert routed.used_bytes() == 0
+
+
+def test_capture_begin_and_end_reach_the_device_pool(api, routed):
+    """The glue brackets PyTorch's graph captures with these (Note [Graph capture])."""
+    routed.set_release_threshold(0)
+    assert api.capture_begin(DEVICE) == MP_OK
+    out = u()
+    assert api.alloc(DEVICE, 4 * MiB, 0, ctypes.byref(out)) == MP_OK
+    api.free(DEVICE, out.value)
+    assert routed.reserved_bytes() > 0          # nothing is released during a capture
+    assert api.capture_end(DEVICE) == MP_OK
+    assert routed.reserved_bytes() == 0         # the deferred release happens at the end
+    assert api.capture_end(DEVICE) == MP_EINVAL  # no capture begun
+    assert api.capture_begin(DEVICE + 1) == MP_EINVAL
