@@ -134,6 +134,11 @@ def stream_handle(stream):
         return stream
     if isinstance(stream, bool):
         raise TypeError("stream must be a stream handle or stream object, got bool")
+    if isinstance(stream, Buffer):
+        # It has a .ptr, as CuPy's streams do: taken for a stream it was pinned by the pool,
+        # holding its memory until forget_stream.
+        raise TypeError("stream must be a stream handle or stream object, got a "
+                        "mempool.Buffer (its .ptr is an address, not a stream)")
     proto = getattr(stream, "__cuda_stream__", None)
     if proto is not None:
         value = proto() if callable(proto) else proto

@@ -342,6 +342,18 @@ def test_bad_stream_objects_get_a_clear_error(stream, error, words):
     assert pool.used_bytes() == 0 and pool.pinned_streams == {}
 
 
+def test_a_buffer_is_not_taken_for_a_stream():
+    # Found by the fuzzer: a Buffer has .ptr, as CuPy streams do, so alloc(n, stream=buf)
+    # pinned the Buffer and kept its memory until forget_stream.
+    pool = mempool.Pool(backend="host")
+    buf = pool.empty(16)
+    with pytest.raises(TypeError, match="mempool.Buffer"):
+        pool.alloc(512, stream=buf)
+    assert pool.pinned_streams == {}
+    del buf
+    assert pool.used_bytes() == 0
+
+
 def test_a_good_stream_object_still_works():
     pool = mempool.Pool(backend="sim")
     ptr = pool.alloc(512, stream=_Proto((0, 77)))
