@@ -107,6 +107,9 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.pool.block_info(ptr)[2] == self.live[ptr][1]
         assert all(s["stream"] != stream for s in self.pool.layout())
         if destroy:
+            # Its work is complete (asserted above); the handle may name a new stream, whose
+            # counters start afresh, so the model forgets the old stream's work too.
+            self.work = [w for w in self.work if w[0] != stream]
             self.dev.destroy_stream(stream)
 
     @rule()
