@@ -850,18 +850,23 @@ class MempoolAllocator final : public CUDAAllocator {
   }
 
   // ---- history ---------------------------------------------------------------------------
-  void record_alloc(int device, uintptr_t ptr, size_t nbytes, cudaStream_t stream,
-                    MempoolId_t pool) {
-    std::shared_ptr<c10::GatheredContext> ctx;
+  // The stacks of this call when history records them from `minimum` on, else nullptr. The
+  // recorder gathers Python and C++ stacks (it takes the GIL itself): no lock is held.
+  std::shared_ptr<c10::GatheredContext> gather_context(RecordContext minimum,
+                                                       RecordContext* when) {
     CreateContextFn recorder;
-    RecordContext when;
     {
       std::lock_guard<std::mutex> lock(history_mu_);
       recorder = context_recorder_;
-      when = record_when_;
+      *when = record_when_;
     }
-    // The recorder gathers Python and C++ stacks (it takes the GIL itself): no lock held.
-    if (recorder && when != RecordContext::NEVER) ctx = recorder();
+    return recorder && *when != RecordContext::NEVER && *when >= minimum ? recorder() : nullptr;
+  }
+
+  void record_alloc(int device, uintptr_t ptr, size_t nbytes, cudaStream_t stream,
+                    MempoolId_t pool) {
+    RecordContext when;
+    std::shared_ptr<c10::GatheredContext> ctx = gather_context(RecordContext::STATE, &when);
     std::lock_guard<std::mutex> lock(history_mu_);
     if (ctx) live_contexts_[ptr] = ctx;
     if (skip_.count("alloc")) return;
@@ -874,15 +879,8 @@ class MempoolAllocator final : public CUDAAllocator {
 
   void record_free(int device, uintptr_t ptr, size_t nbytes, MempoolId_t pool) {
     if (nbytes == 0) nbytes = block_size(device, ptr, pool);
-    std::shared_ptr<c10::GatheredContext> ctx;
-    CreateContextFn recorder;
     RecordContext when;
-    {
-      std::lock_guard<std::mutex> lock(history_mu_);
-      recorder = context_recorder_;
-      when = record_when_;
-    }
-    if (recorder && when == RecordContext::ALL) ctx = recorder();
+    std::shared_ptr<c10::GatheredContext> ctx = gather_context(RecordContext::ALL, &when);
     std::lock_guard<std::mutex> lock(history_mu_);
     live_contexts_.erase(ptr);
     auto time = c10::getApproximateTime();
