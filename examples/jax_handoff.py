@@ -60,7 +60,7 @@ def main(argv=None):
         mj.from_buffer(misaligned)
     except ValueError as exc:
         print(f"refused as expected: {exc}")
-    del x, misaligned
+    del x, misaligned, buf   # the Buffer holds the block too, until its last holder goes
     # The Python array is gone at once, but jaxlib lets go of the buffer (and DLPack's
     # deleter returns the block) from its own thread a moment after the computation that
     # read it, so the count can lag; wait for it, bounded. gc.collect() for jaxlib

@@ -33,7 +33,7 @@ def handoff(backend, producer):
     loss.backward()                                         # grads from PyTorch's allocator
     print(f"loss {loss.item():.4f}; grad norm {x.grad.norm().item():.4f}")
     report(pool, "two tensors on pool memory")
-    del x, w, loss
+    del x, w, loss, buf   # the Buffer holds its block too, until its last holder goes
     if backend == "cuda":
         torch.cuda.synchronize()
     report(pool, "after the tensors died (their deleters freed the blocks)")
