@@ -783,12 +783,9 @@ static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, int to
     }
     rel.stream = s;   /* Note [Graph capture] */
     /* Make room in the live map first, so nothing can fail after a block is chosen. */
-    if ((p->live.count + 2) * 2 > p->live.mask + 1) {
-        if (mp_ptrmap_insert(&p->live, 1, NULL) != MP_OK) {
-            rc = MP_ENOMEM;
-            goto oom;
-        }
-        mp_ptrmap_remove(&p->live, 1);
+    if (mp_ptrmap_reserve(&p->live, 1) != MP_OK) {
+        rc = MP_ENOMEM;
+        goto oom;
     }
     if (p->npending && !mp_capture_call_locked(p, &rel)) mp_process_pending_locked(p);
 
@@ -1336,12 +1333,10 @@ int mp_alloc_at(mp_pool *p, uintptr_t ptr, size_t nbytes, uintptr_t stream) {
     int rc = MP_OK;
     mp_lock_acquire(&p->lock);
     mp_stream *s = mp_stream_get_locked(p, stream);
-    if (!s || (((p->live.count + 2) * 2 > p->live.mask + 1) &&
-               mp_ptrmap_insert(&p->live, 1, NULL) != MP_OK)) {
+    if (!s || mp_ptrmap_reserve(&p->live, 1) != MP_OK) {
         rc = MP_ENOMEM;
         goto out;
     }
-    mp_ptrmap_remove(&p->live, 1);
     mp_hot_flush_locked(p);
     if (p->npending) mp_process_pending_locked(p);
     mp_segment *seg = p->segments;

@@ -39,6 +39,12 @@ static int grow(mp_ptrmap *m) {
     return MP_OK;
 }
 
+int mp_ptrmap_grow_for(mp_ptrmap *m, size_t more) {
+    while ((m->count + more) * 2 > m->mask + 1)
+        if (grow(m) != MP_OK) return MP_ENOMEM;
+    return MP_OK;
+}
+
 int mp_ptrmap_insert(mp_ptrmap *m, uintptr_t key, void *value) {
     /* Keep the load at or under one half: probe sequences stay one or two slots long. */
     if ((m->count + 1) * 2 > m->mask + 1 && grow(m) != MP_OK) return MP_ENOMEM;

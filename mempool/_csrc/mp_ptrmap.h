@@ -22,6 +22,12 @@ typedef struct {
 
 int mp_ptrmap_init(mp_ptrmap *m, size_t capacity_pow2);
 void mp_ptrmap_destroy(mp_ptrmap *m);
+/* Make room for `more` inserts that cannot fail: afterwards mp_ptrmap_insert grows nothing
+ * until they are made. MP_ENOMEM if growing failed (the map is unchanged, or larger). */
+int mp_ptrmap_grow_for(mp_ptrmap *m, size_t more);
+static inline int mp_ptrmap_reserve(mp_ptrmap *m, size_t more) {
+    return (m->count + more) * 2 <= m->mask + 1 ? 0 : mp_ptrmap_grow_for(m, more);   /* 0: MP_OK */
+}
 /* Insert a key that is not present. MP_ENOMEM if growing failed (map unchanged). */
 int mp_ptrmap_insert(mp_ptrmap *m, uintptr_t key, void *value);
 /* Remove key and return its value, or NULL when absent. */
