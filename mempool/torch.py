@@ -259,11 +259,10 @@ def build(force=False):
     return torch_build.build(force=force)
 
 
-def _load_glue():
-    """Build (or find) the glue, load it, make it PyTorch's allocator; returns a Glue."""
+def _load_glue(path):
+    """Load the built glue at `path` and make it PyTorch's allocator; returns a Glue."""
     import ctypes
     torch = _torch_cuda()
-    path = build()
     library = ctypes.CDLL(str(path))
     install_fn = library.mempool_torch_glue_install
     install_fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
@@ -342,10 +341,9 @@ def install(pool, *more_pools, allocator="auto"):
                           f"mempool's full allocator), because {exc}", RuntimeWarning,
                           stacklevel=2)
         else:
-            del path
             for p in pools:
                 register(p)
-            _installed = _load_glue()
+            _installed = _load_glue(path)
             return _installed
     alloc = _pluggable_allocator(pool, *more_pools)
     try:

@@ -65,3 +65,34 @@ def test_pages_are_reserved_and_mapped_in_the_relaxed_capture_mode(fake_driver):
         assert c.unmap(va, 2 * c.g) == OK and c.release(va, 4 * c.g) == OK
         c.destroy()
     """))
+
+
+def test_private_pool_upstream_gives_plain_segments_on_every_stream(fake_driver):
+    """mp_cuda_plain_upstream (Note [Torch allocator glue]): a CUDA graph's private pool takes
+    only plain segments, whether or not the stream captures yet, and frees them with
+    cuMemFree."""
+    run_fake(fake_driver, CAPTURE + textwrap.dedent("""
+        c = Cuda(0)
+        plain_up = Upstream()
+        core.mp_cuda_plain_upstream.argtypes = [c_void_p, c_void_p]
+        assert core.mp_cuda_plain_upstream(byref(c.up), byref(plain_up)) == OK
+        assert core.mp_cuda_plain_upstream(None, byref(plain_up)) == EINVAL
+        alloc = CFUNCTYPE(c_int, c_void_p, c_size_t, c_size_t, POINTER(c_size_t))(
+            plain_up.segment_alloc)
+        free = seg_free(plain_up.segment_free)
+        out = c_size_t()
+        assert alloc(plain_up.ctx, 2 << 20, 0x88, byref(out)) == OK   # not capturing
+        assert (n(PLAIN), n(RELAXED), n(POOL)) == (1, 1, 0)
+        assert out.value % 512 == 0
+        fake.fake_begin_capture(0x77)
+        second = c_size_t()
+        assert alloc(plain_up.ctx, 2 << 20, 0x77, byref(second)) == OK
+        assert (n(PLAIN), n(POOL), n(POOL_ON_CAPTURING)) == (2, 0, 0)
+        fake.fake_begin_capture(0)
+        assert free(plain_up.ctx, out.value, 2 << 20, 0x88) == OK
+        assert free(plain_up.ctx, second.value, 2 << 20, 0x77) == OK
+        assert (n(FREE), n(FREE_ASYNC)) == (2, 0)
+        assert plain_up.granularity == 0 and not plain_up.map
+        CFUNCTYPE(None, c_void_p)(plain_up.destroy)(plain_up.ctx)
+        c.destroy()
+    """))

@@ -200,6 +200,8 @@ def test_record_stream_and_private_pools_need_a_cuda_pool(api, routed):
     api.free(DEVICE, out.value)
     routed.forget_stream(0x1234)
     handle = vp()
+    # Peer access and private pools need the cuda upstream: a sim pool says so, no crash.
+    assert api.enable_peer_access(DEVICE, 1) == 9     # MP_EUNSUPPORTED
     # Private pools take plain cuMemAlloc segments: a sim pool has none to give.
     assert api.private_pool_create(DEVICE, ctypes.byref(handle)) == MP_EINVAL
     assert not handle.value

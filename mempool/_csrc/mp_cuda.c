@@ -1073,71 +1073,36 @@ out:
  *
  * A CUDA graph's private pool gets its segments while the graph's stream captures, and a
  * stream-ordered allocation on a capturing stream would become a node of the graph: its
- * memory would exist only while the graph runs. cuMemAlloc is not stream-ordered and is
- * legal during capture (PyTorch's own allocator relies on it); cuMemFree synchronizes, so
- * the owner releases these segments only once no capture is under way. */
-
-static struct {
-    CUresult (*MemAlloc)(CUdeviceptr *, size_t);
-    CUresult (*MemFree)(CUdeviceptr);
-    CUresult (*ThreadExchangeStreamCaptureMode)(int *);   /* CUstreamCaptureMode */
-} P;
-#define MP_CU_STREAM_CAPTURE_MODE_RELAXED 2
-static pthread_once_t p_once = PTHREAD_ONCE_INIT;
-
-static void p_resolve(void) {
-    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!lib) return;
-    P.MemAlloc = (CUresult (*)(CUdeviceptr *, size_t))dlsym(lib, "cuMemAlloc_v2");
-    P.MemFree = (CUresult (*)(CUdeviceptr))dlsym(lib, "cuMemFree_v2");
-    P.ThreadExchangeStreamCaptureMode =
-        (CUresult (*)(int *))dlsym(lib, "cuThreadExchangeStreamCaptureMode");
-}
+ * memory would exist only while the graph runs. Every segment of such a pool is therefore a
+ * plain one, as a capture segment is (Note [Capture segments]): plain_alloc makes it, in the
+ * thread's relaxed capture mode, and cu_segment_free gives it back with cuMemFree, which the
+ * owner calls only once no capture is under way. */
 
 static int cu_plain_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr_t *out) {
     mp_cuda *c = ctx;
-    (void)stream;   /* not stream-ordered: usable on every stream at once */
     if (nbytes == 0 || !out) return MP_EINVAL;
     CUdeviceptr p = 0;
-    CUresult r;
-    /* A capture in the global mode (PyTorch's default) forbids cuMemAlloc in every thread;
-     * this thread's relaxed mode allows it, as PyTorch's own allocator does around its
-     * cudaMalloc. */
-    int mode = MP_CU_STREAM_CAPTURE_MODE_RELAXED;
-    if (P.ThreadExchangeStreamCaptureMode) P.ThreadExchangeStreamCaptureMode(&mode);
-    CU_CALL(c, r, P.MemAlloc(&p, nbytes));
-    if (P.ThreadExchangeStreamCaptureMode) P.ThreadExchangeStreamCaptureMode(&mode);
-    int rc = check(c, r);
+    int rc = plain_alloc(c, nbytes, &p);
     if (rc != MP_OK) return rc;
-    *out = (uintptr_t)p;   /* cuMemAlloc aligns to at least 256 bytes; in practice 2 MiB */
+    if (p & 511) {   /* the contract's 512-byte alignment, as cu_segment_alloc checks */
+        cu_segment_free(c, (uintptr_t)p, nbytes, stream);
+        return fail(c, -1);
+    }
+    *out = (uintptr_t)p;
     return MP_OK;
 }
 
-static int cu_plain_segment_free(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t stream) {
-    mp_cuda *c = ctx;
-    (void)nbytes;
-    CUresult r;
-    /* Work queued on `stream` may still use the segment: cuMemFree waits for the device
-     * only on its own, so wait for that stream first. */
-    if (stream) {
-        CU_CALL(c, r, D.StreamSynchronize((CUstream)stream));
-        if (r != CUDA_SUCCESS) return check(c, r);
-    }
-    CU_CALL(c, r, P.MemFree((CUdeviceptr)ptr));
-    return check(c, r);
-}
+int mp_cuda_owns(const mp_upstream *up) { return up && up->destroy == cu_destroy; }
 
 int mp_cuda_plain_upstream(const mp_upstream *like, mp_upstream *out) {
-    if (!like || !out || like->destroy != cu_destroy) return MP_EINVAL;
-    pthread_once(&p_once, p_resolve);
-    if (!P.MemAlloc || !P.MemFree) return MP_EUNSUPPORTED;
+    if (!mp_cuda_owns(like) || !out) return MP_EINVAL;
+    if (!D.has_capture) return MP_EUNSUPPORTED;   /* no cuMemAlloc or capture modes */
     const mp_cuda *src = like->ctx;
     char err[64];
     int rc = mp_cuda_upstream(out, src->ordinal, 0, err, sizeof err);
     if (rc != MP_OK) return rc;
     out->name = "cuda-plain";
-    out->segment_alloc = cu_plain_segment_alloc;
-    out->segment_free = cu_plain_segment_free;
+    out->segment_alloc = cu_plain_segment_alloc;   /* freed by cu_segment_free, as plain */
     /* Plain segments only: expandable pages would need the same capture care. */
     out->granularity = 0;
     out->va_reserve = NULL;

@@ -75,6 +75,9 @@ size_t mp_cuda_peer_devices(const mp_upstream *up, int *out, size_t cap);
 int mp_cuda_access_mask(const mp_upstream *up, uintptr_t addr, size_t nbytes, uint64_t *mask,
                         char *err, size_t errlen);
 
+/* 1 when `up` was made by mp_cuda_upstream (its ctx is this file's), else 0. */
+int mp_cuda_owns(const mp_upstream *up);
+
 /* A cuda upstream for the same device as `like` (a cuda upstream) whose segments are plain
  * cuMemAlloc allocations: legal while a stream captures a CUDA graph (stream-ordered
  * allocation there would become a node of the graph), released with cuMemFree (mp_cuda.c). */

@@ -374,9 +374,8 @@ static int api_enable_peer_access(int owner_device, int peer_device) {
     char err[256];
     WITH_SLOT(owner_device, {
         mp_upstream *up = mp_pool_upstream(p);
-        rc = up->destroy && up->name && up->name[0] == 'c'
-                 ? mp_cuda_enable_peer_access(up, peer_device, err, sizeof err)
-                 : MP_EUNSUPPORTED;
+        rc = mp_cuda_owns(up) ? mp_cuda_enable_peer_access(up, peer_device, err, sizeof err)
+                              : MP_EUNSUPPORTED;
     });
     return rc;
 }

@@ -135,6 +135,9 @@ struct PrivatePool {
   int use_count = 1;
   bool use_on_oom = false;
   int64_t live_blocks = 0;
+  // Threads using `pool` or this struct with pools_mu_ dropped (a core call may take long):
+  // a pinned pool is not destroyed, so they never touch a freed one.
+  int pins = 0;
 };
 
 // Allocations routed to a private pool: a capture (its filter tests the stream) or a
@@ -234,16 +237,9 @@ class MempoolAllocator final : public CUDAAllocator {
 
   void emptyCache(MempoolId_t mempool_id) override {
     if (capturing()) return;   // releases wait for the end of every capture
-    std::vector<mp_pool*> pools;
-    {
-      std::lock_guard<std::mutex> lock(pools_mu_);
-      collect_freeable_locked();
-      for (auto& [key, pp] : private_) {
-        if (pp->pool && (mempool_id == MempoolId_t{0, 0} || pp->id == mempool_id))
-          pools.push_back(pp->pool);
-      }
-    }
-    for (mp_pool* p : pools) api->pool_empty_cache(p);
+    std::vector<PrivatePool*> pinned = pin_pools(mempool_id);
+    for (PrivatePool* pp : pinned) api->pool_empty_cache(pp->pool);
+    unpin(pinned);   // and destroys the pools nobody uses any more
     if (mempool_id == MempoolId_t{0, 0}) {
       for (int d = 0; d < api->max_devices && d < device_limit(); d++) api->empty_cache(d);
     }
@@ -384,19 +380,14 @@ class MempoolAllocator final : public CUDAAllocator {
         api->layout_free(&l);
       }
     }
-    std::vector<std::pair<mp_pool*, std::pair<int, MempoolId_t>>> pools;
-    {
-      std::lock_guard<std::mutex> lock(pools_mu_);
-      for (auto& [key, pp] : private_)
-        if (pp->pool && (mempool_id == MempoolId_t{0, 0} || pp->id == mempool_id))
-          pools.push_back({pp->pool, {pp->device, pp->id}});
-    }
-    for (auto& [pool, where] : pools) {
+    std::vector<PrivatePool*> pinned = pin_pools(mempool_id);
+    for (PrivatePool* pp : pinned) {
       mp_layout l;
-      if (api->pool_layout(pool, &l) != MP_OK) continue;
-      add_segments(info, l, where.first, where.second, contexts);
+      if (api->pool_layout(pp->pool, &l) != MP_OK) continue;
+      add_segments(info, l, pp->device, pp->id, contexts);
       api->layout_free(&l);
     }
+    unpin(pinned);
     size_t f[MP_TORCH_FIGURES];
     if (api->memory_figures(0, f) == MP_OK) {
       info.config_metadata.max_split_size = f[6];
@@ -493,7 +484,7 @@ class MempoolAllocator final : public CUDAAllocator {
   }
 
   void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
-    mp_pool* to_empty = nullptr;
+    std::vector<PrivatePool*> pinned;
     {
       std::lock_guard<std::mutex> lock(pools_mu_);
       auto it = private_.find(mempool_id);
@@ -501,11 +492,14 @@ class MempoolAllocator final : public CUDAAllocator {
                   cat("releasePool: no pool with this id on device ", static_cast<int>(device)));
       PrivatePool* pp = it->second.get();
       TORCH_INTERNAL_ASSERT(pp->use_count > 0);
-      if (--pp->use_count == 0 && pp->pool && !capturing()) to_empty = pp->pool;
-      collect_freeable_locked();
-      if (private_.find(mempool_id) == private_.end()) to_empty = nullptr;   // destroyed
+      // Its cache goes back now (its live blocks, held by tensors, stay until freed).
+      if (--pp->use_count == 0 && pp->pool && !capturing()) {
+        pp->pins++;
+        pinned.push_back(pp);
+      }
     }
-    if (to_empty) api->pool_empty_cache(to_empty);
+    for (PrivatePool* pp : pinned) api->pool_empty_cache(pp->pool);
+    unpin(pinned);   // and destroys the pool once it holds no live block
   }
 
   int getPoolUseCount(c10::DeviceIndex /*device*/, MempoolId_t mempool_id) override {
@@ -534,7 +528,7 @@ class MempoolAllocator final : public CUDAAllocator {
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
                                 const std::unordered_set<void*>& expected) override {
-    auto live = allocated_blocks(device, mempool_id);
+    auto live = allocated_blocks(mempool_id);
     if (live.size() != expected.size()) return false;
     for (void* p : expected)
       if (!live.count(reinterpret_cast<uintptr_t>(p))) return false;
@@ -546,7 +540,7 @@ class MempoolAllocator final : public CUDAAllocator {
     auto state = std::make_shared<CheckpointState>();
     state->id = id;
     state->device = device;
-    state->blocks = allocated_blocks(device, id);
+    state->blocks = allocated_blocks(id);
     return state;
   }
 
@@ -556,16 +550,18 @@ class MempoolAllocator final : public CUDAAllocator {
     auto state = std::dynamic_pointer_cast<CheckpointState>(pps);
     TORCH_CHECK(state, "setCheckpointPoolState: not a mempool checkpoint");
     c10::cuda::CUDACachingAllocator::CheckpointDelta delta;
-    auto now = allocated_blocks(device, state->id);
+    auto now = allocated_blocks(state->id);
     PrivatePool* pp = nullptr;
     {
       std::lock_guard<std::mutex> lock(pools_mu_);
       auto it = private_.find(state->id);
       TORCH_CHECK(it != private_.end(), "setCheckpointPoolState: the pool no longer exists");
       pp = it->second.get();
+      TORCH_CHECK(pp->pool, "setCheckpointPoolState: a MemPool with its own allocator has no "
+                            "checkpoints");
+      pp->pins++;
     }
-    TORCH_CHECK(pp->pool, "setCheckpointPoolState: a MemPool with its own allocator has no "
-                          "checkpoints");
+    std::vector<PrivatePool*> pinned{pp};
     // As PyTorch's own: every block allocated now is freed, and every block of the
     // checkpoint is allocated again at its address (Note [Allocation at an address]).
     // Blocks in both simply stay.
@@ -576,9 +572,12 @@ class MempoolAllocator final : public CUDAAllocator {
     for (auto& [p, what] : state->blocks) {
       if (!now.count(p)) {
         int rc = api->pool_alloc_at(pp->pool, p, what.first, what.second);
-        TORCH_CHECK(rc == MP_OK, cat("mempool: restoring a CUDA-graph pool checkpoint could "
-                                     "not put the block at ", reinterpret_cast<void*>(p), " (",
-                                     fmt_size(what.first), ") back (code ", rc, ")"));
+        if (rc != MP_OK) {
+          unpin(pinned);
+          TORCH_CHECK(false, cat("mempool: restoring a CUDA-graph pool checkpoint could not "
+                                 "put the block at ", reinterpret_cast<void*>(p), " (",
+                                 fmt_size(what.first), ") back (code ", rc, ")"));
+        }
         {
           std::lock_guard<std::mutex> lock(pools_mu_);
           private_blocks_[p] = pp;
@@ -590,6 +589,7 @@ class MempoolAllocator final : public CUDAAllocator {
           reinterpret_cast<void*>(p), reinterpret_cast<void*>(p | kTagPrivate), &delete_block,
           c10::Device(c10::DeviceType::CUDA, device));
     }
+    unpin(pinned);
     return delta;
   }
 
@@ -674,24 +674,39 @@ class MempoolAllocator final : public CUDAAllocator {
       if (r.filter(stream)) {
         std::lock_guard<std::mutex> lock(pools_mu_);
         auto it = private_.find(r.id);
-        if (it != private_.end()) return it->second.get();
+        if (it != private_.end()) {
+          it->second->live_blocks++;   // the block to come: alloc_private's precondition
+          return it->second.get();
+        }
       }
     }
     return nullptr;
   }
 
+  // Precondition: pp->live_blocks already counts this block (route, alloc_use_on_oom), so
+  // that no other thread destroys the pool while it allocates without pools_mu_.
   void* alloc_private(PrivatePool* pp, size_t nbytes, cudaStream_t stream) {
     uintptr_t out = 0;
+    int rc = MP_OK;
     if (pp->custom) {
-      out = reinterpret_cast<uintptr_t>(pp->custom->raw_alloc_with_stream(nbytes, stream));
+      try {
+        out = reinterpret_cast<uintptr_t>(pp->custom->raw_alloc_with_stream(nbytes, stream));
+      } catch (...) {
+        drop_live_block(pp);
+        throw;
+      }
     } else {
-      int rc = api->pool_alloc(pp->pool, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
-      if (rc != MP_OK) throw_oom(pp->device, nbytes, stream, rc, pp);
+      rc = api->pool_alloc(pp->pool, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
+    }
+    if (rc != MP_OK) {
+      MempoolId_t id = pp->id;
+      int device = pp->device;
+      drop_live_block(pp);   // pp may be destroyed from here on
+      throw_oom(device, nbytes, stream, rc, &id);
     }
     {
       std::lock_guard<std::mutex> lock(pools_mu_);
       private_blocks_[out] = pp;
-      pp->live_blocks++;
     }
     n_private_blocks_.fetch_add(1, std::memory_order_release);
     if (history_on_.load(std::memory_order_relaxed))
@@ -705,6 +720,7 @@ class MempoolAllocator final : public CUDAAllocator {
       std::lock_guard<std::mutex> lock(pools_mu_);
       for (auto& [key, pp] : private_)
         if (pp->use_on_oom && pp->device == device) found = pp.get();
+      if (found) found->live_blocks++;   // alloc_private's precondition
     }
     if (!found) return nullptr;
     try {
@@ -722,8 +738,7 @@ class MempoolAllocator final : public CUDAAllocator {
       auto it = private_blocks_.find(ptr);
       if (it == private_blocks_.end()) return false;
       pp = it->second;
-      private_blocks_.erase(it);
-      pp->live_blocks--;
+      private_blocks_.erase(it);   // still counted in live_blocks: pp stays until the free
     }
     n_private_blocks_.fetch_sub(1, std::memory_order_release);
     if (history_on_.load(std::memory_order_relaxed)) record_free(pp->device, ptr, 0, pp->id);
@@ -732,13 +747,52 @@ class MempoolAllocator final : public CUDAAllocator {
     } else {
       api->pool_free(pp->pool, ptr, 0, 0);
     }
-    std::lock_guard<std::mutex> lock(pools_mu_);
-    collect_freeable_locked();
+    drop_live_block(pp);
     return true;
   }
 
+  // One block fewer counts in pp (freed, or never made); destroys the pools nobody uses.
+  void drop_live_block(PrivatePool* pp) {
+    std::vector<mp_pool*> doomed;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      pp->live_blocks--;
+      doomed = collect_freeable_locked();
+    }
+    release_pools(doomed);
+  }
+
+  // The private pools matching mempool_id ({0, 0}: all) that have a core pool, pinned.
+  std::vector<PrivatePool*> pin_pools(MempoolId_t mempool_id) {
+    std::vector<PrivatePool*> pinned;
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    for (auto& [key, pp] : private_) {
+      if (pp->pool && (mempool_id == MempoolId_t{0, 0} || pp->id == mempool_id)) {
+        pp->pins++;
+        pinned.push_back(pp.get());
+      }
+    }
+    return pinned;
+  }
+
+  void unpin(const std::vector<PrivatePool*>& pinned) {
+    std::vector<mp_pool*> doomed;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      for (PrivatePool* pp : pinned) pp->pins--;
+      doomed = collect_freeable_locked();
+    }
+    release_pools(doomed);
+  }
+
+  // Destroying a core pool frees its segments (cuMemFree synchronizes): never under pools_mu_.
+  void release_pools(const std::vector<mp_pool*>& doomed) {
+    for (mp_pool* p : doomed) api->pool_release(p);
+  }
+
+  // private_id: the private pool that refused, or nullptr for the device's pool.
   [[noreturn]] void throw_oom(int device, size_t nbytes, cudaStream_t stream, int rc,
-                              PrivatePool* pp) {
+                              const MempoolId_t* private_id) {
     size_t f[MP_TORCH_FIGURES] = {0, 0, 0, 0, SIZE_MAX, 0, SIZE_MAX};
     (void)api->memory_figures(device, f);
     size_t free_bytes = 0, total = 0;
@@ -750,7 +804,7 @@ class MempoolAllocator final : public CUDAAllocator {
       if (history_on_.load())
         push_trace_locked(TraceEntry(TraceEntry::OOM, static_cast<c10::DeviceIndex>(device),
                                      free_bytes, nbytes, stream,
-                                     pp ? pp->id : MempoolId_t{0, 0},
+                                     private_id ? *private_id : MempoolId_t{0, 0},
                                      c10::getApproximateTime()));
     }
     for (auto& observer : observers) observer(device, f[1], total, free_bytes);
@@ -774,7 +828,7 @@ class MempoolAllocator final : public CUDAAllocator {
       hint = "free memory, reduce the batch, or cap other processes on the device";
     TORCH_CHECK_WITH(OutOfMemoryError, false,
                      cat("CUDA out of memory (mempool",
-                         pp ? ", a CUDA-graph/MemPool private pool" : "",
+                         private_id ? ", a CUDA-graph/MemPool private pool" : "",
                          "). Tried to allocate ", fmt_size(nbytes), " on device ", device,
                          ", refused by ", where, ". The pool has ", fmt_size(f[0]),
                          " reserved, ", fmt_size(f[1]), " allocated, ", fmt_size(f[2]),
@@ -810,24 +864,26 @@ class MempoolAllocator final : public CUDAAllocator {
     return raw;
   }
 
-  // Destroy private pools nobody uses and that hold no live block. Called with pools_mu_.
-  void collect_freeable_locked() {
-    if (capturing()) return;
+  // Take out the private pools nobody uses, that hold no live block and that no thread has
+  // pinned; their core pools are returned, for release_pools once pools_mu_ is dropped.
+  // Called with pools_mu_.
+  std::vector<mp_pool*> collect_freeable_locked() {
+    std::vector<mp_pool*> doomed;
+    if (capturing()) return doomed;
     for (auto it = private_.begin(); it != private_.end();) {
       PrivatePool* pp = it->second.get();
-      if (pp->use_count == 0 && pp->live_blocks == 0) {
-        if (pp->pool) api->pool_release(pp->pool);
+      if (pp->use_count == 0 && pp->live_blocks == 0 && pp->pins == 0) {
+        if (pp->pool) doomed.push_back(pp->pool);
         it = private_.erase(it);
       } else {
         ++it;
       }
     }
+    return doomed;
   }
 
-  std::map<uintptr_t, std::pair<size_t, uintptr_t>> allocated_blocks(int device,
-                                                                      MempoolId_t id) {
+  std::map<uintptr_t, std::pair<size_t, uintptr_t>> allocated_blocks(MempoolId_t id) {
     std::map<uintptr_t, std::pair<size_t, uintptr_t>> out;
-    mp_pool* pool = nullptr;
     {
       std::lock_guard<std::mutex> lock(pools_mu_);
       auto it = private_.find(id);
@@ -837,15 +893,17 @@ class MempoolAllocator final : public CUDAAllocator {
           if (pp == it->second.get()) out[p] = {0, 0};
         return out;
       }
-      pool = it->second->pool;
     }
-    (void)device;
-    mp_layout l;
-    if (api->pool_layout(pool, &l) != MP_OK) return out;
-    for (size_t i = 0; i < l.nblocks; i++)
-      if (l.blocks[i].state == MP_BLOCK_ALLOCATED)
-        out[l.blocks[i].ptr] = {l.blocks[i].nbytes, l.blocks[i].stream};
-    api->layout_free(&l);
+    std::vector<PrivatePool*> pinned = pin_pools(id);
+    for (PrivatePool* pp : pinned) {
+      mp_layout l;
+      if (api->pool_layout(pp->pool, &l) != MP_OK) continue;
+      for (size_t i = 0; i < l.nblocks; i++)
+        if (l.blocks[i].state == MP_BLOCK_ALLOCATED)
+          out[l.blocks[i].ptr] = {l.blocks[i].nbytes, l.blocks[i].stream};
+      api->layout_free(&l);
+    }
+    unpin(pinned);
     return out;
   }
 
