@@ -31,7 +31,9 @@ T_SANITIZER=${T_SANITIZER:-90}   # for each group of SANITIZER_GROUPS
 T_BENCH=${T_BENCH:-240}
 T_FRAG=${T_FRAG:-120}
 T_TORCH=${T_TORCH:-480}
-STAGES=" ${STAGES:-build tests sanitizer bench fragmentation torch} "
+T_CHURN=${T_CHURN:-120}
+T_VMM=${T_VMM:-60}
+STAGES=" ${STAGES:-build tests sanitizer bench churn vmm fragmentation torch} "
 # SANITIZER_GROUPS: a file with one line of pytest arguments per memcheck process (default:
 # one process per file of tests/gpu; in one process for all of them a test hung under the
 # sanitizer after others had run, bench/results/2026-12-02-h200-evening.md). A group that
@@ -68,6 +70,15 @@ stage() {  # stage NAME LOG CMD...: run CMD with its output tee'd to LOG, record
     "$PY" -c "import cupy; print('cuda runtime', cupy.cuda.runtime.runtimeGetVersion(), 'driver', cupy.cuda.runtime.driverGetVersion())" 2>&1 || true
     command -v compute-sanitizer >/dev/null && compute-sanitizer --version 2>&1 | tail -1
 } 2>&1 | tee "$OUT/versions.txt"
+
+# ---- wheels carried in .whl/ (dask, distributed and their needs, for tests/gpu/test_gpu_dask.py
+# and the Dask examples; the machine has no package index): installed beside the environment.
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/mempool-site .whl/*.whl \
+        && export PYTHONPATH=/tmp/mempool-site${PYTHONPATH:+:$PYTHONPATH} \
+        || echo "the wheels in .whl/ did not install; tests needing them will skip"
+fi
 
 # ---- build (editable install; the in-place build when pip cannot)
 build() {
@@ -112,7 +123,17 @@ elif command -v compute-sanitizer >/dev/null; then
                 --print-limit 200 --log-file "$OUT/sanitizer-report.$i.%p.txt" \
                 "$PY" -m pytest -m gpu "${args[@]}" "${PYTEST_OPTS[@]}" \
                 -o faulthandler_timeout=$((T_SANITIZER * 3 / 4)) \
-                --junitxml "$OUT/junit-sanitizer-$i.xml" || rc=$?
+                --junitxml "$OUT/junit-sanitizer-$i.xml" &
+            local pid=$! waited=0
+            # A group still running near its limit: take every thread's native stack of
+            # its Python processes (which driver call, which lock), then let it run out.
+            while kill -0 "$pid" 2>/dev/null && [ $waited -lt $((T_SANITIZER - 10)) ]; do
+                sleep 1; waited=$((waited + 1))
+            done
+            if kill -0 "$pid" 2>/dev/null; then
+                bash bench/hang_stacks.sh "$pid" >"$OUT/sanitizer-hang.$i.txt" 2>&1
+            fi
+            wait "$pid" || rc=$?
             echo "--- memcheck group $i: exit status $rc"
         done < <(if [ -n "$SANITIZER_GROUPS" ]; then cat "$SANITIZER_GROUPS"
                  else printf '%s\n' tests/gpu/test_*.py; fi)
@@ -129,6 +150,14 @@ fi
 # OUTDIR/bench; BENCH_ARGS narrows it (e.g. BENCH_ARGS="-k latency") when time is short.
 stage bench "$OUT/bench-stage.log" timeout "$T_BENCH" "$PY" -m mempool bench --out "$OUT/bench" \
     ${BENCH_ARGS:-}
+
+# ---- stream churn on the device: 100,000 streams made, used and forgotten; host RSS and
+# reserved address space must stay flat (mempool/bench/test_stream_churn.py).
+stage churn "$OUT/churn.log" timeout "$T_CHURN" "$PY" -m pytest mempool/bench/test_stream_churn.py \
+    --benchmark-enable -k cuda -p no:cacheprovider -rs -s
+
+# ---- what each driver call of an expandable segment costs (bench/vmm_costs.py)
+stage vmm "$OUT/vmm.log" timeout "$T_VMM" "$PY" bench/vmm_costs.py --out "$OUT/vmm_costs.json"
 
 # ---- fragmentation: the shipped traces through mempool, PyTorch and CuPy on the device,
 # then the largest batch that fits under a fixed limit with and without expandable segments.
@@ -148,7 +177,7 @@ stage torch "$OUT/torch-workloads.log" timeout "$T_TORCH" "$PY" bench/torch_work
 {
     cat "$OUT/versions.txt"
     echo
-    for name in build tests sanitizer bench fragmentation torch; do
+    for name in build tests sanitizer bench churn vmm fragmentation torch; do
         echo "stage $name: ${STATUS[$name]:-not run} (0 = passed; 124 = over its time limit)"
     done
     echo

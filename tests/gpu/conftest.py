@@ -158,3 +158,35 @@ def cuda_pool(cupy_device):
     made.clear()
     gc.collect()
 
+
+
+@pytest.fixture
+def held_cupy_arrays():
+    """The function below, for tests' assertion messages."""
+    return describe_held_cupy_arrays
+
+
+def describe_held_cupy_arrays():
+    """What still holds the CuPy arrays alive in this process, for an assertion's message
+    when a pool's blocks outlive the arrays a test dropped: each array's size and the chain
+    of its referrers (a frame names its function, file and line), two levels up."""
+    import cupy
+
+    def describe(obj):
+        if type(obj).__name__ == "frame":
+            return f"frame {obj.f_code.co_name} at {obj.f_code.co_filename}:{obj.f_lineno}"
+        return type(obj).__name__
+
+    gc.collect()
+    lines = []
+    arrays = [o for o in gc.get_objects() if isinstance(o, cupy.ndarray) and o.nbytes]
+    for arr in arrays[:8]:
+        lines.append(f"array of {arr.nbytes} B at {arr.data.ptr:#x} held by:")
+        for ref in gc.get_referrers(arr):
+            if ref is arrays:
+                continue
+            lines.append(f"  {describe(ref)}")
+            for ref2 in gc.get_referrers(ref)[:4]:
+                if ref2 is not arrays:
+                    lines.append(f"    <- {describe(ref2)}")
+    return "\n".join(lines) or "no CuPy array is alive"

@@ -23,7 +23,7 @@ def _held_by(pool, array):
 
 
 @pytest.mark.parametrize("count", COUNTS)
-def test_set_allocator_kernels_write_and_read(cuda_pool, cupy_device, count):
+def test_set_allocator_kernels_write_and_read(cuda_pool, cupy_device, count, held_cupy_arrays):
     cupy = cupy_device
     pool = cuda_pool()
     with cupy.cuda.using_allocator(pool.malloc):
@@ -36,11 +36,11 @@ def test_set_allocator_kernels_write_and_read(cuda_pool, cupy_device, count):
         del a, b
     gc.collect()
     cupy.cuda.get_current_stream().synchronize()
-    assert pool.used_bytes() == 0
+    assert pool.used_bytes() == 0, held_cupy_arrays()
     pool.check_invariants()
 
 
-def test_set_allocator_many_live_arrays(cuda_pool, cupy_device):
+def test_set_allocator_many_live_arrays(cuda_pool, cupy_device, held_cupy_arrays):
     """Hundreds of live arrays of mixed sizes: each keeps its own values."""
     cupy = cupy_device
     pool = cuda_pool()
@@ -57,10 +57,10 @@ def test_set_allocator_many_live_arrays(cuda_pool, cupy_device):
             assert int((arr != i).sum()) == 0, f"array {i} was overwritten"
         del arrays, arr
     gc.collect()
-    assert pool.used_bytes() == 0
+    assert pool.used_bytes() == 0, held_cupy_arrays()
 
 
-def test_set_allocator_library_calls(cuda_pool, cupy_device):
+def test_set_allocator_library_calls(cuda_pool, cupy_device, held_cupy_arrays):
     """cuBLAS and cuFFT workspaces and temporaries come from the pool too."""
     cupy = cupy_device
     pool = cuda_pool()
@@ -77,10 +77,10 @@ def test_set_allocator_library_calls(cuda_pool, cupy_device):
         # cuFFT plans keep their work area (allocated from the pool) in CuPy's plan cache.
         cupy.fft.config.get_plan_cache().clear()
     gc.collect()
-    assert pool.used_bytes() == 0
+    assert pool.used_bytes() == 0, held_cupy_arrays()
 
 
-def test_set_allocator_on_a_stream(cuda_pool, streams, cupy_device):
+def test_set_allocator_on_a_stream(cuda_pool, streams, cupy_device, held_cupy_arrays):
     cupy = cupy_device
     pool = cuda_pool()
     s, _ = streams
@@ -91,11 +91,12 @@ def test_set_allocator_on_a_stream(cuda_pool, streams, cupy_device):
     assert total == 5 * MiB
     s.synchronize()
     gc.collect()
-    assert pool.used_bytes() == 0
+    assert pool.used_bytes() == 0, held_cupy_arrays()
 
 
 @pytest.mark.parametrize("nbytes", [4, 512, 4100, MiB, 5 * MiB + 12, 48 * MiB])
-def test_alloc_as_unowned_memory(cuda_pool, streams, kernels, cupy_device, nbytes):
+def test_alloc_as_unowned_memory(cuda_pool, streams, kernels, cupy_device, nbytes,
+                                 held_cupy_arrays):
     cupy = cupy_device
     pool = cuda_pool()
     s, _ = streams
@@ -109,4 +110,4 @@ def test_alloc_as_unowned_memory(cuda_pool, streams, kernels, cupy_device, nbyte
     del view
     pool.free(ptr, stream=s)
     pool.check_invariants()
-    assert pool.used_bytes() == 0
+    assert pool.used_bytes() == 0, held_cupy_arrays()

@@ -87,7 +87,7 @@ def test_small_blocks_grow_a_small_segment(cuda_pool, streams, kernels):
     pool.check_invariants()
 
 
-def test_many_growth_steps_with_cupy_arrays(cuda_pool, cupy_device):
+def test_many_growth_steps_with_cupy_arrays(cuda_pool, cupy_device, held_cupy_arrays):
     """CuPy arrays on the pool (set_allocator) while the segment is mapped a page at a time."""
     cupy = cupy_device
     pool = cuda_pool(expandable_segments=True)
@@ -102,7 +102,7 @@ def test_many_growth_steps_with_cupy_arrays(cuda_pool, cupy_device):
     cupy.cuda.get_current_stream().synchronize()
     pool.empty_cache()
     pool.check_invariants()
-    assert pool.used_bytes() == 0
+    assert pool.used_bytes() == 0, held_cupy_arrays()
 
 
 def test_expandable_limit_refuses_and_recovers(cuda_pool, streams, kernels):
