@@ -167,12 +167,15 @@ def child(workload, allocator, steps):
 
 # ---- the parent ------------------------------------------------------------------------
 
-def spawn(args, env_extra=None, timeout=900):
+def spawn(args, env_extra=None, timeout=900, cpu=None):
+    """Run a child of this script (or another) and return the JSON it prints. `cpu` pins the
+    child to that CPU, so that children compared with each other run on the same core."""
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env.update(env_extra or {})
+    pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+                          timeout=timeout, preexec_fn=pin)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -186,13 +189,18 @@ def allocator_env(name):
 
 
 def run_empty(outdir, procs=6):
-    """torch.empty + drop: six processes per allocator, alternating (torch_empty_child.py)."""
+    """torch.empty + drop: six processes per allocator, alternating (torch_empty_child.py),
+    every child pinned to one CPU: on a host whose cores run at two paces, unpinned children
+    of either allocator landed on either pace, and a process's figure said more about its
+    core than about its allocator."""
+    cpu = max(os.sched_getaffinity(0))
     results = {"caching": [], "mempool": []}
     for _ in range(procs):
         for name in results:
-            r = spawn([os.path.join(ROOT, "mempool", "bench", "torch_empty_child.py"), name, "7", "2000",
-                       "512", "65536", "1048576", "67108864"])
+            r = spawn([os.path.join(ROOT, "mempool", "bench", "torch_empty_child.py"), name,
+                       "7", "2000", "512", "65536", "1048576", "67108864"], cpu=cpu)
             results[name].append(r)
+    results["cpu"] = cpu
     return results
 
 
@@ -244,11 +252,21 @@ def main(argv=None):
     print(summarize([r for r in rows if "error" not in r]))
     if "torch_empty" in extra:
         for name, rs in extra["torch_empty"].items():
+            if name == "cpu":
+                continue
             for size in ("512", "65536", "1048576", "67108864"):
                 vals = [r[size]["ns_per_pair"] for r in rs if size in r]
                 if vals:
                     print(f"torch.empty {name} {size} B: median {statistics.median(vals):.0f} ns, "
                           f"worst {max(vals):.0f} ns over {len(vals)} processes")
+        # Child i of each allocator ran one after the other: their ratio is the fairest pair.
+        te = extra["torch_empty"]
+        for size in ("512", "65536", "1048576", "67108864"):
+            ratios = [m[size]["ns_per_pair"] / c[size]["ns_per_pair"]
+                      for m, c in zip(te["mempool"], te["caching"]) if size in m and size in c]
+            if ratios:
+                print(f"torch.empty {size} B, mempool / caching per pair of processes: "
+                      + ", ".join(f"{r:.2f}" for r in ratios) + f" (worst {max(ratios):.2f})")
     return 0
 
 
