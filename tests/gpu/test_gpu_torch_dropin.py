@@ -214,3 +214,38 @@ def test_ipc_export_is_refused_clearly():
         else:
             raise AssertionError("sharing was not refused")
     """)
+
+
+PRODUCER = """
+import base64, pickle, sys, torch
+from torch.multiprocessing.reductions import reduce_tensor
+x = torch.arange(4096, dtype=torch.float32, device="cuda") * 3
+rebuild, args = reduce_tensor(x)     # what torch.multiprocessing sends for a CUDA tensor
+torch.cuda.synchronize()
+print(base64.b64encode(pickle.dumps((rebuild, args))).decode(), flush=True)
+sys.stdin.readline()                 # keep the tensor alive until the receiver is done
+"""
+
+
+def test_receiving_a_cuda_tensor_from_a_process_on_pytorchs_allocator():
+    """The receiving side of torch.multiprocessing under install: the sender runs PyTorch's
+    own allocator and exports a legacy IPC handle; the glue opens it (getIpcDevPtr)."""
+    producer = subprocess.Popen([sys.executable, "-c", PRODUCER], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        message = producer.stdout.readline().strip()
+        assert message, "the sending process printed no handle"
+        out = run(f"""
+            import base64, pickle
+            rebuild, args = pickle.loads(base64.b64decode({message!r}))
+            y = rebuild(*args)
+            assert y.device.type == "cuda" and y.shape == (4096,)
+            expect = torch.arange(4096, dtype=torch.float32, device="cuda") * 3
+            assert torch.equal(y, expect), "the received tensor's values differ"
+            z = y * 2                        # and the pool serves the work done on it
+            assert torch.cuda.memory_allocated() == pool.stats()["allocated_bytes.all.current"]
+            print("received", float(z.sum()))
+        """)
+        assert "received" in out
+    finally:
+        producer.communicate("done\n", timeout=60)
