@@ -28,8 +28,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from mempool import trace as mtrace  # noqa: E402
-from mempool.cli_trace import TRACES_DIR  # noqa: E402
+from mempool.tools import trace as mtrace  # noqa: E402
+from mempool.cli.trace import TRACES_DIR  # noqa: E402
 
 OUT_DIR = TRACES_DIR
 BF16, FP32 = 2, 4

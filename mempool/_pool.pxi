@@ -902,20 +902,20 @@ cdef class Pool:
     def save_trace(self, path):
         """Save the recorded history as a trace file (JSON lines) for ``mempool replay``."""
         self._ready()
-        from mempool import trace
+        from mempool.tools import trace
         return trace.save_trace(self, path)
 
     def summary(self, abbreviated=False):
         """A text report in the layout of ``torch.cuda.memory_summary()``."""
         self._ready()
-        from mempool import report
+        from mempool.tools import report
         return report.summary(self.stats(), device=self.device_id, abbreviated=abbreviated,
                               backend=self.backend)
 
     def snapshot(self):
         """The pool in the format of ``torch.cuda.memory._snapshot()``."""
         self._ready()
-        from mempool import report
+        from mempool.tools import report
         return report.snapshot(self.layout(), self.history(), device=self.device_id)
 
     def __repr__(self):

@@ -12,8 +12,8 @@ import random
 import pytest
 
 import mempool
-from mempool import replay as rp
-from mempool import trace as mt
+from mempool.tools import replay as rp
+from mempool.tools import trace as mt
 
 MiB = 1 << 20
 TRACES = os.path.join(os.path.dirname(os.path.abspath(mt.__file__)), "traces")   # shipped

@@ -30,7 +30,7 @@ SIM_CAPACITY = 256 << 30    # sim addresses are fake: room for 10^6 live blocks,
 @functools.lru_cache(maxsize=None)
 def gpu_available():
     """True when a CUDA device can be used (the probe of ``python -m mempool bench``)."""
-    from mempool.cli_bench import gpu_available as probe
+    from mempool.cli.bench import gpu_available as probe
 
     return probe()
 

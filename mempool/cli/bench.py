@@ -225,7 +225,7 @@ def plot_latency(infos, path, note=None):
 def _bench_dir():
     # The suite ships inside the package, so an installed wheel runs the same files as a
     # source checkout.
-    return Path(__file__).resolve().parent / "bench"
+    return Path(__file__).resolve().parent.parent / "bench"
 
 
 def gpu_available():

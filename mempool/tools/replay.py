@@ -1,6 +1,6 @@
 """Replay an allocation trace through a Pool and measure what it reserves.
 
-``replay(events, conf)`` runs every alloc and free of a trace (see :mod:`mempool.trace`)
+``replay(events, conf)`` runs every alloc and free of a trace (see :mod:`mempool.tools.trace`)
 through a fresh :class:`mempool.Pool` and reports the peak live bytes (what the program
 asked for), the peak reserved bytes (what the pool took from its upstream) and their ratio,
 the OOMs, and the time per event. On ``backend="sim"`` nothing touches a device, so a trace
@@ -8,7 +8,7 @@ recorded on an 80 GiB GPU replays on a laptop, deterministically.
 
 Speed: the events are converted once (:func:`prepare`) into a list of small tuples with the
 trace's ids mapped to dense slots, so the replay loop is one tuple unpack and one Pool call
-per event; :func:`mempool.tune.tune` reuses one preparation for every setting it tries.
+per event; :func:`mempool.tools.tune.tune` reuses one preparation for every setting it tries.
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ class ReplayResult:
         return d
 
     def __str__(self) -> str:
-        from ._units import format_bytes as fb
+        from mempool._units import format_bytes as fb
 
         return (f"{self.events} events on {self.backend}: peak live "
                 f"{fb(self.peak_live_bytes)}, peak reserved {fb(self.peak_reserved_bytes)}, "
@@ -112,7 +112,7 @@ class ReplayResult:
 
 
 def prepare(events) -> Prepared:
-    """Convert events (an iterable of :class:`mempool.trace.Event` or 5-tuples) for replay.
+    """Convert events (an iterable of :class:`mempool.tools.trace.Event` or 5-tuples) for replay.
 
     Ids map to dense slots, reused once freed. A free of an id that is not live is counted
     in ``unknown_frees`` and dropped; an alloc of an id that is already live (a trace that
@@ -304,7 +304,7 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
     Parameters
     ----------
     events : Trace, iterable of Event, or Prepared
-        The trace (see :mod:`mempool.trace`); :func:`prepare` it once to replay it often.
+        The trace (see :mod:`mempool.tools.trace`); :func:`prepare` it once to replay it often.
     conf : str or dict, optional
         The pool's options: a ``"key:value,..."`` string as ``MEMPOOL_CONF`` takes, or a dict
         of ``Pool`` keywords. None = the defaults.
