@@ -15,6 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+from mempool import _cuda
+
 SECTION_ORDER = ["latency", "torch.empty", "foundation", "streams", "scale", "threads", "first step"]
 SECTION_TEXT = {
     "latency": "one malloc+free pair by size",
@@ -228,24 +230,6 @@ def _bench_dir():
     return Path(__file__).resolve().parent.parent / "bench"
 
 
-def gpu_available():
-    """True when a CUDA device can be used. Never raises."""
-    try:
-        from mempool import _cuda
-
-        return bool(_cuda.available())
-    except ImportError:
-        pass
-    except Exception:
-        return False
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
 class _Progress:
     """A pytest plugin: one character per benchmark on the terminal, skips and failures
     kept for the summary."""
@@ -306,7 +290,7 @@ def main(command, argv):
     if json_path.exists():
         json_path.unlink()
 
-    gpu = gpu_available()
+    gpu = _cuda.available()
     filters = [] if gpu else [NO_GPU_FILTER]
     if args.quick:
         filters.append("not live1e6")

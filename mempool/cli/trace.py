@@ -16,6 +16,8 @@ import json
 import os
 import sys
 
+from mempool._core import _DEFAULT_CAPACITY
+
 __all__ = ["main", "default_trace"]
 
 # Package data (pyproject.toml), so an installed wheel has them too; the benchmark scripts
@@ -23,7 +25,8 @@ __all__ = ["main", "default_trace"]
 # The shipped traces live at the package root (mempool/traces), beside the tools that read them.
 TRACES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "traces")
 DEFAULT_TRACE = "transformer_train.jsonl.gz"
-SIM_CAPACITY = "80GiB"        # the sim backend's default capacity (mempool/_pool.pxi)
+# The sim backend's default capacity: a host replay gets the same device size.
+SIM_CAPACITY = _DEFAULT_CAPACITY["sim"]
 
 
 def default_trace() -> str:
