@@ -14,7 +14,7 @@ cdef size_t _bench_count(object value, str name) except 0:
 
 cdef uintptr_t _bench_stream(object stream) except? 0:
     # None is the null stream here: the loops run on a stream the caller names. Any other
-    # value is spelled as Pool.alloc accepts it (stream_handle, _pool.pxi).
+    # value is spelled as Pool.alloc accepts it (stream_handle, _common.pxi).
     return 0 if stream is None else <uintptr_t>stream_handle(stream)
 
 
