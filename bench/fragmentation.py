@@ -27,9 +27,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from bench.provenance import commit  # noqa: E402
-from mempool import replay as rp  # noqa: E402
-from mempool import trace as mtrace  # noqa: E402
-from mempool.cli_trace import TRACES_DIR  # noqa: E402
+from mempool.tools import replay as rp  # noqa: E402
+from mempool.tools import trace as mtrace  # noqa: E402
+from mempool.cli.trace import TRACES_DIR  # noqa: E402
 
 TRACES = ("transformer_train.jsonl.gz", "vision_train.jsonl.gz")
 SETTINGS = [

@@ -29,9 +29,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from mempool import replay as rp  # noqa: E402
-from mempool import trace as mtrace  # noqa: E402
-from mempool.cli_trace import TRACES_DIR  # noqa: E402
+from mempool.tools import replay as rp  # noqa: E402
+from mempool.tools import trace as mtrace  # noqa: E402
+from mempool.cli.trace import TRACES_DIR  # noqa: E402
 
 TRACES = ("transformer_train.jsonl.gz", "vision_train.jsonl.gz")
 TORCH_CONFS = ("", "expandable_segments:True", "roundup_power2_divisions:4",
@@ -45,7 +45,7 @@ def _trace_path(name):
 def torch_replay(trace) -> dict:
     """Replay in this process through PyTorch's caching allocator (its conf from the env).
 
-    `trace` is a trace file or what :func:`mempool.replay.prepare` takes. The cache is
+    `trace` is a trace file or what :func:`mempool.tools.replay.prepare` takes. The cache is
     emptied before and after, so that several replays in one process (one per batch size in
     bench/largest_batch.py) each start from an empty allocator, as a fresh process would.
     """

@@ -12,7 +12,7 @@ at one batch size after another, replays each through each allocator under the l
 reports the largest batch that replays with no OOM:
 
 - mempool (default, expandable segments, ``roundup_power2_divisions:4``, ``max_split_size:64MB``)
-  through ``mempool.replay.replay(..., limit=LIMIT)``, the pool's cap on reserved bytes;
+  through ``mempool.tools.replay.replay(..., limit=LIMIT)``, the pool's cap on reserved bytes;
 - with ``--backend cuda``, PyTorch's caching allocator by default and with
   ``expandable_segments:True``, each in a subprocess of its own (``PYTORCH_CUDA_ALLOC_CONF`` is
   read once, at CUDA initialisation), limited by
@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import make_traces  # noqa: E402
 from bench.provenance import commit  # noqa: E402
-from mempool import replay as rp  # noqa: E402
+from mempool.tools import replay as rp  # noqa: E402
 from mempool._config import format_size, parse_size  # noqa: E402
 
 GiB = 1 << 30

@@ -28,8 +28,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from mempool import trace as mtrace  # noqa: E402
-from mempool.cli_trace import TRACES_DIR  # noqa: E402
+from mempool._units import format_bytes  # noqa: E402
+from mempool.tools import trace as mtrace  # noqa: E402
+from mempool.cli.trace import TRACES_DIR  # noqa: E402
 
 OUT_DIR = TRACES_DIR
 BF16, FP32 = 2, 4
@@ -480,7 +481,7 @@ def _summary(name, events) -> str:
             peak = max(peak, live)
         else:
             live -= sizes.pop(ev.id)
-    return f"{name:<28} {len(events):>7} events  peak live {peak / 2**30:7.3f} GiB"
+    return f"{name:<28} {len(events):>7} events  peak live {format_bytes(peak):>10}"
 
 
 def main(argv=None) -> int:
@@ -506,7 +507,7 @@ def main(argv=None) -> int:
             bad += not same
         else:
             mtrace.save(events, path)
-            print(f"{_summary(name, events)}  {os.path.getsize(path) / 1024:8.1f} KiB  {path}")
+            print(f"{_summary(name, events)}  {format_bytes(os.path.getsize(path)):>10}  {path}")
     return 1 if bad else 0
 
 

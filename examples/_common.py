@@ -9,17 +9,9 @@ from mempool._units import format_bytes
 
 
 def gpu_available():
-    """True when a CUDA device is usable (asked through CuPy, then PyTorch)."""
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        pass
-    try:
-        import torch
-        return torch.cuda.is_available()
-    except Exception:
-        return False
+    """True when backend="cuda" can run here: the Pool's own probe (never raises)."""
+    from mempool import _cuda
+    return _cuda.available()
 
 
 def parse_backend(description, cpu_backend, argv=None):

@@ -14,6 +14,9 @@ from mempool._core import live_pools   # every live Pool, weakly (mempool.promet
 from mempool._core import Buffer   # sharing: Pool.empty's result (mempool/_buffer.pxi)
 from mempool._errors import InvariantError, OutOfMemoryError
 from mempool._config import ConfigWarning   # a conf setting accepted but not applied
+from mempool.tools import _install_old_paths
+
+_install_old_paths()   # mempool.trace, mempool.replay, ...: the offline tools' former names
 
 __all__ = ["Pool", "Buffer", "OutOfMemoryError", "InvariantError", "ConfigWarning",
            "default_pool", "round_size", "segment_size", "stream_handle", "SimDevice",

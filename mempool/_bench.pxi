@@ -1,18 +1,9 @@
 # Compiled loops for the benchmarks (see bench/).
 #
-# Included into _core.pyx, so it shares that module's namespace: Pool and mp_pool come from
-# _pool.pxi. The loops run in C with the GIL released and time themselves; the Python
-# wrappers only check arguments and turn the loops' 0 (failure) into an exception.
+# Included into _core.pyx after _pool.pxi, whose Pool it takes. The loops run in C with the
+# GIL released and time themselves; the Python wrappers only check arguments and turn the
+# loops' 0 (failure) into an exception.
 from libc.stdint cimport uint64_t, uintptr_t
-
-cdef extern from "mp_bench.h" nogil:
-    uint64_t mp_bench_core_roundtrips(mp_pool *p, size_t nbytes, size_t n, uintptr_t stream)
-    uint64_t mp_bench_core_mix(mp_pool *p, const uint64_t *sizes, size_t n, uint64_t *ring,
-                               size_t live, uintptr_t stream)
-    uint64_t mp_bench_fn_roundtrips(uintptr_t alloc_fn, uintptr_t free_fn, size_t nbytes,
-                                    size_t n, int device, uintptr_t stream)
-    void *mp_bench_libc_alloc(ssize_t size, int device, void *stream)
-    void mp_bench_libc_free(void *ptr, ssize_t size, int device, void *stream)
 
 
 cdef size_t _bench_count(object value, str name) except 0:
@@ -23,7 +14,7 @@ cdef size_t _bench_count(object value, str name) except 0:
 
 cdef uintptr_t _bench_stream(object stream) except? 0:
     # None is the null stream here: the loops run on a stream the caller names. Any other
-    # value is spelled as Pool.alloc accepts it (stream_handle, _pool.pxi).
+    # value is spelled as Pool.alloc accepts it (stream_handle, _common.pxi).
     return 0 if stream is None else <uintptr_t>stream_handle(stream)
 
 

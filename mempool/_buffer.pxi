@@ -9,53 +9,12 @@
 # block back to its pool. Each reference also keeps the C pool alive, so the Pool object may
 # go first. A Buffer may be exported any number of times, as NumPy, CuPy and PyTorch arrays
 # may.
+#
+# Uses _common.pxi; Pool.empty (_pool.pxi) allocates the block and wraps it (_buffer_wrap).
 from cpython.pycapsule cimport PyCapsule_New
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcpy
 
-cdef extern from "mp_dlpack.h" nogil:
-    ctypedef enum DLDeviceType:
-        kDLCPU
-        kDLCUDA
-    ctypedef struct DLDevice:
-        DLDeviceType device_type
-        int32_t device_id
-    ctypedef struct DLDataType:
-        uint8_t code
-        uint8_t bits
-        uint16_t lanes
-    ctypedef struct DLPackVersion:
-        uint32_t major
-        uint32_t minor
-    ctypedef struct DLManagedTensor:
-        pass
-    ctypedef struct DLManagedTensorVersioned:
-        pass
-    uint64_t DLPACK_FLAG_BITMASK_READ_ONLY
-    uint64_t DLPACK_FLAG_BITMASK_IS_COPIED
-    ctypedef struct mp_dl_block:
-        mp_pool *pool
-        uintptr_t ptr
-        size_t nbytes
-    ctypedef struct mp_dl_view:
-        DLDevice device
-        DLDataType dtype
-        int32_t ndim
-        const int64_t *shape
-        const int64_t *strides
-        uint64_t byte_offset
-        uint64_t flags
-        DLPackVersion version
-    int mp_dl_block_new(mp_pool *p, size_t nbytes, uintptr_t stream, mp_dl_block **out)
-    void mp_dl_block_retain(mp_dl_block *b)
-    void mp_dl_block_release(mp_dl_block *b)
-    int64_t mp_dl_live_blocks()
-    int mp_dl_export(mp_dl_block *b, const mp_dl_view *view, int versioned, void **out)
-    void mp_dl_deleter(DLManagedTensor *self)
-    void mp_dl_deleter_versioned(DLManagedTensorVersioned *self)
-    int mp_dl_handoff(mp_pool *p, uintptr_t ptr, uintptr_t producer, uintptr_t consumer)
-    void mp_dl_capsule_destructor(object capsule) noexcept
-    void mp_dl_capsule_destructor_versioned(object capsule) noexcept
 
 DEF _DL_MAX_NDIM = 64            # NumPy's limit; the export builds its arrays on the stack
 
@@ -559,29 +518,8 @@ cdef Buffer _buffer_wrap(mp_dl_block *block, dt, int code, int minor, tuple dims
     return buf
 
 
-def _pool_empty(Pool pool not None, shape, dtype="float32", stream=None):
-    """Pool.empty: a new, uninitialised Buffer of `shape` and `dtype` from `pool`.
-
-    Parameters
-    ----------
-    pool : Pool
-    shape : int or tuple of int
-    dtype : dtype-like
-        Anything ``numpy.dtype`` accepts that DLPack can describe (see Buffer).
-    stream : optional
-        The stream the memory is allocated on and written on: an int handle or a CuPy,
-        PyTorch or ``__cuda_stream__`` stream (None: the current stream, as Pool.alloc).
-
-    Returns
-    -------
-    Buffer
-
-    Raises
-    ------
-    OutOfMemoryError
-        The pool cannot serve the request.
-    """
-    pool._ready()
+cdef tuple _buffer_request(object shape, object dtype):
+    """Pool.empty's arguments checked: ``(dims, numpy dtype, DLPack code, minor, nbytes)``."""
     dims = _dl_shape(shape)
     dt, code, minor = _dl_dtype(dtype)
     nbytes = dt.itemsize
@@ -589,17 +527,7 @@ def _pool_empty(Pool pool not None, shape, dtype="float32", stream=None):
         nbytes *= d
     if nbytes > MP_MAX_ALLOC:
         raise ValueError(f"shape: {dims} of {dt} is {nbytes} bytes, more than any pool serves")
-    cdef uintptr_t handle = 0
-    pool._stream_of(stream, &handle)   # after the checks: a refused call pins no stream
-    cdef size_t n = nbytes
-    cdef mp_dl_block *block = NULL
-    cdef int rc
-    with nogil:
-        rc = mp_dl_block_new(pool._pool, n, handle, &block)
-    if rc != MP_OK:
-        raise pool._alloc_error(rc, n, handle)
-    return _buffer_wrap(block, dt, code, minor, dims, 0, False, pool.backend, pool.device_id,
-                        handle)
+    return dims, dt, code, minor, nbytes
 
 
 def _export_simulated(Buffer buf not None, stream=None, max_version=None):

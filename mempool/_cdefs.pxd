@@ -1,5 +1,43 @@
-# Declarations of the C data plane (mempool/_csrc) for the Cython layer.
-from libc.stdint cimport int64_t, uint64_t, uintptr_t
+# Every C declaration of the compiled core, in one place: the C data plane (mempool/_csrc),
+# the Python C API calls the fast paths make themselves, and the GIL hooks the core calls back.
+# The include files of _core.pyx hold no `cdef extern` of their own.
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
+
+
+cdef extern from "Python.h":
+    size_t PyLong_AsSize_t(object) except? -1
+    object PyLong_FromSize_t(size_t)
+    # The same function with no error check of Cython's: the fast paths of _common.pxi test
+    # for the error themselves and clear it, which costs less than a try block's exception save.
+    size_t _PyLong_AsSize_t_unchecked "PyLong_AsSize_t"(object)
+
+
+# Note [Blocking upstream calls]: a Pool method that holds the GIL marks its thread around
+# its core call; the core's blocking hooks then let the GIL go for the upstream calls that may
+# block (a new segment, a release, a stream sync) and take it back after, so other Python
+# threads run meanwhile, as CuPy's own cudaMalloc does. A thread that did not mark (the
+# PyTorch entry points, DLPack deleters, a dealloc) is left alone: it may not hold the GIL.
+# _pool.pxi installs the hooks (mp_set_blocking_hooks) and marks around its core calls.
+cdef extern from *:
+    """
+    /* initial-exec: a plain %fs-relative access, no __tls_get_addr call on the hot path
+       (4 bytes of the static TLS surplus glibc keeps for modules loaded later). */
+    static __thread int mp_py_thread_marked __attribute__((tls_model("initial-exec")));
+    static inline void mp_py_mark(int marked) { mp_py_thread_marked = marked; }
+    static void *mp_py_blocking_begin(void) {
+        if (!mp_py_thread_marked) return NULL;
+        mp_py_thread_marked = 0;                 /* nested pairs leave the GIL alone */
+        return (void *)PyEval_SaveThread();
+    }
+    static void mp_py_blocking_end(void *state) {
+        if (!state) return;
+        PyEval_RestoreThread((PyThreadState *)state);
+        mp_py_thread_marked = 1;
+    }
+    """
+    void mp_py_mark(int marked) nogil
+    void *mp_py_blocking_begin() noexcept nogil
+    void mp_py_blocking_end(void *state) noexcept nogil
 
 
 cdef extern from "mp_upstream.h" nogil:
@@ -43,8 +81,14 @@ cdef extern from "mp_assert.h" nogil:
 
 
 cdef extern from "mp_core.h" nogil:
+    # The size policy (exported to Python by _policy.pxi, read by mempool._config).
     size_t MP_MIN_BLOCK
     size_t MP_SMALL_SIZE
+    size_t MP_SMALL_SEGMENT
+    size_t MP_LARGE_SEGMENT
+    size_t MP_MIN_LARGE_ALLOC
+    size_t MP_LARGE_ROUND
+    size_t MP_LARGE_BUFFER
     size_t MP_MAX_ALLOC
     size_t MP_UNLIMITED
     int MP_ROUNDUP_INTERVALS
@@ -157,6 +201,17 @@ cdef extern from "mp_core.h" nogil:
     int mp_layout_take(mp_pool *p, mp_layout *out)
     void mp_layout_free(mp_layout *l)
 
+    # Trace actions (exported to Python by _policy.pxi as TRACE_ACTIONS).
+    enum:
+        MP_TRACE_ALLOC
+        MP_TRACE_FREE_REQUESTED
+        MP_TRACE_FREE_COMPLETED
+        MP_TRACE_SEGMENT_ALLOC
+        MP_TRACE_SEGMENT_FREE
+        MP_TRACE_OOM
+        MP_TRACE_SEGMENT_MAP
+        MP_TRACE_SEGMENT_UNMAP
+
     ctypedef struct mp_trace_entry:
         int action
         uintptr_t ptr
@@ -166,6 +221,9 @@ cdef extern from "mp_core.h" nogil:
 
     int mp_trace_enable(mp_pool *p, size_t max_entries)
     int mp_trace_take(mp_pool *p, mp_trace_entry **entries, size_t *n)
+
+    # The PyTorch entry points' allocation (mp_torch.c; _torch.pxi's tests call it).
+    int mp_alloc_torch(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out)
 
 
 cdef extern from "mp_budget.h" nogil:
@@ -214,3 +272,103 @@ cdef extern from "mp_sim.h" nogil:
     int mp_sim_end_capture(mp_sim *sim, uintptr_t stream)
     int mp_sim_is_capturing(mp_sim *sim, uintptr_t stream)
     void mp_sim_capture_counts(mp_sim *sim, uint64_t *violations, uint64_t *allocs)
+    # Several devices (_peers.pxi, docs/multigpu.md).
+    int MP_SIM_MAX_DEVICES
+    uintptr_t MP_SIM_DEVICE_SPAN
+    int mp_sim_set_device(mp_sim *sim, int device)
+    int mp_sim_enable_peer(mp_sim *sim, int peer)
+    uint64_t mp_sim_peer_mask(mp_sim *sim)
+    uint64_t mp_sim_access_mask(mp_sim *sim, uintptr_t addr, size_t nbytes)
+
+
+# The CUDA upstream (_cuda.pxi, _cudapool.pxi, _peers.pxi). The mp_upstream struct is passed
+# as void *: C converts the pointer back implicitly.
+cdef extern from "mp_cuda.h" nogil:
+    int mp_cuda_upstream(void *up, int device, uintptr_t mempool_handle, char *err,
+                         size_t errlen)
+    int mp_cuda_available()
+    int mp_cuda_last_error(const void *up)
+    void mp_cuda_bind_errors(void *up)
+    void mp_cuda_own_pool(void *up)
+    void mp_cuda_error_string(int code, char *buf, size_t buflen)
+    int mp_cuda_set_page_size(void *up, size_t page, char *err, size_t errlen)
+    int mp_cuda_enable_peer_access(void *up, int peer, char *err, size_t errlen)
+    size_t mp_cuda_peer_devices(const void *up, int *out, size_t cap)
+    int mp_cuda_access_mask(const void *up, uintptr_t addr, size_t nbytes, uint64_t *mask,
+                            char *err, size_t errlen)
+
+
+# The DLPack bridge (_buffer.pxi, docs/sharing.md).
+cdef extern from "mp_dlpack.h" nogil:
+    ctypedef enum DLDeviceType:
+        kDLCPU
+        kDLCUDA
+    ctypedef struct DLDevice:
+        DLDeviceType device_type
+        int32_t device_id
+    ctypedef struct DLDataType:
+        uint8_t code
+        uint8_t bits
+        uint16_t lanes
+    ctypedef struct DLPackVersion:
+        uint32_t major
+        uint32_t minor
+    ctypedef struct DLManagedTensor:
+        pass
+    ctypedef struct DLManagedTensorVersioned:
+        pass
+    uint64_t DLPACK_FLAG_BITMASK_READ_ONLY
+    uint64_t DLPACK_FLAG_BITMASK_IS_COPIED
+    ctypedef struct mp_dl_block:
+        mp_pool *pool
+        uintptr_t ptr
+        size_t nbytes
+    ctypedef struct mp_dl_view:
+        DLDevice device
+        DLDataType dtype
+        int32_t ndim
+        const int64_t *shape
+        const int64_t *strides
+        uint64_t byte_offset
+        uint64_t flags
+        DLPackVersion version
+    int mp_dl_block_new(mp_pool *p, size_t nbytes, uintptr_t stream, mp_dl_block **out)
+    void mp_dl_block_retain(mp_dl_block *b)
+    void mp_dl_block_release(mp_dl_block *b)
+    int64_t mp_dl_live_blocks()
+    int mp_dl_export(mp_dl_block *b, const mp_dl_view *view, int versioned, void **out)
+    void mp_dl_deleter(DLManagedTensor *self)
+    void mp_dl_deleter_versioned(DLManagedTensorVersioned *self)
+    int mp_dl_handoff(mp_pool *p, uintptr_t ptr, uintptr_t producer, uintptr_t consumer)
+    void mp_dl_capsule_destructor(object capsule) noexcept
+    void mp_dl_capsule_destructor_versioned(object capsule) noexcept
+
+
+# The PyTorch pluggable allocator's registry and entry points (_torch.pxi).
+cdef extern from "mp_torch.h" nogil:
+    int MP_TORCH_MAX_DEVICES
+    int mp_torch_register(int device, mp_pool *p)
+    int mp_torch_unregister(int device)
+    mp_pool *mp_torch_registered(int device)
+    int64_t mp_torch_live_blocks(int device)
+    uint64_t mp_torch_failed_allocs(int device)
+    void *mempool_torch_alloc(Py_ssize_t size, int device, void *stream)
+    void mempool_torch_free(void *ptr, Py_ssize_t size, int device, void *stream)
+    void mempool_torch_record_stream(void *ptr, void *stream)
+    void mempool_torch_reset()
+    void mempool_torch_memory_fraction(double fraction, int device)
+    void *mempool_torch_base_alloc(void *ptr, size_t *size)
+    ctypedef struct mp_torch_api:
+        pass
+    const mp_torch_api *mp_torch_api_table()
+
+
+# Compiled benchmark loops (_bench.pxi).
+cdef extern from "mp_bench.h" nogil:
+    uint64_t mp_bench_core_roundtrips(mp_pool *p, size_t nbytes, size_t n, uintptr_t stream)
+    uint64_t mp_bench_core_mix(mp_pool *p, const uint64_t *sizes, size_t n, uint64_t *ring,
+                               size_t live, uintptr_t stream)
+    uint64_t mp_bench_fn_roundtrips(uintptr_t alloc_fn, uintptr_t free_fn, size_t nbytes,
+                                    size_t n, int device, uintptr_t stream)
+    void *mp_bench_libc_alloc(ssize_t size, int device, void *stream)
+    void mp_bench_libc_free(void *ptr, ssize_t size, int device, void *stream)

@@ -29,6 +29,10 @@ import warnings
 from fractions import Fraction
 from typing import Any, Callable, Mapping, NamedTuple
 
+# The size policy is the C core's, read from the extension (mempool/_policy.pxi): this
+# module is imported while the extension initialises, after it has set these names.
+from mempool._core import (LARGE_ROUND, LARGE_SEGMENT, LARGE_BUFFER, MAX_ALLOC,
+                           MIN_LARGE_ALLOC, ROUNDUP_INTERVALS, SMALL_SEGMENT, SMALL_SIZE)
 from mempool._units import format_bytes
 
 __all__ = [
@@ -42,12 +46,15 @@ MiB = 1 << 20
 GiB = 1 << 30
 TiB = 1 << 40
 
-# Kept in step with mp_core.h (MP_ROUNDUP_INTERVALS, MP_LARGE_BUFFER, MP_LARGE_SEGMENT).
-ROUNDUP_INTERVALS = 16
 # PyTorch refuses max_split_size_mb below kLargeBuffer (20 MiB) and so do we, for the same
-# reason: requests of 1-10 MiB are served from 20 MiB segments, and a max_split_size below
-# that would make every such segment unsplittable, one segment per request.
-MIN_MAX_SPLIT_SIZE = 20 * MiB
+# reason: requests of 1-10 MiB are served from 20 MiB segments (LARGE_SEGMENT), and a
+# max_split_size below that would make every such segment unsplittable, one segment per request.
+MIN_MAX_SPLIT_SIZE = LARGE_SEGMENT
+
+
+def _mib(nbytes: int) -> str:
+    """A size of the policy, all whole MiB, as the messages below spell it: ``20 MiB``."""
+    return f"{nbytes // MiB} MiB"
 
 BACKENDS = ("sim", "host", "cuda")
 POOL_HANDLES = ("create", "default", "current")
@@ -212,17 +219,15 @@ def _parse_optional_size(value: Any, key: str) -> int | None:
 
 
 def _parse_max_split_size(value: Any, key: str) -> int | None:
-    accepted = "a size of at least 20 MiB, or None / 'none' / 'unlimited' (split every block)"
+    accepted = (f"a size of at least {_mib(MIN_MAX_SPLIT_SIZE)}, or None / 'none' / "
+                "'unlimited' (split every block)")
     n = _size_or_none(value, key, accepted)
     if n is not None and n < MIN_MAX_SPLIT_SIZE:
         raise _error(key, value, accepted,
-                     f"{format_bytes(n, exact=True)} is below 20.00 MiB: 1-10 MiB requests take 20 MiB segments, "
-                     "which such a limit would make unsplittable")
+                     f"{format_bytes(n, exact=True)} is below {format_bytes(MIN_MAX_SPLIT_SIZE)}: "
+                     f"{SMALL_SIZE // MiB}-{_mib(MIN_LARGE_ALLOC)} requests take "
+                     f"{_mib(LARGE_SEGMENT)} segments, which such a limit would make unsplittable")
     return n
-
-
-# Kept in step with mp_core.h (MP_MAX_ALLOC): the largest request the core serves.
-MAX_ALLOC = 1 << 62
 
 
 def _parse_nonnegative_size(value: Any, key: str) -> int:
@@ -231,7 +236,8 @@ def _parse_nonnegative_size(value: Any, key: str) -> int:
         # The core rounds the reservation up to a segment or a page: 2**64 - 1 wrapped round
         # to 0 bytes, a pool made without its initial reservation and without a word.
         raise _error(key, value, _SIZE_ACCEPTED,
-                     "out of range: at most 2**62 bytes, the largest request served")
+                     f"out of range: at most 2**{MAX_ALLOC.bit_length() - 1} bytes, the "
+                     f"largest request served")
     return n
 
 
@@ -598,10 +604,11 @@ _NO_LOCK = "it concerns PyTorch's allocator lock; the pool's lock rules are fixe
 # CUDAAllocatorConfig; 2.11 has a subset), with the reason it has no meaning for the pool.
 # A conf string may hold them (a warning says they are ignored); keywords may not.
 _PYTORCH_IGNORED: dict[str, str] = {
-    "large_segment_size_mb": "segment sizes are fixed here: 2 MiB for requests up to 1 MiB, "
-                             "20 MiB for requests under 10 MiB, larger ones rounded to 2 MiB",
-    "max_non_split_rounding_mb": "an unsplit (oversize) block serves requests up to 20 MiB "
-                                 "smaller than itself; the slack is fixed",
+    "large_segment_size_mb": f"segment sizes are fixed here: {_mib(SMALL_SEGMENT)} for requests "
+                             f"up to {_mib(SMALL_SIZE)}, {_mib(LARGE_SEGMENT)} for requests under "
+                             f"{_mib(MIN_LARGE_ALLOC)}, larger ones rounded to {_mib(LARGE_ROUND)}",
+    "max_non_split_rounding_mb": f"an unsplit (oversize) block serves requests up to "
+                                 f"{_mib(LARGE_BUFFER)} smaller than itself; the slack is fixed",
     "release_lock_on_cudamalloc": _NO_LOCK,
     "release_lock_on_hipmalloc": _NO_LOCK,
     "pinned_use_cuda_host_register": _NO_PINNED,

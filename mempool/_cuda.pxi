@@ -1,19 +1,8 @@
 # The CUDA upstream's C entry points (mempool/_csrc/mp_cuda.h), for the Pool of backend="cuda".
 #
 # Only the glue: which cudaMemPool to use and its attributes are mempool/_cuda.py's concern.
-# The mp_upstream struct is passed as void * so that this file needs no declaration of it and
-# works with whichever .pxd declares the struct (C converts the pointer back implicitly).
+# The declarations are in _cdefs.pxd; this part uses no other.
 from libc.stdint cimport uintptr_t
-
-cdef extern from "mp_cuda.h" nogil:
-    int mp_cuda_upstream(void *up, int device, uintptr_t mempool_handle, char *err,
-                         size_t errlen)
-    int mp_cuda_available()
-    int mp_cuda_last_error(const void *up)
-    void mp_cuda_bind_errors(void *up)
-    void mp_cuda_own_pool(void *up)
-    void mp_cuda_error_string(int code, char *buf, size_t buflen)
-    int mp_cuda_set_page_size(void *up, size_t page, char *err, size_t errlen)
 
 
 cdef int _make_cuda_upstream(void *up, int device, uintptr_t handle) except -1:

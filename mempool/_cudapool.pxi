@@ -1,5 +1,7 @@
 # The Pool's use of the CUDA upstream: choosing and configuring the cudaMemPool (through
 # mempool/_cuda.py, CuPy's runtime bindings) and reading its attributes into stats().
+# Uses _cuda.pxi and _streams.pxi; takes the cudaMemPool handle, never the Pool.
+from libc.stdint cimport uintptr_t
 
 _UINT64_MAX = 2 ** 64 - 1
 
@@ -51,22 +53,22 @@ cdef _CurrentStream _cuda_current_stream(int device):
     return _CurrentStream(cupy.cuda.get_current_stream, capi, device)
 
 
-def _cuda_set_release_threshold(Pool pool not None):
-    pool._ready()
+cdef int _cuda_set_release_threshold(object handle, object value) except -1:
+    """Set the cudaMemPool's release threshold to the pool option's `value` (None: keep all)."""
     from mempool import _cuda
-    value = pool.options["release_threshold"]
-    _cuda.configure(pool._cuda_handle, release_threshold=_UINT64_MAX if value is None else value)
+    _cuda.configure(handle, release_threshold=_UINT64_MAX if value is None else value)
+    return 0
 
 
-def _cuda_trim(Pool pool not None, keep):
-    pool._ready()
+cdef int _cuda_trim(object handle, object keep, int device) except -1:
+    """Trim the cudaMemPool to `keep` bytes. The driver trims only frees it has seen
+    complete: `device` is synchronized first."""
     from mempool import _cuda
-    # The driver trims only frees it has seen complete: sync the device first.
-    _cuda.trim_to(pool._cuda_handle, keep, sync_device=pool.device_id)
+    _cuda.trim_to(handle, keep, sync_device=device)
+    return 0
 
 
-def _cuda_stats(Pool pool not None):
+cdef dict _cuda_stats(object handle):
     """The cudaMemPool's own Reserved/Used Current/High attributes."""
-    pool._ready()
     from mempool import _cuda
-    return {f"cuda_pool.{k}": v for k, v in _cuda.attributes(pool._cuda_handle).items()}
+    return {f"cuda_pool.{k}": v for k, v in _cuda.attributes(handle).items()}

@@ -1,5 +1,7 @@
 # Test controls of the simulated and host devices: pool.device. Each holds a reference on the
 # C pool (not on the Python Pool, so no reference cycle), which keeps the upstream alive.
+# Uses _common.pxi; made from the C pool, never the Pool.
+from libc.stdint cimport uint64_t, uintptr_t
 
 
 cdef class _DeviceBase:
@@ -268,21 +270,23 @@ cdef class HostDevice(_DeviceBase):
         self._ready()
 
 
-cdef object _make_device(Pool pool):
+cdef object _make_device(mp_pool *pool, int kind):
+    """The device control of the C pool `pool` of backend `kind` (None for cuda), holding a
+    reference on it."""
     cdef SimDevice sim
     cdef HostDevice host
-    if pool._kind == _SIM:
+    if kind == _SIM:
         sim = SimDevice.__new__(SimDevice)
-        sim._sim = <mp_sim *>mp_pool_upstream(pool._pool).ctx
-        sim._pool = pool._pool
+        sim._sim = <mp_sim *>mp_pool_upstream(pool).ctx
+        sim._pool = pool
         sim.backend = "sim"
-        mp_pool_retain(pool._pool)
+        mp_pool_retain(pool)
         return sim
-    if pool._kind == _HOST:
+    if kind == _HOST:
         host = HostDevice.__new__(HostDevice)
-        host._ctx = mp_pool_upstream(pool._pool).ctx
-        host._pool = pool._pool
+        host._ctx = mp_pool_upstream(pool).ctx
+        host._pool = pool
         host.backend = "host"
-        mp_pool_retain(pool._pool)
+        mp_pool_retain(pool)
         return host
     return None

@@ -1,41 +1,13 @@
 # The Pool: configuration, validation and errors around the C core. Everything here holds
 # the GIL; the core below it never needs it (docs/architecture.md, "Note [Lock order]").
-cdef extern from "Python.h":
-    size_t PyLong_AsSize_t(object) except? -1
-    object PyLong_FromSize_t(size_t)
-    # The same function with no error check of Cython's: the fast paths below test for the
-    # error themselves and clear it, which costs less than a try block's exception save.
-    size_t _PyLong_AsSize_t_unchecked "PyLong_AsSize_t"(object)
-# PyErr_Clear and PyErr_Occurred: cimported in _streams.pxi, included before this file.
+#
+# Uses every part included before it (_core.pyx): argument checks (_common), the size policy
+# (_policy), the CUDA upstream and its cudaMemPool (_cuda, _cudapool), CuPy's current stream
+# (_streams), several devices (_peers), the device controls (_devices), Buffers (_buffer).
 from libc.stdint cimport uintptr_t, uint64_t
 from libc.stdlib cimport free as c_free
 
-# Note [Blocking upstream calls]: a Pool method that holds the GIL marks its thread around
-# its core call; the core's blocking hooks then let the GIL go for the upstream calls that may
-# block (a new segment, a release, a stream sync) and take it back after, so other Python
-# threads run meanwhile, as CuPy's own cudaMalloc does. A thread that did not mark (the
-# PyTorch entry points, DLPack deleters, a dealloc) is left alone: it may not hold the GIL.
-cdef extern from *:
-    """
-    /* initial-exec: a plain %fs-relative access, no __tls_get_addr call on the hot path
-       (4 bytes of the static TLS surplus glibc keeps for modules loaded later). */
-    static __thread int mp_py_thread_marked __attribute__((tls_model("initial-exec")));
-    static inline void mp_py_mark(int marked) { mp_py_thread_marked = marked; }
-    static void *mp_py_blocking_begin(void) {
-        if (!mp_py_thread_marked) return NULL;
-        mp_py_thread_marked = 0;                 /* nested pairs leave the GIL alone */
-        return (void *)PyEval_SaveThread();
-    }
-    static void mp_py_blocking_end(void *state) {
-        if (!state) return;
-        PyEval_RestoreThread((PyThreadState *)state);
-        mp_py_thread_marked = 1;
-    }
-    """
-    void mp_py_mark(int marked) nogil
-    void *mp_py_blocking_begin() noexcept nogil
-    void mp_py_blocking_end(void *state) noexcept nogil
-
+# Note [Blocking upstream calls] (the hooks are declared in _cdefs.pxd).
 mp_set_blocking_hooks(mp_py_blocking_begin, mp_py_blocking_end)
 
 import itertools as _itertools
@@ -50,13 +22,6 @@ cdef size_t _GiB = 1 << 30
 cdef size_t _DEFAULT_GRANULARITY = 2 << 20
 _DEFAULT_CAPACITY = {"sim": 80 * (1 << 30), "host": 4 * (1 << 30)}
 
-cdef enum _Backend:
-    _SIM = 0
-    _HOST = 1
-    _CUDA = 2
-
-_BACKENDS = {"sim": _SIM, "host": _HOST, "cuda": _CUDA}
-
 #: True in the debug build (MEMPOOL_DEBUG=1 at build time: the C core's debug-only asserts
 #: are on; mempool/_csrc/mp_assert.h, docs/reliability.md).
 DEBUG_BUILD = bool(MP_DEBUG)
@@ -66,116 +31,6 @@ _MP_EINVAL = MP_EINVAL
 _STAT_FAMILIES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
                   "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
 _STAT_POOLS = ("all", "small_pool", "large_pool")
-_TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc",
-                  "segment_free", "oom", "segment_map", "segment_unmap")
-
-
-cdef size_t _size_slow(object value, str name) except? 0:
-    """The checks behind _as_nbytes, off its fast path: types, then the range."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an integer number of bytes, got "
-                        f"{type(value).__name__} {value!r}")
-    value = value.__index__()
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    if value >= 2 ** 64:
-        raise ValueError(f"{name}={value} is out of range: sizes must be below 2**64")
-    return PyLong_AsSize_t(value)
-
-
-cdef inline bint _exact_int_in_range(object value, size_t *out) noexcept:
-    """The fast path of _as_nbytes and _as_pointer: True with *out set for an exact int in
-    [0, 2**64); False otherwise, with no exception left set (the slow paths say what is
-    wrong)."""
-    if type(value) is not int:
-        return False
-    out[0] = _PyLong_AsSize_t_unchecked(value)   # (size_t)-1 and OverflowError when out of range
-    if out[0] != <size_t>-1 or PyErr_Occurred() == NULL:
-        return True
-    PyErr_Clear()
-    return False
-
-
-cdef inline size_t _as_nbytes(object nbytes, str name) except? 0:
-    """A size argument: a non-negative integer below 2**64 (bool and float refused)."""
-    cdef size_t n
-    if _exact_int_in_range(nbytes, &n):
-        return n
-    return _size_slow(nbytes, name)
-
-
-cdef size_t _pointer_slow(object ptr) except? 0:
-    if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
-        raise TypeError(f"ptr must be an integer address, got {type(ptr).__name__} {ptr!r}")
-    ptr = ptr.__index__()
-    if ptr < 0 or ptr >= 2 ** 64:
-        raise ValueError(f"ptr must be an address in [0, 2**64), got {ptr}")
-    return PyLong_AsSize_t(ptr)
-
-
-cdef inline uintptr_t _as_pointer(object ptr) except? 0:
-    cdef size_t p
-    if _exact_int_in_range(ptr, &p):
-        return p
-    return _pointer_slow(ptr)
-
-
-def stream_handle(stream):
-    """The raw handle of a stream object.
-
-    Accepts an int (a raw ``cudaStream_t``; 0 is the legacy default stream, 1
-    ``cudaStreamLegacy``, 2 ``cudaStreamPerThread``), an object with ``__cuda_stream__``
-    (the CUDA stream protocol), a CuPy stream (``.ptr``) or a PyTorch stream
-    (``.cuda_stream``).
-    """
-    if type(stream) is int:
-        if stream < 0 or stream >= 2 ** 64:
-            raise ValueError(f"stream must be a handle in [0, 2**64), got {stream}")
-        return stream
-    if isinstance(stream, bool):
-        raise TypeError("stream must be a stream handle or stream object, got bool")
-    if isinstance(stream, Buffer):
-        # It has a .ptr, as CuPy's streams do: taken for a stream it was pinned by the pool,
-        # holding its memory until forget_stream.
-        raise TypeError("stream must be a stream handle or stream object, got a "
-                        "mempool.Buffer (its .ptr is an address, not a stream)")
-    proto = getattr(stream, "__cuda_stream__", None)
-    if proto is not None:
-        value = proto() if callable(proto) else proto
-        if not (isinstance(value, tuple) and len(value) == 2):
-            raise TypeError(f"stream.__cuda_stream__() must return (version, handle), got {value!r}")
-        return _stream_int(value[1], "stream.__cuda_stream__()'s handle")
-    for attr in ("ptr", "cuda_stream"):
-        value = getattr(stream, attr, None)
-        if value is not None and not callable(value):
-            return _stream_int(value, f"stream.{attr}")
-    if hasattr(stream, "__index__"):
-        return _stream_int(stream, "stream")
-    raise TypeError(f"stream must be an int handle, a CuPy or PyTorch stream, or an object "
-                    f"with __cuda_stream__; got {type(stream).__name__}")
-
-
-cdef object _stream_int(object value, str what):
-    """A handle found inside a stream object: an int in [0, 2**64), else a clear error (a
-    float or a string is refused, not truncated or parsed)."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{what} must be an int stream handle, got {type(value).__name__} "
-                        f"{value!r}")
-    handle = value.__index__()
-    if type(handle) is not int:
-        raise TypeError(f"{what}.__index__() returned {type(handle).__name__}, not int")
-    if handle < 0 or handle >= 2 ** 64:
-        raise ValueError(f"{what} must be a handle in [0, 2**64), got {handle}")
-    return handle
-
-
-def _not_initialised(object obj):
-    """The error of a method called on an object whose __init__ never ran (made with
-    __new__, or a subclass whose __init__ does not call the base's)."""
-    name = type(obj).__name__
-    return RuntimeError(f"this {name} was never initialised: its __init__ did not run (made "
-                        f"with {name}.__new__, or a subclass whose __init__ does not call "
-                        f"super().__init__(...)); make one with the class's constructor")
 
 
 # Every live Pool by its creation number, for exporters that watch all of them
@@ -227,8 +82,8 @@ cdef class Pool:
     **options
         See ``docs/options.md``: ``roundup_power2_divisions``, ``max_split_size``,
         ``cross_stream_reuse``, ``release_threshold``, ``limit``, ``initial_pool_size``,
-        ``garbage_collection_threshold``, ``expandable_segments``, ``granularity`` (sim and
-        host), and for ``cuda`` ``pool_handle`` and the ``reuse_*`` policies.
+        ``garbage_collection_threshold``, ``expandable_segments``, ``granularity`` (the page
+        of expandable segments), and for ``cuda`` ``pool_handle`` and the ``reuse_*`` policies.
 
     Notes
     -----
@@ -356,7 +211,7 @@ cdef class Pool:
             self._pool = pool
             if kind == _CUDA:
                 mp_cuda_bind_errors(mp_pool_upstream(pool))
-            self.device = _make_device(self)
+            self.device = _make_device(pool, kind)
             _live_pools[next(_pool_numbers)] = self
             return
         # mp_pool_create destroys the upstream only when reserving initial_pool_size failed
@@ -570,16 +425,48 @@ cdef class Pool:
         return _cupy_malloc(self, nbytes)
 
     def use(self):
-        """Context manager: CuPy allocates from this pool inside the ``with`` block."""
+        """Context manager: CuPy allocates from this pool inside the ``with`` block (the same
+        as :func:`mempool.cupy.use`, which it returns)."""
         self._ready()
-        return _CupyAllocatorScope(self)
+        from mempool import cupy
+        return cupy.use(self)
 
     # ---- sharing (mempool/_buffer.pxi) ----
     def empty(self, shape, dtype="float32", stream=None):
         """A new, uninitialised :class:`Buffer` of ``shape`` and ``dtype`` on ``stream``,
-        for zero-copy hand-off through DLPack (``torch.from_dlpack(pool.empty(...))``)."""
+        for zero-copy hand-off through DLPack (``torch.from_dlpack(pool.empty(...))``).
+
+        Parameters
+        ----------
+        shape : int or tuple of int
+        dtype : dtype-like
+            Anything ``numpy.dtype`` accepts that DLPack can describe (see Buffer).
+        stream : optional
+            The stream the memory is allocated on and written on: an int handle or a CuPy,
+            PyTorch or ``__cuda_stream__`` stream (None: the current stream, as :meth:`alloc`).
+
+        Returns
+        -------
+        Buffer
+
+        Raises
+        ------
+        OutOfMemoryError
+            The pool cannot serve the request.
+        """
         self._ready()
-        return _pool_empty(self, shape, dtype, stream)
+        dims, dt, code, minor, nbytes = _buffer_request(shape, dtype)
+        cdef uintptr_t handle = 0
+        self._stream_of(stream, &handle)   # after the checks: a refused call pins no stream
+        cdef size_t n = nbytes
+        cdef mp_dl_block *block = NULL
+        cdef int rc
+        with nogil:
+            rc = mp_dl_block_new(self._pool, n, handle, &block)
+        if rc != MP_OK:
+            raise self._alloc_error(rc, n, handle)
+        return _buffer_wrap(block, dt, code, minor, dims, 0, False, self.backend,
+                            self.device_id, handle)
     # ---- end sharing ----
 
     cdef object _pointer_error(self, int rc, str op, uintptr_t p):
@@ -654,12 +541,12 @@ cdef class Pool:
             The driver refused (no peer path between the devices, or a driver error).
         """
         self._ready()
-        _enable_peer_access(self, peer_device)
+        _enable_peer_access(self._pool, self._kind, self.device_id, peer_device)
 
     def peer_devices(self):
         """The devices granted access by :meth:`enable_peer_access`, ascending (a tuple)."""
         self._ready()
-        return _peer_devices(self)
+        return _peer_devices(self._pool, self._kind)
 
     def access_devices(self, ptr):
         """The devices that may read and write all of the live block at ``ptr``, ascending.
@@ -668,7 +555,7 @@ cdef class Pool:
         ``cuMemPoolGetAccess`` otherwise); what ``sim`` recorded; ``()`` on ``host``.
         """
         self._ready()
-        return _access_devices(self, ptr)
+        return _access_devices(self._pool, self._kind, ptr)
     # ---- end several devices ----
 
     # ------------------------------------------------------------------ retention
@@ -688,7 +575,7 @@ cdef class Pool:
         mp_empty_cache(self._pool)
         mp_py_mark(0)
         if self._kind == _CUDA:
-            _cuda_trim(self, 0)
+            _cuda_trim(self._cuda_handle, 0, self.device_id)
 
     def trim(self, keep=0):
         """Release idle segments, longest unused first, until at most ``keep`` bytes are cached.
@@ -705,7 +592,7 @@ cdef class Pool:
         mp_trim(self._pool, k)
         mp_py_mark(0)
         if self._kind == _CUDA:
-            _cuda_trim(self, k)
+            _cuda_trim(self._cuda_handle, k, self.device_id)
 
     def set_limit(self, limit):
         """Change ``limit`` (bytes, a fraction of capacity, or None) on a live pool."""
@@ -721,7 +608,7 @@ cdef class Pool:
         mp_set_release_threshold(self._pool, _or_unlimited(value))
         self.options["release_threshold"] = value
         if self._kind == _CUDA:
-            _cuda_set_release_threshold(self)
+            _cuda_set_release_threshold(self._cuda_handle, value)
 
     # ------------------------------------------------------------------ observability
 
@@ -793,7 +680,7 @@ cdef class Pool:
         mss = self.options["max_split_size"]
         out["max_split_size"] = -1 if mss is None else mss
         if self._kind == _CUDA:
-            out.update(_cuda_stats(self))
+            out.update(_cuda_stats(self._cuda_handle))
         return out
 
     def reset_peak_stats(self):
@@ -896,7 +783,7 @@ cdef class Pool:
         if mp_trace_take(self._pool, &entries, &n) != MP_OK:
             raise MemoryError("history: out of host memory")
         try:
-            return [(_TRACE_ACTIONS[entries[i].action], entries[i].ptr, entries[i].nbytes,
+            return [(TRACE_ACTIONS[entries[i].action], entries[i].ptr, entries[i].nbytes,
                      entries[i].stream, entries[i].time_ns) for i in range(n)]
         finally:
             c_free(entries)
@@ -904,20 +791,20 @@ cdef class Pool:
     def save_trace(self, path):
         """Save the recorded history as a trace file (JSON lines) for ``mempool replay``."""
         self._ready()
-        from mempool import trace
+        from mempool.tools import trace
         return trace.save_trace(self, path)
 
     def summary(self, abbreviated=False):
         """A text report in the layout of ``torch.cuda.memory_summary()``."""
         self._ready()
-        from mempool import report
+        from mempool.tools import report
         return report.summary(self.stats(), device=self.device_id, abbreviated=abbreviated,
                               backend=self.backend)
 
     def snapshot(self):
         """The pool in the format of ``torch.cuda.memory._snapshot()``."""
         self._ready()
-        from mempool import report
+        from mempool.tools import report
         return report.snapshot(self.layout(), self.history(), device=self.device_id)
 
     def __repr__(self):
@@ -931,11 +818,6 @@ cdef class Pool:
     def _round_size(self, nbytes):
         self._ready()
         return mp_round_size(mp_pool_config(self._pool), _as_nbytes(nbytes, "nbytes"))
-
-    def _c_handle(self):
-        """The address of the C pool (for the PyTorch allocator table and benchmarks)."""
-        self._ready()
-        return <uintptr_t>self._pool
 
 
 def _pointer_error(int rc, str op, uintptr_t p):
@@ -961,26 +843,6 @@ cdef _put_stat(dict out, str prefix, mp_stat s):
     out[prefix + ".peak"] = s.peak
     out[prefix + ".allocated"] = s.allocated
     out[prefix + ".freed"] = s.freed
-
-
-def round_size(nbytes, roundup_power2_divisions=0):
-    """The size a request is rounded to under the given rounding divisions."""
-    cdef mp_config cfg
-    mp_config_default(&cfg)
-    divs = _config.parse_roundup_divisions(roundup_power2_divisions)
-    for i, d in enumerate(divs):
-        cfg.roundup_divisions[i] = d
-    return mp_round_size(&cfg, _as_nbytes(nbytes, "nbytes"))
-
-
-def segment_size(rounded):
-    """The size of the segment a rounded request of this size makes."""
-    return mp_segment_size(_as_nbytes(rounded, "rounded"))
-
-
-def size_class(nbytes):
-    """The free-list class a block of this size is binned in."""
-    return mp_size_class(_as_nbytes(nbytes, "nbytes"))
 
 
 # --------------------------------------------------------------------- the CuPy hook
@@ -1025,20 +887,3 @@ cdef object _cupy_malloc(Pool pool, object nbytes):
     owner._owner = pool
     owner.ptr = ptr
     return _MemoryPointer(_UnownedMemory(ptr, n, owner, pool.device_id), 0)
-
-
-class _CupyAllocatorScope:
-    def __init__(self, pool):
-        self._pool = pool
-        self._previous = None
-
-    def __enter__(self):
-        import cupy.cuda
-        self._previous = cupy.cuda.get_allocator()
-        cupy.cuda.set_allocator(self._pool.malloc)
-        return self._pool
-
-    def __exit__(self, *exc):
-        import cupy.cuda
-        cupy.cuda.set_allocator(self._previous)
-        return False

@@ -4,25 +4,6 @@
 # only routes devices to pools and hands out the entry points' addresses.
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 
-cdef extern from "mp_torch.h" nogil:
-    int MP_TORCH_MAX_DEVICES
-    int mp_torch_register(int device, mp_pool *p)
-    int mp_torch_unregister(int device)
-    mp_pool *mp_torch_registered(int device)
-    int64_t mp_torch_live_blocks(int device)
-    uint64_t mp_torch_failed_allocs(int device)
-    void *mempool_torch_alloc(Py_ssize_t size, int device, void *stream)
-    void mempool_torch_free(void *ptr, Py_ssize_t size, int device, void *stream)
-    void mempool_torch_record_stream(void *ptr, void *stream)
-    void mempool_torch_reset()
-    void mempool_torch_memory_fraction(double fraction, int device)
-    void *mempool_torch_base_alloc(void *ptr, size_t *size)
-    ctypedef struct mp_torch_api:
-        pass
-    const mp_torch_api *mp_torch_api_table()
-
-cdef extern from "mp_core.h" nogil:
-    int mp_alloc_torch(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out)
 
 TORCH_MAX_DEVICES = MP_TORCH_MAX_DEVICES
 

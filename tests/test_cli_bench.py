@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mempool import cli_bench
+from mempool.cli import bench as cli_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,11 +12,11 @@ import random
 import pytest
 
 import mempool
-from mempool import replay as rp
-from mempool import trace as mt
+from mempool.tools import replay as rp
+from mempool.tools import trace as mt
+from mempool.cli.trace import TRACES_DIR as TRACES   # the shipped traces
 
 MiB = 1 << 20
-TRACES = os.path.join(os.path.dirname(os.path.abspath(mt.__file__)), "traces")   # shipped
 COUNTERS = ("num_device_alloc", "num_device_free", "num_stream_syncs", "num_event_records",
             "num_event_waits", "num_stream_queries", "mapped_bytes.allocated",
             "mapped_bytes.freed")

@@ -9,7 +9,7 @@ device's own count and the layout always agree.
 import pytest
 
 import mempool
-from mempool import report
+from mempool.tools import report
 
 from conftest import BASE, GiB, MiB
 

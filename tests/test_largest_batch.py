@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "bench"))
 
 import largest_batch as lb  # noqa: E402
-from mempool import replay as rp  # noqa: E402
+from mempool.tools import replay as rp  # noqa: E402
 
 MiB = 1 << 20
 LIMIT = 768 * MiB

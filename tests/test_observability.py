@@ -18,7 +18,7 @@ from contextlib import redirect_stdout
 import pytest
 
 import mempool
-from mempool import report
+from mempool.tools import report
 from conftest import BASE, MiB
 
 S1, S2 = 7, 9

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import mempool
-from mempool import replay as rp
-from mempool import trace as mt
-from mempool.trace import Event
+from mempool.tools import replay as rp
+from mempool.tools import trace as mt
+from mempool.tools.trace import Event
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACES = os.path.join(REPO, "mempool", "traces")

@@ -9,8 +9,8 @@ import pickle
 
 import pytest
 
-from mempool import trace as mt
-from mempool.trace import Event
+from mempool.tools import trace as mt
+from mempool.tools.trace import Event
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACES = os.path.join(REPO, "mempool", "traces")
@@ -402,7 +402,7 @@ def test_import_of_a_snapshot_captured_on_a_gpu():
 
 
 def test_replay_of_the_gpu_snapshot_reserves_what_pytorch_reserved():
-    from mempool import replay as rp
+    from mempool.tools import replay as rp
 
     r = rp.replay(mt.from_torch_snapshot(H200_SNAPSHOT))
     assert r.unknown_frees == 0 and r.num_ooms == 0

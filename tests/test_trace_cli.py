@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mempool import cli_trace
+from mempool.cli import trace as cli_trace
 
 from test_trace import RMM_LOG, torch_snapshot
 

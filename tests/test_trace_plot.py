@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from mempool import plot as mplot
-from mempool import replay as rp
-from mempool import trace as mt
+from mempool.tools import plot as mplot
+from mempool.tools import replay as rp
+from mempool.tools import trace as mt
 
 from test_trace import torch_snapshot
 

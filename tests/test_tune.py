@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from mempool import trace as mt
-from mempool import tune as tn
-from mempool.trace import Event
+from mempool.tools import trace as mt
+from mempool.tools import tune as tn
+from mempool.tools.trace import Event
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = os.path.join(REPO, "mempool", "traces", "small.jsonl")

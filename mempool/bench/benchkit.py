@@ -29,10 +29,11 @@ SIM_CAPACITY = 256 << 30    # sim addresses are fake: room for 10^6 live blocks,
 
 @functools.lru_cache(maxsize=None)
 def gpu_available():
-    """True when a CUDA device can be used (the probe of ``python -m mempool bench``)."""
-    from mempool.cli_bench import gpu_available as probe
+    """True when a CUDA device can be used: the Pool's own probe (``mempool._cuda.available``),
+    asked once per process."""
+    from mempool import _cuda
 
-    return probe()
+    return _cuda.available()
 
 
 NO_GPU = "needs a CUDA device; none found"

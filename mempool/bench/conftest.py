@@ -31,7 +31,7 @@ def pytest_terminal_summary(terminalreporter, config):
     session = getattr(config, "_benchmarksession", None)
     if session is None or not session.benchmarks:
         return
-    from mempool.cli_bench import render_table
+    from mempool.cli.bench import render_table
 
     infos = [b.extra_info for b in session.benchmarks if b.extra_info.get("ns")]
     if infos:

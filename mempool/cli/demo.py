@@ -92,8 +92,8 @@ def _streams():
 
 
 def _fragmentation():
-    from mempool import replay, trace
-    from mempool.cli_trace import default_trace
+    from mempool.tools import replay, trace
+    from mempool.cli.trace import default_trace
     path = default_trace()
     events = trace.load_any(path)
     print(f"\nfragmentation: replaying the shipped {path.rsplit('/', 1)[-1]} ({len(events):,} "

@@ -6,35 +6,31 @@
   ``torch.cuda._memory_viz`` (``segment_plot``, ``trace_plot``, ``segments``, ``memory``,
   ``segsum``, ``trace``) and pytorch.org/memory_viz render.
 
-Pure Python: the Pool gathers the numbers from the core and hands them over.
+Python over the Pool's output: the Pool gathers the numbers from the core and hands them
+over; the codes (trace actions, block states) are the extension's.
 """
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
+from mempool import _core
+from mempool._core import BLOCK_ALLOCATED, BLOCK_FREE, BLOCK_PENDING, BLOCK_UNMAPPED
+
 __all__ = ["summary", "snapshot", "BLOCK_STATES", "TRACE_ACTIONS"]
 
-# The core's block states (mp_core.h MP_BLOCK_*) and PyTorch's names for them. Unmapped
-# pages of an expandable segment have no PyTorch name: they are left out of the snapshot.
-BLOCK_FREE, BLOCK_ALLOCATED, BLOCK_PENDING, BLOCK_UNMAPPED = 0, 1, 2, 3
+# The core's block states (mp_core.h MP_BLOCK_*, through the extension) and PyTorch's names
+# for them. Unmapped pages of an expandable segment have no PyTorch name: they are left out of
+# the snapshot.
 BLOCK_STATES = {
     BLOCK_FREE: "inactive",
     BLOCK_ALLOCATED: "active_allocated",
     BLOCK_PENDING: "active_pending_free",   # freed, waiting on events of other streams
 }
 
-# The core's trace actions (mp_core.h MP_TRACE_*) and PyTorch's TraceEntry names.
-TRACE_OOM = 5
-TRACE_ACTIONS = {
-    0: "alloc",
-    1: "free_requested",
-    2: "free_completed",
-    3: "segment_alloc",
-    4: "segment_free",
-    TRACE_OOM: "oom",
-    6: "segment_map",
-    7: "segment_unmap",
-}
+# The core's trace actions by code (mp_core.h MP_TRACE_*), named in the extension as PyTorch's
+# TraceEntry names them.
+TRACE_ACTIONS = dict(enumerate(_core.TRACE_ACTIONS))
+TRACE_OOM = _core.TRACE_ACTIONS.index("oom")
 _ACTION_CODES = {name: code for code, name in TRACE_ACTIONS.items()}
 
 # --------------------------------------------------------------------------- summary
@@ -298,9 +294,9 @@ def snapshot(segments: Iterable[Mapping[str, Any]],
         3 unmapped (expandable segments only).
     traces : iterable of tuple, optional
         Recorded events, oldest first, each ``(action, ptr, nbytes, stream, time_ns)``
-        as :meth:`mempool.Pool.history` gives them, with ``action`` a name or its code: 0 alloc, 1 free_requested, 2 free_completed, 3 segment_alloc,
-        4 segment_free, 5 oom, 6 segment_map, 7 segment_unmap. For an oom, ``ptr`` holds the
-        bytes the device had free, as in PyTorch's trace.
+        as :meth:`mempool.Pool.history` gives them, with ``action`` a name or its code
+        (:data:`TRACE_ACTIONS`, code to name). For an oom, ``ptr`` holds the bytes the device
+        had free, as in PyTorch's trace.
     device : int
         The device id: the segments' ``device`` and the index of the trace in
         ``device_traces``.

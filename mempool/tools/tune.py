@@ -19,8 +19,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-from . import replay as _replay
-from ._units import format_bytes
+from mempool._config import _checked, _overridden, normalize
+# Conf strings are spelled by mempool._config, their one writer; re-exported for tune's users.
+from mempool._config import to_conf, to_pytorch_conf
+from mempool._units import format_bytes
+from mempool.tools import replay as _replay
 
 __all__ = ["TuneResult", "tune", "report", "churn_limit", "DEFAULT_GRID", "to_conf",
            "to_pytorch_conf"]
@@ -68,34 +71,6 @@ class TuneResult:
         return f"{self.conf or '(default)'}: {self.result}"
 
 
-# ----------------------------------------------------------------------------------------
-# configuration strings (spelled by mempool._config, the one writer of conf strings)
-
-
-def to_conf(options: dict) -> str:
-    """`options` as a ``MEMPOOL_CONF`` / ``Pool.from_conf`` string."""
-    from ._config import to_conf as impl
-
-    return impl(options)
-
-
-def to_pytorch_conf(options: dict):
-    """The nearest ``PYTORCH_CUDA_ALLOC_CONF`` for `options` (None when PyTorch has none of
-    them; ``release_threshold`` has no PyTorch counterpart in its native allocator)."""
-    from ._config import to_pytorch_conf as impl
-
-    return impl(options) or None
-
-
-# ----------------------------------------------------------------------------------------
-
-
-def _normalize():
-    from ._config import normalize
-
-    return normalize
-
-
 def churn_limit(default_calls: int, events: int) -> int:
     """Upstream calls (segment allocations + frees) beyond which a setting counts as churn.
 
@@ -114,7 +89,6 @@ def _candidates(grid: dict) -> tuple:
     each distinct point once; and the points left out, as (point, reason) pairs: settings
     that do not combine, or where one overrides another by PyTorch's precedence (such a
     point is the same as one without the overridden setting)."""
-    from ._config import _checked, _overridden
     keys = list(grid)
     seen = {()}
     out = [{}]
@@ -154,7 +128,6 @@ def _check_grid(grid) -> dict:
         if not out[key]:
             raise ValueError(f"tune: grid[{key!r}] is empty; give at least one value "
                              "(None = the default)")
-    normalize = _normalize()
     for key, values in out.items():
         for v in values:
             if v is not None:
@@ -201,7 +174,7 @@ def tune(events, limit=None, grid=None, progress: bool = True, capacity=None,
 
     Parameters
     ----------
-    events : Trace, iterable of Event, or mempool.replay.Prepared
+    events : Trace, iterable of Event, or mempool.tools.replay.Prepared
         The trace to tune for.
     limit : int, str or float, optional
         Replay under this cap on reserved bytes (the GPU's size, or a share of it), so

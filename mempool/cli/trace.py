@@ -16,13 +16,17 @@ import json
 import os
 import sys
 
+from mempool._core import _DEFAULT_CAPACITY
+
 __all__ = ["main", "default_trace"]
 
 # Package data (pyproject.toml), so an installed wheel has them too; the benchmark scripts
 # and tests read them from here as well.
-TRACES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces")
+# The shipped traces live at the package root (mempool/traces), beside the tools that read them.
+TRACES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "traces")
 DEFAULT_TRACE = "transformer_train.jsonl.gz"
-SIM_CAPACITY = "80GiB"        # the sim backend's default capacity (mempool/_pool.pxi)
+# The sim backend's default capacity: a host replay gets the same device size.
+SIM_CAPACITY = _DEFAULT_CAPACITY["sim"]
 
 
 def default_trace() -> str:
@@ -35,7 +39,7 @@ def default_trace() -> str:
 
 
 def _load(path: str):
-    from . import trace
+    from mempool.tools import trace
 
     return trace.load_any(path)
 
@@ -56,7 +60,7 @@ def _size_arg(text: str):
 
 
 def _replay(argv) -> int:
-    from . import replay as rp
+    from mempool.tools import replay as rp
 
     ap = argparse.ArgumentParser(prog="python -m mempool replay",
                                  description="Replay an allocation trace through a pool and "
@@ -93,7 +97,7 @@ def _replay(argv) -> int:
         print(json.dumps(d, indent=2, default=str))
     else:
         import mempool
-        from ._units import format_bytes as fb
+        from mempool._units import format_bytes as fb
 
         # The device's size, so that OOMs can be read against it.
         probe = mempool.Pool(backend=args.backend, **extra)
@@ -130,7 +134,7 @@ def _replay(argv) -> int:
         print(f"time           {result.ns_per_event:,.0f} ns per event of replay (this "
               "machine's CPU; lower is better)")
     if args.plot:
-        from . import plot
+        from mempool.tools import plot
 
         plot.plot_timeline(result, args.plot, title=os.path.basename(path))
         print(f"plot           {args.plot}")
@@ -138,7 +142,7 @@ def _replay(argv) -> int:
 
 
 def _tune(argv) -> int:
-    from . import tune as tn
+    from mempool.tools import tune as tn
 
     ap = argparse.ArgumentParser(prog="python -m mempool tune",
                                  description="Replay a trace on the simulated device under a "
@@ -162,8 +166,8 @@ def _tune(argv) -> int:
 
 
 def _plot(argv) -> int:
-    from . import plot as pl
-    from . import replay as rp
+    from mempool.tools import plot as pl
+    from mempool.tools import replay as rp
 
     ap = argparse.ArgumentParser(prog="python -m mempool plot",
                                  description="Draw a snapshot's segment map, or a trace's live "

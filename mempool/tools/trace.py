@@ -32,6 +32,8 @@ import pickle
 import zlib
 from typing import Iterable, NamedTuple
 
+from mempool import _core
+
 __all__ = [
     "Event", "Trace", "FORMAT", "VERSION", "save", "load", "load_any", "from_pool_history",
     "from_torch_snapshot", "from_rmm_csv", "save_trace",
@@ -42,10 +44,13 @@ VERSION = 1
 FIELDS = ["action", "id", "nbytes", "stream", "time_ns"]
 ACTIONS = ("alloc", "free")
 
-# The pool's recorded entry actions (mp_core.h, MP_TRACE_*), by number or by name; only
-# allocs and free requests are replayable: the others are the pool's own reactions
-# (segments, completions, OOMs) to them.
-_HISTORY_ACTIONS = {0: "alloc", 1: "free", "alloc": "alloc", "free_requested": "free"}
+# The pool's recorded entry actions (the extension's TRACE_ACTIONS), by code or by name, that
+# become events; only allocs and free requests are replayable: the others are the pool's own
+# reactions (segments, completions, OOMs) to them.
+_HISTORY_ACTIONS = {}
+for _name, _kind in (("alloc", "alloc"), ("free_requested", "free")):
+    _HISTORY_ACTIONS[_core.TRACE_ACTIONS.index(_name)] = _HISTORY_ACTIONS[_name] = _kind
+del _name, _kind
 
 
 class Event(NamedTuple):
@@ -249,9 +254,8 @@ def from_pool_history(entries) -> Trace:
     ----------
     entries : iterable of tuples
         ``(action, ptr, nbytes, stream, time_ns)`` as ``Pool.history()`` returns them, with
-        actions named ("alloc", "free_requested", "free_completed", "segment_alloc",
-        "segment_free", "oom", "segment_map", "segment_unmap") or numbered 0..7 in that
-        order. Only allocs and free requests are kept: the rest are
+        actions named or numbered as ``mempool._core.TRACE_ACTIONS`` (code to name). Only
+        allocs and free requests are kept: the rest are
         the pool's reactions, which a replay reproduces under its own configuration.
         Pointers become the events' ids.
     """

@@ -1,6 +1,6 @@
 """Replay an allocation trace through a Pool and measure what it reserves.
 
-``replay(events, conf)`` runs every alloc and free of a trace (see :mod:`mempool.trace`)
+``replay(events, conf)`` runs every alloc and free of a trace (see :mod:`mempool.tools.trace`)
 through a fresh :class:`mempool.Pool` and reports the peak live bytes (what the program
 asked for), the peak reserved bytes (what the pool took from its upstream) and their ratio,
 the OOMs, and the time per event. On ``backend="sim"`` nothing touches a device, so a trace
@@ -8,7 +8,7 @@ recorded on an 80 GiB GPU replays on a laptop, deterministically.
 
 Speed: the events are converted once (:func:`prepare`) into a list of small tuples with the
 trace's ids mapped to dense slots, so the replay loop is one tuple unpack and one Pool call
-per event; :func:`mempool.tune.tune` reuses one preparation for every setting it tries.
+per event; :func:`mempool.tools.tune.tune` reuses one preparation for every setting it tries.
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ class ReplayResult:
         return d
 
     def __str__(self) -> str:
-        from ._units import format_bytes as fb
+        from mempool._units import format_bytes as fb
 
         return (f"{self.events} events on {self.backend}: peak live "
                 f"{fb(self.peak_live_bytes)}, peak reserved {fb(self.peak_reserved_bytes)}, "
@@ -112,7 +112,7 @@ class ReplayResult:
 
 
 def prepare(events) -> Prepared:
-    """Convert events (an iterable of :class:`mempool.trace.Event` or 5-tuples) for replay.
+    """Convert events (an iterable of :class:`mempool.tools.trace.Event` or 5-tuples) for replay.
 
     Ids map to dense slots, reused once freed. A free of an id that is not live is counted
     in ``unknown_frees`` and dropped; an alloc of an id that is already live (a trace that
@@ -217,12 +217,16 @@ def _device_streams(prep: Prepared, backend: str):
     return [0] + [s.ptr for s in keep], keep
 
 
-def _run(pool, ops, handles, ptrs, oom_error, start, stop, ooms):
-    """The replay loop over ops[start:stop]. Kept small: this is the hot path."""
+def _run(pool, ops, handles, ptrs, oom_error, ooms, start=0):
+    """The replay loop, the one every replay runs: `ops` are the events from index `start` on.
+
+    One tuple unpack and one Pool call per event (this is the hot path). A refused allocation
+    is recorded in `ooms` as (event index, message) and the replay goes on without it; its
+    free is skipped.
+    """
     alloc = pool.alloc
     free = pool.free
-    for i in range(start, stop):
-        slot, nbytes, s = ops[i]
+    for i, (slot, nbytes, s) in enumerate(ops, start):
         if nbytes:
             try:
                 ptrs[slot] = alloc(nbytes, handles[s])
@@ -236,38 +240,6 @@ def _run(pool, ops, handles, ptrs, oom_error, start, stop, ooms):
                 free(p, None if s is None else handles[s])
 
 
-def _fast_run(pool, ops, handles, ptrs, oom_error, ooms):
-    """The loop without index bookkeeping: one tuple unpack and one call per event."""
-    alloc = pool.alloc
-    free = pool.free
-    if len(handles) == 1:
-        h0 = handles[0]
-        for slot, nbytes, s in ops:
-            if nbytes:
-                try:
-                    ptrs[slot] = alloc(nbytes, h0)
-                except oom_error:
-                    return False      # rerun with bookkeeping from a fresh pool
-            else:
-                p = ptrs[slot]
-                if p:
-                    ptrs[slot] = 0
-                    free(p)
-        return True
-    for slot, nbytes, s in ops:
-        if nbytes:
-            try:
-                ptrs[slot] = alloc(nbytes, handles[s])
-            except oom_error:
-                return False
-        else:
-            p = ptrs[slot]
-            if p:
-                ptrs[slot] = 0
-                free(p, None if s is None else handles[s])
-    return True
-
-
 def _upstream(stats: dict) -> dict:
     return {k: _stat(stats, key) for k, key in UPSTREAM_COUNTERS.items()}
 
@@ -276,9 +248,9 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
-def _stepped_run(pool, prep, handles, ptrs, oom_error):
-    """_fast_run one step at a time: ([counters at the start, then at each step's start],
-    ns spent reading them), or (None, 0) after an OOM."""
+def _stepped_run(pool, prep, handles, ptrs, oom_error, ooms):
+    """_run one step at a time: [counters at the start, then at each step's start], and the
+    ns spent reading them."""
     ops = prep.ops
     bounds = [0] + list(prep.step_ops) + [len(ops)]
     counts = []
@@ -287,8 +259,7 @@ def _stepped_run(pool, prep, handles, ptrs, oom_error):
         t = time.perf_counter_ns()
         counts.append(_upstream(pool.stats()))
         spent += time.perf_counter_ns() - t
-        if not _fast_run(pool, ops[bounds[i]:bounds[i + 1]], handles, ptrs, oom_error, []):
-            return None, 0
+        _run(pool, ops[bounds[i]:bounds[i + 1]], handles, ptrs, oom_error, ooms, bounds[i])
     return counts, spent
 
 
@@ -304,7 +275,7 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
     Parameters
     ----------
     events : Trace, iterable of Event, or Prepared
-        The trace (see :mod:`mempool.trace`); :func:`prepare` it once to replay it often.
+        The trace (see :mod:`mempool.tools.trace`); :func:`prepare` it once to replay it often.
     conf : str or dict, optional
         The pool's options: a ``"key:value,..."`` string as ``MEMPOOL_CONF`` takes, or a dict
         of ``Pool`` keywords. None = the defaults.
@@ -342,21 +313,13 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
     series = None
     t0 = time.perf_counter_ns()
     counts = None
-    if not timeseries and prep.step_ops:
-        # Step by step, the upstream counters read between steps, outside the timing.
-        counts, spent = _stepped_run(pool, prep, handles, ptrs, oom_error)
-        t0 += spent
-        ok = counts is not None
-    elif not timeseries:
-        ok = _fast_run(pool, ops, handles, ptrs, oom_error, ooms)
     if not timeseries:
-        if not ok:
-            # An OOM: start again on a fresh pool with the loop that records where.
-            _release(pool, ptrs, keep_streams)
-            pool = _make_pool(conf, backend, limit, options)
-            ptrs = [0] * prep.nslots
-            t0 = time.perf_counter_ns()
-            _run(pool, ops, handles, ptrs, oom_error, 0, len(ops), ooms)
+        if prep.step_ops:
+            # Step by step, the upstream counters read between steps, outside the timing.
+            counts, spent = _stepped_run(pool, prep, handles, ptrs, oom_error, ooms)
+            t0 += spent
+        else:
+            _run(pool, ops, handles, ptrs, oom_error, ooms)
         peak_reserved = peak_allocated = None
     else:
         n = len(ops)
@@ -367,7 +330,7 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
             stop = min(n, start + stride)
             # Peaks are reset per stretch, to plot each stretch's highest point.
             pool.reset_peak_stats()
-            _run(pool, ops, handles, ptrs, oom_error, start, stop, ooms)
+            _run(pool, ops[start:stop], handles, ptrs, oom_error, ooms, start)
             st = pool.stats()
             reserved.append(_stat(st, "reserved_bytes.all.peak"))
             peak_allocated = max(peak_allocated, _stat(st, "allocated_bytes.all.peak"))
@@ -432,7 +395,6 @@ def _release(pool, ptrs, keep_streams) -> None:
         empty()
 
 
-
 def pool_at(events, stop="peak_reserved", conf=None, backend: str = "sim", limit=None,
             **options):
     """The pool as it stands part way through a replay, for a snapshot or a segment map.
@@ -469,7 +431,7 @@ def pool_at(events, stop="peak_reserved", conf=None, backend: str = "sim", limit
         pool = _make_pool(conf, backend, limit, options)
         reserved = pool.reserved_bytes
         for i in range(len(ops)):
-            _run(pool, ops, handles, ptrs, oom_error, i, i + 1, [])
+            _run(pool, ops[i:i + 1], handles, ptrs, oom_error, [], i)
             if ops[i][1] and reserved() >= target:
                 break
         return pool, [p for p in ptrs if p]
@@ -477,5 +439,5 @@ def pool_at(events, stop="peak_reserved", conf=None, backend: str = "sim", limit
         raise ValueError(f"pool_at: stop must be an int in [0, {len(ops)}], 'peak_reserved' "
                          f"or 'peak_live'; got {stop!r}")
     pool = _make_pool(conf, backend, limit, options)
-    _run(pool, ops, handles, ptrs, oom_error, 0, stop, [])
+    _run(pool, ops[:stop], handles, ptrs, oom_error, [])
     return pool, [p for p in ptrs if p]

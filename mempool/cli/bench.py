@@ -15,6 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+from mempool import _cuda
+
 SECTION_ORDER = ["latency", "torch.empty", "foundation", "streams", "scale", "threads", "first step"]
 SECTION_TEXT = {
     "latency": "one malloc+free pair by size",
@@ -225,25 +227,7 @@ def plot_latency(infos, path, note=None):
 def _bench_dir():
     # The suite ships inside the package, so an installed wheel runs the same files as a
     # source checkout.
-    return Path(__file__).resolve().parent / "bench"
-
-
-def gpu_available():
-    """True when a CUDA device can be used. Never raises."""
-    try:
-        from mempool import _cuda
-
-        return bool(_cuda.available())
-    except ImportError:
-        pass
-    except Exception:
-        return False
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+    return Path(__file__).resolve().parent.parent / "bench"
 
 
 class _Progress:
@@ -306,7 +290,7 @@ def main(command, argv):
     if json_path.exists():
         json_path.unlink()
 
-    gpu = gpu_available()
+    gpu = _cuda.available()
     filters = [] if gpu else [NO_GPU_FILTER]
     if args.quick:
         filters.append("not live1e6")

@@ -12,7 +12,7 @@ import os
 
 __all__ = ["plot", "plot_segments", "plot_timeline"]
 
-from ._units import format_bytes as _size
+from mempool._units import format_bytes as _size
 
 GiB = float(1 << 30)
 MAX_ROWS = 24            # segments drawn; the figure stays under ~1,100 px tall
@@ -35,7 +35,7 @@ def _matplotlib():
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
     except ImportError:
-        raise ImportError("mempool.plot needs matplotlib, which is not installed: "
+        raise ImportError("mempool.tools.plot needs matplotlib, which is not installed: "
                           "pip install matplotlib") from None
     return Figure, FigureCanvasAgg, Patch
 
