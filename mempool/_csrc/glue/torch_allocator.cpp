@@ -40,7 +40,7 @@
 #include <vector>
 
 extern "C" {
-#include "../mp_torch.h"
+#include "mp_torch.h"
 }
 
 namespace {
