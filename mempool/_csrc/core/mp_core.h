@@ -11,24 +11,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "mp_size.h"   /* the size policy: MP_MIN_BLOCK, rounding, classes */
 #include "mp_upstream.h"
 
-#define MP_MIN_BLOCK ((size_t)512)
-#define MP_SMALL_SIZE ((size_t)1 << 20)          /* requests up to this use the small lists */
-#define MP_SMALL_SEGMENT ((size_t)2 << 20)       /* segment size for small requests */
-#define MP_LARGE_SEGMENT ((size_t)20 << 20)      /* segment size for requests < 10 MiB */
-#define MP_MIN_LARGE_ALLOC ((size_t)10 << 20)
-#define MP_LARGE_ROUND ((size_t)2 << 20)         /* larger requests round to this */
-#define MP_LARGE_BUFFER ((size_t)20 << 20)       /* oversize blocks may serve up to this much
-                                                    beyond a request (PyTorch's kLargeBuffer) */
-#define MP_MAX_ALLOC ((size_t)1 << 62)           /* larger requests are refused outright */
-#define MP_UNLIMITED SIZE_MAX
 #define MP_MAX_RECORDED_STREAMS 32768            /* record_stream: streams per block */
-#define MP_ROUNDUP_INTERVALS 16                  /* 1 MiB .. 64 GiB, one per power of two */
 
 typedef struct mp_config {
-    /* Power-of-two rounding divisions per size interval (index 0: < 2 MiB, i: [2^i, 2^(i+1))
-     * MiB, last: >= 32 GiB), as PyTorch's roundup_power2_divisions; 0 or 1 = plain 512 B. */
+    /* Power-of-two rounding divisions per size interval, as PyTorch's
+     * roundup_power2_divisions (mp_round_with in mp_size.h). */
     size_t roundup_divisions[MP_ROUNDUP_INTERVALS];
     size_t max_split_size;       /* MP_UNLIMITED = split every block */
     int cross_stream_reuse;      /* take other streams' free blocks through an event wait */
@@ -150,10 +140,10 @@ int mp_block_info(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested,
 int mp_empty_cache(mp_pool *p);
 int mp_trim(mp_pool *p, size_t keep);
 
-size_t mp_round_size(const mp_config *cfg, size_t nbytes);
-size_t mp_segment_size(size_t rounded);
-/* The block size class that free lists bin by (exposed for tests). */
-uint32_t mp_size_class(size_t nbytes);
+/* mp_size.h's rounding under a pool's config (inline: every allocation rounds). */
+static inline size_t mp_round_size(const mp_config *cfg, size_t nbytes) {
+    return mp_round_with(cfg->roundup_divisions, nbytes);
+}
 
 void mp_get_stats(mp_pool *p, mp_stats *out);
 void mp_reset_peak_stats(mp_pool *p);

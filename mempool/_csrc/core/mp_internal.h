@@ -1,6 +1,6 @@
-/* Internal structures of the core, shared by its source files (mp_core.c, mp_release.c,
- * mp_inspect.c, mp_trace.c, mp_expand.c). Everything here is guarded by mp_pool.lock unless
- * a field says otherwise; functions named *_locked expect it held. */
+/* Internal structures of the core, shared by its source files (the .c files of core/).
+ * Everything here is guarded by mp_pool.lock unless a field says otherwise; functions named
+ * *_locked expect it held. */
 #ifndef MP_INTERNAL_H
 #define MP_INTERNAL_H
 
@@ -171,11 +171,13 @@ static inline void mp_freelist_remove(mp_freelist *fl, mp_block *b) {
 }
 
 
-/* mp_core.c */
-int mp_reserve_initial(mp_pool *p, size_t nbytes);
-void mp_insert_free_merged_locked(mp_pool *p, mp_block *b);
+/* mp_freelist.c: a block into and out of its owner's list, with the split counters. */
 void mp_insert_free_locked(mp_pool *p, mp_block *b);   /* no merging */
 void mp_remove_free_locked(mp_pool *p, mp_block *b);
+mp_block *mp_freelist_find_fit(const mp_pool *p, const mp_freelist *fl, size_t size);
+
+/* mp_core.c */
+int mp_reserve_initial(mp_pool *p, size_t nbytes);
 mp_block *mp_search_lists_locked(mp_pool *p, mp_stream *s, int kind, size_t size);
 size_t mp_reserved_now_locked(const mp_pool *p);
 void mp_sync_pending_unlocked(mp_pool *p);
@@ -189,12 +191,21 @@ static inline void *mp_blocking_begin(void) {
 static inline void mp_blocking_end(void *state) {
     if (mp_blocking_end_hook) mp_blocking_end_hook(state);
 }
+/* mp_block.c (the rest of its interface is in mp_block.h) */
 mp_block *mp_block_new_locked(mp_pool *p);
 void mp_block_delete_locked(mp_pool *p, mp_block *b);
 void mp_free_block_locked(mp_pool *p, mp_block *b);
+void mp_insert_free_merged_locked(mp_pool *p, mp_block *b);
+/* mp_stream.c (the rest of its interface is in mp_stream.h) */
 int mp_event_get_locked(mp_pool *p, uintptr_t *ev);
 void mp_event_put_locked(mp_pool *p, uintptr_t ev);
-mp_stream *mp_stream_get_locked(mp_pool *p, uintptr_t handle);
+mp_stream *mp_stream_lookup_locked(mp_pool *p, uintptr_t handle);
+/* The pool's struct for a stream handle, created on first use (NULL: out of host memory).
+ * Inline for its one-entry cache: every allocation asks. */
+static inline mp_stream *mp_stream_get_locked(mp_pool *p, uintptr_t handle) {
+    if (p->last_stream && p->last_stream->handle == handle) return p->last_stream;
+    return mp_stream_lookup_locked(p, handle);
+}
 /* Note [Forgotten streams]: drop the lock in the middle of an operation that keeps stream
  * pointers across it, and take it back. */
 static inline void mp_lock_drop(mp_pool *p) {
