@@ -32,11 +32,12 @@ mp_block *mp_block_new_locked(mp_pool *p) {
     b->stream = NULL;
     b->cls = MP_NOT_LISTED;
     b->state = MP_BLOCK_FREE;
-    b->split_counted = b->busy = b->torch = 0;
+    b->split_counted = b->busy = 0;
     b->nuses = 0;
     b->cap_uses = MP_INLINE_USES;
     b->uses = b->inline_uses;
     b->events = NULL;
+    b->tally = NULL;
     return b;
 }
 

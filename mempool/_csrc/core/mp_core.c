@@ -104,12 +104,18 @@ void mp_pool_destroy(mp_pool *p) {
     }
     mp_ptrmap_destroy(&p->live);
     free(p->trace);
-    int kept = p->torch_kept;
+    int kept = p->keep_struct;
     mp_lock_release(&p->lock);
     if (p->up.destroy) p->up.destroy(p->up.ctx);
-    /* Note [Torch table lifetime]: a pool that was in PyTorch's table leaves its struct
-     * behind, retired, for an entry point that read it from the table just before. */
+    /* Note [Block tallies]: a pool that was in a table leaves its struct behind, for a
+     * caller that read it from the table just before it left. */
     if (!kept) free(p);
+}
+
+void mp_pool_keep_struct(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    p->keep_struct = 1;
+    mp_lock_release(&p->lock);
 }
 
 void mp_pool_retain(mp_pool *p) { __atomic_add_fetch(&p->refcount, 1, __ATOMIC_RELAXED); }
@@ -321,29 +327,29 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
     return MP_OK;
 }
 
-/* The release of a torch allocation's count that could not be dropped under the lock it
- * held (Note [Torch table lifetime]): it must be the caller's last touch of the pool. */
-static void torch_uncount(mp_pool *p) {
+/* The release of a tallied allocation's count that could not be dropped under the lock it
+ * held (Note [Block tallies]): it must be the caller's last touch of the pool. */
+static void tally_uncount(mp_pool *p, mp_tally *t) {
     mp_lock_acquire(&p->lock);
-    p->torch_blocks--;
+    t->blocks--;
     mp_lock_release(&p->lock);
 }
 
-/* mp_alloc, and for torch != 0 mp_alloc_torch: the allocation counts in torch_blocks from
- * the retired check on, so the table cannot retire the pool while it runs (the lock is
- * dropped to grow), and the block it returns is PyTorch's. */
-static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, int torch,
+/* mp_alloc, and with a tally mp_alloc_tallied: the allocation counts in it from the closed
+ * check on, so the client cannot close it while this runs (the lock is dropped to grow),
+ * and the block it returns carries it until its free. */
+static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, mp_tally *tally,
                              uintptr_t *out) {
     size_t size = nbytes > MP_MAX_ALLOC ? nbytes : mp_round_size(&p->cfg, nbytes);
     mp_release_list rel = {0};
     int rc = MP_OK;
     mp_lock_acquire(&p->lock);
-    if (torch) {
-        if (p->torch_retired) {
+    if (tally) {
+        if (tally->closed) {
             mp_lock_release(&p->lock);
             return MP_ERETIRED;
         }
-        p->torch_blocks++;
+        tally->blocks++;
     }
     p->tick++;
     if (size > MP_MAX_ALLOC) {
@@ -368,7 +374,7 @@ static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, int to
     if (b) {
         /* Note [Hot blocks]: its segment stayed busy and it is in no list. */
         mp_hand_out_locked(p, b, nbytes);
-        b->torch = (uint8_t)torch;
+        b->tally = tally;
         mp_trace_locked(p, MP_TRACE_ALLOC, b->ptr, b->requested, stream);
         *out = b->ptr;
         mp_lock_release(&p->lock);
@@ -382,7 +388,7 @@ static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, int to
     }
     if (rc != MP_OK) goto oom;
     b = mp_carve_locked(p, b, size, nbytes, s);
-    b->torch = (uint8_t)torch;
+    b->tally = tally;
     mp_trace_locked(p, MP_TRACE_ALLOC, b->ptr, b->requested, stream);
     *out = b->ptr;
     mp_apply_release_threshold_locked(p, &rel);
@@ -395,7 +401,7 @@ oom:
     mp_trace_locked(p, MP_TRACE_OOM, 0, nbytes, stream);
     mp_lock_release(&p->lock);
     mp_release_finish(p, &rel);
-    if (torch) torch_uncount(p);
+    if (tally) tally_uncount(p, tally);
     return rc;
 }
 
@@ -408,31 +414,24 @@ void mp_set_blocking_hooks(mp_blocking_begin_fn begin, mp_blocking_end_fn end) {
 }
 
 int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out) {
-    return alloc_impl(p, nbytes, stream, 0, out);
+    return alloc_impl(p, nbytes, stream, NULL, out);
 }
 
-int mp_alloc_torch(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out) {
-    return alloc_impl(p, nbytes, stream, 1, out);
+int mp_alloc_tallied(mp_pool *p, size_t nbytes, uintptr_t stream, mp_tally *t, uintptr_t *out) {
+    return alloc_impl(p, nbytes, stream, t, out);
 }
 
-int mp_torch_retire(mp_pool *p) {
+int mp_tally_close(mp_pool *p, mp_tally *t) {
     mp_lock_acquire(&p->lock);
-    int busy = p->torch_blocks != 0;
-    if (!busy) p->torch_retired = 1;
+    int busy = t->blocks != 0;
+    if (!busy) t->closed = 1;
     mp_lock_release(&p->lock);
     return busy ? MP_EBUSY : MP_OK;
 }
 
-void mp_torch_admit(mp_pool *p) {
+int64_t mp_tally_blocks(mp_pool *p, const mp_tally *t) {
     mp_lock_acquire(&p->lock);
-    p->torch_retired = 0;
-    p->torch_kept = 1;
-    mp_lock_release(&p->lock);
-}
-
-int64_t mp_torch_blocks(mp_pool *p) {
-    mp_lock_acquire(&p->lock);
-    int64_t n = p->torch_blocks;
+    int64_t n = t->blocks;
     mp_lock_release(&p->lock);
     return n;
 }
@@ -469,8 +468,8 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
     }
     /* Nothing can fail from here on. */
     rel.stream = fs;   /* Note [Graph capture] */
-    int torch = b->torch;   /* Note [Torch table lifetime]: uncounted at the very end */
-    b->torch = 0;
+    mp_tally *tally = b->tally;   /* Note [Block tallies]: uncounted at the very end */
+    b->tally = NULL;
     int park = !b->nuses && mp_hot_allowed(p);   /* Note [Hot blocks]: keeps its map entry */
     if (!park) mp_ptrmap_remove(&p->live, ptr);
     int kind = b->seg->kind;
@@ -487,13 +486,13 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
         mp_free_pending_locked(p, b, events);
     }
     mp_apply_release_threshold_locked(p, &rel);
-    if (torch && !rel.head) {   /* nothing left to do with the pool after the unlock */
-        p->torch_blocks--;
-        torch = 0;
+    if (tally && !rel.head) {   /* nothing left to do with the pool after the unlock */
+        tally->blocks--;
+        tally = NULL;
     }
     mp_lock_release(&p->lock);
     mp_release_finish(p, &rel);
-    if (torch) torch_uncount(p);
+    if (tally) tally_uncount(p, tally);
     return MP_OK;
 }
 

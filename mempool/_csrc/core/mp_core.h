@@ -78,7 +78,7 @@ int mp_pool_create(const mp_config *cfg, const mp_upstream *up, mp_pool **out);
  * their segments: call only when nothing uses the pool's memory. */
 void mp_pool_destroy(mp_pool *p);
 /* Reference counting, for owners that outlive the Python Pool object (DLPack capsules, the
- * torch allocator table): mp_pool_create returns one reference; mp_pool_release drops one
+ * PyTorch device table): mp_pool_create returns one reference; mp_pool_release drops one
  * and destroys the pool at zero. Both are safe from any thread, without the GIL. */
 void mp_pool_retain(mp_pool *p);
 void mp_pool_release(mp_pool *p);
@@ -94,16 +94,26 @@ typedef void (*mp_blocking_end_fn)(void *state);
 void mp_set_blocking_hooks(mp_blocking_begin_fn begin, mp_blocking_end_fn end);
 
 int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
-/* For PyTorch's device table (mp_torch.c, Note [Torch table lifetime]). mp_alloc_torch is
- * mp_alloc for a block handed to PyTorch: counted in the pool's torch blocks until freed,
- * and refused with MP_ERETIRED once the pool has left the table. mp_torch_retire takes the
- * pool out (MP_EBUSY while PyTorch holds any of its blocks or an mp_alloc_torch runs);
- * mp_torch_admit puts it in, and from then on mp_pool_destroy keeps the pool's struct, so an
- * entry point that read the pool from the table just before it left only finds it retired. */
-int mp_alloc_torch(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
-int mp_torch_retire(mp_pool *p);
-void mp_torch_admit(mp_pool *p);
-int64_t mp_torch_blocks(mp_pool *p);
+/* Note [Block tallies]: a client that hands a pool's blocks on and must know when none is
+ * out (a routing table, mp_torch.c) keeps a tally of them in its own memory. The count
+ * must move under the pool's lock, together with the block, or a pool could leave the
+ * table between a block's allocation and its count; an atomic of the client's own would
+ * cost every allocate/free pair. So the core moves it: mp_alloc_tallied is mp_alloc that
+ * counts the block in *t from before it looks for memory (the lock may be dropped to grow)
+ * until its free completes (mp_free, whoever calls it), and refuses with MP_ERETIRED once t
+ * is closed. mp_tally_close closes t (MP_EBUSY while it counts anything); mp_tally_blocks
+ * reads it. The fields are guarded by the lock of the one pool t is used with. */
+typedef struct mp_tally {
+    int64_t blocks;   /* live blocks allocated through the tally, and allocations in flight */
+    int closed;       /* mp_alloc_tallied refuses */
+} mp_tally;
+int mp_alloc_tallied(mp_pool *p, size_t nbytes, uintptr_t stream, mp_tally *t, uintptr_t *out);
+int mp_tally_close(mp_pool *p, mp_tally *t);
+int64_t mp_tally_blocks(mp_pool *p, const mp_tally *t);
+/* From now on mp_pool_destroy frees everything but the pool's struct, which stays, with a
+ * working lock, for a caller that read the pool's address from a table just before it was
+ * taken out (its tally closed) and so only finds its allocation refused. Once per pool. */
+void mp_pool_keep_struct(mp_pool *p);
 /* Allocate the free memory at [ptr, ptr + nbytes) on `stream` (Note [Allocation at an
  * address]): MP_ENOTFOUND when no segment of the pool holds ptr, MP_EBUSY when that memory is
  * not free, MP_EINVAL for a pointer not 512-byte aligned. The block may be larger than

@@ -142,7 +142,12 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
             active_b[3] = {0}, split_n[3] = {0}, split_b[3] = {0}, seg_n[3] = {0},
             reserved_b[3] = {0};
     size_t nfree = 0, free_bytes = 0, npending = 0, nsegs = 0, nhot = 0;
-    int64_t ntorch = 0;   /* allocated blocks marked PyTorch's */
+    /* Note [Block tallies]: the blocks carrying each tally seen (the first few tallies;
+     * clients are few), against what the tally counts. */
+    enum { MAX_TALLIES = 8 };
+    const mp_tally *tallies[MAX_TALLIES];
+    int64_t tallied[MAX_TALLIES];
+    int ntallies = 0;
     uintptr_t *bounds = malloc(2 * (p->nsegments + 1) * sizeof *bounds);
 
     for (mp_segment *seg = p->segments; seg && !r.failed; seg = seg->next) {
@@ -166,8 +171,8 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
                   (unsigned long)b->ptr, b->nbytes);
             expect = b->ptr + b->nbytes;
             if (b->state != MP_BLOCK_UNMAPPED) mapped += b->nbytes;
-            CHECK(b->state == MP_BLOCK_ALLOCATED || !b->torch,
-                  "block %#lx: marked PyTorch's but not allocated", (unsigned long)b->ptr);
+            CHECK(b->state == MP_BLOCK_ALLOCATED || !b->tally,
+                  "block %#lx: carries a tally but is not allocated", (unsigned long)b->ptr);
             switch (b->state) {
             case MP_BLOCK_FREE:
                 nfree++;
@@ -196,7 +201,15 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
                 req_b[k] += (int64_t)b->requested;
                 active_n[k]++;
                 active_b[k] += (int64_t)b->nbytes;
-                ntorch += b->torch;
+                if (b->tally) {
+                    int t = 0;
+                    while (t < ntallies && tallies[t] != b->tally) t++;
+                    if (t == ntallies && ntallies < MAX_TALLIES) {
+                        tallies[ntallies] = b->tally;
+                        tallied[ntallies++] = 0;
+                    }
+                    if (t < ntallies) tallied[t]++;
+                }
                 break;
             case MP_BLOCK_PENDING:
                 busy++;
@@ -248,9 +261,10 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
     }
     CHECK(nsegs == p->nsegments, "segment count %zu, counted %zu", p->nsegments, nsegs);
     CHECK(nhot == p->nhot, "hot blocks: %zu counted, %zu recorded", nhot, p->nhot);
-    /* An mp_alloc_torch that dropped the lock to grow counts before its block exists. */
-    CHECK(p->torch_blocks >= ntorch, "torch blocks: %lld counted, %lld marked",
-          (long long)p->torch_blocks, (long long)ntorch);
+    /* An mp_alloc_tallied that dropped the lock to grow counts before its block exists. */
+    for (int t = 0; t < ntallies && !r.failed; t++)
+        CHECK(tallies[t]->blocks >= tallied[t], "tally %p: %lld counted, %lld blocks carry it",
+              (const void *)tallies[t], (long long)tallies[t]->blocks, (long long)tallied[t]);
     size_t idle_bytes = 0;
     for (mp_segment *i = p->idle_head; i; i = i->inext)
         if (!i->pinned) idle_bytes += i->nbytes;

@@ -32,12 +32,12 @@ struct mp_block {
     uint8_t busy;                /* unmapped: being mapped or unmapped with the lock dropped;
                                     pending: the freeing thread is synchronizing, without the
                                     lock, a stream it had no event for (events[i] == 0) */
-    uint8_t torch;               /* allocated: handed to PyTorch (counted in torch_blocks) */
     uint16_t nuses;              /* streams recorded by record_stream (never the owner) */
     uint16_t cap_uses;
     mp_stream *inline_uses[MP_INLINE_USES];
     mp_stream **uses;            /* inline_uses, or a heap array when more are recorded */
     uintptr_t *events;           /* pending: one event per use, recorded at free */
+    mp_tally *tally;             /* allocated: counted there (Note [Block tallies]), or NULL */
 };
 
 struct mp_segment {
@@ -131,10 +131,7 @@ struct mp_pool {
     mp_stream *capture_seen;     /* Note [Graph capture]: the stream last found capturing */
     mp_stats stats;
 
-    /* PyTorch's device table (Note [Torch table lifetime]), guarded by the lock. */
-    int64_t torch_blocks;        /* allocated blocks handed to PyTorch */
-    uint8_t torch_retired;       /* out of the table: mp_alloc_torch refuses (MP_ERETIRED) */
-    uint8_t torch_kept;          /* was in the table: destroy keeps the struct (a zombie) */
+    uint8_t keep_struct;         /* mp_pool_keep_struct: destroy leaves the struct */
 
     /* Trace recording (mp_trace.c): NULL when off, so it costs one branch. */
     mp_trace_entry *trace;

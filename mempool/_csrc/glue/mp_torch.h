@@ -38,6 +38,12 @@ mp_pool *mp_torch_registered(int device);
 int64_t mp_torch_live_blocks(int device);
 uint64_t mp_torch_failed_allocs(int device);
 
+/* For tests of Note [Torch table lifetime]: the entry points' allocation on `p` as one that
+ * read p's newest registration from the table just before a change: counted there, or
+ * MP_ERETIRED once that registration has ended (or p was never registered). p must be a
+ * pool that was registered (its struct is kept). */
+int mp_alloc_torch(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
+
 /* ---- the entry points (called by torch, without the GIL) -------------------------------- */
 
 /* torch's alloc_fn. NULL for size 0, an unregistered device, or when the pool is out of

@@ -33,7 +33,7 @@ enum {
     MP_EUPSTREAM = 8,    /* any other upstream failure; see mp_upstream.last_error */
     MP_EUNSUPPORTED = 9, /* the upstream lacks the operation (e.g. expandable segments) */
     MP_EBUSY = 10,       /* the pool is in use (e.g. blocks still live at destroy) */
-    MP_ERETIRED = 11,    /* mp_alloc_torch: the pool has left PyTorch's table; route again */
+    MP_ERETIRED = 11,    /* mp_alloc_tallied: the tally is closed (the pool left a table) */
 };
 
 typedef struct mp_upstream {
