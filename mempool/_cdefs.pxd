@@ -127,6 +127,17 @@ cdef extern from "mp_core.h" nogil:
     int mp_capture_begin(mp_pool *p)
     int mp_capture_end(mp_pool *p)
     int mp_capture_active(mp_pool *p, uintptr_t stream)
+    ctypedef struct mp_oom:
+        const mp_pool *pool
+        int code
+        size_t nbytes, rounded
+        uintptr_t stream
+        size_t reserved_bytes, used_bytes, pending_bytes, cached_bytes, largest_free_block
+        size_t limit, capacity
+        int capturing
+        uint64_t num_ooms
+    int mp_oom_take(mp_oom *out)
+    void mp_oom_snapshot(mp_pool *p, int code, size_t nbytes, uintptr_t stream, mp_oom *out)
 
     enum:
         MP_BLOCK_FREE

@@ -398,6 +398,7 @@ static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, mp_tal
 
 oom:
     p->stats.num_ooms++;
+    mp_oom_record_locked(p, rc, nbytes, size, stream);
     mp_trace_locked(p, MP_TRACE_OOM, 0, nbytes, stream);
     mp_lock_release(&p->lock);
     mp_release_finish(p, &rel);

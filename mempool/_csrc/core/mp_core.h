@@ -155,6 +155,34 @@ static inline size_t mp_round_size(const mp_config *cfg, size_t nbytes) {
     return mp_round_with(cfg->roundup_divisions, nbytes);
 }
 
+/* An allocation's refusal as the pool stood at that moment: filled under the pool's lock
+ * where the fallback chain gave up, so that its figures are one snapshot (read one by one
+ * after the lock is dropped, they could mix two moments while other threads allocate,
+ * free or release). reserved_bytes == used_bytes + pending_bytes + cached_bytes. */
+typedef struct mp_oom {
+    const mp_pool *pool;         /* the pool that refused */
+    int code;                    /* what the allocation returned (MP_ENOMEM, MP_ELIMIT, ...) */
+    size_t nbytes;               /* requested */
+    size_t rounded;              /* the block it needed (nbytes itself over MP_MAX_ALLOC) */
+    uintptr_t stream;
+    size_t reserved_bytes;
+    size_t used_bytes;           /* in allocated blocks */
+    size_t pending_bytes;        /* in freed blocks that wait for other streams */
+    size_t cached_bytes;         /* in free blocks, hot ones included */
+    size_t largest_free_block;
+    size_t limit;                /* MP_UNLIMITED: none */
+    size_t capacity;             /* the device's, as the upstream reports it (0: unknown) */
+    int capturing;               /* Note [Graph capture]: a capture was under way */
+    uint64_t num_ooms;           /* the pool's refusals so far, this one included */
+} mp_oom;
+/* The calling thread's last refusal by mp_alloc (and the allocations built on it), taken:
+ * MP_ENOTFOUND when there is none since the last take. Per thread, so another thread's
+ * refusal in between cannot replace it; no lock. */
+int mp_oom_take(mp_oom *out);
+/* A record of the pool as it stands now, for a refusal that left none (e.g. out of host
+ * memory before the pool was asked). Takes the lock. */
+void mp_oom_snapshot(mp_pool *p, int code, size_t nbytes, uintptr_t stream, mp_oom *out);
+
 void mp_get_stats(mp_pool *p, mp_stats *out);
 void mp_reset_peak_stats(mp_pool *p);
 void mp_reset_accumulated_stats(mp_pool *p);

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mp_capture.h"
 #include "mp_internal.h"
 
 /* The families of three, [all, small, large], at the start of mp_stats. */
@@ -77,9 +78,8 @@ size_t mp_cached_bytes(mp_pool *p) {
     return n;
 }
 
-size_t mp_largest_free_block(mp_pool *p) {
+static size_t largest_free_block_locked(mp_pool *p) {
     size_t best = 0;
-    mp_lock_acquire(&p->lock);
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     for (size_t i = 0; i < p->nstreams; i++) {
         for (int k = 0; k < 2; k++) {
@@ -91,8 +91,60 @@ size_t mp_largest_free_block(mp_pool *p) {
                 if (b->nbytes > best) best = b->nbytes;
         }
     }
+    return best;
+}
+
+size_t mp_largest_free_block(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    size_t best = largest_free_block_locked(p);
     mp_lock_release(&p->lock);
     return best;
+}
+
+/* ---------------------------------------------------------------- OOM records */
+
+static _Thread_local mp_oom thread_oom;
+static _Thread_local int thread_has_oom;
+
+static void oom_fill_locked(mp_pool *p, int code, size_t nbytes, size_t rounded,
+                            uintptr_t stream, mp_oom *out) {
+    size_t reserved = (size_t)mp_stat3_current(p->stats.reserved_bytes);
+    size_t active = (size_t)mp_stat3_current(p->stats.active_bytes);
+    size_t used = (size_t)mp_stat3_current(p->stats.allocated_bytes);
+    out->pool = p;
+    out->code = code;
+    out->nbytes = nbytes;
+    out->rounded = rounded;
+    out->stream = stream;
+    out->reserved_bytes = reserved;
+    out->used_bytes = used;
+    out->pending_bytes = active - used;
+    out->cached_bytes = reserved - active;
+    out->largest_free_block = largest_free_block_locked(p);
+    out->limit = p->cfg.limit;
+    out->capacity = p->capacity;
+    /* As mp_capture_active; the upstream's answer needs no lock. */
+    out->capturing = p->captures > 0 || mp_capture_handle(p, stream);
+    out->num_ooms = p->stats.num_ooms;
+}
+
+void mp_oom_record_locked(mp_pool *p, int code, size_t nbytes, size_t rounded, uintptr_t stream) {
+    oom_fill_locked(p, code, nbytes, rounded, stream, &thread_oom);
+    thread_has_oom = 1;
+}
+
+int mp_oom_take(mp_oom *out) {
+    if (!thread_has_oom) return MP_ENOTFOUND;
+    *out = thread_oom;
+    thread_has_oom = 0;
+    return MP_OK;
+}
+
+void mp_oom_snapshot(mp_pool *p, int code, size_t nbytes, uintptr_t stream, mp_oom *out) {
+    size_t rounded = nbytes > MP_MAX_ALLOC ? nbytes : mp_round_size(&p->cfg, nbytes);
+    mp_lock_acquire(&p->lock);
+    oom_fill_locked(p, code, nbytes, rounded, stream, out);
+    mp_lock_release(&p->lock);
 }
 
 size_t mp_capacity(mp_pool *p) { return p->capacity; }

@@ -305,6 +305,9 @@ static inline void mp_stat3_dec(mp_stat *s, int kind, int64_t n) {
     mp_stat_dec(&s[kind == KIND_SMALL ? MP_STAT_SMALL : MP_STAT_LARGE], n);
 }
 
+/* mp_inspect.c: the calling thread's OOM record (mp_oom_take), filled at the failure point. */
+void mp_oom_record_locked(mp_pool *p, int code, size_t nbytes, size_t rounded, uintptr_t stream);
+
 /* Note [Hot blocks]: free every parked block as the plain free path would have. */
 void mp_hot_flush_locked(mp_pool *p);
 
