@@ -198,15 +198,29 @@ int mp_classify_bad_pointer_locked(mp_pool *p, uintptr_t ptr) {
 
 /* ---------------------------------------------------------------- hot blocks */
 
-/* Note [Hot blocks] (docs/architecture.md). A block freed with no other stream to wait for
- * is parked on its stream instead of being merged into the free lists: the next request
- * of its exact size on that stream takes it back with none of the split, merge, list and
- * idle-segment work of a round trip. Any other request on the stream, any view of the pool
- * and any path that gives memory back or grows folds it in first, just as the plain free
- * would have done it then. Its counters are those of a free block from the moment it is
- * parked; its segment stays busy and its entry stays in the pointer map (marked by its
- * state: mp_live_block_locked does not see it) until it is taken back or folded in. Not used
- * with expandable segments or a release threshold, whose bookkeeping runs at each free. */
+/* Note [Hot blocks]
+ * Most round trips free a block and ask for one of the same size on the same stream soon
+ * after (a training step's temporaries, a benchmark's loop). The plain free merges the
+ * block into its neighbours, files it in a free list and may mark its segment idle; the
+ * next request searches the lists, carves the block out again and marks the segment busy. A
+ * hot block skips both halves: a free that has no other stream to wait for (and a pool
+ * without a release threshold, whose books run at every free) parks the block on its stream
+ * (mp_stream.hot, state MP_BLOCK_HOT: not FREE, so no merge folds it, and in no list). Its
+ * counters are a free block's from that moment; its segment stays busy and its entry stays
+ * in the pointer map (its state tells it from a live block: mp_live_block_locked does not
+ * see it), which saves the map's remove and insert as well.
+ *
+ * The stream's next request takes it back when it has exactly the size and no other free
+ * has completed on that stream since it was parked (mp_stream.frees), so a block whose work
+ * finished later still wins as it would have. Anything else folds it in first, exactly as
+ * the plain free would have: another request on the stream, a second block parked there, a
+ * request on another stream that finds no fit in its own lists (so cross-stream reuse sees
+ * it), growing, releasing, trimming, forget_stream, stats, snapshots and pool destruction.
+ * An expandable pool parks them too: a growth folds them in before it plans (a parked block
+ * is neither a free neighbour to extend nor a free page to release), so its peaks and
+ * upstream calls are those of the plain free. check_invariants checks hot blocks where they
+ * are (one per stream at most, the count, in no list, not live). Measurements:
+ * bench/results/history.md. */
 
 void mp_hot_flush_stream_locked(mp_pool *p, mp_stream *s) {
     mp_block *h = s->hot;
@@ -236,10 +250,15 @@ void mp_remerge_segment_locked(mp_pool *p, mp_segment *seg) {
 
 /* ---------------------------------------------------------------- allocation at an address */
 
-/* Note [Allocation at an address] (docs/architecture.md): PyTorch's cudagraph trees restore a
- * graph pool to a checkpoint, which puts blocks back at the addresses a recorded graph uses.
- * The block holding [ptr, ptr + nbytes) must be free: its head, when ptr is inside it, stays
- * free with its owner; the rest is carved as any allocation on `stream`. */
+/* Note [Allocation at an address]
+ * mp_alloc_at(p, ptr, nbytes, stream) allocates the free memory at ptr, for PyTorch's
+ * cudagraph trees, which restore a graph pool to a checkpoint: a recorded graph reads and
+ * writes fixed addresses, so its blocks must be the same ones again. The block holding
+ * [ptr, ptr + nbytes) must be free; it is found through the segment list (rare calls: no
+ * index), its head before ptr stays free with its owner, and the rest is carved as any
+ * allocation on `stream`. Tested on sim through the PyTorch table
+ * (tests/test_torch_api_table.py). */
+
 int mp_alloc_at(mp_pool *p, uintptr_t ptr, size_t nbytes, uintptr_t stream) {
     if (nbytes == 0 || (ptr & (MP_MIN_BLOCK - 1)) || nbytes > MP_MAX_ALLOC) return MP_EINVAL;
     size_t size = (nbytes + MP_MIN_BLOCK - 1) & ~(MP_MIN_BLOCK - 1);

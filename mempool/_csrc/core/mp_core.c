@@ -3,14 +3,25 @@
  * mp_size.h, blocks (carve, merge, hot blocks) in mp_block.c, streams and events (pending
  * frees, record/forget) in mp_stream.c, free lists in mp_freelist.c, release of cached
  * memory in mp_release.c, invariants and layout copies in mp_inspect.c, trace recording in
- * mp_trace.c, expandable segments in mp_expand.c.
+ * mp_trace.c, expandable segments in mp_expand.c. */
+
+/* Note [Lock order]
+ * One lock per pool (a spinlock that yields, mp_lock.h: an uncontended round trip is one
+ * atomic exchange and one store) guards the core. The GIL, if held, comes before the pool
+ * lock; nothing in the core takes the GIL, so the PyTorch allocator entry points and DLPack
+ * deleters run without it.
  *
- * Note [Lock order]: the GIL (if the caller holds it) comes before the pool lock; nothing
- * here acquires the GIL. The pool lock is never held across a call that may take long or
- * block: segment allocation and release, stream synchronization, mapping and unmapping go
- * through the *_unlocked helpers, which drop it and take it again. Event calls are short and
- * are made with the lock held.
- */
+ * The lock is dropped around every call that may take long or block (segment allocation and
+ * release, stream synchronization, page map and unmap) through the *_unlocked helpers, with
+ * in-flight bytes counted against `limit` and unmapped blocks being mapped marked busy; a
+ * Pool method lets the GIL go there too (Note [Blocking upstream calls]). Event calls are
+ * short and made with the lock held. Where no event can be had (event creation or recording
+ * fails), the stream it was for is synchronized instead, and never under the lock either: a
+ * free marks its block busy (pending, so no other thread completes it), drops the lock to
+ * sync, and completes the free after; a segment release notes the stream in the detached
+ * segment and syncs it before the upstream free (the sim's fail_events and hold_syncs test
+ * both). Functions that expect the lock held end in _locked. */
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -247,6 +258,17 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
     return rc;
 }
 
+/* Note [Reserved high water]
+ * Best fit leaves idle segments of sizes the work no longer asks for, and "release beyond
+ * need" gives them back only when they hold a whole new segment's worth, so a peak could be
+ * set with a large segment idle beside it. Before a pool of fixed segments reserves more
+ * than it ever held at once (reserved_high_water, the pool's own mark, never reset), it
+ * gives back every idle segment of the request's kind, none of which could serve it, when
+ * the idle segments hold at least MP_HIGH_WATER_MIN_IDLE and 1/MP_HIGH_WATER_IDLE_DIV of
+ * the mark, as the expandable high-water rule (Note [Expandable segments]). It acts only
+ * while the footprint sets records, so a steady loop never pays for it. Figures:
+ * bench/results/history.md. */
+
 /* The fallback chain once the lists have no fit: garbage collection, the limit, the
  * upstream, then release what is cached and retry, then sync pending frees and retry.
  * Returns a free block in no list (a new segment's, or one that became free meanwhile). */
@@ -286,7 +308,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
      * oldest first, before growing. Reserved memory then tracks what the work needs instead
      * of piling up segments of sizes it no longer asks for. */
     if (p->idle_bytes >= seg_size) mp_release_idle_kind_locked(p, kind, seg_size, rel);
-    /* Note [Reserved high water] (docs/architecture.md): before reserving more than it ever
+    /* Note [Reserved high water]: before reserving more than it ever
      * held, the pool gives back every idle segment of this kind, none of which could serve
      * the request, so a new peak is not set with idle segments beside it. */
     if (p->idle_bytes >= MP_HIGH_WATER_MIN_IDLE &&

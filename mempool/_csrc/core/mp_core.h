@@ -3,7 +3,7 @@
  * Vocabulary: an upstream gives segments; a segment is split into blocks; free blocks live in
  * per-stream free lists. Sizes are bytes. Every function returns an MP_* code from
  * mp_upstream.h and never needs the GIL; each takes the pool's own lock (the caller must not
- * hold it). See docs/architecture.md for the policies and the stream contract.
+ * hold it). docs/architecture.md draws the layers; the design notes are beside the code they govern.
  */
 #ifndef MP_CORE_H
 #define MP_CORE_H
@@ -83,26 +83,48 @@ void mp_pool_destroy(mp_pool *p);
 void mp_pool_retain(mp_pool *p);
 void mp_pool_release(mp_pool *p);
 
-/* Note [Blocking upstream calls] (docs/architecture.md): a binding that holds an interpreter
- * lock (Python's GIL) installs these once, before any pool exists. The core calls begin()
- * just before an upstream call it makes without its own lock that may block (segment
- * allocation and release, stream synchronization, page map and unmap) and end() with what
- * begin() returned just after, in the same thread, never with the pool lock held; the pairs
- * may nest. NULL hooks (the default): nothing is called. */
+/* Note [Blocking upstream calls]
+ * A segment allocation can take tens of microseconds when the driver maps new memory, a
+ * release or empty_cache may synchronize streams, and under a tool such as compute-
+ * sanitizer driver calls take far longer. A Pool method making these calls while holding
+ * the GIL would stop every other Python thread meanwhile (CuPy's own cudaMalloc and
+ * cudaFree release it).
+ *
+ * The core stays free of Python: a binding that holds an interpreter lock installs these
+ * hooks once, before any pool exists. The core calls begin() just before an upstream call
+ * it makes without its own lock that may block (segment allocation and release, stream
+ * synchronization, page map and unmap) and end() with what begin() returned just after, in
+ * the same thread; never around event calls made under the lock, and never with the lock
+ * held, so the order "GIL, then pool lock" of Note [Lock order] holds: a thread waiting for
+ * the GIL back holds no pool lock. NULL hooks (the default): nothing is called. The pairs
+ * may nest (a release before a growth, inside the growth's pair).
+ *
+ * The binding's hooks let the GIL go only in a thread that marked itself: Pool.alloc, free,
+ * malloc (the CuPy hook), trim, empty_cache and forget_stream set a thread-local mark
+ * around their core call (an initial-exec TLS store, free on the hot path); an inner pair
+ * finds the mark cleared and does nothing. The PyTorch entry points, DLPack deleters and
+ * deallocators do not mark: they may run without the GIL, or where giving it up is not
+ * theirs to decide. The simulated device can hold segment allocations (device.hold_allocs):
+ * tests/test_blocking_upstream.py checks that another thread runs Python, and allocates
+ * from the same pool, while a call waits there. */
 typedef void *(*mp_blocking_begin_fn)(void);
 typedef void (*mp_blocking_end_fn)(void *state);
 void mp_set_blocking_hooks(mp_blocking_begin_fn begin, mp_blocking_end_fn end);
 
 int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
-/* Note [Block tallies]: a client that hands a pool's blocks on and must know when none is
- * out (a routing table, mp_torch.c) keeps a tally of them in its own memory. The count
- * must move under the pool's lock, together with the block, or a pool could leave the
- * table between a block's allocation and its count; an atomic of the client's own would
- * cost every allocate/free pair. So the core moves it: mp_alloc_tallied is mp_alloc that
- * counts the block in *t from before it looks for memory (the lock may be dropped to grow)
- * until its free completes (mp_free, whoever calls it), and refuses with MP_ERETIRED once t
- * is closed. mp_tally_close closes t (MP_EBUSY while it counts anything); mp_tally_blocks
- * reads it. The fields are guarded by the lock of the one pool t is used with. */
+/* Note [Block tallies]
+ * A client that hands a pool's blocks on and must know when none is out (PyTorch's device
+ * table, mp_torch.c) keeps a tally of them in its own memory: the core has no field or
+ * function for any one client. The count must move under the pool's lock, together with the
+ * block, or a pool could leave the table between a block's allocation and its count; an
+ * atomic of the client's own would cost every allocate/free pair (two atomic adds a pair
+ * were measured as a fifth of the entry points' cost). So the core moves it:
+ * mp_alloc_tallied is mp_alloc that counts the block in *t from before it looks for memory
+ * (the lock may be dropped to grow) until its free (mp_free, whoever calls it; after its
+ * last touch of the pool when a release follows the unlock), and refuses with MP_ERETIRED
+ * once t is closed. mp_tally_close closes t (MP_EBUSY while it counts anything);
+ * mp_tally_blocks reads it. The fields are guarded by the lock of the one pool t is used
+ * with; check_invariants checks that each tally counts at least the blocks that carry it. */
 typedef struct mp_tally {
     int64_t blocks;   /* live blocks allocated through the tally, and allocations in flight */
     int closed;       /* mp_alloc_tallied refuses */
@@ -129,7 +151,7 @@ int mp_record_stream(mp_pool *p, uintptr_t ptr, uintptr_t stream);
  * block and segment the pool keeps on it to the legacy stream (0), so that no later call is
  * made on the dead handle. Handle 0 and unknown handles are a no-op. */
 int mp_forget_stream(mp_pool *p, uintptr_t stream);
-/* CUDA graph capture (docs/architecture.md, Note [Graph capture]). The core finds a
+/* CUDA graph capture (Note [Graph capture], mp_capture.h). The core finds a
  * capture on the streams a call involves by itself (the upstream's stream_capturing); a
  * capture on a stream it does not involve, made by another thread in CUDA's global capture
  * mode, also forbids its syncs, queries and frees, and only the caller knows of it: call

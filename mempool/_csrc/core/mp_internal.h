@@ -279,6 +279,17 @@ static inline void mp_trace_locked(mp_pool *p, int action, uintptr_t ptr, size_t
     if (p->trace) mp_trace_record_locked(p, action, ptr, nbytes, stream);
 }
 
+/* Note [Derived totals]
+ * PyTorch's statistics come in families (allocation, active, allocated_bytes, ...), each
+ * with an `all`, a `small_pool` and a `large_pool` column of current, peak, allocated and
+ * freed. A round trip moves five families twice, and updating both `all` and the pool's
+ * column made most of a round trip's stores. The core keeps only the pool columns and
+ * `all`'s peak (checked against the pools' sum at each increase, so it is exact); `all`'s
+ * current, allocated and freed are filled in from the two pools when the stats are read
+ * (fill_totals in mp_inspect.c), and code that needs a total reads mp_stat3_current.
+ * check_invariants checks that each `all` peak is at least the current total. Figures:
+ * bench/results/history.md. */
+
 /* Stats helpers. A single counter moves as it goes (mp_stat_inc/dec). A family of three,
  * [all, small, large] (mp_stat3_*), moves in its pool's column only, and its `all` column
  * keeps just its peak here: its current, allocated and freed are the sums of the two pools,

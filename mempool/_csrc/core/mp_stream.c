@@ -2,6 +2,49 @@
  * [Stream reuse]), frees that wait for other streams (pending frees, record_stream), and
  * streams going away (Note [Forgotten streams]). Every function expects the pool lock
  * unless its name ends in _unlocked or it is a public entry point. */
+/* Note [Stream reuse]
+ * Each free block has an owner stream; freeing on S (the default is the block's own stream)
+ * puts it on S's lists, where S may reuse it at once. `free(ptr, stream=T)` moves it to T,
+ * with the old owner treated as a recorded stream: an event on it, and the block reaches
+ * T's lists once that event has completed (at once when the old owner has no work queued).
+ * When S's lists have no fit and `cross_stream_reuse` is on, S takes the best fit among
+ * other streams' free blocks: an event is recorded on the owner, and if it has not already
+ * completed S waits on it (stream_wait_event): no host sync. Only the part handed out
+ * changes owner; the remainder of a split stays with the old owner, and free neighbours of
+ * different owners do not merge.
+ *
+ * Blocks with recorded streams become pending at free: an event per recorded stream, polled
+ * at the next allocations; once all completed the block is freed into its owner's lists.
+ * The trade-off of cross-stream reuse: S's later work is ordered after the owner's work up
+ * to that point; turn it off where streams must never serialize.
+ *
+ * A segment whose blocks are all free is idle and can be released. Its upstream free runs
+ * in the order of the segment's own stream, so blocks owned by other streams first make
+ * that stream wait on an event of theirs. */
+
+/* Note [Forgotten streams]
+ * A stream-per-request program makes streams without end, and each one the pool saw would
+ * cost its state (two free lists, 27 KB since the classes stop at 1 TiB) and, with
+ * expandable segments, a range of address space as large as the device, until the pool
+ * died. forget_stream(s) ends all of it: after the sync it hands s's blocks, segments and
+ * pending uses to the legacy stream (events recorded on s have completed), releases each of
+ * s's expandable ranges that holds nothing but free pages of s (its runs unmapped, its
+ * address space given back, without the lock), hands a range that still holds blocks to the
+ * legacy stream (as its growing range when it has none, else to go once nothing in it is
+ * mapped: empty_cache, trim, an OOM's release), and frees the stream.
+ * stats()["num_streams"] counts the streams kept; mempool/bench/test_stream_churn.py makes,
+ * uses and forgets 100,000 streams with host memory and address space flat.
+ *
+ * An operation that drops the lock in its middle may hold a pointer to the stream (a growth
+ * mapping pages for it, a release syncing it). Such drops go through mp_lock_drop /
+ * mp_lock_retake, which count them (nunlocked); a stream forgotten while any is under way
+ * is kept, on the legacy handle, in `dead`, and freed by the next forget_stream that finds
+ * none under way, after handing over what those operations gave it meanwhile.
+ *
+ * A call on a destroyed stream handle crashes the driver, so the pool never makes one on
+ * its own: mp_pool_destroy synchronizes the device (device_synchronize, which needs no
+ * handle) and frees every segment on the legacy stream. */
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -54,9 +97,9 @@ mp_stream *mp_stream_lookup_locked(mp_pool *p, uintptr_t handle) {
     return p->last_stream = s;
 }
 
-/* Cross-stream reuse without a host sync: the best fit among other streams' free blocks,
- * made safe for `s` by an event recorded on its owner that `s` waits on. See
- * docs/architecture.md "Note [Stream reuse]". */
+/* Cross-stream reuse without a host sync (Note [Stream reuse]): the best fit among other
+ * streams' free blocks, made safe for `s` by an event recorded on its owner that `s` waits
+ * on. */
 mp_block *mp_take_from_other_stream_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
     mp_block *best = NULL;
     for (size_t i = 0; i < p->nstreams; i++) {
@@ -275,7 +318,7 @@ done:
 
 /* ---------------------------------------------------------------- streams going away */
 
-/* Note [Forgotten streams] (docs/architecture.md): hand everything the pool keeps on s,
+/* Note [Forgotten streams]: hand everything the pool keeps on s,
  * which has no work left, to the legacy stream, and release s's expandable ranges that hold
  * nothing else. Afterwards nothing of the pool refers to s. */
 static void hand_over_stream_locked(mp_pool *p, mp_stream *s, mp_stream *legacy,

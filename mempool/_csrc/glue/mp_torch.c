@@ -3,8 +3,10 @@
  * blocks it holds, whether a pool may leave the table) lives here, in a tally per
  * registration that the core moves under its lock (Note [Block tallies], mp_core.h).
  *
- * Note [Torch table lifetime]: an entry point reads a slot's pool while another thread may
- * register or unregister one.
+ * Note [Torch table lifetime]
+ * PyTorch calls the entry points from any thread, without the GIL, while Python may
+ * register or unregister a device's pool: an entry point reads a slot while another thread
+ * changes it.
  *
  * A slot holds an entry: a pool and the tally of the blocks PyTorch took from it through
  * this registration. alloc and free, called for every tensor, take no atomic of their own.
@@ -24,6 +26,11 @@
  * points arriving then wait, they do not fail), waits for `active` to drain, swaps, reopens,
  * and only then drops the old pool's reference. Changes are serialised by `table_lock`;
  * entry points never take it. Every access to a slot is sequentially consistent.
+ *
+ * The price is one precondition: free must get only pointers alloc returned, which is
+ * PyTorch's own contract. Another pointer is ignored, but nothing pins the pool while it is
+ * looked up. The gain: the entry points pay the pool's lock and nothing else (the atomic
+ * adds this replaced cost a fifth of a pair; figures in bench/results/history.md).
  */
 #include <pthread.h>
 #include <sched.h>
