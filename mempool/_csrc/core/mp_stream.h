@@ -11,6 +11,8 @@
 /* Note [Stream reuse]: the best fit among other streams' free blocks for s, made safe for s
  * by an event wait; NULL when none may serve. */
 mp_block *mp_take_from_other_stream_locked(mp_pool *p, mp_stream *s, int kind, size_t size);
+/* mp_free of a block that other streams used: pending until they pass the free. `events`
+ * (room for one per use) is taken. May drop the lock and take it again. */
 void mp_free_pending_locked(mp_pool *p, mp_block *b, uintptr_t *events);
 
 /* The streams recorded on a block (record_stream), besides its owner. */
