@@ -213,6 +213,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3,
                     help="processes per mempool and PyTorch row; ns/event is their median "
                          "(default 3)")
+    ap.add_argument("--pages", default="",
+                    help="also mempool expandable rows with these pages (the granularity "
+                         "option), e.g. 8MiB,32MiB")
+    ap.add_argument("--torch-confs", default=None,
+                    help="PyTorch rows: PYTORCH_CUDA_ALLOC_CONF strings separated by ';' "
+                         "('' = default; default: %s)" % ";".join(TORCH_CONFS))
     ap.add_argument("--torch-worker", nargs=1, metavar="TRACE", help=argparse.SUPPRESS)
     ap.add_argument("--mempool-worker", nargs=2, metavar=("TRACE", "CONF"),
                     help=argparse.SUPPRESS)
@@ -227,16 +233,21 @@ def main(argv=None) -> int:
         print(json.dumps(_guard(mempool_replay, path, json.loads(conf))))
         return 0
     results = {"rows": []}
+    mempool_rows = [("mempool default", {}),
+                    ("mempool expandable_segments:True", {"expandable_segments": True})]
+    for page in filter(None, args.pages.split(",")):
+        mempool_rows.append((f"mempool expandable, {page} pages",
+                             {"expandable_segments": True, "granularity": page}))
+    torch_confs = TORCH_CONFS if args.torch_confs is None else args.torch_confs.split(";")
     for name in TRACES:
         path = _trace_path(name)
-        for label, conf in (("mempool default", {}),
-                            ("mempool expandable_segments:True", {"expandable_segments": True})):
+        for label, conf in mempool_rows:
             got = _median_of(args.repeat, ["--mempool-worker", path, json.dumps(conf)],
                              dict(os.environ))
             row = {"trace": name, "allocator": label, **got}
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
-        for conf in TORCH_CONFS:
+        for conf in torch_confs:
             env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
             got = _median_of(args.repeat, ["--torch-worker", path], env)
             row = {"trace": name, "allocator": f"torch {conf or 'default'}", **got}

@@ -160,9 +160,10 @@ stage churn "$OUT/churn.log" timeout "$T_CHURN" "$PY" -m pytest mempool/bench/te
 stage vmm "$OUT/vmm.log" timeout "$T_VMM" "$PY" bench/vmm_costs.py --out "$OUT/vmm_costs.json"
 
 # ---- fragmentation: the shipped traces through mempool, PyTorch and CuPy on the device,
-# then the largest batch that fits under a fixed limit with and without expandable segments.
+# then the largest batch that fits under a fixed limit with and without expandable segments;
+# FRAG_ARGS narrows or widens the first (e.g. "--repeat 2 --pages 8MiB").
 frag() {
-    "$PY" bench/fragmentation_gpu.py --out "$OUT/fragmentation_gpu.json" || return
+    "$PY" bench/fragmentation_gpu.py --out "$OUT/fragmentation_gpu.json" ${FRAG_ARGS:-} || return
     "$PY" bench/largest_batch.py --backend cuda --out "$OUT/largest_batch.json"
 }
 stage fragmentation "$OUT/fragmentation.log" timeout "$T_FRAG" bash -c "$(declare -f frag); frag"

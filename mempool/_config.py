@@ -522,8 +522,8 @@ OPTIONS: dict[str, Option] = {
         _parse_bool, "True", pytorch="`expandable_segments`"),
     "granularity": Option(
         None, "size or None",
-        "page size of expandable segments on backend 'sim' and 'host' (None = 2 MiB; "
-        "'cuda' uses the driver's granularity)",
+        "page size of expandable segments (None = 2 MiB on 'sim' and 'host', the driver's "
+        "allocation granularity on 'cuda', where a page is that times a power of two)",
         _parse_optional_size, "4MiB", sized=True),
     "pool_handle": Option(
         "create", "'create', 'default', 'current' or int",
@@ -744,10 +744,6 @@ def _overridden(out: dict[str, Any]) -> dict[str, str]:
 
 
 def _check_combination(out: dict[str, Any], given: Mapping[str, Any]) -> None:
-    if out["backend"] == "cuda" and out["granularity"] is not None:
-        raise ValueError(
-            f"option 'granularity' ({out['granularity']!r}) applies to backend 'sim' and "
-            "'host' only: on 'cuda' the driver's allocation granularity is used")
     if out["backend"] != "cuda":
         for name, opt in OPTIONS.items():
             if opt.cuda_only and name in given and out[name] != _default(name):

@@ -13,6 +13,7 @@ cdef extern from "mp_cuda.h" nogil:
     void mp_cuda_bind_errors(void *up)
     void mp_cuda_own_pool(void *up)
     void mp_cuda_error_string(int code, char *buf, size_t buflen)
+    int mp_cuda_set_page_size(void *up, size_t page, char *err, size_t errlen)
 
 
 cdef int _make_cuda_upstream(void *up, int device, uintptr_t handle) except -1:
@@ -34,6 +35,16 @@ cdef int _make_cuda_upstream(void *up, int device, uintptr_t handle) except -1:
         raise RuntimeError(
             f"backend='cuda' could not start on device {device}: "
             f"{err.decode('utf-8', 'replace')}")
+    return 0
+
+
+cdef int _set_cuda_page_size(void *up, size_t page) except -1:
+    """Make the pages of expandable segments `page` bytes (the `granularity` option on
+    backend='cuda'); ValueError with the driver's granularity when it is not a multiple."""
+    cdef char err[512]
+    err[0] = 0
+    if mp_cuda_set_page_size(up, page, err, sizeof(err)) != 0:
+        raise ValueError(f"option 'granularity' ({page}): {err.decode('utf-8', 'replace')}")
     return 0
 
 

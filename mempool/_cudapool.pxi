@@ -25,6 +25,14 @@ cdef object _make_cuda(mp_upstream *up, int device, dict opts):
         if owned:
             _cuda.destroy(handle)
         raise
+    if opts["granularity"] is not None:
+        try:
+            _set_cuda_page_size(up, opts["granularity"])
+        except BaseException:
+            up.destroy(up.ctx)   # the upstream does not own the cudaMemPool yet
+            if owned:
+                _cuda.destroy(handle)
+            raise
     if owned:
         mp_cuda_own_pool(up)   # the upstream destroys it after the last segment is freed
     return handle

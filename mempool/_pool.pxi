@@ -296,6 +296,8 @@ cdef class Pool:
         current = None
         if kind == _CUDA:
             cuda_handle = _make_cuda(&up, device_id, opts)
+            if up.granularity:
+                opts["granularity"] = up.granularity   # the page in use, default resolved
             try:
                 current = _cuda_current_stream(device_id)
             except BaseException:

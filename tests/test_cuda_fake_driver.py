@@ -29,7 +29,8 @@ from ctypes import (CFUNCTYPE, POINTER, byref, c_char_p, c_int, c_size_t, c_uint
 fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)   # found again as libcuda.so.1
 for name, res in [("fake_make_pool", c_size_t), ("fake_pool_access", c_int),
                   ("fake_page_access", c_int), ("fake_mapped_pages", c_int),
-                  ("fake_set_access_calls", c_int), ("fake_pool_set_access_calls", c_int)]:
+                  ("fake_set_access_calls", c_int), ("fake_pool_set_access_calls", c_int),
+                  ("fake_create_calls", c_int)]:
     getattr(fake, name).restype = res
 fake.fake_page_access.argtypes = [c_uint64]
 fake.fake_pool_access.argtypes = [c_size_t]
@@ -37,6 +38,7 @@ fake.fake_pool_access.argtypes = [c_size_t]
 from mempool import _core
 core = ctypes.CDLL(_core.__file__)
 core.mp_cuda_upstream.argtypes = [c_void_p, c_int, c_size_t, c_char_p, c_size_t]
+core.mp_cuda_set_page_size.argtypes = [c_void_p, c_size_t, c_char_p, c_size_t]
 core.mp_cuda_enable_peer_access.argtypes = [c_void_p, c_int, c_char_p, c_size_t]
 core.mp_cuda_peer_devices.argtypes = [c_void_p, POINTER(c_int), c_size_t]
 core.mp_cuda_peer_devices.restype = c_size_t
@@ -84,6 +86,12 @@ class Cuda:
         assert fn(self.up.ctx, nbytes, 0, byref(out)) == 0
         return out.value
 
+    def set_page(self, page):
+        err = create_string_buffer(512)
+        rc = core.mp_cuda_set_page_size(byref(self.up), page, err, 512)
+        self.g = self.up.granularity
+        return rc, err.value.decode()
+
     def enable(self, peer):
         err = create_string_buffer(512)
         rc = core.mp_cuda_enable_peer_access(byref(self.up), peer, err, 512)
@@ -108,7 +116,7 @@ class Cuda:
         CFUNCTYPE(None, c_void_p)(self.up.destroy)(self.up.ctx)
 
 
-OK, EINVAL, EUPSTREAM, EUNSUPPORTED = 0, 3, 8, 9
+OK, EINVAL, EUPSTREAM, EUNSUPPORTED, EBUSY = 0, 3, 8, 9, 10
 '''
 
 
@@ -274,4 +282,45 @@ def test_without_virtual_memory_the_pool_alone_is_granted(fake_driver):
         assert fake.fake_pool_access(c.pool) == 9 and fake.fake_set_access_calls() == 0
         assert c.peers() == [3]
         assert c.access(c.segment(4096), 4096) == (OK, 9)
+    """, FAKE_NO_VMM="1")
+
+
+def test_a_page_of_several_granules_is_one_handle_and_one_mapping(fake_driver):
+    """The `granularity` option on cuda: pages of any multiple of the driver's granularity,
+    each one cuMemCreate and one cuMemMap, unmapped whole (the driver unmaps only whole
+    mappings, and the fake refuses anything else)."""
+    run_fake(fake_driver, f"""
+        c = Cuda(0)
+        assert c.set_page(3 << 20)[0] == EINVAL       # not a multiple of 2 MiB
+        assert c.set_page(6 * {G})[0] == EINVAL       # nor a power of two times it
+        rc, why = c.set_page(0)
+        assert rc == EINVAL and "allocation granularity" in why and "power of two" in why, why
+        assert c.g == {G}                              # refused: unchanged
+        assert c.set_page(4 * {G}) == (OK, "")
+        assert c.g == 4 * {G}
+        g = c.g
+        va = c.reserve(8 * g)
+        rc, why = c.set_page(2 * {G})
+        assert rc == EBUSY and "reserved" in why, why
+        assert c.g == 4 * {G}
+        assert va % g == 0                             # reservations aligned to the page
+        creates = fake.fake_create_calls()
+        assert c.map(va, 3 * g) == OK                  # three pages of 8 MiB
+        assert fake.fake_create_calls() - creates == 3
+        assert fake.fake_mapped_pages() == 12          # the fake counts 2 MiB granules
+        assert c.unmap(va + g, g) == OK                # the middle page alone
+        assert fake.fake_mapped_pages() == 8
+        assert c.map(va + g, g) == OK
+        assert c.unmap(va, 3 * g) == OK and fake.fake_mapped_pages() == 0
+        assert c.release(va, 8 * g) == OK
+        c.destroy()
+    """)
+
+
+def test_the_page_size_is_refused_without_virtual_memory(fake_driver):
+    run_fake(fake_driver, """
+        c = Cuda(0)
+        rc, why = c.set_page(8 << 20)
+        assert rc == EUNSUPPORTED and "virtual memory management" in why, why
+        c.destroy()
     """, FAKE_NO_VMM="1")

@@ -125,11 +125,10 @@ def test_granularity_sets_the_page(sim, granularity, page):
     assert mapped(pool) == 0
 
 
-def test_granularity_is_refused_when_not_a_multiple_of_512_or_on_cuda():
+def test_granularity_is_refused_when_not_a_multiple_of_512():
+    # (on cuda: tests/test_cuda_fake_driver.py and tests/gpu/test_gpu_expandable.py)
     with pytest.raises(ValueError, match="'granularity' .* positive multiple of 512"):
         mempool.Pool(backend="sim", expandable_segments=True, granularity=1000)
-    with pytest.raises(ValueError, match="'granularity' .* applies to backend 'sim' and 'host'"):
-        mempool.Pool(backend="cuda", expandable_segments=True, granularity="2MB")
 
 
 def test_granularity_is_a_conf_key():

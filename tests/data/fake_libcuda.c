@@ -32,8 +32,12 @@ typedef struct {
     unsigned char flags[8];
 } AllocProp;
 
-static struct { CUdeviceptr addr; unsigned mask; int owner, used; } pages[MAX_PAGES];
-static struct { int owner, used; } handles[MAX_HANDLES];
+/* A mapping of a handle covers its pages whole: `start`/`len` of the mapping each page is
+ * part of, since the driver unmaps only whole mappings. */
+static struct { CUdeviceptr addr, start; size_t len; unsigned mask; int owner, used; }
+    pages[MAX_PAGES];
+static struct { size_t size; int owner, used; } handles[MAX_HANDLES];
+static int create_calls;
 static struct { int owner; unsigned mask; } pools[MAX_POOLS];
 static int npools;
 static CUdeviceptr next_va = 0x7f0000000000ull, next_seg = 0x600000000000ull;
@@ -70,6 +74,7 @@ int fake_mapped_pages(void) {
     return n;
 }
 int fake_set_access_calls(void) { return set_access_calls; }
+int fake_create_calls(void) { return create_calls; }
 int fake_pool_set_access_calls(void) { return pool_set_access_calls; }
 /* The cuMemSetAccess call after the next n succeeds fails (with CUDA_ERROR_UNKNOWN). */
 void fake_fail_set_access_after(int n) { fail_set_access_after = n; }
@@ -153,9 +158,10 @@ CUresult cuMemGetAllocationGranularity(size_t *g, const AllocProp *prop, int opt
 }
 CUresult cuMemAddressReserve(CUdeviceptr *p, size_t n, size_t align, CUdeviceptr addr,
                              unsigned long long flags) {
-    (void)align; (void)addr; (void)flags;
-    if (n % GRAN) return INVALID_VALUE;
+    (void)addr; (void)flags;
+    if (n % GRAN || (align & (align - 1))) return INVALID_VALUE;
     capture_counts[9] += capture_mode == 2;
+    if (align > 1) next_va = (next_va + align - 1) / align * align;
     *p = next_va;
     next_va += n + GRAN;   /* a gap: reservations are never adjacent */
     return OK;
@@ -164,10 +170,12 @@ CUresult cuMemAddressFree(CUdeviceptr p, size_t n) { (void)p; (void)n; return OK
 CUresult cuMemCreate(unsigned long long *h, size_t n, const AllocProp *prop,
                      unsigned long long flags) {
     (void)flags;
-    if (n != GRAN) return INVALID_VALUE;
+    if (n == 0 || n % GRAN) return INVALID_VALUE;
+    create_calls++;
     for (int i = 1; i < MAX_HANDLES; i++)
         if (!handles[i].used) {
             handles[i].used = 1;
+            handles[i].size = n;
             handles[i].owner = prop->location.id;
             *h = (unsigned long long)i;
             return OK;
@@ -181,26 +189,37 @@ CUresult cuMemRelease(unsigned long long h) {
 }
 CUresult cuMemMap(CUdeviceptr p, size_t n, size_t offset, unsigned long long h,
                   unsigned long long flags) {
-    (void)offset; (void)flags;
-    if (n != GRAN || p % GRAN || page_index(p) >= 0) return INVALID_VALUE;
-    capture_counts[8] += capture_mode == 2;
+    (void)flags;
     if (h == 0 || h >= MAX_HANDLES || !handles[h].used) return INVALID_VALUE;
-    for (int i = 0; i < MAX_PAGES; i++)
+    if (n == 0 || n % GRAN || p % GRAN || offset % GRAN || offset + n > handles[h].size)
+        return INVALID_VALUE;
+    for (CUdeviceptr a = p; a < p + n; a += GRAN)
+        if (page_index(a) >= 0) return INVALID_VALUE;
+    capture_counts[8] += capture_mode == 2;
+    size_t want = n / GRAN, found = 0;
+    for (int i = 0; i < MAX_PAGES && found < want; i++) found += !pages[i].used;
+    if (found < want) return OUT_OF_MEMORY;
+    CUdeviceptr a = p;
+    for (int i = 0; i < MAX_PAGES && a < p + n; i++)
         if (!pages[i].used) {
             pages[i].used = 1;
-            pages[i].addr = p;
+            pages[i].addr = a;
+            pages[i].start = p;
+            pages[i].len = n;
             pages[i].owner = handles[h].owner;
             pages[i].mask = 0;   /* as the driver: nobody has access until cuMemSetAccess */
-            return OK;
+            a += GRAN;
         }
-    return OUT_OF_MEMORY;
+    return OK;
 }
 CUresult cuMemUnmap(CUdeviceptr p, size_t n) {
+    /* As the driver: only whole mappings, so [p, p + n) must start and end at their edges. */
     for (CUdeviceptr a = p; a < p + n; a += GRAN) {
         int i = page_index(a);
-        if (i < 0) return INVALID_VALUE;
-        pages[i].used = 0;
+        if (i < 0 || pages[i].start < p || pages[i].start + pages[i].len > p + n)
+            return INVALID_VALUE;
     }
+    for (CUdeviceptr a = p; a < p + n; a += GRAN) pages[page_index(a)].used = 0;
     return OK;
 }
 CUresult cuMemSetAccess(CUdeviceptr p, size_t n, const AccessDesc *desc, size_t count) {

@@ -12,13 +12,17 @@
  *     and switch back, so the caller's current device is unchanged.
  *
  * Note [Expandable pages]
- * Physical memory is created one granularity page at a time (2 MiB on an H200), each page
- * its own cuMemCreate handle, kept in a per-reservation table indexed by page. The pool may
- * unmap any page-aligned sub-range of what it mapped, and a page-sized handle can always be
- * unmapped and released alone; a handle per map call would have to be split. The price is
- * one cuMemCreate + cuMemMap per page on growth, which is what PyTorch's expandable
- * segments pay too. Access is set once per map call over the whole range, for the device and
- * its peers (Note [Peer access]).
+ * Physical memory is created one page at a time, each page its own cuMemCreate handle, kept
+ * in a per-reservation table indexed by page. The pool may unmap any page-aligned sub-range
+ * of what it mapped, and a page-sized handle can always be unmapped and released alone; a
+ * handle per map call would have to be split. The price is one cuMemCreate + cuMemMap per
+ * page on growth, and the driver's cost follows the number of handles more than their size
+ * (bench/vmm_costs.py), so the page is a choice between calls and memory: the driver's
+ * granularity (2 MiB on an H200) by default, it times a power of two through the pool's
+ * `granularity` option (mp_cuda_set_page_size, before the first reservation). PyTorch's
+ * expandable segments use 2 MiB pages for small blocks and 20 MiB for large ones. Access is
+ * set once per map call over the whole range, for the device and its peers (Note [Peer
+ * access]).
  *
  * Note [Peer access]
  * Another device reaches this device's memory only where access was granted to it; without
@@ -266,7 +270,9 @@ typedef struct {
     int owns_pool;               /* atomic; destroy destroys `pool` (mp_cuda_own_pool) */
     int last_error;              /* atomic */
     int *error_slot;             /* atomic; NULL until mp_cuda_bind_errors */
-    size_t granularity;          /* 0 without virtual memory management; immutable */
+    size_t granularity;          /* the page: 0 without virtual memory management; set before
+                                    any reservation (mp_cuda_set_page_size), then immutable */
+    size_t driver_granularity;   /* the driver's minimum; pages are multiples of it */
     CUmemAllocationProp prop;    /* physical pages: pinned device memory on dev; immutable */
     pthread_mutex_t vmm_lock;    /* guards access, naccess, ranges, nranges, cap and every
                                     range's tables */
@@ -863,6 +869,7 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
         /* The core aligns blocks to 512 bytes inside pages; any real granularity is a
          * multiple of that, but refuse anything that is not rather than misalign. */
         c->granularity = (g && g % 512 == 0) ? g : 0;
+        c->driver_granularity = c->granularity;
     }
 
     memset(up, 0, sizeof *up);
@@ -890,6 +897,39 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
     }
     up->destroy = cu_destroy;
     return MP_OK;
+}
+
+int mp_cuda_set_page_size(mp_upstream *up, size_t page, char *err, size_t errlen) {
+    if (!mp_cuda_owns(up)) {
+        set_err(err, errlen, "not an upstream made by mp_cuda_upstream");
+        return MP_EINVAL;
+    }
+    mp_cuda *c = up->ctx;
+    if (!c->driver_granularity) {
+        set_err(err, errlen, "device %d has no virtual memory management, so no expandable "
+                "segments and no page size", c->ordinal);
+        return MP_EUNSUPPORTED;
+    }
+    /* A power of two times the granularity: reservations are aligned to the page (the
+     * core finds page edges by address), and the driver aligns them to powers of two. */
+    size_t times = page / c->driver_granularity;
+    if (page == 0 || page % c->driver_granularity || (times & (times - 1))) {
+        set_err(err, errlen, "a page must be the driver's allocation granularity on device %d "
+                "(%zu bytes) times a power of two, got %zu", c->ordinal,
+                c->driver_granularity, page);
+        return MP_EINVAL;
+    }
+    int rc = MP_OK;
+    pthread_mutex_lock(&c->vmm_lock);
+    if (c->nranges) {
+        set_err(err, errlen, "the page size cannot change once address space is reserved");
+        rc = MP_EBUSY;
+    } else {
+        c->granularity = page;
+        up->granularity = page;
+    }
+    pthread_mutex_unlock(&c->vmm_lock);
+    return rc;
 }
 
 /* ---- Peer access (Note [Peer access]). ---- */

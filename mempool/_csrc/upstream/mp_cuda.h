@@ -75,6 +75,12 @@ size_t mp_cuda_peer_devices(const mp_upstream *up, int *out, size_t cap);
 int mp_cuda_access_mask(const mp_upstream *up, uintptr_t addr, size_t nbytes, uint64_t *mask,
                         char *err, size_t errlen);
 
+/* Make the pages of expandable segments `page` bytes, the driver's allocation granularity
+ * times a power of two (Note [Expandable pages]); call on the struct mp_cuda_upstream filled,
+ * before it is copied and before any reservation. MP_EINVAL for any other size, MP_EUNSUPPORTED without virtual memory management, MP_EBUSY once address space
+ * is reserved; `err` says which. */
+int mp_cuda_set_page_size(mp_upstream *up, size_t page, char *err, size_t errlen);
+
 /* 1 when `up` was made by mp_cuda_upstream (its ctx is this file's), else 0. */
 int mp_cuda_owns(const mp_upstream *up);
 
