@@ -1,7 +1,7 @@
 """Build of the compiled core: one extension, the Cython layer plus the C data plane.
 
 ``MEMPOOL_DEBUG=1`` at build time makes the debug build: ``MP_DEBUG`` is defined, which turns
-on the expensive internal asserts of the C core (mempool/_csrc/mp_assert.h), and the code is
+on the expensive internal asserts of the C core (mempool/_csrc/core/mp_assert.h), and the code is
 built with -O1 -g. See docs/reliability.md.
 """
 import glob
@@ -10,12 +10,15 @@ import os
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
+LAYERS = ("core", "upstream", "glue")
 DEBUG = os.environ.get("MEMPOOL_DEBUG", "").strip() not in ("", "0")
 
 core = Extension(
     "mempool._core",
-    sources=["mempool/_core.pyx"] + sorted(glob.glob("mempool/_csrc/*.c")),
-    include_dirs=["mempool/_csrc"],
+    sources=["mempool/_core.pyx"] + sorted(glob.glob("mempool/_csrc/*/*.c")),
+    # The layers of the C data plane (docs/architecture.md); every header is included by its
+    # bare name, from C and from the Cython `cdef extern` blocks alike.
+    include_dirs=[f"mempool/_csrc/{layer}" for layer in LAYERS],
     define_macros=[("MP_DEBUG", "1")] if DEBUG else [],
     extra_compile_args=(["-O1", "-g", "-fno-omit-frame-pointer"] if DEBUG else ["-O3"])
     + ["-std=gnu11", "-Wall", "-Wno-unused-function"],

@@ -171,6 +171,17 @@ cdef extern from "mp_core.h" nogil:
     int mp_capture_begin(mp_pool *p)
     int mp_capture_end(mp_pool *p)
     int mp_capture_active(mp_pool *p, uintptr_t stream)
+    ctypedef struct mp_oom:
+        const mp_pool *pool
+        int code
+        size_t nbytes, rounded
+        uintptr_t stream
+        size_t reserved_bytes, used_bytes, pending_bytes, cached_bytes, largest_free_block
+        size_t limit, capacity
+        int capturing
+        uint64_t num_ooms
+    int mp_oom_take(mp_oom *out)
+    void mp_oom_snapshot(mp_pool *p, int code, size_t nbytes, uintptr_t stream, mp_oom *out)
 
     enum:
         MP_BLOCK_FREE
@@ -222,8 +233,6 @@ cdef extern from "mp_core.h" nogil:
     int mp_trace_enable(mp_pool *p, size_t max_entries)
     int mp_trace_take(mp_pool *p, mp_trace_entry **entries, size_t *n)
 
-    # The PyTorch entry points' allocation (mp_torch.c; _torch.pxi's tests call it).
-    int mp_alloc_torch(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out)
 
 
 cdef extern from "mp_budget.h" nogil:
@@ -346,6 +355,8 @@ cdef extern from "mp_dlpack.h" nogil:
 
 # The PyTorch pluggable allocator's registry and entry points (_torch.pxi).
 cdef extern from "mp_torch.h" nogil:
+    # The PyTorch entry points' allocation (glue/mp_torch.c; _torch.pxi's tests call it).
+    int mp_alloc_torch(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out)
     int MP_TORCH_MAX_DEVICES
     int mp_torch_register(int device, mp_pool *p)
     int mp_torch_unregister(int device)

@@ -1,8 +1,8 @@
 """The control plane of backend="cuda": cudaMemPool handles through CuPy's runtime bindings.
 
 The data plane (allocate a segment, free it, events, virtual memory) is C code that calls the
-CUDA driver without the GIL (mempool/_csrc/mp_cuda.c). What happens rarely and may hold the
-GIL lives here: choosing or creating the ``cudaMemPool_t`` the segments come from, setting its
+CUDA driver without the GIL (mempool/_csrc/upstream/mp_cuda.c). What happens rarely and may
+hold the GIL lives here: choosing or creating the ``cudaMemPool_t`` the segments come from, setting its
 release threshold and reuse policies, reading its Reserved/Used attributes, trimming and
 destroying it. Runtime and driver pool handles are the same values, so a handle from here is
 what the C upstream is given.

@@ -473,14 +473,14 @@ cdef class Pool:
         return _pointer_error(rc, op, p)
 
     cdef object _alloc_error(self, int rc, size_t nbytes, uintptr_t stream):
-        # Read after the fallback chain ran: what is cached now is what no release could
-        # return (free blocks inside segments that hold live ones), so "cached but no block
-        # big enough" means fragmentation.
-        rounded = nbytes if nbytes > MP_MAX_ALLOC else mp_round_size(mp_pool_config(self._pool), nbytes)
-        reserved = mp_reserved_bytes(self._pool)
-        used = mp_used_bytes(self._pool)
-        cached = mp_cached_bytes(self._pool)
-        largest = mp_largest_free_block(self._pool)
+        # One snapshot, taken under the pool's lock where the fallback chain gave up (mp_oom):
+        # what is cached then is what no release could return (free blocks inside segments
+        # that hold live ones), so "cached but no block big enough" means fragmentation.
+        cdef mp_oom rec
+        if mp_oom_take(&rec) != MP_OK or rec.pool != self._pool or rec.nbytes != nbytes:
+            mp_oom_snapshot(self._pool, rc, nbytes, stream, &rec)   # refused before the pool
+        rounded, reserved, used, cached = rec.rounded, rec.reserved_bytes, rec.used_bytes, rec.cached_bytes
+        largest = rec.largest_free_block
         limit = self.options["limit"]
         if rc not in (MP_ENOMEM, MP_ELIMIT):
             err = mp_pool_upstream(self._pool).last_error
@@ -510,15 +510,19 @@ cdef class Pool:
             advice = "reduce the request"
         else:
             advice = "free memory, reduce the request, or set 'limit' on other pools sharing the device"
-        if mp_capture_active(self._pool, stream):   # Note [Graph capture]
+        if rec.capturing:   # Note [Graph capture]
             advice = (f"a CUDA graph capture was under way, during which the pool releases "
                       f"no cached memory and waits for no stream; allocate what the graph "
                       f"needs before capturing (a warm-up run), or free memory first")
-        return OutOfMemoryError(
+        error = OutOfMemoryError(
             f"out of memory: tried to allocate {_fmt(nbytes, exact=True)}, rounded to "
             f"{_fmt(rounded)}, on stream {stream:#x}; refused by {where}; the pool has "
             f"{_fmt(reserved)} reserved, {_fmt(used)} used, {_fmt(cached)} cached, largest free "
             f"block {_fmt(largest)}. Hint: {advice}.")
+        error.record = dict(nbytes=rec.nbytes, rounded=rec.rounded, reserved_bytes=reserved,
+                            used_bytes=used, pending_bytes=rec.pending_bytes, cached_bytes=cached,
+                            largest_free_block=largest, num_ooms=rec.num_ooms)
+        return error
 
     # ---- several devices (mempool/_peers.pxi, docs/multigpu.md) ----
     def enable_peer_access(self, peer_device):

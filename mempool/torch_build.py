@@ -25,7 +25,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "_csrc" / "glue" / "torch_allocator.cpp"
-HEADERS = [HERE / "_csrc" / name for name in ("mp_torch.h", "mp_core.h", "mp_upstream.h")]
+# The glue includes mp_torch.h, which reaches the core's public headers by their bare names:
+# the same layer folders the extension is built with (setup.py). Every header of those
+# folders keys the cache, so an edit to any header the glue may reach rebuilds it.
+INCLUDE_DIRS = [HERE / "_csrc" / layer for layer in ("glue", "core", "upstream")]
+HEADERS = sorted(h for d in INCLUDE_DIRS for h in d.glob("*.h"))
 LIBRARY = "mempool_torch_glue.so"
 
 
@@ -128,6 +132,7 @@ def build(force: bool = False, verbose: bool = False) -> Path:
         # Default visibility, as PyTorch's own extensions are built.
         cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC",
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+               *(f"-I{d}" for d in INCLUDE_DIRS),
                *(f"-I{d}" for d in torch_includes), *(f"-I{d}" for d in cuda_includes),
                str(SOURCE), f"-L{torch_lib}", "-lc10", "-lc10_cuda",
                f"-Wl,-rpath,{torch_lib}", "-o", str(tmp)]

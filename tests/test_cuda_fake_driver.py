@@ -1,4 +1,4 @@
-"""Peer access in the CUDA upstream (mempool/_csrc/mp_cuda.c), on a stand-in driver.
+"""Peer access in the CUDA upstream (mempool/_csrc/upstream/mp_cuda.c), on a stand-in driver.
 
 The upstream resolves its driver calls from libcuda.so.1 at run time, so a fake driver
 (tests/data/fake_libcuda.c: four devices, of which 0, 1 and 3 are peers, with access recorded
@@ -135,7 +135,7 @@ def fake_driver(tmp_path_factory):
 def upstream_fields():
     """[(name, "pointer" | "int" | "size_t")] of struct mp_upstream, in order, from its header,
     so that the ctypes mirror follows the contract as it changes."""
-    with open(os.path.join(ROOT, "mempool", "_csrc", "mp_upstream.h")) as f:
+    with open(os.path.join(ROOT, "mempool", "_csrc", "upstream", "mp_upstream.h")) as f:
         text = f.read()
     body = re.search(r"typedef struct mp_upstream \{(.*?)\} mp_upstream;", text, re.S).group(1)
     body = re.sub(r"/\*.*?\*/", " ", body, flags=re.S)

@@ -19,7 +19,7 @@ import mempool
 from mempool import _core
 
 # ---- DLPack's C structs through ctypes, to read capsules as a consumer does -----------------
-# They mirror dlpack.h v1.1 (mempool/_csrc/mp_dlpack.h); a disagreement reads as garbage.
+# They mirror dlpack.h v1.1 (mempool/_csrc/glue/mp_dlpack.h); a disagreement reads as garbage.
 
 _api = ctypes.pythonapi
 _api.PyCapsule_GetName.restype = ctypes.c_char_p

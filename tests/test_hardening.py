@@ -397,7 +397,7 @@ def test_too_many_recorded_streams_says_the_limit():
     assert "too many streams recorded" in message and "32768" in message
 
 
-# ---- the C checks (mempool/_csrc/mp_assert.h) -------------------------------------------------
+# ---- the C checks (mempool/_csrc/core/mp_assert.h) -------------------------------------------------
 
 def test_a_deleter_called_twice_aborts_with_a_message_instead_of_freeing_twice():
     # A consumer bug: the always-on check (mp_check) stops it before the block is released
@@ -457,7 +457,7 @@ def test_assert_grades(tmp_path, debug):
     exe = tmp_path / "grades"
     flags = [f"-DMP_DEBUG={debug}"] if debug else []
     subprocess.run([os.environ.get("CC", "cc"), "-std=gnu11", "-Wall", "-Werror", "-Wno-unused-function", *flags,
-                    "-I", os.path.join(ROOT, "mempool", "_csrc"), str(src), "-o", str(exe)],
+                    "-I", os.path.join(ROOT, "mempool", "_csrc", "core"), str(src), "-o", str(exe)],
                    check=True)
     for grade in ("check", "assert", "expensive"):
         proc = subprocess.run([str(exe), grade], capture_output=True, text=True, timeout=30)

@@ -1,5 +1,5 @@
 /* A stand-in for the CUDA driver (libcuda.so.1), for testing the bookkeeping of
- * mempool/_csrc/mp_cuda.c on a machine with no GPU: the entry points the upstream resolves,
+ * mempool/_csrc/upstream/mp_cuda.c on a machine with no GPU: the entry points the upstream resolves,
  * over four fake devices of which 0, 1 and 3 are peers of each other and 2 reaches no one.
  * Virtual memory is modelled page by page (which device may access each mapped page, as
  * cuMemSetAccess leaves it), and so is each memory pool's access (cuMemPoolSetAccess). No

@@ -78,3 +78,22 @@ def test_full_device_raises_then_recovers(cuda_pool, streams, kernels, cupy_devi
     assert kernels.count_bad(ptr, 256 * MiB, 4, s) == 0
     pool.free(ptr, stream=s)
     pool.check_invariants()
+
+
+def test_oom_record_on_the_device(cuda_pool, streams):
+    # The record (mp_oom) is the pool at the refusal: its figures add up, and with nothing
+    # run since, they are what the pool's views say.
+    pool = cuda_pool(limit=256 * MiB)
+    s, _ = streams
+    first = pool.alloc(200 * MiB, stream=s)
+    small = pool.alloc(3 * MiB, stream=s)
+    pool.free(small, stream=s)
+    with pytest.raises(mempool.OutOfMemoryError) as info:
+        pool.alloc(100 * MiB, stream=s)
+    r = info.value.record
+    assert r["reserved_bytes"] == r["used_bytes"] + r["pending_bytes"] + r["cached_bytes"]
+    assert r["reserved_bytes"] == pool.reserved_bytes() and r["used_bytes"] == pool.used_bytes()
+    assert r["largest_free_block"] == pool.largest_free_block() <= r["cached_bytes"]
+    assert r["num_ooms"] == pool.stats()["num_ooms"]
+    pool.free(first, stream=s)
+    pool.check_invariants()

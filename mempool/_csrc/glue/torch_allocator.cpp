@@ -1,6 +1,6 @@
 // PyTorch's CUDA allocator over mempool pools: every method of c10's CUDAAllocator.
 //
-// Note [Torch allocator glue] (docs/architecture.md). PyTorch's CUDAPluggableAllocator
+// Note [Torch allocator glue] (mp_torch.h). PyTorch's CUDAPluggableAllocator
 // forwards only malloc and free; its statistics, cacheInfo (cuDNN benchmark), history and
 // graph-pool methods throw. This class implements the whole interface of the installed
 // PyTorch, is compiled against that PyTorch's headers (mempool/torch_build.py) and reaches
@@ -40,7 +40,7 @@
 #include <vector>
 
 extern "C" {
-#include "../mp_torch.h"
+#include "mp_torch.h"
 }
 
 namespace {

@@ -1,6 +1,6 @@
 /* CUDA graph capture: the tests the core makes before a call a capture would refuse, and
- * the pool's capture counter (mp_capture_begin/end). See docs/architecture.md, Note [Graph
- * capture], and mp_capture.h. */
+ * the pool's capture counter (mp_capture_begin/end). See Note [Graph capture] in
+ * mp_capture.h. */
 #include "mp_capture.h"
 
 int mp_capture_handle(mp_pool *p, uintptr_t handle) {

@@ -10,7 +10,7 @@
  * Layout: one range per (stream, small/large), reserved on the stream's first request of
  * that kind, as large as the device (p->capacity, or the request if larger), released when
  * its stream is forgotten or, once no stream grows it, when nothing in it is mapped (Note
- * [Forgotten streams] in docs/architecture.md), else when the pool is destroyed. Per stream, because a block may be reused in its stream's
+ * [Forgotten streams] in mp_stream.c), else when the pool is destroyed. Per stream, because a block may be reused in its stream's
  * order at once, so free neighbours of one stream merge without any event; per size kind,
  * because small blocks left live among large ones would pin pages and split large free
  * runs (one range per stream for both kinds measured no better on the transformer loop:
@@ -66,7 +66,7 @@
  * costs a sync of the streams it takes pages from, which makes a release_threshold that is
  * crossed at every free expensive. A stream sync or query inside a CUDA graph capture would
  * break it: no page is unmapped while a capture is under way (Note [Graph capture] in
- * docs/architecture.md), growth maps pages as usual.
+ * mp_capture.h), growth maps pages as usual.
  */
 #include <stdlib.h>
 

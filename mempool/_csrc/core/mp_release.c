@@ -6,6 +6,25 @@
  * Segments are detached under the pool lock (bookkeeping and stats change at once, so the
  * memory is no longer counted or reachable) and freed upstream after the lock is dropped
  * (mp_release_finish), see Note [Lock order] in mp_core.c. */
+/* Note [Threshold releases without a sync]
+ * An unmap does not wait for queued work, so releasing a free page of an expandable segment
+ * means first knowing that no stream that used it still has work queued. empty_cache, trim,
+ * limit and the growth rules synchronize those streams: they are rare, or the caller asked.
+ * release_threshold is checked after every alloc and free, so a sync there would block
+ * constantly. A threshold release never blocks: under the lock it asks each owner stream of
+ * a candidate run once (stream_query, optional in the upstream contract: cuStreamQuery, the
+ * sim's queue, always idle on host; an upstream without it releases nothing this way) and
+ * carves only runs whose owners are all idle; the pages' frees came before the query, so
+ * nothing can still use them. Runs of busy streams stay where they are, untouched.
+ *
+ * An attempt that found only busy runs makes the next checks skip (1, 2, 4, ... up to
+ * MP_THRESHOLD_BACKOFF_MAX in a row, reset by an attempt that releases and by
+ * set_release_threshold), so a pool whose stream is never idle does not walk its blocks at
+ * every free. This is the spirit of the driver's own cudaMemPool threshold, which releases
+ * at synchronization points. The sim's device.counters()["stream_queries"] counts the
+ * queries; tests check that a busy stream's pages stay without a sync, go once it is idle,
+ * and that a stream waiting on another stream's event counts as busy. */
+
 #include <stdlib.h>
 
 #include "mp_capture.h"

@@ -54,7 +54,7 @@ uint64_t mp_sim_num_waits(mp_sim *sim);
 uint64_t mp_sim_num_errors(mp_sim *sim);   /* contract breaches seen (double map, bad free) */
 size_t mp_sim_live_events(mp_sim *sim);
 
-/* ---- CUDA graph capture (docs/architecture.md, Note [Graph capture]) ---- */
+/* ---- CUDA graph capture (Note [Graph capture], mp_capture.h) ---- */
 /* Make `stream` capture, as cuStreamBeginCapture in the driver's global mode: until
  * mp_sim_end_capture, every call a real driver refuses during a capture or that would break
  * it fails with MP_EUPSTREAM, is counted (mp_sim_capture_violations) and invalidates every

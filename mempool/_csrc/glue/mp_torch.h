@@ -38,6 +38,12 @@ mp_pool *mp_torch_registered(int device);
 int64_t mp_torch_live_blocks(int device);
 uint64_t mp_torch_failed_allocs(int device);
 
+/* For tests of Note [Torch table lifetime]: the entry points' allocation on `p` as one that
+ * read p's newest registration from the table just before a change: counted there, or
+ * MP_ERETIRED once that registration has ended (or p was never registered). p must be a
+ * pool that was registered (its struct is kept). */
+int mp_alloc_torch(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
+
 /* ---- the entry points (called by torch, without the GIL) -------------------------------- */
 
 /* torch's alloc_fn. NULL for size 0, an unregistered device, or when the pool is out of
@@ -64,14 +70,55 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
 
 /* ---- the table of the C++ allocator (glue/torch_allocator.cpp) --------------------------- */
 
-/* Note [Torch allocator glue] (docs/architecture.md): `mempool.torch.install` builds a C++
- * class against the installed PyTorch's headers, implementing every method of PyTorch's
- * CUDAAllocator (statistics, OOM, cacheInfo, snapshots, history, graph pools). It reaches
- * the core only through this table, handed over as an address: the extension is loaded with
- * RTLD_LOCAL, so its symbols are not visible to another shared object, and a versioned
- * table keeps the two builds honest with each other. Every function is safe without the
- * GIL and from any thread; per-device ones route through the device table above
- * (MP_EINVAL for a device with no pool). */
+/* Note [Torch allocator glue]
+ * `mempool.torch.install` makes the pool PyTorch's allocator through a C++ class
+ * (glue/torch_allocator.cpp) that implements every method of the installed PyTorch's
+ * CUDAAllocator. PyTorch's CUDAPluggableAllocator forwards only malloc and free and throws
+ * on getDeviceStats, cacheInfo, recordHistory and the graph-pool methods, so scripts that
+ * log max_memory_allocated, turn on cudnn.benchmark, capture CUDA graphs or record memory
+ * history stop there.
+ *
+ *   - Built per PyTorch, cached. The class must match the headers of the PyTorch that loads
+ *     it, so mempool/torch_build.py compiles it on first use with the system's C++
+ *     compiler, against that PyTorch's headers and the CUDA runtime headers, links only
+ *     libc10 and libc10_cuda, and caches the library under a key of the source, the headers
+ *     and the compiler. PyTorch stays optional: without it nothing is built. Without a
+ *     compiler, install falls back on the pluggable allocator with a warning naming what it
+ *     lacks.
+ *   - One C table between the two (mp_torch_api below): the extension is loaded with
+ *     RTLD_LOCAL, so the glue cannot link against its symbols; the table is handed over as
+ *     an address, carries its version and size, and routes every per-device call through
+ *     the device table (Note [Torch table lifetime]). The core knows nothing of PyTorch;
+ *     the table is tested on sim through ctypes (tests/test_torch_api_table.py). Every
+ *     function is safe without the GIL and from any thread; per-device ones return
+ *     MP_EINVAL for a device with no pool.
+ *   - Data path. allocate reads PyTorch's current device and stream and calls the table's
+ *     alloc; the DataPtr's context is the address with the device in its low bits (blocks
+ *     are 512-byte aligned), so the deleter frees without a lookup. Size 0 gives a null
+ *     DataPtr, as PyTorch's own allocator does.
+ *   - Statistics are the core's counters, which have PyTorch's meanings (Note [Derived
+ *     totals]), summed over the device's pool and its private pools.
+ *   - Out of memory throws c10::OutOfMemoryError (Python's torch.OutOfMemoryError) with the
+ *     pool's figures, after the OOM observers and an oom trace entry; the pool is
+ *     unchanged.
+ *   - Private pools (a CUDA graph's, a MemPool's): core pools of their own whose segments
+ *     are plain cuMemAlloc allocations (mp_cuda_plain_upstream), because a stream-ordered
+ *     allocation on a capturing stream would become a node of the graph. While a capture or
+ *     a use_mem_pool is routed (beginAllocateToPool with PyTorch's filter), matching
+ *     allocations go there; their blocks are kept in a map so that frees find them. The
+ *     device's own pool is told of the capture too (mp_capture_begin/end, Note [Graph
+ *     capture]), so that allocations on other streams make no call a global-mode capture
+ *     refuses. A pool is destroyed once PyTorch releases it (releasePool, use count 0) and
+ *     it holds no live block; no cache is released while a capture is under way.
+ *     getCheckpointState/setCheckpointPoolState (cudagraph trees) record a pool's allocated
+ *     blocks and restore them (Note [Allocation at an address]).
+ *   - History (_record_memory_history, _snapshot) is recorded in the glue, in PyTorch's own
+ *     structures, and a snapshot is built from mp_layout_take, an expandable segment
+ *     reported as one segment per run of mapped pages because PyTorch's viewer lays blocks
+ *     end to end from a segment's address.
+ *   - Refused with a message naming the feature: exporting a tensor to another process
+ *     (pool memory has no legacy IPC handle; receiving works), MemPool(no_split=True), and
+ *     disabling the allocator. */
 #define MP_TORCH_API_VERSION 1
 #define MP_TORCH_FIGURES 7
 

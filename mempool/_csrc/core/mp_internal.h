@@ -1,6 +1,6 @@
-/* Internal structures of the core, shared by its source files (mp_core.c, mp_release.c,
- * mp_inspect.c, mp_trace.c, mp_expand.c). Everything here is guarded by mp_pool.lock unless
- * a field says otherwise; functions named *_locked expect it held. */
+/* Internal structures of the core, shared by its source files (the .c files of core/).
+ * Everything here is guarded by mp_pool.lock unless a field says otherwise; functions named
+ * *_locked expect it held. */
 #ifndef MP_INTERNAL_H
 #define MP_INTERNAL_H
 
@@ -32,12 +32,12 @@ struct mp_block {
     uint8_t busy;                /* unmapped: being mapped or unmapped with the lock dropped;
                                     pending: the freeing thread is synchronizing, without the
                                     lock, a stream it had no event for (events[i] == 0) */
-    uint8_t torch;               /* allocated: handed to PyTorch (counted in torch_blocks) */
     uint16_t nuses;              /* streams recorded by record_stream (never the owner) */
     uint16_t cap_uses;
     mp_stream *inline_uses[MP_INLINE_USES];
     mp_stream **uses;            /* inline_uses, or a heap array when more are recorded */
     uintptr_t *events;           /* pending: one event per use, recorded at free */
+    mp_tally *tally;             /* allocated: counted there (Note [Block tallies]), or NULL */
 };
 
 struct mp_segment {
@@ -131,10 +131,7 @@ struct mp_pool {
     mp_stream *capture_seen;     /* Note [Graph capture]: the stream last found capturing */
     mp_stats stats;
 
-    /* PyTorch's device table (Note [Torch table lifetime]), guarded by the lock. */
-    int64_t torch_blocks;        /* allocated blocks handed to PyTorch */
-    uint8_t torch_retired;       /* out of the table: mp_alloc_torch refuses (MP_ERETIRED) */
-    uint8_t torch_kept;          /* was in the table: destroy keeps the struct (a zombie) */
+    uint8_t keep_struct;         /* mp_pool_keep_struct: destroy leaves the struct */
 
     /* Trace recording (mp_trace.c): NULL when off, so it costs one branch. */
     mp_trace_entry *trace;
@@ -171,11 +168,13 @@ static inline void mp_freelist_remove(mp_freelist *fl, mp_block *b) {
 }
 
 
-/* mp_core.c */
-int mp_reserve_initial(mp_pool *p, size_t nbytes);
-void mp_insert_free_merged_locked(mp_pool *p, mp_block *b);
+/* mp_freelist.c: a block into and out of its owner's list, with the split counters. */
 void mp_insert_free_locked(mp_pool *p, mp_block *b);   /* no merging */
 void mp_remove_free_locked(mp_pool *p, mp_block *b);
+mp_block *mp_freelist_find_fit(const mp_pool *p, const mp_freelist *fl, size_t size);
+
+/* mp_core.c */
+int mp_reserve_initial(mp_pool *p, size_t nbytes);
 mp_block *mp_search_lists_locked(mp_pool *p, mp_stream *s, int kind, size_t size);
 size_t mp_reserved_now_locked(const mp_pool *p);
 void mp_sync_pending_unlocked(mp_pool *p);
@@ -189,12 +188,21 @@ static inline void *mp_blocking_begin(void) {
 static inline void mp_blocking_end(void *state) {
     if (mp_blocking_end_hook) mp_blocking_end_hook(state);
 }
+/* mp_block.c (the rest of its interface is in mp_block.h) */
 mp_block *mp_block_new_locked(mp_pool *p);
 void mp_block_delete_locked(mp_pool *p, mp_block *b);
 void mp_free_block_locked(mp_pool *p, mp_block *b);
+void mp_insert_free_merged_locked(mp_pool *p, mp_block *b);
+/* mp_stream.c (the rest of its interface is in mp_stream.h) */
 int mp_event_get_locked(mp_pool *p, uintptr_t *ev);
 void mp_event_put_locked(mp_pool *p, uintptr_t ev);
-mp_stream *mp_stream_get_locked(mp_pool *p, uintptr_t handle);
+mp_stream *mp_stream_lookup_locked(mp_pool *p, uintptr_t handle);
+/* The pool's struct for a stream handle, created on first use (NULL: out of host memory).
+ * Inline for its one-entry cache: every allocation asks. */
+static inline mp_stream *mp_stream_get_locked(mp_pool *p, uintptr_t handle) {
+    if (p->last_stream && p->last_stream->handle == handle) return p->last_stream;
+    return mp_stream_lookup_locked(p, handle);
+}
 /* Note [Forgotten streams]: drop the lock in the middle of an operation that keeps stream
  * pointers across it, and take it back. */
 static inline void mp_lock_drop(mp_pool *p) {
@@ -271,6 +279,17 @@ static inline void mp_trace_locked(mp_pool *p, int action, uintptr_t ptr, size_t
     if (p->trace) mp_trace_record_locked(p, action, ptr, nbytes, stream);
 }
 
+/* Note [Derived totals]
+ * PyTorch's statistics come in families (allocation, active, allocated_bytes, ...), each
+ * with an `all`, a `small_pool` and a `large_pool` column of current, peak, allocated and
+ * freed. A round trip moves five families twice, and updating both `all` and the pool's
+ * column made most of a round trip's stores. The core keeps only the pool columns and
+ * `all`'s peak (checked against the pools' sum at each increase, so it is exact); `all`'s
+ * current, allocated and freed are filled in from the two pools when the stats are read
+ * (fill_totals in mp_inspect.c), and code that needs a total reads mp_stat3_current.
+ * check_invariants checks that each `all` peak is at least the current total. Figures:
+ * bench/results/history.md. */
+
 /* Stats helpers. A single counter moves as it goes (mp_stat_inc/dec). A family of three,
  * [all, small, large] (mp_stat3_*), moves in its pool's column only, and its `all` column
  * keeps just its peak here: its current, allocated and freed are the sums of the two pools,
@@ -296,6 +315,9 @@ static inline void mp_stat3_inc(mp_stat *s, int kind, int64_t n) {
 static inline void mp_stat3_dec(mp_stat *s, int kind, int64_t n) {
     mp_stat_dec(&s[kind == KIND_SMALL ? MP_STAT_SMALL : MP_STAT_LARGE], n);
 }
+
+/* mp_inspect.c: the calling thread's OOM record (mp_oom_take), filled at the failure point. */
+void mp_oom_record_locked(mp_pool *p, int code, size_t nbytes, size_t rounded, uintptr_t stream);
 
 /* Note [Hot blocks]: free every parked block as the plain free path would have. */
 void mp_hot_flush_locked(mp_pool *p);

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mp_capture.h"
 #include "mp_internal.h"
 
 /* The families of three, [all, small, large], at the start of mp_stats. */
@@ -77,9 +78,8 @@ size_t mp_cached_bytes(mp_pool *p) {
     return n;
 }
 
-size_t mp_largest_free_block(mp_pool *p) {
+static size_t largest_free_block_locked(mp_pool *p) {
     size_t best = 0;
-    mp_lock_acquire(&p->lock);
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     for (size_t i = 0; i < p->nstreams; i++) {
         for (int k = 0; k < 2; k++) {
@@ -91,8 +91,60 @@ size_t mp_largest_free_block(mp_pool *p) {
                 if (b->nbytes > best) best = b->nbytes;
         }
     }
+    return best;
+}
+
+size_t mp_largest_free_block(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    size_t best = largest_free_block_locked(p);
     mp_lock_release(&p->lock);
     return best;
+}
+
+/* ---------------------------------------------------------------- OOM records */
+
+static _Thread_local mp_oom thread_oom;
+static _Thread_local int thread_has_oom;
+
+static void oom_fill_locked(mp_pool *p, int code, size_t nbytes, size_t rounded,
+                            uintptr_t stream, mp_oom *out) {
+    size_t reserved = (size_t)mp_stat3_current(p->stats.reserved_bytes);
+    size_t active = (size_t)mp_stat3_current(p->stats.active_bytes);
+    size_t used = (size_t)mp_stat3_current(p->stats.allocated_bytes);
+    out->pool = p;
+    out->code = code;
+    out->nbytes = nbytes;
+    out->rounded = rounded;
+    out->stream = stream;
+    out->reserved_bytes = reserved;
+    out->used_bytes = used;
+    out->pending_bytes = active - used;
+    out->cached_bytes = reserved - active;
+    out->largest_free_block = largest_free_block_locked(p);
+    out->limit = p->cfg.limit;
+    out->capacity = p->capacity;
+    /* As mp_capture_active; the upstream's answer needs no lock. */
+    out->capturing = p->captures > 0 || mp_capture_handle(p, stream);
+    out->num_ooms = p->stats.num_ooms;
+}
+
+void mp_oom_record_locked(mp_pool *p, int code, size_t nbytes, size_t rounded, uintptr_t stream) {
+    oom_fill_locked(p, code, nbytes, rounded, stream, &thread_oom);
+    thread_has_oom = 1;
+}
+
+int mp_oom_take(mp_oom *out) {
+    if (!thread_has_oom) return MP_ENOTFOUND;
+    *out = thread_oom;
+    thread_has_oom = 0;
+    return MP_OK;
+}
+
+void mp_oom_snapshot(mp_pool *p, int code, size_t nbytes, uintptr_t stream, mp_oom *out) {
+    size_t rounded = nbytes > MP_MAX_ALLOC ? nbytes : mp_round_size(&p->cfg, nbytes);
+    mp_lock_acquire(&p->lock);
+    oom_fill_locked(p, code, nbytes, rounded, stream, out);
+    mp_lock_release(&p->lock);
 }
 
 size_t mp_capacity(mp_pool *p) { return p->capacity; }
@@ -142,7 +194,12 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
             active_b[3] = {0}, split_n[3] = {0}, split_b[3] = {0}, seg_n[3] = {0},
             reserved_b[3] = {0};
     size_t nfree = 0, free_bytes = 0, npending = 0, nsegs = 0, nhot = 0;
-    int64_t ntorch = 0;   /* allocated blocks marked PyTorch's */
+    /* Note [Block tallies]: the blocks carrying each tally seen (the first few tallies;
+     * clients are few), against what the tally counts. */
+    enum { MAX_TALLIES = 8 };
+    const mp_tally *tallies[MAX_TALLIES];
+    int64_t tallied[MAX_TALLIES];
+    int ntallies = 0;
     uintptr_t *bounds = malloc(2 * (p->nsegments + 1) * sizeof *bounds);
 
     for (mp_segment *seg = p->segments; seg && !r.failed; seg = seg->next) {
@@ -166,8 +223,8 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
                   (unsigned long)b->ptr, b->nbytes);
             expect = b->ptr + b->nbytes;
             if (b->state != MP_BLOCK_UNMAPPED) mapped += b->nbytes;
-            CHECK(b->state == MP_BLOCK_ALLOCATED || !b->torch,
-                  "block %#lx: marked PyTorch's but not allocated", (unsigned long)b->ptr);
+            CHECK(b->state == MP_BLOCK_ALLOCATED || !b->tally,
+                  "block %#lx: carries a tally but is not allocated", (unsigned long)b->ptr);
             switch (b->state) {
             case MP_BLOCK_FREE:
                 nfree++;
@@ -196,7 +253,15 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
                 req_b[k] += (int64_t)b->requested;
                 active_n[k]++;
                 active_b[k] += (int64_t)b->nbytes;
-                ntorch += b->torch;
+                if (b->tally) {
+                    int t = 0;
+                    while (t < ntallies && tallies[t] != b->tally) t++;
+                    if (t == ntallies && ntallies < MAX_TALLIES) {
+                        tallies[ntallies] = b->tally;
+                        tallied[ntallies++] = 0;
+                    }
+                    if (t < ntallies) tallied[t]++;
+                }
                 break;
             case MP_BLOCK_PENDING:
                 busy++;
@@ -248,9 +313,10 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
     }
     CHECK(nsegs == p->nsegments, "segment count %zu, counted %zu", p->nsegments, nsegs);
     CHECK(nhot == p->nhot, "hot blocks: %zu counted, %zu recorded", nhot, p->nhot);
-    /* An mp_alloc_torch that dropped the lock to grow counts before its block exists. */
-    CHECK(p->torch_blocks >= ntorch, "torch blocks: %lld counted, %lld marked",
-          (long long)p->torch_blocks, (long long)ntorch);
+    /* An mp_alloc_tallied that dropped the lock to grow counts before its block exists. */
+    for (int t = 0; t < ntallies && !r.failed; t++)
+        CHECK(tallies[t]->blocks >= tallied[t], "tally %p: %lld counted, %lld blocks carry it",
+              (const void *)tallies[t], (long long)tallies[t]->blocks, (long long)tallied[t]);
     size_t idle_bytes = 0;
     for (mp_segment *i = p->idle_head; i; i = i->inext)
         if (!i->pinned) idle_bytes += i->nbytes;

@@ -3,7 +3,7 @@
  * Vocabulary: an upstream gives segments; a segment is split into blocks; free blocks live in
  * per-stream free lists. Sizes are bytes. Every function returns an MP_* code from
  * mp_upstream.h and never needs the GIL; each takes the pool's own lock (the caller must not
- * hold it). See docs/architecture.md for the policies and the stream contract.
+ * hold it). docs/architecture.md draws the layers; the design notes are beside the code they govern.
  */
 #ifndef MP_CORE_H
 #define MP_CORE_H
@@ -11,24 +11,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "mp_size.h"   /* the size policy: MP_MIN_BLOCK, rounding, classes */
 #include "mp_upstream.h"
 
-#define MP_MIN_BLOCK ((size_t)512)
-#define MP_SMALL_SIZE ((size_t)1 << 20)          /* requests up to this use the small lists */
-#define MP_SMALL_SEGMENT ((size_t)2 << 20)       /* segment size for small requests */
-#define MP_LARGE_SEGMENT ((size_t)20 << 20)      /* segment size for requests < 10 MiB */
-#define MP_MIN_LARGE_ALLOC ((size_t)10 << 20)
-#define MP_LARGE_ROUND ((size_t)2 << 20)         /* larger requests round to this */
-#define MP_LARGE_BUFFER ((size_t)20 << 20)       /* oversize blocks may serve up to this much
-                                                    beyond a request (PyTorch's kLargeBuffer) */
-#define MP_MAX_ALLOC ((size_t)1 << 62)           /* larger requests are refused outright */
-#define MP_UNLIMITED SIZE_MAX
 #define MP_MAX_RECORDED_STREAMS 32768            /* record_stream: streams per block */
-#define MP_ROUNDUP_INTERVALS 16                  /* 1 MiB .. 64 GiB, one per power of two */
 
 typedef struct mp_config {
-    /* Power-of-two rounding divisions per size interval (index 0: < 2 MiB, i: [2^i, 2^(i+1))
-     * MiB, last: >= 32 GiB), as PyTorch's roundup_power2_divisions; 0 or 1 = plain 512 B. */
+    /* Power-of-two rounding divisions per size interval, as PyTorch's
+     * roundup_power2_divisions (mp_round_with in mp_size.h). */
     size_t roundup_divisions[MP_ROUNDUP_INTERVALS];
     size_t max_split_size;       /* MP_UNLIMITED = split every block */
     int cross_stream_reuse;      /* take other streams' free blocks through an event wait */
@@ -88,32 +78,64 @@ int mp_pool_create(const mp_config *cfg, const mp_upstream *up, mp_pool **out);
  * their segments: call only when nothing uses the pool's memory. */
 void mp_pool_destroy(mp_pool *p);
 /* Reference counting, for owners that outlive the Python Pool object (DLPack capsules, the
- * torch allocator table): mp_pool_create returns one reference; mp_pool_release drops one
+ * PyTorch device table): mp_pool_create returns one reference; mp_pool_release drops one
  * and destroys the pool at zero. Both are safe from any thread, without the GIL. */
 void mp_pool_retain(mp_pool *p);
 void mp_pool_release(mp_pool *p);
 
-/* Note [Blocking upstream calls] (docs/architecture.md): a binding that holds an interpreter
- * lock (Python's GIL) installs these once, before any pool exists. The core calls begin()
- * just before an upstream call it makes without its own lock that may block (segment
- * allocation and release, stream synchronization, page map and unmap) and end() with what
- * begin() returned just after, in the same thread, never with the pool lock held; the pairs
- * may nest. NULL hooks (the default): nothing is called. */
+/* Note [Blocking upstream calls]
+ * A segment allocation can take tens of microseconds when the driver maps new memory, a
+ * release or empty_cache may synchronize streams, and under a tool such as compute-
+ * sanitizer driver calls take far longer. A Pool method making these calls while holding
+ * the GIL would stop every other Python thread meanwhile (CuPy's own cudaMalloc and
+ * cudaFree release it).
+ *
+ * The core stays free of Python: a binding that holds an interpreter lock installs these
+ * hooks once, before any pool exists. The core calls begin() just before an upstream call
+ * it makes without its own lock that may block (segment allocation and release, stream
+ * synchronization, page map and unmap) and end() with what begin() returned just after, in
+ * the same thread; never around event calls made under the lock, and never with the lock
+ * held, so the order "GIL, then pool lock" of Note [Lock order] holds: a thread waiting for
+ * the GIL back holds no pool lock. NULL hooks (the default): nothing is called. The pairs
+ * may nest (a release before a growth, inside the growth's pair).
+ *
+ * The binding's hooks let the GIL go only in a thread that marked itself: Pool.alloc, free,
+ * malloc (the CuPy hook), trim, empty_cache and forget_stream set a thread-local mark
+ * around their core call (an initial-exec TLS store, free on the hot path); an inner pair
+ * finds the mark cleared and does nothing. The PyTorch entry points, DLPack deleters and
+ * deallocators do not mark: they may run without the GIL, or where giving it up is not
+ * theirs to decide. The simulated device can hold segment allocations (device.hold_allocs):
+ * tests/test_blocking_upstream.py checks that another thread runs Python, and allocates
+ * from the same pool, while a call waits there. */
 typedef void *(*mp_blocking_begin_fn)(void);
 typedef void (*mp_blocking_end_fn)(void *state);
 void mp_set_blocking_hooks(mp_blocking_begin_fn begin, mp_blocking_end_fn end);
 
 int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
-/* For PyTorch's device table (mp_torch.c, Note [Torch table lifetime]). mp_alloc_torch is
- * mp_alloc for a block handed to PyTorch: counted in the pool's torch blocks until freed,
- * and refused with MP_ERETIRED once the pool has left the table. mp_torch_retire takes the
- * pool out (MP_EBUSY while PyTorch holds any of its blocks or an mp_alloc_torch runs);
- * mp_torch_admit puts it in, and from then on mp_pool_destroy keeps the pool's struct, so an
- * entry point that read the pool from the table just before it left only finds it retired. */
-int mp_alloc_torch(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
-int mp_torch_retire(mp_pool *p);
-void mp_torch_admit(mp_pool *p);
-int64_t mp_torch_blocks(mp_pool *p);
+/* Note [Block tallies]
+ * A client that hands a pool's blocks on and must know when none is out (PyTorch's device
+ * table, mp_torch.c) keeps a tally of them in its own memory: the core has no field or
+ * function for any one client. The count must move under the pool's lock, together with the
+ * block, or a pool could leave the table between a block's allocation and its count; an
+ * atomic of the client's own would cost every allocate/free pair (two atomic adds a pair
+ * were measured as a fifth of the entry points' cost). So the core moves it:
+ * mp_alloc_tallied is mp_alloc that counts the block in *t from before it looks for memory
+ * (the lock may be dropped to grow) until its free (mp_free, whoever calls it; after its
+ * last touch of the pool when a release follows the unlock), and refuses with MP_ERETIRED
+ * once t is closed. mp_tally_close closes t (MP_EBUSY while it counts anything);
+ * mp_tally_blocks reads it. The fields are guarded by the lock of the one pool t is used
+ * with; check_invariants checks that each tally counts at least the blocks that carry it. */
+typedef struct mp_tally {
+    int64_t blocks;   /* live blocks allocated through the tally, and allocations in flight */
+    int closed;       /* mp_alloc_tallied refuses */
+} mp_tally;
+int mp_alloc_tallied(mp_pool *p, size_t nbytes, uintptr_t stream, mp_tally *t, uintptr_t *out);
+int mp_tally_close(mp_pool *p, mp_tally *t);
+int64_t mp_tally_blocks(mp_pool *p, const mp_tally *t);
+/* From now on mp_pool_destroy frees everything but the pool's struct, which stays, with a
+ * working lock, for a caller that read the pool's address from a table just before it was
+ * taken out (its tally closed) and so only finds its allocation refused. Once per pool. */
+void mp_pool_keep_struct(mp_pool *p);
 /* Allocate the free memory at [ptr, ptr + nbytes) on `stream` (Note [Allocation at an
  * address]): MP_ENOTFOUND when no segment of the pool holds ptr, MP_EBUSY when that memory is
  * not free, MP_EINVAL for a pointer not 512-byte aligned. The block may be larger than
@@ -129,7 +151,7 @@ int mp_record_stream(mp_pool *p, uintptr_t ptr, uintptr_t stream);
  * block and segment the pool keeps on it to the legacy stream (0), so that no later call is
  * made on the dead handle. Handle 0 and unknown handles are a no-op. */
 int mp_forget_stream(mp_pool *p, uintptr_t stream);
-/* CUDA graph capture (docs/architecture.md, Note [Graph capture]). The core finds a
+/* CUDA graph capture (Note [Graph capture], mp_capture.h). The core finds a
  * capture on the streams a call involves by itself (the upstream's stream_capturing); a
  * capture on a stream it does not involve, made by another thread in CUDA's global capture
  * mode, also forbids its syncs, queries and frees, and only the caller knows of it: call
@@ -150,10 +172,38 @@ int mp_block_info(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested,
 int mp_empty_cache(mp_pool *p);
 int mp_trim(mp_pool *p, size_t keep);
 
-size_t mp_round_size(const mp_config *cfg, size_t nbytes);
-size_t mp_segment_size(size_t rounded);
-/* The block size class that free lists bin by (exposed for tests). */
-uint32_t mp_size_class(size_t nbytes);
+/* mp_size.h's rounding under a pool's config (inline: every allocation rounds). */
+static inline size_t mp_round_size(const mp_config *cfg, size_t nbytes) {
+    return mp_round_with(cfg->roundup_divisions, nbytes);
+}
+
+/* An allocation's refusal as the pool stood at that moment: filled under the pool's lock
+ * where the fallback chain gave up, so that its figures are one snapshot (read one by one
+ * after the lock is dropped, they could mix two moments while other threads allocate,
+ * free or release). reserved_bytes == used_bytes + pending_bytes + cached_bytes. */
+typedef struct mp_oom {
+    const mp_pool *pool;         /* the pool that refused */
+    int code;                    /* what the allocation returned (MP_ENOMEM, MP_ELIMIT, ...) */
+    size_t nbytes;               /* requested */
+    size_t rounded;              /* the block it needed (nbytes itself over MP_MAX_ALLOC) */
+    uintptr_t stream;
+    size_t reserved_bytes;
+    size_t used_bytes;           /* in allocated blocks */
+    size_t pending_bytes;        /* in freed blocks that wait for other streams */
+    size_t cached_bytes;         /* in free blocks, hot ones included */
+    size_t largest_free_block;
+    size_t limit;                /* MP_UNLIMITED: none */
+    size_t capacity;             /* the device's, as the upstream reports it (0: unknown) */
+    int capturing;               /* Note [Graph capture]: a capture was under way */
+    uint64_t num_ooms;           /* the pool's refusals so far, this one included */
+} mp_oom;
+/* The calling thread's last refusal by mp_alloc (and the allocations built on it), taken:
+ * MP_ENOTFOUND when there is none since the last take. Per thread, so another thread's
+ * refusal in between cannot replace it; no lock. */
+int mp_oom_take(mp_oom *out);
+/* A record of the pool as it stands now, for a refusal that left none (e.g. out of host
+ * memory before the pool was asked). Takes the lock. */
+void mp_oom_snapshot(mp_pool *p, int code, size_t nbytes, uintptr_t stream, mp_oom *out);
 
 void mp_get_stats(mp_pool *p, mp_stats *out);
 void mp_reset_peak_stats(mp_pool *p);

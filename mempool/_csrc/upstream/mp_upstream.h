@@ -6,8 +6,7 @@
  *   - never raises, never calls into Python and never needs the GIL;
  *   - may be called from any thread and concurrently on the same context: the pool calls
  *     segment allocation and release, syncs and map/unmap with its lock dropped, and the
- *     DLPack hand-off makes event calls outside the pool lock (see docs/architecture.md,
- *     "Note [Lock order]"). The sim and host upstreams guard their state with a mutex; the
+ *     DLPack hand-off makes event calls outside the pool lock (Note [Lock order], mp_core.c). The sim and host upstreams guard their state with a mutex; the
  *     CUDA driver is thread-safe.
  * Handles (pointers, streams, events, address ranges) are plain uintptr_t values.
  *
@@ -33,7 +32,7 @@ enum {
     MP_EUPSTREAM = 8,    /* any other upstream failure; see mp_upstream.last_error */
     MP_EUNSUPPORTED = 9, /* the upstream lacks the operation (e.g. expandable segments) */
     MP_EBUSY = 10,       /* the pool is in use (e.g. blocks still live at destroy) */
-    MP_ERETIRED = 11,    /* mp_alloc_torch: the pool has left PyTorch's table; route again */
+    MP_ERETIRED = 11,    /* mp_alloc_tallied: the tally is closed (the pool left a table) */
 };
 
 typedef struct mp_upstream {
@@ -72,7 +71,7 @@ typedef struct mp_upstream {
      * breaks a capture. While a stream captures, segment_alloc on it must give a segment
      * outside the graph (not a graph allocation node), and segment_free of that segment
      * must not be stream-ordered; the core makes no other call that a capture refuses
-     * (docs/architecture.md, Note [Graph capture]). */
+     * (Note [Graph capture], mp_capture.h). */
     int (*stream_capturing)(void *ctx, uintptr_t stream, int *capturing);
 
     /* Device memory: *free_bytes and *total_bytes as the device reports them. */

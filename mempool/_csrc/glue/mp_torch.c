@@ -1,35 +1,56 @@
 /* PyTorch's pluggable allocator: the device table and the C-ABI entry points (mp_torch.h).
+ * A tracking layer over the core's public API, as mp_dlpack.c: PyTorch's accounting (which
+ * blocks it holds, whether a pool may leave the table) lives here, in a tally per
+ * registration that the core moves under its lock (Note [Block tallies], mp_core.h).
  *
- * Note [Torch table lifetime] (docs/architecture.md): an entry point reads a slot's pool
- * while another thread may register or unregister one.
+ * Note [Torch table lifetime]
+ * PyTorch calls the entry points from any thread, without the GIL, while Python may
+ * register or unregister a device's pool: an entry point reads a slot while another thread
+ * changes it.
  *
- * alloc and free, called for every tensor, take no atomic of their own. alloc reads the
- * slot and calls mp_alloc_torch, which counts the allocation among the pool's torch blocks
- * under the pool's lock, from its first step to the block's free, and refuses once the pool
- * is retired; alloc then reads the slot again. free reads the slot and frees: the block's
- * count holds the pool in the table until the free is done with it. A change retires the
- * old pool under its lock, which fails while it counts any torch block or allocation in
+ * A slot holds an entry: a pool and the tally of the blocks PyTorch took from it through
+ * this registration. alloc and free, called for every tensor, take no atomic of their own.
+ * alloc reads the slot's entry and calls mp_alloc_tallied, which counts the allocation in
+ * the entry's tally under the pool's lock, from its first step to the block's free, and
+ * refuses once the tally is closed. free reads the slot and frees: the block's count holds
+ * the pool in the table until the free is done with it. A change closes the old entry's
+ * tally under the pool's lock, which fails while it counts any block or allocation in
  * flight, so torch never holds a block of a pool that left the table, and swaps the slot
- * after. An alloc that read the old pool just before finds it retired. Its struct is still
- * there even if the pool has been destroyed since: a pool that was ever in the table keeps
- * its struct (a few kilobytes each).
+ * after. An alloc that read the old entry just before finds its tally closed. The entry and
+ * the pool's struct are still there even if the pool has been destroyed since: entries are
+ * never freed, and a pool that was ever in the table keeps its struct
+ * (mp_pool_keep_struct; a few kilobytes each).
  *
  * The rarely called entry points (record_stream, reset, memory fraction, base allocation)
  * count themselves in the slot's `active` instead: a change first closes the slot (entry
  * points arriving then wait, they do not fail), waits for `active` to drain, swaps, reopens,
  * and only then drops the old pool's reference. Changes are serialised by `table_lock`;
  * entry points never take it. Every access to a slot is sequentially consistent.
+ *
+ * The price is one precondition: free must get only pointers alloc returned, which is
+ * PyTorch's own contract. Another pointer is ignored, but nothing pins the pool while it is
+ * looked up. The gain: the entry points pay the pool's lock and nothing else (the atomic
+ * adds this replaced cost a fifth of a pair; figures in bench/results/history.md).
  */
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "mp_assert.h"
 #include "mp_cuda.h"
 #include "mp_torch.h"
 
+/* One registration of a pool. Never freed: an entry point may hold it past its slot's
+ * change (Note above). */
+typedef struct mp_torch_entry {
+    mp_pool *pool;                  /* one reference while in its slot */
+    mp_tally tally;                 /* guarded by the pool's lock (Note [Block tallies]) */
+    struct mp_torch_entry *older;   /* every entry made, newest first (immutable) */
+} mp_torch_entry;
+
 typedef struct mp_torch_slot {
-    mp_pool *pool;       /* atomic; one reference while registered */
+    mp_torch_entry *entry;   /* atomic; NULL when no pool is registered */
     int64_t active;      /* atomic; rare entry points inside this slot now */
     int closing;         /* atomic; a change is under way: rare entry points wait */
     uint64_t failed;     /* atomic; allocations that returned NULL for want of memory */
@@ -38,6 +59,7 @@ typedef struct mp_torch_slot {
 static mp_torch_slot slots[MP_TORCH_MAX_DEVICES];
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;   /* guards changes */
 static int max_device = -1;   /* atomic; highest index ever registered (pointer scans) */
+static mp_torch_entry *entries;   /* atomic; newest first (mp_alloc_torch's look-up) */
 
 #define LOAD(x) __atomic_load_n(&(x), __ATOMIC_SEQ_CST)
 #define STORE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_SEQ_CST)
@@ -55,9 +77,9 @@ static mp_pool *slot_enter(mp_torch_slot *s) {
         ADD(s->active, -1);
         while (LOAD(s->closing)) sched_yield();
     }
-    mp_pool *p = LOAD(s->pool);
-    if (!p) ADD(s->active, -1);
-    return p;
+    mp_torch_entry *e = LOAD(s->entry);
+    if (!e) ADD(s->active, -1);
+    return e ? e->pool : NULL;
 }
 
 static void slot_exit(mp_torch_slot *s) {
@@ -69,15 +91,27 @@ static void slot_exit(mp_torch_slot *s) {
  * Called with table_lock held; on MP_OK *old is the pool taken out (to release). */
 static int slot_change_locked(mp_torch_slot *s, mp_pool *p, mp_pool **old) {
     mp_assert(s >= slots && s < slots + MP_TORCH_MAX_DEVICES);
-    mp_pool *cur = LOAD(s->pool);
-    if (cur && cur != p && mp_torch_retire(cur) != MP_OK) return MP_EBUSY;
-    if (p) mp_torch_admit(p);
+    mp_torch_entry *cur = LOAD(s->entry), *e = NULL;
+    if (p) {
+        e = calloc(1, sizeof *e);
+        if (!e) return MP_ENOMEM;
+        e->pool = p;
+    }
+    if (cur && mp_tally_close(cur->pool, &cur->tally) != MP_OK) {
+        free(e);   /* never published */
+        return MP_EBUSY;
+    }
+    if (e) {
+        mp_pool_keep_struct(p);
+        e->older = LOAD(entries);
+        STORE(entries, e);
+    }
     STORE(s->closing, 1);
     while (LOAD(s->active) != 0) sched_yield();
     mp_assert(LOAD(s->active) == 0);
-    STORE(s->pool, p);
+    STORE(s->entry, e);
     STORE(s->closing, 0);
-    *old = cur;
+    *old = cur ? cur->pool : NULL;
     return MP_OK;
 }
 
@@ -87,7 +121,8 @@ int mp_torch_register(int device, mp_pool *p) {
     if (!valid_device(device) || !p) return MP_EINVAL;
     mp_torch_slot *s = &slots[device];
     pthread_mutex_lock(&table_lock);
-    if (LOAD(s->pool) == p) {
+    mp_torch_entry *cur = LOAD(s->entry);
+    if (cur && cur->pool == p) {
         pthread_mutex_unlock(&table_lock);
         return MP_OK;
     }
@@ -113,7 +148,8 @@ int mp_torch_unregister(int device) {
 }
 
 mp_pool *mp_torch_registered(int device) {
-    return valid_device(device) ? LOAD(slots[device].pool) : NULL;
+    mp_torch_entry *e = valid_device(device) ? LOAD(slots[device].entry) : NULL;
+    return e ? e->pool : NULL;
 }
 
 int64_t mp_torch_live_blocks(int device) {
@@ -121,13 +157,21 @@ int64_t mp_torch_live_blocks(int device) {
     mp_torch_slot *s = &slots[device];
     mp_pool *p = slot_enter(s);
     if (!p) return 0;
-    int64_t n = mp_torch_blocks(p);
+    /* The slot cannot change while entered: its entry is the pool's. */
+    int64_t n = mp_tally_blocks(p, &LOAD(s->entry)->tally);
     slot_exit(s);
     return n;
 }
 
 uint64_t mp_torch_failed_allocs(int device) {
     return valid_device(device) ? LOAD(slots[device].failed) : 0;
+}
+
+int mp_alloc_torch(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out) {
+    mp_torch_entry *e = LOAD(entries);
+    while (e && e->pool != p) e = e->older;
+    if (!e) return MP_ERETIRED;   /* never in the table */
+    return mp_alloc_tallied(p, nbytes, stream, &e->tally, out);
 }
 
 /* ---- the entry points -------------------------------------------------------------------- */
@@ -159,9 +203,9 @@ void *mempool_torch_alloc(ssize_t size, int device, void *stream) {
     mp_pool *p;
     int rc;
     for (;;) {
-        p = LOAD(s->pool);
-        if (!p) return refuse_unrouted(size, device);
-        rc = mp_alloc_torch(p, (size_t)size, (uintptr_t)stream, &ptr);
+        mp_torch_entry *e = LOAD(s->entry);
+        if (!e) return refuse_unrouted(size, device);
+        rc = mp_alloc_tallied(e->pool, (size_t)size, (uintptr_t)stream, &e->tally, &ptr);
         if (rc != MP_ERETIRED) break;
         sched_yield();   /* retired since it was read: the change swaps the slot next */
     }
@@ -189,8 +233,8 @@ void mempool_torch_free(void *ptr, ssize_t size, int device, void *stream) {
     (void)stream;   /* the block knows its stream; torch passes the allocation's stream */
     if (!ptr || !valid_device(device)) return;
     /* The block's own count pins the pool (Note above). */
-    mp_pool *p = LOAD(slots[device].pool);
-    if (p) (void)mp_free(p, (uintptr_t)ptr, 0, 0);   /* a stranger's pointer is ignored */
+    mp_torch_entry *e = LOAD(slots[device].entry);
+    if (e) (void)mp_free(e->pool, (uintptr_t)ptr, 0, 0);   /* a stranger's pointer is ignored */
 }
 
 void mempool_torch_record_stream(void *ptr, void *stream) {
@@ -254,9 +298,9 @@ static int api_alloc(int device, size_t nbytes, uintptr_t stream, uintptr_t *out
     if (!valid_device(device)) return MP_EINVAL;
     mp_torch_slot *s = &slots[device];
     for (;;) {
-        mp_pool *p = LOAD(s->pool);
-        if (!p) return MP_EINVAL;
-        int rc = mp_alloc_torch(p, nbytes, stream, out);
+        mp_torch_entry *e = LOAD(s->entry);
+        if (!e) return MP_EINVAL;
+        int rc = mp_alloc_tallied(e->pool, nbytes, stream, &e->tally, out);
         if (rc != MP_ERETIRED) {
             if (rc != MP_OK) ADD(s->failed, 1);
             return rc;
@@ -267,8 +311,8 @@ static int api_alloc(int device, size_t nbytes, uintptr_t stream, uintptr_t *out
 
 static void api_free(int device, uintptr_t ptr) {
     if (!ptr || !valid_device(device)) return;
-    mp_pool *p = LOAD(slots[device].pool);   /* the block's own count pins the pool */
-    if (p) (void)mp_free(p, ptr, 0, 0);
+    mp_torch_entry *e = LOAD(slots[device].entry);   /* the block's own count pins the pool */
+    if (e) (void)mp_free(e->pool, ptr, 0, 0);
 }
 
 static int api_find_device(uintptr_t ptr) {

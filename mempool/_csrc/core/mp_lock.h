@@ -3,7 +3,7 @@
  * Why not pthread_mutex_t: an uncontended lock/unlock pair is one atomic exchange and one
  * release store here, against two atomic read-modify-writes for a mutex; the allocate/free
  * path takes it twice per round trip. The critical sections it guards are short (no upstream
- * call is made with it held, see docs/architecture.md "Note [Lock order]"), so spinning
+ * call is made with it held, see Note [Lock order] in mp_core.c), so spinning
  * briefly before yielding is the right trade. */
 #ifndef MP_LOCK_H
 #define MP_LOCK_H

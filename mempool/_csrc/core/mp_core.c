@@ -1,0 +1,535 @@
+/* The allocate/free path of the core: pool lifetime and the fallback chain (hot block, free
+ * lists, other streams' blocks, a new segment, release and retry). The size policy is in
+ * mp_size.h, blocks (carve, merge, hot blocks) in mp_block.c, streams and events (pending
+ * frees, record/forget) in mp_stream.c, free lists in mp_freelist.c, release of cached
+ * memory in mp_release.c, invariants and layout copies in mp_inspect.c, trace recording in
+ * mp_trace.c, expandable segments in mp_expand.c. */
+
+/* Note [Lock order]
+ * One lock per pool (a spinlock that yields, mp_lock.h: an uncontended round trip is one
+ * atomic exchange and one store) guards the core. The GIL, if held, comes before the pool
+ * lock; nothing in the core takes the GIL, so the PyTorch allocator entry points and DLPack
+ * deleters run without it.
+ *
+ * The lock is dropped around every call that may take long or block (segment allocation and
+ * release, stream synchronization, page map and unmap) through the *_unlocked helpers, with
+ * in-flight bytes counted against `limit` and unmapped blocks being mapped marked busy; a
+ * Pool method lets the GIL go there too (Note [Blocking upstream calls]). Event calls are
+ * short and made with the lock held. Where no event can be had (event creation or recording
+ * fails), the stream it was for is synchronized instead, and never under the lock either: a
+ * free marks its block busy (pending, so no other thread completes it), drops the lock to
+ * sync, and completes the free after; a segment release notes the stream in the detached
+ * segment and syncs it before the upstream free (the sim's fail_events and hold_syncs test
+ * both). Functions that expect the lock held end in _locked. */
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "mp_block.h"
+#include "mp_capture.h"
+#include "mp_expand.h"
+#include "mp_stream.h"
+
+/* ---------------------------------------------------------------- config */
+
+void mp_config_default(mp_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    cfg->max_split_size = MP_UNLIMITED;
+    cfg->cross_stream_reuse = 1;
+    cfg->release_threshold = MP_UNLIMITED;
+    cfg->limit = MP_UNLIMITED;
+}
+
+/* ---------------------------------------------------------------- pool lifetime */
+
+int mp_pool_create(const mp_config *cfg, const mp_upstream *up, mp_pool **out) {
+    if (cfg->gc_threshold < 0 || cfg->gc_threshold >= 1) return MP_EINVAL;
+    if (cfg->expandable_segments && !up->map) return MP_EUNSUPPORTED;
+    mp_pool *p = calloc(1, sizeof *p);
+    if (!p) return MP_ENOMEM;
+    mp_lock_init(&p->lock);
+    p->refcount = 1;
+    p->cfg = *cfg;
+    p->up = *up;
+    if (mp_ptrmap_init(&p->live, 1024) != MP_OK) {
+        free(p);
+        return MP_ENOMEM;
+    }
+    size_t free_bytes = 0, total = 0;
+    if (p->up.mem_info && p->up.mem_info(p->up.ctx, &free_bytes, &total) == MP_OK) p->capacity = total;
+    if (cfg->initial_pool_size) {
+        int rc = mp_reserve_initial(p, cfg->initial_pool_size);
+        if (rc != MP_OK) {
+            mp_pool_destroy(p);
+            return rc;
+        }
+    }
+    *out = p;
+    return MP_OK;
+}
+
+void mp_pool_destroy(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    mp_hot_flush_locked(p);
+    /* Every block is dropped with its segment: nothing may use the pool's memory now.
+     * Streams the pool saw may be destroyed by now (a CuPy stream that went out of scope),
+     * and a call on a dead handle crashes the driver: so drain the whole device, which needs
+     * no handle, and free every segment on the legacy stream. Only without a device sync
+     * are the streams themselves drained (expandable pools: unmap does not wait). */
+    mp_stream *legacy = NULL;
+    if (p->up.device_synchronize && p->up.device_synchronize(p->up.ctx) == MP_OK)
+        legacy = mp_stream_get_locked(p, 0);
+    if (!legacy && p->cfg.expandable_segments)
+        for (size_t i = 0; i < p->nstreams; i++) mp_up_sync(p, p->streams[i]->handle);
+    mp_segment *seg = p->segments;
+    while (seg) {
+        mp_segment *next = seg->next;
+        mp_block *b = seg->first;
+        while (b) {
+            mp_block *bn = b->next;
+            if (b->events) {
+                for (uint16_t i = 0; i < b->nuses; i++) p->up.event_destroy(p->up.ctx, b->events[i]);
+            }
+            if (b->uses != b->inline_uses) free(b->uses);
+            free(b->events);
+            b = bn;
+        }
+        seg->release_stream = legacy ? 0 : seg->stream->handle;
+        mp_segment_release_upstream(p, seg);
+        free(seg);
+        seg = next;
+    }
+    for (size_t i = 0; i < p->nevent_cache; i++) p->up.event_destroy(p->up.ctx, p->event_cache[i]);
+    free(p->event_cache);
+    for (size_t i = 0; i < p->nstreams; i++) free(p->streams[i]);
+    free(p->streams);
+    while (p->dead) {
+        mp_stream *d = p->dead;
+        p->dead = d->next_dead;
+        free(d);
+    }
+    while (p->slabs) {
+        mp_block_slab *next = p->slabs->next;
+        free(p->slabs);
+        p->slabs = next;
+    }
+    mp_ptrmap_destroy(&p->live);
+    free(p->trace);
+    int kept = p->keep_struct;
+    mp_lock_release(&p->lock);
+    if (p->up.destroy) p->up.destroy(p->up.ctx);
+    /* Note [Block tallies]: a pool that was in a table leaves its struct behind, for a
+     * caller that read it from the table just before it left. */
+    if (!kept) free(p);
+}
+
+void mp_pool_keep_struct(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    p->keep_struct = 1;
+    mp_lock_release(&p->lock);
+}
+
+void mp_pool_retain(mp_pool *p) { __atomic_add_fetch(&p->refcount, 1, __ATOMIC_RELAXED); }
+
+void mp_pool_release(mp_pool *p) {
+    if (__atomic_sub_fetch(&p->refcount, 1, __ATOMIC_ACQ_REL) == 0) mp_pool_destroy(p);
+}
+
+/* ---------------------------------------------------------------- allocation */
+
+/* Drop the lock, free what `rel` detached, ask the upstream for a segment, take the lock
+ * again. The bytes in flight count against the limit meanwhile. */
+static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
+                                     mp_release_list *rel, uintptr_t *ptr) {
+    p->inflight_bytes += nbytes;
+    uintptr_t handle = s->handle;
+    mp_lock_drop(p);
+    void *blocking = mp_blocking_begin();
+    mp_release_finish(p, rel);
+    int rc = p->up.segment_alloc(p->up.ctx, nbytes, handle, ptr);
+    mp_blocking_end(blocking);
+    mp_lock_retake(p);
+    p->inflight_bytes -= nbytes;
+    return rc;
+}
+
+/* Block the host on every stream that pending blocks wait for, then return those blocks.
+ * The last resort before an OOM: it syncs only the streams that hold memory back. */
+void mp_sync_pending_unlocked(mp_pool *p) {
+    if (!p->npending || mp_capture_stream_locked(p, NULL)) return;   /* Note [Graph capture] */
+    size_t n = 0, cap = 16;
+    uintptr_t *handles = malloc(cap * sizeof *handles);
+    for (mp_block *b = p->pending_head; b && handles; b = b->fnext) {
+        for (uint16_t i = 0; i < b->nuses; i++) {
+            uintptr_t h = b->uses[i]->handle;
+            size_t j = 0;
+            while (j < n && handles[j] != h) j++;
+            if (j < n) continue;
+            if (n == cap) {
+                uintptr_t *grown = realloc(handles, (cap *= 2) * sizeof *grown);
+                if (!grown) break;
+                handles = grown;
+            }
+            handles[n++] = h;
+        }
+    }
+    p->stats.num_sync_all_streams++;
+    mp_lock_drop(p);
+    void *blocking = mp_blocking_begin();
+    for (size_t j = 0; j < n; j++)
+        if (!mp_capture_handle(p, handles[j])) mp_up_sync(p, handles[j]);
+    mp_blocking_end(blocking);
+    free(handles);
+    mp_lock_retake(p);
+    mp_process_pending_locked(p);
+}
+
+size_t mp_reserved_now_locked(const mp_pool *p) {
+    return (size_t)mp_stat3_current(p->stats.reserved_bytes) + p->inflight_bytes;
+}
+
+mp_block *mp_search_lists_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
+    mp_block *b = mp_freelist_find_fit(p, &s->lists[kind], size);
+    if (b) return b;   /* still in its list: mp_carve_locked takes it out, or shrinks it */
+    if (p->cfg.cross_stream_reuse && p->nstreams > 1) {
+        if (p->nhot) mp_hot_flush_locked(p);   /* Note [Hot blocks]: other streams' too */
+        return mp_take_from_other_stream_locked(p, s, kind, size);
+    }
+    return NULL;
+}
+
+static mp_block *new_segment_locked(mp_pool *p, mp_stream *s, int kind, uintptr_t ptr,
+                                    size_t nbytes) {
+    mp_segment *seg = calloc(1, sizeof *seg);
+    mp_block *b = seg ? mp_block_new_locked(p) : NULL;
+    if (!b) {
+        free(seg);
+        return NULL;
+    }
+    seg->ptr = ptr;
+    seg->nbytes = seg->mapped_bytes = nbytes;
+    seg->stream = s;
+    seg->kind = kind;
+    seg->first = b;
+    seg->next = p->segments;
+    if (p->segments) p->segments->prev = seg;
+    p->segments = seg;
+    p->nsegments++;
+    b->ptr = ptr;
+    b->nbytes = nbytes;
+    b->seg = seg;
+    b->stream = s;
+    b->state = MP_BLOCK_FREE;
+    mp_segment_idle_push_locked(p, seg);   /* idle until its first block is handed out */
+    p->stats.num_device_alloc++;
+    mp_stat3_inc(p->stats.segment, kind, 1);
+    mp_stat3_inc(p->stats.reserved_bytes, kind, (int64_t)nbytes);
+    if (mp_reserved_now_locked(p) > p->reserved_high_water)
+        p->reserved_high_water = mp_reserved_now_locked(p);
+    if (nbytes >= p->cfg.max_split_size) mp_stat_inc(&p->stats.oversize_segments, 1);
+    mp_trace_locked(p, MP_TRACE_SEGMENT_ALLOC, ptr, nbytes, s->handle);
+    return b;
+}
+
+int mp_reserve_initial(mp_pool *p, size_t nbytes) {
+    /* Expandable pools map it into their growing range, where it merges with what grows. */
+    if (p->cfg.expandable_segments) return mp_expand_reserve_initial(p, nbytes);
+    nbytes = (nbytes + MP_LARGE_ROUND - 1) & ~(MP_LARGE_ROUND - 1);
+    mp_lock_acquire(&p->lock);
+    mp_stream *s = mp_stream_get_locked(p, 0);
+    int rc = MP_ENOMEM;
+    if (s) {
+        mp_release_list none = {0};
+        uintptr_t ptr = 0;
+        rc = upstream_segment_unlocked(p, s, nbytes, &none, &ptr);
+        if (rc == MP_OK) {
+            mp_block *b = new_segment_locked(p, s, KIND_LARGE, ptr, nbytes);
+            if (b) {
+                b->seg->pinned = 1;
+                p->idle_bytes -= nbytes;   /* counted as idle unpinned when it was made */
+                mp_insert_free_locked(p, b);
+            } else {
+                p->up.segment_free(p->up.ctx, ptr, nbytes, 0);
+                rc = MP_ENOMEM;
+            }
+        }
+    }
+    mp_lock_release(&p->lock);
+    return rc;
+}
+
+/* Note [Reserved high water]
+ * Best fit leaves idle segments of sizes the work no longer asks for, and "release beyond
+ * need" gives them back only when they hold a whole new segment's worth, so a peak could be
+ * set with a large segment idle beside it. Before a pool of fixed segments reserves more
+ * than it ever held at once (reserved_high_water, the pool's own mark, never reset), it
+ * gives back every idle segment of the request's kind, none of which could serve it, when
+ * the idle segments hold at least MP_HIGH_WATER_MIN_IDLE and 1/MP_HIGH_WATER_IDLE_DIV of
+ * the mark, as the expandable high-water rule (Note [Expandable segments]). It acts only
+ * while the footprint sets records, so a steady loop never pays for it. Figures:
+ * bench/results/history.md. */
+
+/* The fallback chain once the lists have no fit: garbage collection, the limit, the
+ * upstream, then release what is cached and retry, then sync pending frees and retry.
+ * Returns a free block in no list (a new segment's, or one that became free meanwhile). */
+static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_release_list *rel,
+                       mp_block **out) {
+    size_t seg_size = mp_segment_size(size);
+    size_t limit = p->cfg.limit;
+    /* Note [Graph capture]: during a capture releases skip themselves, and neither the sync
+     * of pending frees nor the retries run: the limit, a capture-safe segment, else out of
+     * memory. Asked only there (rel keeps the answer): a growth alone asks nothing. */
+
+    if (p->nhot) {   /* Note [Hot blocks]: parked blocks may serve, or merge into, this */
+        mp_hot_flush_locked(p);
+        if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
+    }
+    if (p->cfg.gc_threshold > 0) {
+        size_t base = limit != MP_UNLIMITED ? limit : p->capacity;
+        size_t threshold = (size_t)(p->cfg.gc_threshold * (double)base);
+        if (base && mp_reserved_now_locked(p) + seg_size > threshold)
+            mp_release_idle_locked(p, mp_reserved_now_locked(p) + seg_size - threshold, rel);
+    }
+    if (limit != MP_UNLIMITED && mp_reserved_now_locked(p) + seg_size > limit) {
+        mp_release_idle_locked(p, mp_reserved_now_locked(p) + seg_size - limit, rel);
+        if (mp_reserved_now_locked(p) + seg_size > limit) {
+            if (mp_capture_call_locked(p, rel)) return MP_ELIMIT;
+            if (p->npending) {
+                mp_sync_pending_unlocked(p);
+                if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
+            }
+            mp_release_idle_locked(p, SIZE_MAX, rel);
+            if (mp_reserved_now_locked(p) + seg_size > limit) return MP_ELIMIT;
+        }
+    }
+
+    /* Release cached segments beyond need: idle segments cannot serve this request (the
+     * search found nothing), so when they hold a new segment's worth, give that much back,
+     * oldest first, before growing. Reserved memory then tracks what the work needs instead
+     * of piling up segments of sizes it no longer asks for. */
+    if (p->idle_bytes >= seg_size) mp_release_idle_kind_locked(p, kind, seg_size, rel);
+    /* Note [Reserved high water]: before reserving more than it ever
+     * held, the pool gives back every idle segment of this kind, none of which could serve
+     * the request, so a new peak is not set with idle segments beside it. */
+    if (p->idle_bytes >= MP_HIGH_WATER_MIN_IDLE &&
+        p->idle_bytes >= p->reserved_high_water / MP_HIGH_WATER_IDLE_DIV &&
+        mp_reserved_now_locked(p) + seg_size > p->reserved_high_water)
+        mp_release_idle_kind_locked(p, kind, 0, rel);
+
+    uintptr_t ptr = 0;
+    int rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);
+    if (rc == MP_ENOMEM && !mp_capture_call_locked(p, rel)) {
+        /* Release just enough cached memory first, then everything, syncing pending frees. */
+        for (int attempt = 0; attempt < 2 && rc == MP_ENOMEM; attempt++) {
+            p->stats.num_alloc_retries++;
+            if (attempt == 1) {
+                mp_sync_pending_unlocked(p);
+                if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
+            }
+            mp_release_idle_locked(p, attempt == 0 ? seg_size : SIZE_MAX, rel);
+            if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
+            rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);
+        }
+    }
+    if (rc != MP_OK) return rc;
+    mp_block *b = new_segment_locked(p, s, kind, ptr, seg_size);
+    if (!b) {
+        /* No host memory for the bookkeeping: give the segment straight back (not during a
+         * capture, Note [Graph capture]: then it is lost). */
+        int capture = mp_capture_call_locked(p, rel);
+        uintptr_t handle = s->handle;
+        mp_lock_drop(p);
+        void *blocking = mp_blocking_begin();
+        if (!capture) p->up.segment_free(p->up.ctx, ptr, seg_size, handle);
+        mp_blocking_end(blocking);
+        mp_lock_retake(p);
+        return MP_ENOMEM;
+    }
+    *out = b;
+    return MP_OK;
+}
+
+/* The release of a tallied allocation's count that could not be dropped under the lock it
+ * held (Note [Block tallies]): it must be the caller's last touch of the pool. */
+static void tally_uncount(mp_pool *p, mp_tally *t) {
+    mp_lock_acquire(&p->lock);
+    t->blocks--;
+    mp_lock_release(&p->lock);
+}
+
+/* mp_alloc, and with a tally mp_alloc_tallied: the allocation counts in it from the closed
+ * check on, so the client cannot close it while this runs (the lock is dropped to grow),
+ * and the block it returns carries it until its free. */
+static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, mp_tally *tally,
+                             uintptr_t *out) {
+    size_t size = nbytes > MP_MAX_ALLOC ? nbytes : mp_round_size(&p->cfg, nbytes);
+    mp_release_list rel = {0};
+    int rc = MP_OK;
+    mp_lock_acquire(&p->lock);
+    if (tally) {
+        if (tally->closed) {
+            mp_lock_release(&p->lock);
+            return MP_ERETIRED;
+        }
+        tally->blocks++;
+    }
+    p->tick++;
+    if (size > MP_MAX_ALLOC) {
+        rc = MP_ENOMEM;
+        goto oom;
+    }
+    mp_stream *s = mp_stream_get_locked(p, stream);
+    if (!s) {
+        rc = MP_ENOMEM;
+        goto oom;
+    }
+    rel.stream = s;   /* Note [Graph capture] */
+    /* Make room in the live map first, so nothing can fail after a block is chosen. */
+    if (mp_ptrmap_reserve(&p->live, 1) != MP_OK) {
+        rc = MP_ENOMEM;
+        goto oom;
+    }
+    if (p->npending && !mp_capture_call_locked(p, &rel)) mp_process_pending_locked(p);
+
+    int kind = size <= MP_SMALL_SIZE ? KIND_SMALL : KIND_LARGE;
+    mp_block *b = s->hot ? mp_take_hot_locked(p, s, size) : NULL;
+    if (b) {
+        /* Note [Hot blocks]: its segment stayed busy and it is in no list. */
+        mp_hand_out_locked(p, b, nbytes);
+        b->tally = tally;
+        mp_trace_locked(p, MP_TRACE_ALLOC, b->ptr, b->requested, stream);
+        *out = b->ptr;
+        mp_lock_release(&p->lock);
+        return MP_OK;
+    }
+    if (p->cfg.expandable_segments) {
+        rc = mp_expand_alloc_locked(p, s, kind, size, &rel, &b);
+    } else {
+        b = mp_search_lists_locked(p, s, kind, size);
+        if (!b) rc = grow_locked(p, s, kind, size, &rel, &b);
+    }
+    if (rc != MP_OK) goto oom;
+    b = mp_carve_locked(p, b, size, nbytes, s);
+    b->tally = tally;
+    mp_trace_locked(p, MP_TRACE_ALLOC, b->ptr, b->requested, stream);
+    *out = b->ptr;
+    mp_apply_release_threshold_locked(p, &rel);
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
+    return MP_OK;
+
+oom:
+    p->stats.num_ooms++;
+    mp_oom_record_locked(p, rc, nbytes, size, stream);
+    mp_trace_locked(p, MP_TRACE_OOM, 0, nbytes, stream);
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
+    if (tally) tally_uncount(p, tally);
+    return rc;
+}
+
+mp_blocking_begin_fn mp_blocking_begin_hook;
+mp_blocking_end_fn mp_blocking_end_hook;
+
+void mp_set_blocking_hooks(mp_blocking_begin_fn begin, mp_blocking_end_fn end) {
+    mp_blocking_begin_hook = begin;
+    mp_blocking_end_hook = end;
+}
+
+int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out) {
+    return alloc_impl(p, nbytes, stream, NULL, out);
+}
+
+int mp_alloc_tallied(mp_pool *p, size_t nbytes, uintptr_t stream, mp_tally *t, uintptr_t *out) {
+    return alloc_impl(p, nbytes, stream, t, out);
+}
+
+int mp_tally_close(mp_pool *p, mp_tally *t) {
+    mp_lock_acquire(&p->lock);
+    int busy = t->blocks != 0;
+    if (!busy) t->closed = 1;
+    mp_lock_release(&p->lock);
+    return busy ? MP_EBUSY : MP_OK;
+}
+
+int64_t mp_tally_blocks(mp_pool *p, const mp_tally *t) {
+    mp_lock_acquire(&p->lock);
+    int64_t n = t->blocks;
+    mp_lock_release(&p->lock);
+    return n;
+}
+
+/* ---------------------------------------------------------------- free */
+
+int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
+    mp_release_list rel = {0};
+    mp_lock_acquire(&p->lock);
+    p->tick++;
+    mp_block *b = mp_live_block_locked(p, ptr);
+    if (!b) {
+        int rc = mp_classify_bad_pointer_locked(p, ptr);
+        mp_lock_release(&p->lock);
+        return rc == MP_OK ? MP_ENOTFOUND : rc;
+    }
+    mp_stream *fs = has_stream ? mp_stream_get_locked(p, stream) : b->stream;
+    /* Freed on another stream: that stream's use is the last one ordered by the caller,
+     * but work the owner queued may still be pending, so the owner becomes a use, waited
+     * for like a recorded stream, and the block then belongs to the freeing stream. */
+    int moving = fs && fs != b->stream;
+    int rc = fs ? MP_OK : MP_ENOMEM;
+    if (moving) rc = mp_use_reserve(b);
+    size_t nuses_after = b->nuses + (size_t)moving - (size_t)(moving && mp_use_has(b, fs));
+    uintptr_t *events = NULL;
+    if (rc == MP_OK && nuses_after && !(events = malloc(nuses_after * sizeof *events))) rc = MP_ENOMEM;
+    if (rc != MP_OK) {
+        mp_lock_release(&p->lock);
+        return rc;   /* nothing changed: the block is still live */
+    }
+    if (moving) {
+        mp_use_remove(b, fs);
+        b->uses[b->nuses++] = b->stream;
+    }
+    /* Nothing can fail from here on. */
+    rel.stream = fs;   /* Note [Graph capture] */
+    mp_tally *tally = b->tally;   /* Note [Block tallies]: uncounted at the very end */
+    b->tally = NULL;
+    int park = !b->nuses && mp_hot_allowed(p);   /* Note [Hot blocks]: keeps its map entry */
+    if (!park) mp_ptrmap_remove(&p->live, ptr);
+    int kind = b->seg->kind;
+    mp_stat3_dec(p->stats.allocation, kind, 1);
+    mp_stat3_dec(p->stats.allocated_bytes, kind, (int64_t)b->nbytes);
+    if (b->nbytes >= p->cfg.max_split_size) mp_stat_dec(&p->stats.oversize_allocations, 1);
+    mp_trace_locked(p, MP_TRACE_FREE_REQUESTED, b->ptr, b->requested, fs->handle);
+    /* The freeing stream owns the block from now on (stream-ordered free, as cudaFreeAsync). */
+    b->stream = fs;
+    if (!b->nuses) {
+        if (park) mp_park_hot_locked(p, b);
+        else mp_complete_free_locked(p, b);
+    } else {
+        mp_free_pending_locked(p, b, events);
+    }
+    mp_apply_release_threshold_locked(p, &rel);
+    if (tally && !rel.head) {   /* nothing left to do with the pool after the unlock */
+        tally->blocks--;
+        tally = NULL;
+    }
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
+    if (tally) tally_uncount(p, tally);
+    return MP_OK;
+}
+
+int mp_block_info(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested,
+                  uintptr_t *stream) {
+    mp_lock_acquire(&p->lock);
+    mp_block *b = mp_live_block_locked(p, ptr);
+    int rc = MP_ENOTFOUND;
+    if (b) {
+        if (nbytes) *nbytes = b->nbytes;
+        if (requested) *requested = b->requested;
+        if (stream) *stream = b->stream->handle;
+        rc = MP_OK;
+    }
+    mp_lock_release(&p->lock);
+    return rc;
+}

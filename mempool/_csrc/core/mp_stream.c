@@ -1,0 +1,459 @@
+/* Streams and events: the pool's streams and its event cache, cross-stream reuse (Note
+ * [Stream reuse]), frees that wait for other streams (pending frees, record_stream), and
+ * streams going away (Note [Forgotten streams]). Every function expects the pool lock
+ * unless its name ends in _unlocked or it is a public entry point. */
+/* Note [Stream reuse]
+ * Each free block has an owner stream; freeing on S (the default is the block's own stream)
+ * puts it on S's lists, where S may reuse it at once. `free(ptr, stream=T)` moves it to T,
+ * with the old owner treated as a recorded stream: an event on it, and the block reaches
+ * T's lists once that event has completed (at once when the old owner has no work queued).
+ * When S's lists have no fit and `cross_stream_reuse` is on, S takes the best fit among
+ * other streams' free blocks: an event is recorded on the owner, and if it has not already
+ * completed S waits on it (stream_wait_event): no host sync. Only the part handed out
+ * changes owner; the remainder of a split stays with the old owner, and free neighbours of
+ * different owners do not merge.
+ *
+ * Blocks with recorded streams become pending at free: an event per recorded stream, polled
+ * at the next allocations; once all completed the block is freed into its owner's lists.
+ * The trade-off of cross-stream reuse: S's later work is ordered after the owner's work up
+ * to that point; turn it off where streams must never serialize.
+ *
+ * A segment whose blocks are all free is idle and can be released. Its upstream free runs
+ * in the order of the segment's own stream, so blocks owned by other streams first make
+ * that stream wait on an event of theirs. */
+
+/* Note [Forgotten streams]
+ * A stream-per-request program makes streams without end, and each one the pool saw would
+ * cost its state (two free lists, 27 KB since the classes stop at 1 TiB) and, with
+ * expandable segments, a range of address space as large as the device, until the pool
+ * died. forget_stream(s) ends all of it: after the sync it hands s's blocks, segments and
+ * pending uses to the legacy stream (events recorded on s have completed), releases each of
+ * s's expandable ranges that holds nothing but free pages of s (its runs unmapped, its
+ * address space given back, without the lock), hands a range that still holds blocks to the
+ * legacy stream (as its growing range when it has none, else to go once nothing in it is
+ * mapped: empty_cache, trim, an OOM's release), and frees the stream.
+ * stats()["num_streams"] counts the streams kept; mempool/bench/test_stream_churn.py makes,
+ * uses and forgets 100,000 streams with host memory and address space flat.
+ *
+ * An operation that drops the lock in its middle may hold a pointer to the stream (a growth
+ * mapping pages for it, a release syncing it). Such drops go through mp_lock_drop /
+ * mp_lock_retake, which count them (nunlocked); a stream forgotten while any is under way
+ * is kept, on the legacy handle, in `dead`, and freed by the next forget_stream that finds
+ * none under way, after handing over what those operations gave it meanwhile.
+ *
+ * A call on a destroyed stream handle crashes the driver, so the pool never makes one on
+ * its own: mp_pool_destroy synchronizes the device (device_synchronize, which needs no
+ * handle) and frees every segment on the legacy stream. */
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "mp_block.h"
+#include "mp_capture.h"
+#include "mp_expand.h"
+#include "mp_stream.h"
+
+/* ---------------------------------------------------------------- events */
+
+int mp_event_get_locked(mp_pool *p, uintptr_t *ev) {
+    if (p->nevent_cache) {
+        *ev = p->event_cache[--p->nevent_cache];
+        return MP_OK;
+    }
+    return p->up.event_create(p->up.ctx, ev);
+}
+
+void mp_event_put_locked(mp_pool *p, uintptr_t ev) {
+    if (p->nevent_cache == p->cap_event_cache) {
+        size_t cap = p->cap_event_cache ? p->cap_event_cache * 2 : 16;
+        uintptr_t *grown = realloc(p->event_cache, cap * sizeof *grown);
+        if (!grown) {
+            p->up.event_destroy(p->up.ctx, ev);
+            return;
+        }
+        p->event_cache = grown;
+        p->cap_event_cache = cap;
+    }
+    p->event_cache[p->nevent_cache++] = ev;
+}
+
+/* ---------------------------------------------------------------- streams */
+
+mp_stream *mp_stream_lookup_locked(mp_pool *p, uintptr_t handle) {
+    for (size_t i = 0; i < p->nstreams; i++) {
+        if (p->streams[i]->handle == handle) return p->last_stream = p->streams[i];
+    }
+    if (p->nstreams == p->cap_streams) {
+        size_t cap = p->cap_streams ? p->cap_streams * 2 : 8;
+        mp_stream **grown = realloc(p->streams, cap * sizeof *grown);
+        if (!grown) return NULL;
+        p->streams = grown;
+        p->cap_streams = cap;
+    }
+    mp_stream *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->handle = handle;
+    p->streams[p->nstreams++] = s;
+    return p->last_stream = s;
+}
+
+/* Cross-stream reuse without a host sync (Note [Stream reuse]): the best fit among other
+ * streams' free blocks, made safe for `s` by an event recorded on its owner that `s` waits
+ * on. */
+mp_block *mp_take_from_other_stream_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
+    mp_block *best = NULL;
+    for (size_t i = 0; i < p->nstreams; i++) {
+        mp_stream *t = p->streams[i];
+        if (t == s) continue;
+        mp_block *b = mp_freelist_find_fit(p, &t->lists[kind], size);
+        if (b && (!best || b->nbytes < best->nbytes)) best = b;
+    }
+    if (!best) return NULL;
+    /* Note [Graph capture]: the event would be recorded, queried or waited on across a
+     * capture's edge. */
+    if (mp_capture_stream_locked(p, s) || mp_capture_handle(p, best->stream->handle)) return NULL;
+    uintptr_t ev;
+    if (mp_event_get_locked(p, &ev) != MP_OK) return NULL;
+    int rc = mp_up_record(p, ev, best->stream->handle);
+    /* When the owner has no work queued, nothing needs waiting for: skip the wait, which
+     * would otherwise order all of s's later work after the owner's. */
+    int waited = 0;
+    if (rc == MP_OK && p->up.event_query(p->up.ctx, ev) != MP_OK) {
+        rc = p->up.stream_wait_event(p->up.ctx, s->handle, ev);
+        waited = 1;
+    }
+    /* A wait captures the event's state when issued, so the event is reusable at once. */
+    mp_event_put_locked(p, ev);
+    if (rc != MP_OK) return NULL;
+    p->stats.num_cross_stream_reuse++;
+    p->stats.num_event_waits += waited;
+    return best;
+}
+
+
+/* ---------------------------------------------------------------- pending frees */
+
+static void pending_push_locked(mp_pool *p, mp_block *b) {
+    b->fprev = p->pending_tail;
+    b->fnext = NULL;
+    if (p->pending_tail) p->pending_tail->fnext = b;
+    else p->pending_head = b;
+    p->pending_tail = b;
+    p->npending++;
+}
+
+static void pending_remove_locked(mp_pool *p, mp_block *b) {
+    if (b->fprev) b->fprev->fnext = b->fnext;
+    else p->pending_head = b->fnext;
+    if (b->fnext) b->fnext->fprev = b->fprev;
+    else p->pending_tail = b->fprev;
+    b->fprev = b->fnext = NULL;
+    p->npending--;
+}
+
+/* Note [Stream reuse]: record an event on each stream that used b (events[], one per use),
+ * keeping the uses whose stream has not yet passed this point. A use whose event cannot be
+ * had keeps events[i] == 0 and must be synchronized instead, without the lock (Note [Lock
+ * order]): the count of those is returned, for sync_uses_unlocked. Sets b->nuses and
+ * b->events (NULL, with events freed, when no use is left). */
+static uint16_t record_uses_locked(mp_pool *p, mp_block *b, uintptr_t *events) {
+    uint16_t n = 0, nsync = 0;
+    for (uint16_t i = 0; i < b->nuses; i++) {
+        uintptr_t ev;
+        int got = mp_event_get_locked(p, &ev) == MP_OK;
+        if (got && mp_up_record(p, ev, b->uses[i]->handle) == MP_OK) {
+            if (p->up.event_query(p->up.ctx, ev) == MP_OK) {
+                mp_event_put_locked(p, ev);   /* that stream is past the free already */
+                continue;
+            }
+        } else {
+            if (got) mp_event_put_locked(p, ev);
+            ev = 0;
+            nsync++;
+        }
+        b->uses[n] = b->uses[i];
+        events[n++] = ev;
+    }
+    b->nuses = n;
+    b->events = n ? events : NULL;
+    if (!n) free(events);
+    return nsync;
+}
+
+static int record_deferred_locked(mp_pool *p, mp_block *b);
+
+int mp_process_pending_locked(mp_pool *p) {
+    if (mp_capture_stream_locked(p, NULL)) return MP_OK;   /* Note [Graph capture]: no query */
+    mp_block *b = p->pending_head;
+    while (b) {
+        mp_block *next = b->fnext;
+        if (!b->events) {
+            int r = record_deferred_locked(p, b);
+            if (r == 0) {
+                b = next;
+                continue;
+            }
+            if (r == 2) {   /* the lock was dropped to synchronize: the list may have changed */
+                b = p->pending_head;
+                continue;
+            }
+        }
+        int done = !b->busy;   /* busy: its freeing thread is synchronizing a stream */
+        for (uint16_t i = 0; i < b->nuses && done; i++) {
+            if (p->up.event_query(p->up.ctx, b->events[i]) != MP_OK) done = 0;
+        }
+        if (done) {
+            pending_remove_locked(p, b);
+            for (uint16_t i = 0; i < b->nuses; i++) mp_event_put_locked(p, b->events[i]);
+            free(b->events);
+            b->events = NULL;
+            b->nuses = 0;
+            mp_complete_free_locked(p, b);
+        }
+        b = next;
+    }
+    return MP_OK;
+}
+
+/* mp_free's fallback for the streams of pending block b it had no event for (events[i] ==
+ * 0, nsync of them): synchronize them with the lock dropped (Note [Lock order]), then drop
+ * those uses and complete the free when no other use is left. The block is marked busy
+ * meanwhile, so that no other thread completes it; a forget_stream of one of those streams
+ * may drop its use meanwhile (Note [Forgotten streams]). */
+static void sync_uses_unlocked(mp_pool *p, mp_block *b, uint16_t nsync) {
+    uintptr_t handles[8], *h = nsync <= 8 ? handles : malloc(nsync * sizeof *h);
+    uint16_t n = 0;
+    for (uint16_t i = 0; i < b->nuses; i++) {
+        if (b->events[i]) continue;
+        if (h) h[n++] = b->uses[i]->handle;
+        else mp_up_sync(p, b->uses[i]->handle);   /* no host memory */
+    }
+    if (n) {
+        b->busy = 1;
+        mp_lock_drop(p);
+        void *blocking = mp_blocking_begin();
+        for (uint16_t i = 0; i < n; i++) mp_up_sync(p, h[i]);
+        mp_blocking_end(blocking);
+        mp_lock_retake(p);
+        b->busy = 0;
+    }
+    if (h != handles) free(h);
+    uint16_t kept = 0;
+    for (uint16_t i = 0; i < b->nuses; i++) {
+        if (!b->events[i]) continue;
+        b->uses[kept] = b->uses[i];
+        b->events[kept++] = b->events[i];
+    }
+    b->nuses = kept;
+    if (!kept) {
+        pending_remove_locked(p, b);
+        free(b->events);
+        b->events = NULL;
+        mp_complete_free_locked(p, b);
+    }
+}
+
+/* Note [Graph capture]: the events of a free deferred during a capture, recorded once no
+ * capture touches its streams. 0: still deferred; 1: recorded; 2: a stream had to be
+ * synchronized, with the lock dropped meanwhile (the caller's list walk starts again). */
+static int record_deferred_locked(mp_pool *p, mp_block *b) {
+    if (mp_capture_uses_locked(p, b)) return 0;
+    uintptr_t *events = malloc(b->nuses * sizeof *events);
+    if (!events) return 0;
+    uint16_t nsync = record_uses_locked(p, b, events);
+    if (!nsync) {
+        if (!b->nuses) {
+            pending_remove_locked(p, b);
+            mp_complete_free_locked(p, b);
+            return 2;   /* the walk's next pointer may have been merged away */
+        }
+        return 1;
+    }
+    sync_uses_unlocked(p, b, nsync);
+    return 2;
+}
+
+
+/* mp_free of a block that other streams used (record_stream): it stays pending until they
+ * pass the free (Note [Stream reuse]). `events` has room for one event per use and is
+ * taken. May drop the lock and take it again (sync_uses_unlocked). */
+void mp_free_pending_locked(mp_pool *p, mp_block *b, uintptr_t *events) {
+    b->state = MP_BLOCK_PENDING;
+    if (mp_capture_uses_locked(p, b)) {
+        free(events);   /* Note [Graph capture]: recorded once the capture is over */
+        pending_push_locked(p, b);
+        return;
+    }
+    uint16_t nsync = record_uses_locked(p, b, events);
+    if (nsync) {
+        pending_push_locked(p, b);
+        sync_uses_unlocked(p, b, nsync);
+    } else if (b->nuses) {
+        pending_push_locked(p, b);
+    } else {
+        mp_complete_free_locked(p, b);
+    }
+}
+
+int mp_record_stream(mp_pool *p, uintptr_t ptr, uintptr_t stream) {
+    mp_lock_acquire(&p->lock);
+    mp_block *b = mp_live_block_locked(p, ptr);
+    int rc = MP_OK;
+    if (!b) {
+        rc = mp_classify_bad_pointer_locked(p, ptr);
+        if (rc == MP_OK) rc = MP_ENOTFOUND;
+        goto done;
+    }
+    mp_stream *s = mp_stream_get_locked(p, stream);
+    if (!s) {
+        rc = MP_ENOMEM;
+        goto done;
+    }
+    if (s == b->stream || mp_use_has(b, s)) goto done;
+    if ((rc = mp_use_reserve(b)) == MP_OK) b->uses[b->nuses++] = s;
+done:
+    mp_lock_release(&p->lock);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- streams going away */
+
+/* Note [Forgotten streams]: hand everything the pool keeps on s,
+ * which has no work left, to the legacy stream, and release s's expandable ranges that hold
+ * nothing else. Afterwards nothing of the pool refers to s. */
+static void hand_over_stream_locked(mp_pool *p, mp_stream *s, mp_stream *legacy,
+                                    mp_release_list *rel) {
+    if (s->hot) mp_hot_flush_stream_locked(p, s);
+    /* Pending frees waiting on s: its events have completed (s was synchronized). */
+    for (mp_block *b = p->pending_head; b; b = b->fnext) {
+        if (!b->events) continue;   /* deferred during a capture: below */
+        for (uint16_t i = 0; i < b->nuses;) {
+            if (b->uses[i] != s) {
+                i++;
+                continue;
+            }
+            if (b->events[i]) mp_event_put_locked(p, b->events[i]);
+            b->nuses--;
+            b->uses[i] = b->uses[b->nuses];
+            b->events[i] = b->events[b->nuses];
+        }
+    }
+    /* Note [Graph capture]: a free deferred during a capture would record an event on s
+     * later, on a dead handle; s is synchronized, so its use is over now. */
+    for (mp_block *b = p->pending_head, *next; b; b = next) {
+        next = b->fnext;   /* pending too: a completed free merges only free neighbours */
+        if (b->events) continue;
+        mp_use_remove(b, s);
+        if (!b->nuses) {
+            pending_remove_locked(p, b);
+            mp_complete_free_locked(p, b);
+        }
+    }
+    if (p->npending) mp_process_pending_locked(p);
+    for (mp_segment *seg = p->segments, *next; seg; seg = next) {
+        next = seg->next;
+        if (seg->expandable && seg->stream == s && mp_expand_detach_range_locked(p, seg, s, rel)) {
+            for (int k = 0; k < 2; k++)
+                if (s->expandable[k] == seg) s->expandable[k] = NULL;
+        }
+    }
+    for (mp_segment *seg = p->segments; seg; seg = seg->next) {
+        int moved = 0;
+        if (seg->stream == s) seg->stream = legacy;
+        for (mp_block *b = seg->first; b; b = b->next) {
+            if (b->state == MP_BLOCK_ALLOCATED) mp_use_remove(b, s);
+            if (b->stream != s) continue;
+            moved = 1;
+            if (b->state == MP_BLOCK_FREE) {
+                mp_remove_free_locked(p, b);
+                b->stream = legacy;
+                mp_insert_free_locked(p, b);
+            } else {
+                b->stream = legacy;
+            }
+        }
+        if (moved) mp_remerge_segment_locked(p, seg);
+    }
+    /* A range that keeps blocks grows on for the legacy stream when that has none of its
+     * kind; otherwise it grows no more, and goes once empty (mp_release_idle_locked). */
+    for (int k = 0; k < 2; k++) {
+        mp_segment *seg = s->expandable[k];
+        if (!seg) continue;
+        if (!legacy->expandable[k]) legacy->expandable[k] = seg;
+        else seg->growing = 0;
+        s->expandable[k] = NULL;
+    }
+}
+
+/* Note [Forgotten streams]: free the structs of forgotten streams once no operation that
+ * dropped the lock may still hold a pointer to one; hand over first what such operations
+ * gave them meanwhile. */
+static void reap_dead_locked(mp_pool *p, mp_release_list *rel) {
+    if (!p->dead || p->nunlocked) return;
+    mp_stream *legacy = mp_stream_get_locked(p, 0);
+    if (!legacy) return;   /* out of host memory: a later call reaps them */
+    while (p->dead) {
+        mp_stream *d = p->dead;
+        p->dead = d->next_dead;
+        p->ndead--;
+        hand_over_stream_locked(p, d, legacy, rel);
+        free(d);
+    }
+}
+
+static mp_stream *find_stream_locked(mp_pool *p, uintptr_t handle, size_t *index) {
+    for (size_t i = 0; i < p->nstreams; i++) {
+        if (p->streams[i]->handle == handle) {
+            *index = i;
+            return p->streams[i];
+        }
+    }
+    return NULL;
+}
+
+int mp_forget_stream(mp_pool *p, uintptr_t handle) {
+    if (handle == 0) return MP_OK;   /* the legacy stream is never destroyed */
+    mp_release_list rel = {0};
+    size_t i;
+    mp_lock_acquire(&p->lock);
+    reap_dead_locked(p, &rel);
+    mp_stream *known = find_stream_locked(p, handle, &i);
+    /* Note [Graph capture]: a capturing stream cannot be synchronized. */
+    int capture = known && mp_capture_stream_locked(p, known);
+    if (known && !capture && p->capture_seen == known) p->capture_seen = NULL;   /* may die */
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
+    if (!known) return MP_OK;
+    if (capture) return MP_EBUSY;
+    /* The stream is still alive here: let its queued work finish, then nothing of the pool
+     * needs ordering on it again. */
+    void *blocking = mp_blocking_begin();
+    int rc = mp_up_sync(p, handle);
+    mp_blocking_end(blocking);
+    mp_lock_acquire(&p->lock);
+    /* Found again: another thread may have forgotten it meanwhile. */
+    mp_stream *s = find_stream_locked(p, handle, &i);
+    mp_stream *legacy = s && rc == MP_OK ? mp_stream_get_locked(p, 0) : NULL;
+    if (!legacy) {
+        mp_lock_release(&p->lock);
+        if (!s) return MP_OK;
+        return rc == MP_OK ? MP_ENOMEM : rc;
+    }
+    hand_over_stream_locked(p, s, legacy, &rel);
+    p->streams[i] = p->streams[--p->nstreams];
+    if (p->last_stream == s) p->last_stream = NULL;
+    if (p->nunlocked) {
+        /* Another operation dropped the lock holding stream pointers, maybe this one:
+         * keep the struct until none does, on the legacy handle, which never dies. */
+        s->handle = 0;
+        s->next_dead = p->dead;
+        p->dead = s;
+        p->ndead++;
+    } else {
+        free(s);
+    }
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
+    return MP_OK;
+}
+
