@@ -66,6 +66,41 @@ cdef object _limit_bytes(object limit, size_t capacity):
     return nbytes
 
 
+# Note [Hot address]
+#
+# A hot block comes back at the same address, and from Python an address is an int object:
+# making one for each `alloc` and converting it back in `free` cost an allocation and a
+# deallocation of the object each time (figures in bench/results/history.md). The Pool remembers
+# the int object it returned from `alloc` or was given to `free` last, with its value
+# (`_hot_address`). `alloc` returns that object again when the core hands out that address, and
+# `free` of that very object skips the conversion. Exact ints only (`type(ptr) is int`), which
+# are immutable, so the memo is never wrong, whatever happened to the block meanwhile; anything
+# else takes the usual path and its checks. The memo starts as the int 0 (with value 0), never
+# as None, so that `free(None)` is refused as a bad type like any other non-integer. The Pool's
+# fields are touched only with the GIL held.
+
+# Note [Pinned streams]
+#
+# The pool cannot tell a live stream handle from a destroyed one (asking the driver about a
+# destroyed handle is itself the crash), and it does use handles long after the call that named
+# them: the owner of a cached block gets an event recorded on it when another stream takes the
+# block, and a cached segment is freed on its stream. The first GPU runs crashed in exactly this
+# way: threads made CuPy streams, allocated and freed on them and returned, CuPy destroyed the
+# streams with their objects, and the next thread's allocation took one of their blocks.
+#
+# So `Pool` keeps a reference to every stream *object* it is given (a CuPy stream, an object
+# with `__cuda_stream__`, CuPy's current stream when `stream=None`), by handle, in
+# `pinned_streams`: the object, and so its handle, lives as long as the pool may use it. The
+# cost on the hot path is one identity compare with the stream pinned last. Handles 0, 1 and 2
+# (the default streams) are never pinned, nor are raw ints, which the caller owns: for those,
+# `forget_stream(handle)` before destroying the stream is the contract. `forget_stream`
+# synchronizes the stream, hands its blocks and segments to the legacy stream, and only then
+# drops the pinned object (dropping it first destroyed the stream before the synchronize: the
+# second crash of those runs). An application that makes a stream per request keeps those
+# streams until it calls `forget_stream`; that trade (a few stream objects against a crash) is
+# deliberate.
+
+
 cdef class Pool:
     """A stream-ordered device memory pool.
 

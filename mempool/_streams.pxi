@@ -1,18 +1,20 @@
-# CuPy's current stream, found cheaply: Note [Current stream].
+# CuPy's current stream, found cheaply.
 #
-# A call with stream=None on a cuda pool allocates on CuPy's current stream. Asking CuPy for
-# it from here (cupy.cuda.get_current_stream(device), then .ptr) is a Python call costing
-# about 90 ns on the GPU machines measured, as much again as the pool's own work. CuPy's C
-# layer keeps the same thing as a plain handle per thread and device, and exports the
-# function that reads it (cupy_backends.cuda.stream.get_stream_ptr) through the C API table
-# every Cython module carries (__pyx_capi__), the way CuPy's own memory pool reads it.
+# Note [Current stream]
 #
-# The handle read there is used only to notice that the current stream has not changed since
-# the last lookup: then the stream found then is the answer, with no Python call. When it has
-# changed, the stream object is looked up through CuPy's Python API as before (and pinned by
-# the pool: Note [Pinned streams]). The C function is taken only when its signature is the
-# one expected and, once, its answer agrees with the Python API's; otherwise every lookup
-# takes the Python path. Nothing of CuPy is needed to build mempool.
+# `stream=None` on a `cuda` pool means CuPy's current stream, and asking CuPy for it through its
+# Python API (`cupy.cuda.get_current_stream(device).ptr`) costs as much as the pool's own work
+# (bench/results/history.md). CuPy's C layer keeps the same stream as a plain handle per thread
+# and device and exports the function that reads it (`cupy_backends.cuda.stream.get_stream_ptr`,
+# signature `intptr_t (int)`) in the C API table of its Cython module (`__pyx_capi__`); CuPy's
+# own memory pool reads it so. `_CurrentStream` (`mempool/_streams.pxi`) calls that function
+# through the capsule's pointer, and uses its answer only to tell that the stream has not
+# changed since the last lookup: then the handle found then is reused; when it has changed, the
+# stream object is looked up through the Python API as before, and pinned (Note [Pinned
+# streams]). The capsule is used only when its signature is the expected one and its answer
+# agrees once with the Python API's; otherwise every lookup takes the Python path. Nothing of
+# CuPy is needed at build time. CuPy 14.2 exports the function (seen); a CuPy without it takes
+# the Python path. Not yet timed on a GPU.
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
 from cpython.exc cimport PyErr_Clear, PyErr_Occurred
 from libc.stdint cimport intptr_t
