@@ -528,8 +528,8 @@ OPTIONS: dict[str, Option] = {
         _parse_bool, "True", pytorch="`expandable_segments`"),
     "granularity": Option(
         None, "size or None",
-        "page size of expandable segments (None = 2 MiB on 'sim' and 'host', the driver's "
-        "allocation granularity on 'cuda', where a page is that times a power of two)",
+        "page size of expandable segments (None = 2 MiB on 'sim' and 'host', 8 MiB on "
+        "'cuda', where a page is the driver's allocation granularity times a power of two)",
         _parse_optional_size, "4MiB", sized=True),
     "pool_handle": Option(
         "create", "'create', 'default', 'current' or int",

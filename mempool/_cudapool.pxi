@@ -6,6 +6,14 @@ from libc.stdint cimport uintptr_t
 _UINT64_MAX = 2 ** 64 - 1
 
 
+# The page of expandable segments on cuda unless the `granularity` option sets one: the
+# driver's granularity times the smallest power of two reaching this. The driver's cost
+# follows the number of physical handles (Note [Expandable pages]); on an H200 this size made
+# expandable segments cheaper than PyTorch's and as tight as 2 MiB pages on the shipped traces
+# (docs/expandable.md, "Where the time goes").
+cdef size_t _DEFAULT_CUDA_PAGE = 8 << 20
+
+
 cdef object _make_cuda(mp_upstream *up, int device, dict opts):
     """Fill `up` with the cuda-pool upstream; returns (cudaMemPool handle, owned)."""
     from mempool import _cuda
@@ -27,9 +35,14 @@ cdef object _make_cuda(mp_upstream *up, int device, dict opts):
         if owned:
             _cuda.destroy(handle)
         raise
-    if opts["granularity"] is not None:
+    page = opts["granularity"]
+    if page is None and up.granularity:
+        page = up.granularity
+        while page < _DEFAULT_CUDA_PAGE:
+            page *= 2
+    if page is not None:
         try:
-            _set_cuda_page_size(up, opts["granularity"])
+            _set_cuda_page_size(up, page)
         except BaseException:
             up.destroy(up.ctx)   # the upstream does not own the cudaMemPool yet
             if owned:

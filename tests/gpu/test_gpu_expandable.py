@@ -179,20 +179,22 @@ def test_forgotten_streams_give_their_ranges_back_to_the_driver(cuda_pool, cupy_
 
 
 def test_the_granularity_option_sets_the_page(cuda_pool, streams, kernels):
-    """Pages of the driver's granularity times a power of two: one physical allocation each."""
+    """Pages of the driver's granularity (2 MiB on an H200) times a power of two, 8 MiB by
+    default: one physical allocation each."""
     default = cuda_pool(expandable_segments=True)
-    driver_page = default.options["granularity"]
-    assert driver_page and driver_page % (2 * MiB) == 0
+    assert default.options["granularity"] == 8 * MiB
+    two = cuda_pool(expandable_segments=True, granularity=2 * MiB)
+    assert two.options["granularity"] == 2 * MiB
     with pytest.raises(ValueError, match="'granularity'.*power of two"):
-        cuda_pool(expandable_segments=True, granularity=3 * driver_page)
-    pool = cuda_pool(expandable_segments=True, granularity=4 * driver_page)
-    assert pool.options["granularity"] == 4 * driver_page
+        cuda_pool(expandable_segments=True, granularity=6 * MiB)
+    page = 32 * MiB
+    pool = cuda_pool(expandable_segments=True, granularity=page)
     s, _ = streams
     a = pool.alloc(MiB + 1, stream=s)
-    b = pool.alloc(9 * driver_page, stream=s)
-    kernels.fill(b, 9 * driver_page, 5, stream=s)
-    assert kernels.count_bad(b, 9 * driver_page, 5, s) == 0
-    assert pool.reserved_bytes() % (4 * driver_page) == 0
+    b = pool.alloc(9 * page, stream=s)
+    kernels.fill(b, 9 * page, 5, stream=s)
+    assert kernels.count_bad(b, 9 * page, 5, s) == 0
+    assert pool.reserved_bytes() % page == 0
     pool.free(a, stream=s)
     pool.free(b, stream=s)
     pool.empty_cache()
