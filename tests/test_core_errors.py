@@ -2,7 +2,7 @@
 import pytest
 
 import mempool
-from conftest import MiB
+from _helpers import MiB
 
 
 def snapshot(pool):

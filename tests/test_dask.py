@@ -165,7 +165,7 @@ def test_one_endpoint_serves_every_workers_metrics(client):
     pytest.importorskip("prometheus_client", reason="pip install prometheus-client")
     from prometheus_client.parser import text_string_to_metric_families
 
-    from conftest import fetch_text
+    from _helpers import fetch_text
     _register(client)
     a, b = sorted(client.scheduler_info()["workers"])
     client.submit(_hold, 2 * MiB, workers=[b], pure=False).result(timeout=TASK_TIMEOUT)

@@ -8,7 +8,7 @@ from mempool.tools import plot as mplot
 from mempool.tools import replay as rp
 from mempool.tools import trace as mt
 
-from test_trace import torch_snapshot
+from _trace_data import torch_snapshot
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = os.path.join(REPO, "mempool", "traces", "small.jsonl")
