@@ -105,9 +105,6 @@ class Host(Upstream):
         import ctypes
         return ctypes.string_at(ptr, nbytes).count(value) == nbytes
 
-    def export(self, buf):
-        return buf.__dlpack__()     # CPU consumers name no stream
-
 
 class Cuda(Upstream):
     name = "cuda"

@@ -30,3 +30,4 @@ TestRoundedAndLimited = RoundedAndLimited.TestCase
 TestReleaseEagerly = ReleaseEagerly.TestCase
 for case in (TestDefaultPool, TestNoCrossStreamReuse, TestRoundedAndLimited, TestReleaseEagerly):
     case.settings = SETTINGS
+del case   # the loop variable: not a test of its own (pytest would run that case twice)

@@ -54,3 +54,4 @@ TestPinned = Pinned.TestCase
 for case in (TestExpandable, TestSmallPages, TestLimitedAndCollected, TestReleaseEagerly,
              TestPinned):
     case.settings = SETTINGS
+del case   # the loop variable: not a test of its own (pytest would run that case twice)
