@@ -1,4 +1,6 @@
-"""Shared fixtures. The CPU tier runs everywhere; tests marked ``gpu`` need a CUDA device."""
+"""Shared fixtures. The CPU tier runs everywhere; tests marked ``gpu`` need a CUDA device.
+Shared functions and constants are in _helpers.py (tests import them from there, never
+from this file or from one another)."""
 import faulthandler
 import os
 import sys
@@ -8,6 +10,7 @@ import pytest
 import mempool
 from _fake_cuda import build_fake_driver
 from _helpers import gpu_available
+
 
 def pytest_unconfigure(config):
     """MEMPOOL_TEST_EXIT_WATCHDOG=N: if the process has not exited N seconds after the run
