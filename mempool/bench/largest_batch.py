@@ -1,5 +1,5 @@
 """The search of bench/largest_batch.py: the largest batch that replays with no OOM under a
-limit, for any workload given as ``traces(batch) -> mempool.replay.Prepared``.
+limit, for any workload given as ``traces(batch) -> mempool.tools.replay.Prepared``.
 
 Kept in the package, apart from the script's workload (bench/make_traces.py) and its PyTorch
 rows, so that the tests import it by name. See bench/largest_batch.py for the method.
