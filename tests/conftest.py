@@ -1,5 +1,5 @@
 """Shared fixtures. The CPU tier runs everywhere; tests marked ``gpu`` need a CUDA device.
-Shared functions and constants are in _helpers.py (tests import them from there, never
+Shared functions and constants are in _support.py (tests import them from there, never
 from this file or from one another)."""
 import faulthandler
 import os
@@ -9,7 +9,7 @@ import pytest
 
 import mempool
 from _fake_cuda import build_fake_driver
-from _helpers import gpu_available
+from _support import gpu_available
 
 
 def pytest_unconfigure(config):

@@ -2,7 +2,7 @@
 import pytest
 
 import mempool
-from _helpers import MiB
+from _support import MiB
 
 
 def snapshot(pool):

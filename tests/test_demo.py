@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import mempool
-from _helpers import run_mempool as run
+from _support import run_mempool as run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

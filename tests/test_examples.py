@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from _helpers import run_example
+from _support import run_example
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

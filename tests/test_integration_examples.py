@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from _helpers import check_tenant_caps, gpu_available, run_example
+from _support import check_tenant_caps, gpu_available, run_example
 
 MiB = 1 << 20
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from _helpers import ROOT
+from _support import ROOT
 from mempool.bench.largest_batch import MEMPOOL_CONFS, search
 
 MiB = 1 << 20

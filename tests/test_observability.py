@@ -19,7 +19,7 @@ import pytest
 
 import mempool
 from mempool.tools import report
-from _helpers import BASE, MiB
+from _support import BASE, MiB
 
 S1, S2 = 7, 9
 

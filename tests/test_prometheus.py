@@ -5,7 +5,7 @@ import urllib.request
 import pytest
 
 import mempool
-from _helpers import fetch_text
+from _support import fetch_text
 
 MiB = 1 << 20
 

@@ -9,8 +9,8 @@ of exactly their size (rounded to 2 MiB), which keeps the arithmetic readable.
 import pytest
 
 import mempool
-from _helpers import BASE, MiB
-from _helpers import device_counters as device, stat_subset as counters
+from _support import BASE, MiB
+from _support import device_counters as device, stat_subset as counters
 
 S1, S2, S3 = 7, 9, 11   # stream handles (the sim accepts any integer)
 

@@ -10,7 +10,7 @@ import pytest
 
 from mempool import _config as cfg
 from mempool import run as mrun
-from _helpers import CONF_VARS, child
+from _support import CONF_VARS, child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

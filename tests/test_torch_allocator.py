@@ -394,7 +394,7 @@ def test_importing_mempool_does_not_import_torch():
     assert out.stdout.strip() == ""
 
 
-def test_torch_helpers_refuse_non_cuda_pools():
+def test_torch_support_refuse_non_cuda_pools():
     import mempool.torch as mt
     with pytest.raises((ValueError, RuntimeError, ImportError)):
         mt.allocator(sim())

@@ -11,7 +11,7 @@ if not _cuda.available():
 
 pytestmark = pytest.mark.gpu
 
-from _helpers import run_mempool  # noqa: E402
+from _support import run_mempool  # noqa: E402
 
 
 def test_demo_picks_the_gpu_when_there_is_one():

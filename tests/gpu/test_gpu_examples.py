@@ -11,7 +11,7 @@ if not _cuda.available():
 
 pytestmark = pytest.mark.gpu
 
-from _helpers import GiB, MiB, check_tenant_caps, run_example  # noqa: E402
+from _support import GiB, MiB, check_tenant_caps, run_example  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["cupy_hook.py", "torch_handoff.py", "torch_allocator.py",

@@ -1,6 +1,6 @@
 """What several test files share: the simulated device's constants, readers of a pool's
 layout and counters, GPU detection, and runners of child processes. Not a test file, and
-imported by name (``from _helpers import ...``), as tests never import one another."""
+imported by name (``from _support import ...``), as tests never import one another."""
 import os
 import subprocess
 import sys
