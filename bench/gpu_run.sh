@@ -35,9 +35,11 @@ T_CHURN=${T_CHURN:-120}
 T_VMM=${T_VMM:-60}
 STAGES=" ${STAGES:-build tests sanitizer bench churn vmm fragmentation torch} "
 # SANITIZER_GROUPS: a file with one line of pytest arguments per memcheck process (default:
-# one process per file of tests/gpu; in one process for all of them a test hung under the
-# sanitizer after others had run, bench/results/2026-12-02-h200-evening.md). A group that
-# hangs or runs over its limit then costs only its own results; pytest prints every
+# one process per file of tests/gpu, and one for the upstream contract's cuda cases; not
+# the three files of examples and scripts run in child processes, which were never in this
+# stage before they moved to tests/gpu; in one process for all of them a test hung under
+# the sanitizer after others had run, bench/results/2026-12-02-h200-evening.md). A group
+# that hangs or runs over its limit then costs only its own results; pytest prints every
 # thread's stack of a test still running after 3/4 of the limit, so a hang shows where.
 SANITIZER_GROUPS=${SANITIZER_GROUPS:-}
 wants() { [[ $STAGES == *" $1 "* ]]; }
@@ -136,7 +138,9 @@ elif command -v compute-sanitizer >/dev/null; then
             wait "$pid" || rc=$?
             echo "--- memcheck group $i: exit status $rc"
         done < <(if [ -n "$SANITIZER_GROUPS" ]; then cat "$SANITIZER_GROUPS"
-                 else printf '%s\n' tests/gpu/test_*.py; fi)
+                 else printf '%s\n' tests/gpu/test_*.py tests/test_contract.py |
+                      grep -v -e test_gpu_demo.py -e test_gpu_examples.py \
+                              -e test_gpu_torch_allocator.py; fi)
         return $rc
     }
     stage sanitizer "$OUT/sanitizer.log" memcheck_groups

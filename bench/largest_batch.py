@@ -47,22 +47,17 @@ sys.path.insert(0, os.path.dirname(HERE))
 import make_traces  # noqa: E402
 from bench.provenance import commit  # noqa: E402
 from mempool.tools import replay as rp  # noqa: E402
+from mempool.bench.largest_batch import (CHECK_ABOVE, MAX_BATCH, MEMPOOL_CONFS,  # noqa: E402
+                                          _sim_options, live_bound, mempool_rows,
+                                          mempool_trial, search)
 from mempool._config import format_size, parse_size  # noqa: E402
 
 GiB = 1 << 30
 DEFAULT_LIMIT = "16GiB"
-MEMPOOL_CONFS = [
-    ("mempool default", {}),
-    ("mempool expandable_segments:True", {"expandable_segments": True}),
-    ("mempool roundup_power2_divisions:4", {"roundup_power2_divisions": 4}),
-    ("mempool max_split_size:64MB", {"max_split_size": 64 << 20}),
-]
 TORCH_CONFS = [
     ("torch default", ""),
     ("torch expandable_segments:True", "expandable_segments:True"),
 ]
-MAX_BATCH = 4096
-CHECK_ABOVE = 2
 
 
 # ---------------------------------------------------------------------------------------
@@ -103,86 +98,7 @@ class Traces:
 
 
 # ---------------------------------------------------------------------------------------
-# the search
-
-
-def search(trial, start: int, max_batch: int, check_above: int = CHECK_ABOVE) -> dict:
-    """The largest batch for which ``trial(batch)["fits"]``, in 1..max_batch.
-
-    Gallops from `start` (up while batches fit, down while they do not, the step doubling
-    each time), bisects between the highest fit and the lowest failure, then tries the
-    `check_above` batches above that boundary (up to `max_batch`), since fitting need not be
-    monotone. Returns ``largest`` (the largest batch that fitted among all tried, None if
-    none did), ``boundary`` (where the bisection ended: 0 if no batch fitted) and ``trials``
-    (each trial's dict, in the order tried).
-    """
-    trials = {}
-
-    def fits(batch):
-        if batch not in trials:
-            trials[batch] = trial(batch)
-        return trials[batch]["fits"]
-
-    start = max(1, min(start, max_batch))
-    lo, hi, step = None, None, 1       # lo fitted, hi did not
-    if fits(start):
-        lo = start
-        while hi is None and lo < max_batch:
-            b = min(lo + step, max_batch)
-            if fits(b):
-                lo = b
-            else:
-                hi = b
-            step *= 2
-    else:
-        hi = start
-        while lo is None and hi > 1:
-            b = max(hi - step, 1)
-            if fits(b):
-                lo = b
-            else:
-                hi = b
-            step *= 2
-        if lo is None:
-            lo = 0                     # not even batch 1 fits
-    while hi is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    if lo:
-        for b in range(lo + 1, min(lo + check_above, max_batch) + 1):
-            fits(b)
-    fitted = [b for b, t in trials.items() if t["fits"]]
-    return {"largest": max(fitted, default=None), "boundary": lo,
-            "trials": list(trials.values())}
-
-
-def live_bound(traces: Traces, limit: int, max_batch: int = MAX_BATCH) -> dict:
-    """The largest batch whose live bytes alone fit `limit`: no allocator can fit more, since
-    every live byte is a reserved byte and the limit caps reserved bytes."""
-    def trial(batch):
-        live = traces(batch).peak_live_bytes
-        return {"batch": batch, "fits": live <= limit, "needed_live_bytes": live}
-
-    return search(trial, 1, max_batch, check_above=0)
-
-
-def mempool_trial(traces: Traces, conf: dict, limit: int, backend: str, **options):
-    """One batch replayed through a fresh mempool Pool capped at `limit`."""
-    def trial(batch):
-        prep = traces(batch)
-        t0 = time.perf_counter()
-        r = rp.replay(prep, conf=dict(conf), backend=backend, limit=limit, check=True,
-                      **options)
-        return {"batch": batch, "fits": r.num_ooms == 0, "num_ooms": r.num_ooms,
-                "needed_live_bytes": prep.peak_live_bytes,
-                "peak_live_bytes": r.peak_live_bytes,       # less than needed under OOMs
-                "peak_reserved_bytes": r.peak_reserved_bytes,
-                "seconds": round(time.perf_counter() - t0, 3)}
-
-    return trial
+# PyTorch's rows (the search and mempool's rows: mempool/bench/largest_batch.py)
 
 
 def torch_trial(traces: Traces):
@@ -201,47 +117,6 @@ def torch_trial(traces: Traces):
                 "seconds": round(time.perf_counter() - t0, 3)}
 
     return trial
-
-
-# ---------------------------------------------------------------------------------------
-# the rows
-
-
-def _sim_options(backend: str, limit: int) -> dict:
-    """On sim, a device at least as large as the limit, so that the limit is what binds."""
-    if backend != "sim":
-        return {}
-    import mempool
-
-    capacity = mempool.Pool(backend="sim").capacity
-    return {} if limit <= capacity else {"capacity": limit}
-
-
-def _cuda_available() -> bool:
-    try:
-        from mempool import _cuda
-        return _cuda.available()
-    except Exception:  # noqa: BLE001 - any failure to reach the driver means no device
-        return False
-
-
-def mempool_rows(traces: Traces, limit: int, backend: str, start: int, max_batch: int,
-                 check_above: int = CHECK_ABOVE, confs=MEMPOOL_CONFS) -> list:
-    if backend == "cuda" and not _cuda_available():
-        return [{"allocator": label, "conf": conf,
-                 "skipped": "backend cuda: no CUDA device (or no CuPy) found"}
-                for label, conf in confs]
-    options = _sim_options(backend, limit)
-    rows = []
-    for label, conf in confs:
-        row = {"allocator": label, "conf": conf}
-        try:
-            row.update(search(mempool_trial(traces, conf, limit, backend, **options),
-                              start, max_batch, check_above))
-        except Exception as e:  # noqa: BLE001 - a failed row is reported, the run goes on
-            row["error"] = f"{type(e).__name__}: {e}"
-        rows.append(row)
-    return rows
 
 
 def torch_worker(spec: dict) -> dict:
@@ -305,14 +180,23 @@ def torch_rows(traces: Traces, limit: int, start: int, max_batch: int,
 
 def run(limit, backend: str = "sim", model: dict | None = None, start: int | None = None,
         max_batch: int = MAX_BATCH, check_above: int = CHECK_ABOVE, with_torch: bool = True,
-        torch_timeout: float = 120) -> dict:
-    """The whole measurement; what ``--out`` writes."""
+        torch_timeout: float = 120, scan: bool = False, confs=MEMPOOL_CONFS) -> dict:
+    """The whole measurement; what ``--out`` writes. `scan`: also replay every batch from 1
+    to the bound + `check_above` afresh for each mempool row (its ``scan``), which checks the
+    search against a linear scan and every recorded trial against a fresh replay."""
     limit = parse_size(limit, "limit")
     traces = Traces(**(model or {}))
     t0 = time.perf_counter()
     bound = live_bound(traces, limit, max_batch)
     first = start if start is not None else max(1, bound["largest"] or 1)
-    rows = mempool_rows(traces, limit, backend, first, max_batch, check_above)
+    rows = mempool_rows(traces, limit, backend, first, max_batch, check_above, confs)
+    if scan:
+        top = min((bound["largest"] or 0) + check_above, max_batch)
+        for row in rows:
+            if "trials" in row:
+                trial = mempool_trial(traces, row["conf"], limit, backend,
+                                      **_sim_options(backend, limit))
+                row["scan"] = [trial(b) for b in range(1, top + 1)]
     if not with_torch:
         rows += [{"allocator": label, "conf": conf, "skipped": "not asked for (--no-torch)"}
                  for label, conf in TORCH_CONFS]
@@ -401,6 +285,15 @@ def main(argv=None) -> int:
                     help=f"the largest batch tried (default {MAX_BATCH})")
     ap.add_argument("--check-above", type=int, default=CHECK_ABOVE,
                     help=f"batches tried above each search's boundary (default {CHECK_ABOVE})")
+    ap.add_argument("--model", metavar="JSON", default=None,
+                    help="more transformer() parameters, as a JSON object: "
+                         "'{\"heads\": 4, \"vocab\": 8000, \"lengths\": [64, 256]}'")
+    ap.add_argument("--mempool", metavar="LABEL", action="append", default=None,
+                    help="only this mempool row (repeatable): " +
+                         ", ".join(repr(label) for label, _ in MEMPOOL_CONFS))
+    ap.add_argument("--scan", action="store_true",
+                    help="also replay every batch up to the bound afresh, per mempool row "
+                         "(checks the search; slow on a large model)")
     ap.add_argument("--no-torch", action="store_true", help="leave out the PyTorch rows")
     ap.add_argument("--torch-timeout", type=float, default=120,
                     help="seconds each PyTorch subprocess may take (default 120)")
@@ -414,11 +307,33 @@ def main(argv=None) -> int:
             out = {"error": f"{type(e).__name__}: {e}"}
         print(json.dumps(out))
         return 0
-    model = {k: v for k, v in (("steps", args.steps), ("seed", args.seed),
-                               ("layers", args.layers), ("hidden", args.hidden))
-             if v is not None}
+    model = {}
+    if args.model:
+        try:
+            model = json.loads(args.model)
+        except ValueError as e:
+            ap.error(f"--model: not JSON ({e}); expected an object such as '{{\"heads\": 4}}'")
+        if not isinstance(model, dict):
+            ap.error(f"--model: expected a JSON object, got {type(model).__name__}")
+        if isinstance(model.get("lengths"), list):
+            model["lengths"] = tuple(model["lengths"])
+    model.update({k: v for k, v in (("steps", args.steps), ("seed", args.seed),
+                                    ("layers", args.layers), ("hidden", args.hidden))
+                  if v is not None})
+    confs = MEMPOOL_CONFS
+    if args.mempool:
+        known = dict(MEMPOOL_CONFS)
+        unknown = [label for label in args.mempool if label not in known]
+        if unknown:
+            ap.error(f"--mempool: no row {unknown[0]!r}; the rows are "
+                     + ", ".join(repr(label) for label in known))
+        confs = [(label, known[label]) for label in args.mempool]
+    try:
+        model_params(**model)
+    except (TypeError, ValueError) as e:
+        ap.error(f"--model: {e}")
     result = run(args.limit, args.backend, model, args.start, args.max_batch,
-                 args.check_above, not args.no_torch, args.torch_timeout)
+                 args.check_above, not args.no_torch, args.torch_timeout, args.scan, confs)
     print(table(result))
     print(f"({result['seconds']} s)")
     if args.out:

@@ -1,4 +1,6 @@
-"""Shared fixtures. The CPU tier runs everywhere; tests marked ``gpu`` need a CUDA device."""
+"""Shared fixtures. The CPU tier runs everywhere; tests marked ``gpu`` need a CUDA device.
+Shared functions and constants are in _support.py (tests import them from there, never
+from this file or from one another)."""
 import faulthandler
 import os
 import sys
@@ -6,21 +8,8 @@ import sys
 import pytest
 
 import mempool
-
-BASE = 1 << 40   # the simulated device's first address
-MiB = 1 << 20
-GiB = 1 << 30
-
-
-def gpu_available():
-    try:
-        from mempool import _cuda
-        return _cuda.available()
-    except Exception:
-        return False
-
-
-requires_gpu = pytest.mark.skipif(not gpu_available(), reason="needs a CUDA device")
+from _fake_cuda import build_fake_driver
+from _support import gpu_available
 
 
 def pytest_unconfigure(config):
@@ -31,7 +20,6 @@ def pytest_unconfigure(config):
     if seconds:
         faulthandler.dump_traceback_later(float(seconds), exit=True, file=sys.stderr)
 
-
 def pytest_collection_modifyitems(config, items):
     if gpu_available():
         return
@@ -39,7 +27,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
 
 def _pool_factory(backend):
     """Make pools of one backend; their invariants are checked after the test."""
@@ -52,7 +39,6 @@ def _pool_factory(backend):
 
     return make, pools
 
-
 @pytest.fixture
 def sim():
     """Factory of fresh pools on the simulated device."""
@@ -60,7 +46,6 @@ def sim():
     yield make
     for pool in pools:
         pool.check_invariants()
-
 
 @pytest.fixture
 def host():
@@ -70,37 +55,7 @@ def host():
     for pool in pools:
         pool.check_invariants()
 
-
-def blocks(pool):
-    """[(offset from BASE, size, state)] of every block, in address order."""
-    out = []
-    for seg in pool.layout():
-        for b in seg["blocks"]:
-            out.append((b["address"] - BASE, b["size"], b["state"]))
-    return out
-
-
-def run_threads(target, argsets):
-    """Run target(*args) in one thread per argument tuple, started together, all joined."""
-    import threading
-    threads = [threading.Thread(target=target, args=tuple(args)) for args in argsets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-
-
-def fetch_text(url, timeout=2, attempts=20):
-    """GET `url` and return its body: a bounded retry loop, for a server thread that may
-    still be starting (the metrics endpoints)."""
-    import time
-    import urllib.request
-    last = None
-    for _ in range(attempts):
-        try:
-            with urllib.request.urlopen(url, timeout=timeout) as response:
-                return response.read().decode()
-        except OSError as exc:
-            last = exc
-            time.sleep(0.05)
-    raise AssertionError(f"no answer from {url} after {attempts} attempts: {last}")
+@pytest.fixture(scope="session")
+def fake_driver(tmp_path_factory):
+    """The stand-in libcuda.so.1, compiled once (tests/_fake_cuda.py)."""
+    return build_fake_driver(tmp_path_factory)

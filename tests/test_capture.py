@@ -11,8 +11,8 @@ import pytest
 
 import mempool
 from mempool import _core
-from conftest import BASE, MiB
-from test_retention import counters as stats, device
+from _support import BASE, MiB
+from _support import device_counters as device, stat_subset as stats
 
 S, T, X = 11, 22, 33   # S captures; T is another stream of the pool; X one it never sees
 

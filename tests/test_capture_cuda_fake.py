@@ -1,11 +1,11 @@
 """The CUDA upstream during a graph capture (mp_cuda.c, Note [Capture segments]), on the
-stand-in driver of tests/test_cuda_fake_driver.py: a segment asked for on a capturing stream
+stand-in driver of tests/_fake_cuda.py: a segment asked for on a capturing stream
 comes from cuMemAlloc in the relaxed capture mode, never from the stream-ordered pool, and
 goes back with cuMemFree, never with cuMemFreeAsync. What the real driver does is the GPU
 tier's to check (tests/gpu/test_gpu_capture.py)."""
 import textwrap
 
-from test_cuda_fake_driver import fake_driver, run_fake  # noqa: F401  (fixture)
+from _fake_cuda import run_fake
 
 CAPTURE = r"""
 cap = CFUNCTYPE(c_int, c_void_p, c_size_t, POINTER(c_int))

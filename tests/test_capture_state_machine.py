@@ -1,4 +1,4 @@
-"""The core's state machines (tests/test_core_state_machine.py, tests/test_expandable_state_machine.py)
+"""The core's state machines (tests/_machines.py)
 with CUDA graph captures (docs/architecture.md, Note [Graph capture]).
 
 A capture starts and ends at any step, on a stream the machine also allocates, frees, records
@@ -12,8 +12,7 @@ import hypothesis.strategies as st
 from hypothesis.stateful import invariant, rule
 
 from mempool import _core
-from test_core_state_machine import SETTINGS, PoolMachine
-from test_expandable_state_machine import ExpandableMachine
+from _machines import SETTINGS, ExpandableMachine, PoolMachine
 
 CAPTURABLE = (5, 9)   # the machines' streams other than the legacy one, which cannot capture
 FORBIDDEN = ("frees", "unmaps", "syncs")

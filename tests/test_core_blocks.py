@@ -4,7 +4,7 @@ Policy: best fit by size, ties to the most recently freed block; small requests 
 come from 2 MiB segments, requests below 10 MiB from 20 MiB segments, larger ones from a
 segment of their own size rounded to 2 MiB.
 """
-from conftest import BASE, MiB, blocks
+from _support import BASE, MiB, blocks
 
 FREE, ALLOC, PENDING = 0, 1, 2
 

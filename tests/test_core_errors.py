@@ -2,7 +2,7 @@
 import pytest
 
 import mempool
-from conftest import MiB
+from _support import MiB
 
 
 def snapshot(pool):
@@ -47,10 +47,49 @@ def test_sizes_beyond_the_device_are_out_of_memory(busy_pool, nbytes):
     pool.free(pool.alloc(1024))                     # still usable
 
 
-def test_numpy_integers_are_sizes(sim):
+@pytest.mark.parametrize("kind", ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                                  "uint64", "0-d array"])
+def test_numpy_integers_are_sizes_and_pointers(sim, kind):
+    """A NumPy integer is the size it holds, the pointer it holds and the stream it names
+    (a 0-d array: the size and the pointer; as a stream an array is refused, it has
+    __dlpack__): a pool given them ends exactly as a twin given the same Python ints."""
     np = pytest.importorskip("numpy")
-    pool = sim()
-    pool.free(pool.alloc(np.int64(4096)))
+    if kind == "0-d array":
+        as_np, as_stream = (lambda v: np.array(v, dtype=np.uint64)), int
+    else:
+        as_np = as_stream = getattr(np, kind)
+    sizes = [100, 127] if kind in ("int8", "uint8") else [100, 4096, 30_000]
+    mine, twin = sim(), sim()
+    ptrs = [mine.alloc(as_np(n), stream=as_stream(5)) for n in sizes]
+    want = [twin.alloc(n, stream=5) for n in sizes]
+    assert ptrs == want and all(type(p) is int for p in ptrs)
+    info = [mine.block_info(p) for p in ptrs]
+    assert info == [twin.block_info(p) for p in want]
+    assert [(requested, stream) for _, requested, stream in info] == [(n, 5) for n in sizes]
+    held = np.array(ptrs[0], dtype=np.uint64)       # a pointer held by NumPy (64 bits wide)
+    if kind != "0-d array":
+        held = held[()]                              # the np.uint64 scalar
+    mine.record_stream(held, as_stream(9))
+    mine.free(held, stream=as_stream(5))
+    twin.record_stream(want[0], 9)
+    twin.free(want[0], stream=5)
+    assert mine.layout() == twin.layout() and mine.stats() == twin.stats()
+
+
+@pytest.mark.parametrize("value, exc, words", [
+    ("float64", TypeError, "nbytes must be an integer number of bytes, got float64"),
+    ("bool_", TypeError, "nbytes must be an integer number of bytes, got bool"),
+    ("negative", ValueError, "nbytes must be >= 0, got -1"),
+])
+def test_numpy_values_that_are_not_sizes_are_refused(busy_pool, value, exc, words):
+    np = pytest.importorskip("numpy")
+    nbytes = {"float64": np.float64(4096.0), "bool_": np.bool_(True),
+              "negative": np.int64(-1)}[value]
+    pool, _ = busy_pool
+    before = snapshot(pool)
+    with pytest.raises(exc, match=words):
+        pool.alloc(nbytes)
+    assert snapshot(pool) == before
 
 
 @pytest.mark.parametrize("offset, words", [

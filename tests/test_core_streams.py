@@ -8,7 +8,7 @@
 """
 import pytest
 
-from conftest import BASE, MiB
+from _support import BASE, MiB
 
 S, T, U = 11, 22, 33
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 import mempool
-from conftest import run_threads
+from _support import run_threads
 
 MiB = 1 << 20
 

@@ -165,7 +165,7 @@ def test_one_endpoint_serves_every_workers_metrics(client):
     pytest.importorskip("prometheus_client", reason="pip install prometheus-client")
     from prometheus_client.parser import text_string_to_metric_families
 
-    from conftest import fetch_text
+    from _support import fetch_text
     _register(client)
     a, b = sorted(client.scheduler_info()["workers"])
     client.submit(_hold, 2 * MiB, workers=[b], pure=False).result(timeout=TASK_TIMEOUT)
@@ -203,7 +203,7 @@ def test_worker_pool_outside_a_plugin_says_what_to_do():
         md.worker_pool()
 
 
-def test_client_helpers_refuse_what_is_not_a_client():
+def test_client_support_refuse_what_is_not_a_client():
     with pytest.raises(TypeError, match="distributed.Client"):
         md.gather("tcp://127.0.0.1:8786")
     with pytest.raises(TypeError, match="distributed.Client"):

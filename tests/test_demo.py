@@ -4,18 +4,10 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 import mempool
-from mempool import _cuda
+from _support import run_mempool as run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "mempool", *args], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT, env=env)
 
 
 def test_demo_on_the_simulated_device():
@@ -41,19 +33,6 @@ def test_demo_on_the_simulated_device():
     assert "mempool memory summary, sim device 0" in text
     assert "GPU reserved" not in text
     assert re.search(r"\| Allocated memory +\| +44033 KiB \| +44033 KiB \| +44033 KiB", text)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _cuda.available(), reason="needs a CUDA device")
-def test_demo_picks_the_gpu_when_there_is_one():
-    out = run("demo")
-    assert out.returncode == 0, out.stderr
-    text = out.stdout
-    assert "demo on backend 'cuda'\n" in text
-    assert re.search(r"mempool Pool\.alloc \+ free(\s+[\d,]+ ns){4}\n", text)
-    assert re.search(r"cudaMalloc \+ cudaFree(\s+[\d,]+ ns){4}\n", text)
-    assert "GPU reserved memory" in text
-    assert "mempool memory summary" in text
 
 
 def test_cli_help_version_and_unknown_command():

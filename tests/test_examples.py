@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from _support import run_example
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -24,14 +26,6 @@ def has(module):
         return True
     except ImportError:
         return False
-
-
-def run_example(name, *args, timeout=600):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args],
-                         capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
 
 
 # Each example on a machine without a GPU: (file, CPU backend arguments, the framework it
@@ -108,22 +102,3 @@ def test_all_three_without_a_gpu_says_it_needs_one():
     assert "pip install" in lines[0]
 
 
-gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA device")
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("name", ["cupy_hook.py", "torch_handoff.py", "torch_allocator.py",
-                                  "jax_handoff.py"])
-def test_example_on_gpu(name):
-    out = run_example(name, "--backend", "cuda")
-    assert "backend: cuda" in out
-
-
-@pytest.mark.gpu
-@gpu
-def test_all_three_on_gpu():
-    out = run_example("all_three.py", "--steps", "3")
-    print(out)   # the side-by-side table, kept in the log of a GPU run (pytest -rP)
-    assert "reserved bytes, side by side" in out and "results agree across modes: True" in out
-    assert "one pool reserves less than the three side by side: True" in out

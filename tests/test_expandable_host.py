@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from conftest import run_threads
+from _support import run_threads
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = 64 * KiB

@@ -11,7 +11,7 @@ import pytest
 import mempool
 from mempool.tools import report
 
-from conftest import BASE, GiB, MiB
+from _support import BASE, GiB, MiB
 
 FREE, ALLOCATED, PENDING, UNMAPPED = 0, 1, 2, 3
 S = 7

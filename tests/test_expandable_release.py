@@ -10,7 +10,7 @@ import pytest
 
 import mempool
 
-from conftest import BASE, GiB, MiB
+from _support import BASE, GiB, MiB
 
 FREE, ALLOCATED, PENDING, UNMAPPED = 0, 1, 2, 3
 S, T, U = 11, 22, 33

@@ -5,7 +5,7 @@ stream takes it only through an event it waits on (cross_stream_reuse) and then 
 part it took; record_stream keeps a block from everyone until the recorded stream's work is
 done. Pages are unmapped only after the streams that freed them are synchronized.
 """
-from conftest import BASE, GiB, MiB
+from _support import BASE, GiB, MiB
 
 FREE, ALLOCATED, PENDING, UNMAPPED = 0, 1, 2, 3
 S, T, U = 11, 22, 33

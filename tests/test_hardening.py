@@ -518,7 +518,7 @@ def test_a_refused_call_does_not_pin_its_stream(call):
     "mempool.cupy.from_pool('pool', 4)",
     "mempool.torch.from_pool(None, 4)",
 ])
-def test_helpers_name_a_wrong_argument(call):
+def test_support_name_a_wrong_argument(call):
     # They raised AttributeError ("'NoneType' object has no attribute 'backend'") from deep
     # inside; now a TypeError naming the argument, before any framework is imported.
     import mempool.cupy

@@ -3,7 +3,7 @@ handed back to that stream's next request of its size; anything else folds it in
 lists first, as the plain free would have."""
 import pytest
 
-from conftest import MiB
+from _support import MiB
 
 S, T = 11, 22
 KiB = 1 << 10

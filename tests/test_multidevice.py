@@ -17,7 +17,7 @@ import mempool
 import mempool.torch as mt
 from mempool import _core
 
-from conftest import BASE, GiB, MiB
+from _support import BASE, GiB, MiB
 
 SPAN = _core.SIM_DEVICE_SPAN
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

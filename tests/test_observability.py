@@ -19,7 +19,7 @@ import pytest
 
 import mempool
 from mempool.tools import report
-from conftest import BASE, MiB
+from _support import BASE, MiB
 
 S1, S2 = 7, 9
 
@@ -490,6 +490,41 @@ def test_history_is_off_by_default_and_a_ring_when_on(sim):
     for p in ptrs:
         pool.free(p)
     assert pool.history() == []
+
+
+def test_recording_switched_off_records_nothing_and_changes_no_decision(sim):
+    """What mempool/bench/test_tracing_overhead.py times, checked exactly: a pool whose
+    recording was switched off records nothing, from Python or from the C loop, and hands
+    out what a pool that never recorded hands out; recording on changes no decision either."""
+    from mempool._core import bench_core_roundtrips
+
+    def workload(pool):
+        got = []
+        live = [pool.alloc(n, stream=s) for n, s in ((512, 0), (3 * MiB, 5), (700_000, 0),
+                                                        (12 * MiB, 9), (4096, 5))]
+        got += live
+        pool.record_stream(live[1], 9)
+        for p in live[::2]:
+            pool.free(p)
+        got += [pool.alloc(n, stream=0) for n in (1000, 2 * MiB)]
+        bench_core_roundtrips(pool, 4096, 500)       # the C path: no interpreter in the loop
+        pool.free(live[1], stream=5)
+        pool.device.complete_all()
+        pool.empty_cache()
+        got.append(pool.alloc(5 * MiB, stream=9))
+        return got
+
+    pools = {t: sim() for t in ("never", "off", "on")}
+    pools["off"].record_history(enabled=True, max_entries=64)
+    pools["off"].record_history(enabled=False)
+    pools["on"].record_history(enabled=True, max_entries=64)
+    results = {t: workload(pool) for t, pool in pools.items()}
+    assert results["off"] == results["never"] == results["on"]
+    for t in ("off", "on"):
+        assert pools[t].layout() == pools["never"].layout()
+        assert pools[t].stats() == pools["never"].stats()
+    assert pools["off"].history() == [] and pools["off"].snapshot()["device_traces"] == [[]]
+    assert len(pools["on"].history()) == 64          # the ring wrapped: it was recording
 
 
 def test_enabling_again_starts_an_empty_ring(sim):

@@ -16,7 +16,7 @@ import ctypes
 import pytest
 
 import mempool
-from conftest import BASE, MiB
+from _support import BASE, MiB
 
 S1, S2 = 7, 9
 

@@ -4,7 +4,7 @@ the lock is dropped while other threads allocate and free."""
 import threading
 
 import mempool
-from conftest import MiB
+from _support import MiB
 
 S1, S2 = 7, 9
 

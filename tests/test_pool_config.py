@@ -9,7 +9,7 @@ import pytest
 
 import mempool
 from mempool import _config
-from conftest import BASE, GiB, MiB, gpu_available
+from _support import BASE, GiB, MiB, gpu_available
 
 
 def run_script(pool):

@@ -5,7 +5,7 @@ import urllib.request
 import pytest
 
 import mempool
-from conftest import fetch_text
+from _support import fetch_text
 
 MiB = 1 << 20
 

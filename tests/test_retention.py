@@ -9,7 +9,8 @@ of exactly their size (rounded to 2 MiB), which keeps the arithmetic readable.
 import pytest
 
 import mempool
-from conftest import BASE, MiB
+from _support import BASE, MiB
+from _support import device_counters as device, stat_subset as counters
 
 S1, S2, S3 = 7, 9, 11   # stream handles (the sim accepts any integer)
 
@@ -22,16 +23,6 @@ def segments(pool):
 def figures(pool):
     return {"reserved": pool.reserved_bytes(), "cached": pool.cached_bytes(),
             "used": pool.used_bytes()}
-
-
-def device(pool, *keys):
-    c = pool.device.counters()
-    return {k: c[k] for k in keys}
-
-
-def counters(pool, *keys):
-    st = pool.stats()
-    return {k: st[k] for k in keys}
 
 
 def three_idle_segments(pool, sizes=(12, 14, 16)):

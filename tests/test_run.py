@@ -5,16 +5,14 @@ a ``sim`` pool) nothing is hooked and the line on stderr says why."""
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from mempool import _config as cfg
 from mempool import run as mrun
+from _support import CONF_VARS, child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONF_VARS = ("MEMPOOL_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "LOCAL_RANK")
 
 SCRIPT = '''\
 """the script's docstring"""
@@ -52,15 +50,6 @@ if action == "pool":
     print("options", {k: pool.options[k] for k in sys.argv[2:]})
     print("env", [os.environ.get(v) for v in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")])
 '''
-
-
-def child(args, cwd, env=None, python=("-m", "mempool", "run"), timeout=300):
-    """Run ``python [python...] args`` in a clean environment (no conf variables)."""
-    base = {k: v for k, v in os.environ.items() if k not in CONF_VARS}
-    base["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-    base.update(env or {})
-    return subprocess.run([sys.executable, *python, *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=base)
 
 
 def ours(stderr):

@@ -11,6 +11,7 @@ import pytest
 
 from mempool.tools import trace as mt
 from mempool.tools.trace import Event
+from _trace_data import RMM_LOG, torch_snapshot, trace_entry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACES = os.path.join(REPO, "mempool", "traces")
@@ -174,61 +175,6 @@ def test_from_pool_history_keeps_allocs_and_free_requests():
 
 # -- torch snapshots ---------------------------------------------------------------------
 
-FRAMES = [{"filename": "train.py", "line": 12, "name": "forward"}]
-
-
-def _entry(action, addr, size, stream=0, t=0):
-    e = {"action": action, "size": size, "stream": stream, "time_us": t, "frames": FRAMES}
-    e["device_free" if action == "oom" else "addr"] = addr
-    return e
-
-
-def torch_snapshot():
-    """A snapshot as torch.cuda.memory._snapshot() returns it: segments with blocks, and a
-    trace per device whose recording began after buffer 0xA000 was allocated."""
-    base = 0x7F0000000000
-    trace = [
-        _entry("free_requested", 0xA000, 1024, 0, 100),          # allocated before recording
-        _entry("free_completed", 0xA000, 1024, 0, 100),
-        _entry("segment_alloc", base, 20 << 20, 0, 105),
-        _entry("alloc", base, 3_000_000, 0, 105),
-        _entry("alloc", base + (3 << 20), 1_000_000, 0, 107),
-        _entry("free_requested", base, 3_000_000, 0, 110),
-        _entry("free_completed", base, 3_000_000, 0, 111),
-        _entry("oom", 8 << 30, 1 << 30, 0, 112),
-        _entry("snapshot", 0, 0, 0, 113),
-        _entry("alloc", base, 2_000_000, 0, 120),
-    ]
-    blocks = [
-        {"address": base, "size": 2 << 20, "requested_size": 2_000_000,
-         "state": "active_allocated", "frames": FRAMES},
-        {"address": base + (2 << 20), "size": 1 << 20, "requested_size": 0,
-         "state": "inactive", "frames": []},
-        {"address": base + (3 << 20), "size": 1 << 20, "requested_size": 1_000_000,
-         "state": "active_allocated", "frames": FRAMES},
-        {"address": base + (4 << 20), "size": 16 << 20, "requested_size": 0,
-         "state": "inactive", "frames": []},
-    ]
-    old = 0x7E0000000000
-    segments = [
-        {"device": 0, "address": base, "total_size": 20 << 20, "stream": 0,
-         "segment_type": "large", "segment_pool_id": (0, 0), "allocated_size": 3 << 20,
-         "active_size": 3 << 20, "requested_size": 3_000_000, "is_expandable": False,
-         "frames": [], "blocks": blocks},
-        # A buffer allocated before recording and never freed: only the segments know it.
-        {"device": 0, "address": old, "total_size": 2 << 20, "stream": 0,
-         "segment_type": "small", "segment_pool_id": (0, 0), "allocated_size": 512,
-         "active_size": 512, "requested_size": 100, "is_expandable": False, "frames": [],
-         "blocks": [{"address": old, "size": 512, "requested_size": 100,
-                     "state": "active_allocated", "frames": FRAMES},
-                    {"address": old + 512, "size": (2 << 20) - 512, "requested_size": 0,
-                     "state": "inactive", "frames": []}]},
-    ]
-    return {"segments": segments, "device_traces": [trace, []],
-            "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False",
-                                   "max_split_size": -1}}
-
-
 def test_fixture_is_in_the_format_torch_reads():
     viz = pytest.importorskip("torch.cuda._memory_viz")
     snap = torch_snapshot()
@@ -280,7 +226,7 @@ def test_from_torch_snapshot_reads_pickles_and_refuses_code(tmp_path):
 
 def test_from_torch_snapshot_needs_a_device_when_several_have_traces():
     snap = torch_snapshot()
-    snap["device_traces"][1] = [_entry("alloc", 0x10, 512, 0, 1)]
+    snap["device_traces"][1] = [trace_entry("alloc", 0x10, 512, 0, 1)]
     with pytest.raises(ValueError, match=r"several devices \(device 0: 10 entries, device 1: "
                                          r"1 entries\); pass device="):
         mt.from_torch_snapshot(snap)
@@ -300,15 +246,6 @@ def test_from_torch_snapshot_errors():
 
 
 # -- RMM logs ----------------------------------------------------------------------------
-
-RMM_LOG = """Thread,Time,Action,Pointer,Size,Stream
-140573312345856,23:59:59.999000,allocate,0x7f8a40000000,1024,0x0
-140573312345856,23:59:59.999500,allocate,0x7f8a40000400,2048,0x7f8a38001020
-140573312345856,00:00:00.000250,free,0x7f8a40000000,1024,0x0
-140573312345857,00:00:00.001000,allocate failure,0x0,1099511627776,0x0
-140573312345856,00:00:00.002000,free,0x7f8a40000400,2048,0x7f8a38001020
-"""
-
 
 def test_from_rmm_csv(tmp_path):
     path = tmp_path / "rmm_log.csv"

@@ -9,7 +9,7 @@ import pytest
 
 from mempool.cli import trace as cli_trace
 
-from test_trace import RMM_LOG, torch_snapshot
+from _trace_data import RMM_LOG, torch_snapshot
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = os.path.join(REPO, "mempool", "traces", "small.jsonl")

@@ -13,12 +13,12 @@ recording
   free_requested, free_completed).
 
 Run ``pytest mempool/bench/test_tracing_overhead.py --benchmark-enable`` for pytest-benchmark's
-tables, and ``-s`` to print the interleaved comparison (``test_tracing_off_costs_nothing``),
+tables, and ``-s`` to print the interleaved comparison (``test_tracing_off_side_by_side``),
 which times the pools side by side with a second never-enabled pool as the control for the
 noise, and reports how far ``off`` is from ``never`` (a figure, not a pass/fail: timings
-belong to the benchmark, and a busy machine moves them by a few percent); it checks what
-can be checked exactly: a switched-off pool records nothing. On a GPU it also runs on the
-cuda backend.
+belong to the benchmark, and a busy machine moves them by a few percent). What can be
+checked exactly (a switched-off pool records nothing and decides as one that never
+recorded) is tests/test_observability.py's. On a GPU it also runs on the cuda backend.
 """
 import gc
 import statistics
@@ -27,6 +27,8 @@ import time
 import pytest
 
 import mempool
+
+from .benchkit import PAIRS_AS_TEST
 
 SIZE = 4096
 PAIRS = 2000
@@ -77,16 +79,6 @@ def test_alloc_free_pair(benchmark, level, tracing):
     assert pool.stats()["num_device_alloc"] == 1
 
 
-def _timer(level):
-    loop, n = LEVELS[level]
-
-    def ns_per_pair(pool):
-        t0 = time.perf_counter_ns()
-        loop(pool, n)
-        return (time.perf_counter_ns() - t0) / n
-    return ns_per_pair
-
-
 def _backend(name):
     if name == "cuda":
         from .benchkit import require_gpu
@@ -96,25 +88,42 @@ def _backend(name):
 
 @pytest.mark.parametrize("backend", ["sim", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("level", list(LEVELS))
-def test_tracing_off_side_by_side(level, backend):
+def test_tracing_off_side_by_side(benchmark, level, backend):
     """Interleaved: each repetition times every pool once, in rotating order, so that
     drift of the machine hits all alike; a second never-enabled pool is the control that
-    shows the noise. Ratios are taken per repetition (pools timed side by side)."""
+    shows the noise. Ratios are taken per repetition (pools timed side by side) and kept in
+    extra_info. A figure, not a pass/fail: what switching recording off must do exactly
+    (record nothing, change no decision) is tests/test_observability.py's to check. Under
+    --benchmark-disable it runs two short repetitions, as every benchmark runs once."""
     names = ("never", "control", "off", "on")
     pools = {t: make_pool("never" if t == "control" else t, _backend(backend))
              for t in names}
-    measure = _timer(level)
-    for pool in pools.values():
-        measure(pool)                         # warm
+    loop, n = LEVELS[level]
+    reps = 60
+    if benchmark.disabled:
+        reps, n = 2, PAIRS_AS_TEST
+
+    def ns_per_pair(pool):
+        t0 = time.perf_counter_ns()
+        loop(pool, n)
+        return (time.perf_counter_ns() - t0) / n
+
     times = {t: [] for t in names}
-    gc.disable()
-    try:
-        for rep in range(60):
-            k = rep % len(names)
-            for t in names[k:] + names[:k]:
-                times[t].append(measure(pools[t]))
-    finally:
-        gc.enable()
+
+    def interleaved():
+        for pool in pools.values():
+            ns_per_pair(pool)                 # warm
+        gc.disable()
+        try:
+            for rep in range(reps):
+                k = rep % len(names)
+                for t in names[k:] + names[:k]:
+                    times[t].append(ns_per_pair(pools[t]))
+        finally:
+            gc.enable()
+
+    benchmark.group = f"tracing side by side, 4 KiB, {backend}, from {level}"
+    benchmark.pedantic(interleaved, rounds=1, iterations=1)
 
     def ratio(t):   # median over repetitions of t's time / never's time
         return statistics.median(a / b for a, b in zip(times[t], times["never"]))
@@ -122,12 +131,14 @@ def test_tracing_off_side_by_side(level, backend):
     best = {t: min(v) for t, v in times.items()}
     median = {t: statistics.median(v) for t, v in times.items()}
     noise, off, on = ratio("control") - 1, ratio("off") - 1, ratio("on") - 1
+    extra = best["on"] - best["never"]       # the work itself: best against best
+    benchmark.extra_info.update(level=level, backend=backend, reps=reps, pairs_per_rep=n,
+                                best_ns=best, median_ns=median, noise=noise, off_vs_never=off,
+                                on_vs_never=on, recording_ns_per_pair=extra)
     print(f"\nns per alloc+free pair of {SIZE} B from {level}, {backend} "
-          f"(60 x {LEVELS[level][1]} pairs):")
+          f"({reps} x {n} pairs):")
     for t in names:
         print(f"  {t:8} best {best[t]:7.1f}   median {median[t]:7.1f}")
-    extra = best["on"] - best["never"]       # the work itself: best against best
     print(f"  control vs never {100 * noise:+.1f}% (the noise), off vs never {100 * off:+.1f}%, "
           f"on vs never {100 * on:+.1f}%; recording costs {extra:.0f} ns a pair, "
           f"{extra / 3:.0f} ns an entry")
-    assert len(pools["on"].history()) == RING and pools["off"].history() == []

@@ -53,7 +53,7 @@ def test_a_gpu_worker_runs_cupy_on_its_pool():
         pytest.importorskip("prometheus_client", reason="pip install prometheus-client")
         # Imported here: the worker imports this module for its task functions, and on its
         # path bench's conftest may come first.
-        from conftest import fetch_text
+        from _support import fetch_text
         with md.serve_metrics(client, port=0) as server:
             metrics = fetch_text(server.url, timeout=10)
         assert 'mempool_limit_bytes{backend="cuda",device="0",pool=' in metrics

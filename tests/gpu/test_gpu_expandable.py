@@ -1,9 +1,10 @@
 """Expandable segments through the driver's virtual memory (cuMemAddressReserve / cuMemCreate /
-cuMemMap): a segment grows page by page (2 MiB on an H200) and kernels read and write across
-the page boundaries; releasing free pages leaves the live neighbours' data alone."""
+cuMemMap), what only the driver shows: released pages go back to the device, CuPy arrays over
+many growth steps, busy streams, forgotten streams' ranges. Growing in place, data across page
+boundaries and releasing pages under live neighbours are the upstream contract's
+(tests/test_contract.py)."""
 import pytest
 
-import mempool
 from mempool import _cuda
 
 if not _cuda.available():
@@ -12,79 +13,24 @@ if not _cuda.available():
 pytestmark = pytest.mark.gpu
 
 KiB, MiB = 1 << 10, 1 << 20
-PAGE = 2 * MiB  # the H200's minimum granularity; only used to tell whether a block straddles
 
 
-def _straddles(ptr, nbytes):
-    return ptr // PAGE != (ptr + nbytes - 1) // PAGE
-
-
-def _check_all(kernels, blocks, stream):
-    for ptr, nbytes, seed in blocks:
-        assert kernels.count_bad(ptr, nbytes, seed, stream) == 0, \
-            f"block {ptr:#x} (+{nbytes}) lost its data"
-
-
-def test_large_blocks_across_pages_of_one_grown_segment(cuda_pool, streams, kernels,
-                                                        cupy_device):
+def test_released_pages_go_back_to_the_device(cuda_pool, streams, cupy_device):
     cupy = cupy_device
     free_before, _ = cupy.cuda.runtime.memGetInfo()
     pool = cuda_pool(expandable_segments=True)
     s, _ = streams
-    sizes = [3 * MiB, 5 * MiB + 512, 7 * MiB - 4, 2 * MiB, 11 * MiB + 4 * KiB, 33 * MiB,
-             MiB + 512, 9 * MiB]
-    blocks = []
-    for i, nbytes in enumerate(sizes):
-        ptr = pool.alloc(nbytes, stream=s)
-        kernels.fill(ptr, nbytes, seed=10 + i, stream=s)
-        blocks.append((ptr, nbytes, 10 + i))
-    pool.check_invariants()
-    assert pool.stats()["segment.large_pool.current"] == 1, "the segment did not grow in place"
-    assert any(_straddles(p, n) for p, n, _ in blocks)
-    _check_all(kernels, blocks, s)
-
-    # Free every other block and give their pages back: the neighbours sharing pages with
-    # them must stay mapped and intact.
-    for ptr, _, _ in blocks[1::2]:
-        pool.free(ptr, stream=s)
+    ptrs = [pool.alloc(n * MiB, stream=s) for n in (3, 5, 7, 11, 33, 9)]
+    assert pool.stats()["segment.large_pool.current"] == 1
+    free_grown, _ = cupy.cuda.runtime.memGetInfo()
+    assert free_grown <= free_before - 68 * MiB, "the mapped pages are not device memory"
+    for p in ptrs:
+        pool.free(p, stream=s)
     pool.empty_cache()
     s.synchronize()
-    pool.check_invariants()
-    kept = blocks[0::2]
-    _check_all(kernels, kept, s)
-
-    # Grow again, into released pages.
-    for i, nbytes in enumerate(sizes[1::2]):
-        ptr = pool.alloc(nbytes, stream=s)
-        kernels.fill(ptr, nbytes, seed=50 + i, stream=s)
-        kept.append((ptr, nbytes, 50 + i))
-    _check_all(kernels, kept, s)
-    pool.check_invariants()
-    for ptr, _, _ in kept:
-        pool.free(ptr, stream=s)
-    pool.empty_cache()
-    s.synchronize()
-    pool.check_invariants()
     assert pool.reserved_bytes() == 0
     free_after, _ = cupy.cuda.runtime.memGetInfo()
     assert free_after >= free_before - 64 * MiB, "unmapped pages were not given back"
-
-
-def test_small_blocks_grow_a_small_segment(cuda_pool, streams, kernels):
-    pool = cuda_pool(expandable_segments=True)
-    s, _ = streams
-    blocks = []
-    for i in range(48):  # ~9.6 MiB of 200 KiB blocks: several pages of one small segment
-        nbytes = 200 * KiB + 4 * i
-        ptr = pool.alloc(nbytes, stream=s)
-        kernels.fill(ptr, nbytes, seed=i, stream=s)
-        blocks.append((ptr, nbytes, i))
-    assert pool.stats()["segment.small_pool.current"] == 1
-    assert any(_straddles(p, n) for p, n, _ in blocks)
-    _check_all(kernels, blocks, s)
-    for ptr, _, _ in blocks:
-        pool.free(ptr, stream=s)
-    pool.check_invariants()
 
 
 def test_many_growth_steps_with_cupy_arrays(cuda_pool, cupy_device, held_cupy_arrays):
@@ -103,23 +49,6 @@ def test_many_growth_steps_with_cupy_arrays(cuda_pool, cupy_device, held_cupy_ar
     pool.empty_cache()
     pool.check_invariants()
     assert pool.used_bytes() == 0, held_cupy_arrays()
-
-
-def test_expandable_limit_refuses_and_recovers(cuda_pool, streams, kernels):
-    pool = cuda_pool(expandable_segments=True, limit=64 * MiB)
-    s, _ = streams
-    a = pool.alloc(40 * MiB, stream=s)
-    with pytest.raises(mempool.OutOfMemoryError):
-        pool.alloc(40 * MiB, stream=s)
-    pool.check_invariants()
-    kernels.fill(a, 40 * MiB, 9, stream=s)
-    assert kernels.count_bad(a, 40 * MiB, 9, s) == 0
-    pool.free(a, stream=s)
-    b = pool.alloc(60 * MiB, stream=s)
-    kernels.fill(b, 60 * MiB, 10, stream=s)
-    assert kernels.count_bad(b, 60 * MiB, 10, s) == 0
-    pool.free(b, stream=s)
-    pool.check_invariants()
 
 
 def test_release_threshold_keeps_a_busy_streams_pages_and_never_syncs(cuda_pool, cupy_device):

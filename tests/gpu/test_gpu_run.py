@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from mempool import _cuda
-from test_run import child     # the CPU tier's child process: clean conf variables
+from _support import child     # a child process with no conf variables
 
 if not _cuda.available():
     pytest.skip("needs a CUDA device, CuPy and the CUDA driver", allow_module_level=True)
