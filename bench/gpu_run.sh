@@ -105,7 +105,8 @@ if "$PY" -c "import pytest_timeout" 2>/dev/null; then
 fi
 
 # ---- the GPU tests of every tier
-stage tests "$OUT/tests.log" timeout "$T_TESTS" "$PY" -m pytest -m gpu tests "${PYTEST_OPTS[@]}" \
+# TESTS_ARGS narrows it to some files or tests (default: every gpu-marked test of tests/).
+stage tests "$OUT/tests.log" timeout "$T_TESTS" "$PY" -m pytest -m gpu ${TESTS_ARGS:-tests} "${PYTEST_OPTS[@]}" \
     --junitxml "$OUT/junit-gpu.xml"
 
 # ---- the GPU tier under memcheck: out-of-bounds and misaligned device accesses, and bad
