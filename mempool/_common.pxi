@@ -21,12 +21,27 @@ def _not_initialised(object obj):
                         f"super().__init__(...)); make one with the class's constructor")
 
 
+cdef object _index(object value, str expected):
+    """value.__index__() as an int, or a TypeError saying what `expected` and what was given
+    when __index__ refuses (a NumPy array of several elements has one that raises NumPy's
+    own message, naming no argument) or returns something else."""
+    try:
+        out = value.__index__()
+    except TypeError as exc:
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}, whose __index__ "
+                        f"refused: {exc}") from exc
+    if not isinstance(out, int):
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}, whose __index__ "
+                        f"returned {type(out).__name__}, not int")
+    return out
+
+
 cdef size_t _size_slow(object value, str name) except? 0:
     """The checks behind _as_nbytes, off its fast path: types, then the range."""
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be an integer number of bytes, got "
                         f"{type(value).__name__} {value!r}")
-    value = value.__index__()
+    value = _index(value, f"{name} must be an integer number of bytes")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     if value >= 2 ** 64:
@@ -58,7 +73,7 @@ cdef inline size_t _as_nbytes(object nbytes, str name) except? 0:
 cdef size_t _pointer_slow(object ptr) except? 0:
     if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
         raise TypeError(f"ptr must be an integer address, got {type(ptr).__name__} {ptr!r}")
-    ptr = ptr.__index__()
+    ptr = _index(ptr, "ptr must be an integer address")
     if ptr < 0 or ptr >= 2 ** 64:
         raise ValueError(f"ptr must be an address in [0, 2**64), got {ptr}")
     return PyLong_AsSize_t(ptr)
@@ -113,9 +128,7 @@ cdef object _stream_int(object value, str what):
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{what} must be an int stream handle, got {type(value).__name__} "
                         f"{value!r}")
-    handle = value.__index__()
-    if type(handle) is not int:
-        raise TypeError(f"{what}.__index__() returned {type(handle).__name__}, not int")
+    handle = _index(value, f"{what} must be an int stream handle")
     if handle < 0 or handle >= 2 ** 64:
         raise ValueError(f"{what} must be a handle in [0, 2**64), got {handle}")
     return handle

@@ -526,3 +526,25 @@ def test_support_name_a_wrong_argument(call):
     import mempool.torch
     with pytest.raises(TypeError, match=r"^(pool|buf): expected a mempool\.(Pool|Buffer)"):
         eval(call)
+
+
+def test_an_index_that_refuses_is_named_with_the_argument():
+    """A NumPy array of several elements has an __index__ that raises NumPy's own message;
+    the pool says which argument it was and what it accepts, and changes nothing."""
+    np = pytest.importorskip("numpy")
+    pool = mempool.Pool(backend="sim")
+    before = pool.stats()
+    with pytest.raises(TypeError, match=r"nbytes must be an integer number of bytes, got "
+                                        r"ndarray .* whose __index__ refused"):
+        pool.alloc(np.array([4096, 1]))
+    with pytest.raises(TypeError, match=r"ptr must be an integer address, got ndarray"):
+        pool.free(np.array([4096, 1]))
+    class Refusing:
+        def __index__(self):
+            raise TypeError("no index here")
+
+    with pytest.raises(TypeError, match=r"stream must be an int stream handle, got Refusing "
+                                        r".* whose __index__ refused: no index here"):
+        pool.alloc(512, stream=Refusing())
+    assert pool.stats() == before
+    pool.check_invariants()
