@@ -9,6 +9,7 @@ import pytest
 
 import mempool
 from _fake_cuda import build_fake_driver
+from _gpu_fixtures import cuda_pool, cupy_device, held_cupy_arrays, kernels, streams  # noqa: F401
 from _support import gpu_available
 
 
@@ -20,6 +21,7 @@ def pytest_unconfigure(config):
     if seconds:
         faulthandler.dump_traceback_later(float(seconds), exit=True, file=sys.stderr)
 
+
 def pytest_collection_modifyitems(config, items):
     if gpu_available():
         return
@@ -27,6 +29,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
 
 def _pool_factory(backend):
     """Make pools of one backend; their invariants are checked after the test."""
@@ -39,6 +42,7 @@ def _pool_factory(backend):
 
     return make, pools
 
+
 @pytest.fixture
 def sim():
     """Factory of fresh pools on the simulated device."""
@@ -47,6 +51,7 @@ def sim():
     for pool in pools:
         pool.check_invariants()
 
+
 @pytest.fixture
 def host():
     """Factory of fresh pools on host memory."""
@@ -54,6 +59,7 @@ def host():
     yield make
     for pool in pools:
         pool.check_invariants()
+
 
 @pytest.fixture(scope="session")
 def fake_driver(tmp_path_factory):

@@ -95,3 +95,12 @@ def measure(benchmark, loop, per_round, *, section, row, column, group=None, ref
         if inner:
             benchmark.extra_info[f"inner_ns_per_{unit}"] = float(np.median(inner)) / per_round
     return result
+
+
+def child_env():
+    """The child's environment: this mempool importable, from the folder that holds the
+    package (never the package's own folder, where ``import torch`` would find
+    mempool/torch.py instead of PyTorch)."""
+    import mempool
+    holder = os.path.dirname(os.path.dirname(os.path.abspath(mempool.__file__)))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([holder, os.environ.get("PYTHONPATH", "")]))

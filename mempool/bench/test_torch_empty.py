@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from .benchkit import GPU_MARKS, ROUNDS, SIZES, pairs_for
+from .benchkit import GPU_MARKS, ROUNDS, SIZES, child_env, pairs_for
 
 pytestmark = GPU_MARKS
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_empty_child.py")
@@ -31,8 +31,7 @@ REPEATS = 3
 
 def run_child(allocator, rounds, pairs):
     """One child's figures for every size."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(CHILD)), os.environ.get("PYTHONPATH", "")]))
+    env = child_env()
     done = subprocess.run([sys.executable, CHILD, allocator, str(rounds), str(pairs),
                            *map(str, SIZES.values())],
                           capture_output=True, text=True, timeout=300, env=env)
@@ -79,3 +78,4 @@ def test_torch_empty(benchmark, allocator, column):
                                 pool_counters=result.get("pool_counters"),
                                 children_ns_per_pair=[f["ns_per_pair"] for f in figures],
                                 children_context=[r["context"] for r in children])
+

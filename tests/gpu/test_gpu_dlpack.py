@@ -63,18 +63,22 @@ def test_one_buffer_to_two_frameworks_on_two_streams(pool, producer):
         cupy.asarray(buf).fill(2.0)
     s1 = torch.cuda.Stream()
     s2 = cupy.cuda.Stream(non_blocking=True)
-    with torch.cuda.stream(s1):
-        t = torch.from_dlpack(buf)
-        torch.cuda._sleep(500_000_000)          # keeps s1 busy for a while
-        total_t = t.sum()
+    # CuPy's consumer first: the first reduction compiles a kernel, which can outlast a sleep
+    # queued before it; the torch consumer's sleep is queued last, just before the check.
     with s2:
         c = cupy.from_dlpack(buf)
         total_c = c.sum()
+    with torch.cuda.stream(s1):
+        t = torch.from_dlpack(buf)
+        torch.cuda._sleep(2_000_000_000)        # keeps s1 busy for about a second
+        total_t = t.sum()
     assert t.data_ptr() == c.data.ptr == buf.ptr
     ptr = buf.ptr
     del buf, t, c
     gc.collect()
     other = pool.alloc(4 * n, stream=producer.ptr)
+    # Only conclusive while s1 still works: its sleep must outlast everything above.
+    assert not s1.query(), "the torch consumer's stream finished before the check"
     assert other != ptr, "reused while the torch consumer's stream may still read it"
     pool.free(other)
     s1.synchronize()

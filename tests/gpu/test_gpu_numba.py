@@ -39,6 +39,35 @@ def ptr(arr):
 """
 
 
+KERNEL_PROBE = """
+import numpy as np
+from numba import cuda
+
+@cuda.jit
+def add_one(a):
+    i = cuda.grid(1)
+    if i < a.size:
+        a[i] += 1
+
+a = cuda.to_device(np.zeros(256, dtype=np.float32))
+add_one[1, 256](a)
+assert a.copy_to_host().sum() == 256
+"""
+
+
+@pytest.fixture(scope="module")
+def numba_kernels():
+    """Skip a test that launches a kernel where numba-cuda cannot compile one at all, with
+    its own memory manager and no mempool: that is the installation's problem, not the
+    plugin's (numba-cuda 0.x and NumPy 2.5, which removed np.row_stack that numba-cuda's
+    typing still registers, fail so)."""
+    proc = subprocess.run([sys.executable, "-c", KERNEL_PROBE], capture_output=True,
+                          text=True, timeout=300)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        pytest.skip(f"numba-cuda cannot compile a kernel here, without mempool: {last}")
+
+
 def run(body, env=None, **options):
     code = PRELUDE.replace("OPTIONS", repr(options)) + textwrap.dedent(body)
     full_env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -50,7 +79,7 @@ def run(body, env=None, **options):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_device_arrays_and_kernels_on_pool_memory():
+def test_device_arrays_and_kernels_on_pool_memory(numba_kernels):
     out = run("""
         host = np.arange(1 << 20, dtype=np.float32)
         a = cuda.to_device(host)
@@ -121,7 +150,7 @@ def test_memory_info_comes_from_the_pool():
     assert out["after"] == [GiB, GiB] and out["reserved"] == 256 * MiB
 
 
-def test_an_array_is_freed_on_its_own_stream_without_a_sync():
+def test_an_array_is_freed_on_its_own_stream_without_a_sync(numba_kernels):
     out = run("""
         s = cuda.stream()
         a = mn.device_array(1 << 22, dtype=np.float32, stream=s)
@@ -172,7 +201,7 @@ def test_ipc_handles_are_refused_saying_why():
     assert "cuIpcGetMemHandle" in out["message"] and "cudaMemPool" in out["message"]
 
 
-def test_cupy_and_numba_share_the_pool():
+def test_cupy_and_numba_share_the_pool(numba_kernels):
     out = run("""
         import cupy, mempool.cupy as mc
         mc.set_allocator(pool)

@@ -603,15 +603,41 @@ class MempoolAllocator final : public CUDAAllocator {
                            "works."));
   }
 
+  // The receiving side of torch.multiprocessing. PyTorch 2.11's own allocator sends a
+  // version byte, a kind byte ('c': a cudaIpcMemHandle follows; 'e': its expandable
+  // segments' file-descriptor protocol, which only its own allocator can open) and the
+  // handle; older versions send the 64-byte handle alone. A handle is opened once per
+  // process (CUDA refuses a second open) and shared by every tensor built from it while any
+  // lives, as PyTorch does.
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
-    TORCH_CHECK(handle.size() == CUDA_IPC_HANDLE_SIZE,
-                cat("mempool: this CUDA IPC handle (", handle.size(),
-                    " bytes) is not a legacy cudaIpcMemHandle; only those can be opened here"));
+    size_t skip = 0;
+    if (handle.size() == CUDA_IPC_HANDLE_SIZE + 2) {
+      TORCH_CHECK(handle[1] == 'c',
+                  cat("mempool: this CUDA IPC handle comes from PyTorch's expandable segments "
+                      "(kind byte ", static_cast<int>(handle[1]), "), which only PyTorch's own "
+                      "allocator can open; the sender can share it after "
+                      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False, or run on mempool"));
+      skip = 2;
+    } else {
+      TORCH_CHECK(handle.size() == CUDA_IPC_HANDLE_SIZE,
+                  cat("mempool: this CUDA IPC handle (", handle.size(), " bytes) is neither a "
+                      "cudaIpcMemHandle (", CUDA_IPC_HANDLE_SIZE, " bytes) nor PyTorch's "
+                      "versioned form of one (", CUDA_IPC_HANDLE_SIZE + 2, " bytes)"));
+    }
+    std::lock_guard<std::mutex> lock(ipc_mu_);
+    for (auto it = ipc_open_.begin(); it != ipc_open_.end();)   // forget closed handles
+      it = it->second.expired() ? ipc_open_.erase(it) : std::next(it);
+    auto found = ipc_open_.find(handle);
+    if (found != ipc_open_.end()) {
+      if (auto open = found->second.lock()) return open;
+    }
     cudaIpcMemHandle_t h;
-    std::memcpy(&h, handle.data(), CUDA_IPC_HANDLE_SIZE);
+    std::memcpy(&h, handle.data() + skip, CUDA_IPC_HANDLE_SIZE);
     void* dev_ptr = nullptr;
     C10_CUDA_CHECK(cudaIpcOpenMemHandle(&dev_ptr, h, cudaIpcMemLazyEnablePeerAccess));
-    return std::shared_ptr<void>(dev_ptr, [](void* p) { (void)cudaIpcCloseMemHandle(p); });
+    std::shared_ptr<void> open(dev_ptr, [](void* p) { (void)cudaIpcCloseMemHandle(p); });
+    ipc_open_[handle] = open;
+    return open;
   }
 
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
@@ -636,6 +662,9 @@ class MempoolAllocator final : public CUDAAllocator {
   std::string name() override { return "mempool"; }
 
  private:
+  std::mutex ipc_mu_;   // guards ipc_open_
+  std::unordered_map<std::string, std::weak_ptr<void>> ipc_open_;   // handle -> its mapping
+
   // ---- allocation ------------------------------------------------------------------------
   void* alloc_on(int device, size_t nbytes, cudaStream_t stream, uintptr_t* tag) {
     if (n_routes_[device_slot(device)].load(std::memory_order_acquire) > 0) {

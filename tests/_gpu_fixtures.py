@@ -1,8 +1,10 @@
 """Fixtures of the GPU tier: kernels that write, check and race on pool memory.
 
-Every module in this folder skips itself when ``mempool._cuda.available()`` is False, so that
-a machine without a device, CuPy or the CUDA driver skips the tier cleanly; these fixtures
-import CuPy only when a test asks for them.
+tests/conftest.py imports them, so that every test sees them however pytest is invoked (a
+folder, one file, files of several folders: a conftest.py of tests/gpu alone was not loaded
+when its files were named among others). Every module of tests/gpu skips itself when
+``mempool._cuda.available()`` is False, so that a machine without a device, CuPy or the CUDA
+driver skips the tier cleanly; these fixtures import CuPy only when a test asks for them.
 """
 import gc
 
