@@ -1,8 +1,9 @@
 """Fixtures of the GPU tier: kernels that write, check and race on pool memory.
 
-tests/conftest.py imports them, so that every test sees them however pytest is invoked (a
-folder, one file, files of several folders: a conftest.py of tests/gpu alone was not loaded
-when its files were named among others). Every module of tests/gpu skips itself when
+tests/conftest.py imports them, so that every test sees them however pytest is invoked. In
+one run on the H200 (pytest 9.1 with xdist, files of tests/gpu named on the command line
+among one of tests/) the tests of tests/gpu did not see the fixtures of a conftest.py of
+their own folder, while those of tests/conftest.py were seen; the cause was not established. Every module of tests/gpu skips itself when
 ``mempool._cuda.available()`` is False, so that a machine without a device, CuPy or the CUDA
 driver skips the tier cleanly; these fixtures import CuPy only when a test asks for them.
 """
