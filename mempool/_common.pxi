@@ -30,7 +30,7 @@ cdef object _index(object value, str expected):
     except TypeError as exc:
         raise TypeError(f"{expected}, got {type(value).__name__} {value!r}, whose __index__ "
                         f"refused: {exc}") from exc
-    if not isinstance(out, int):
+    if type(out) is not int:   # an int subclass (bool) is refused, as __index__ must give int
         raise TypeError(f"{expected}, got {type(value).__name__} {value!r}, whose __index__ "
                         f"returned {type(out).__name__}, not int")
     return out
