@@ -78,10 +78,21 @@ def child(args, cwd, env=None, python=("-m", "mempool", "run"), timeout=300):
                           timeout=timeout, cwd=cwd, env=base)
 
 
-def run_example(name, *args, timeout=600):
+# A sitecustomize that lets numba-cuda 0.x import on NumPy 2.5 (see its docstring): on the
+# path of every child process that compiles a Numba kernel.
+NUMPY_COMPAT = os.path.join(ROOT, "tests", "data", "numpy_compat")
+
+
+def child_pythonpath(*first):
+    """PYTHONPATH for a child process: ``first``, then this checkout, then the inherited path."""
+    return os.pathsep.join([*first, ROOT, os.environ.get("PYTHONPATH", "")])
+
+
+def run_example(name, *args, timeout=600, numba=False):
     """Run examples/<name> with this checkout first on the path and no MEMPOOL_CONF (an
-    example reads its settings from its arguments); its stdout, after checking it succeeded."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    example reads its settings from its arguments); its stdout, after checking it succeeded.
+    ``numba``: the example compiles Numba kernels (NUMPY_COMPAT goes on its path)."""
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(*([NUMPY_COMPAT] if numba else [])))
     env.pop("MEMPOOL_CONF", None)
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args],
                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)

@@ -37,7 +37,7 @@ def test_tenant_caps_on_the_gpu():
 
 
 def test_four_frameworks_on_one_pool():
-    out = run_example("four_frameworks.py", "--steps", "2", timeout=600)
+    out = run_example("four_frameworks.py", "--steps", "2", timeout=600, numba=True)
     result = json.loads(out.strip().splitlines()[-1])
     per = result["per_framework"]
     for name in ("PyTorch", "CuPy", "Numba"):

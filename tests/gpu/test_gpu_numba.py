@@ -17,19 +17,11 @@ pytest.importorskip("numba.cuda", reason="needs numba-cuda")
 
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _support import NUMPY_COMPAT, ROOT, child_pythonpath  # noqa: E402
+
 MiB, GiB = 1 << 20, 1 << 30
 
-# numba-cuda 0.x registers typing for np.row_stack, which NumPy 2.5 removed: importing its
-# kernel compiler fails there before any memory manager is involved. The alias (row_stack was
-# always vstack) lets the kernels of these tests compile on such an installation.
-NUMPY_COMPAT = """
-import numpy as np
-if not hasattr(np, "row_stack"):
-    np.row_stack = np.vstack
-"""
-
-PRELUDE = NUMPY_COMPAT + """
+PRELUDE = """
 import gc, json
 import numpy as np
 import mempool, mempool.numba as mn
@@ -48,7 +40,8 @@ def ptr(arr):
 """
 
 
-KERNEL_PROBE = NUMPY_COMPAT + """
+KERNEL_PROBE = """
+import numpy as np
 from numba import cuda
 
 @cuda.jit
@@ -67,8 +60,10 @@ assert a.copy_to_host().sum() == 256
 def numba_kernels():
     """Skip a test that launches a kernel where numba-cuda cannot compile one at all, with
     its own memory manager and no mempool: that is the installation's problem, not the
-    plugin's (see NUMPY_COMPAT for the one such problem known and worked around)."""
-    proc = subprocess.run([sys.executable, "-c", KERNEL_PROBE], capture_output=True,
+    plugin's (the one such problem known, NumPy 2.5 against numba-cuda 0.x, is worked around by
+    tests/data/numpy_compat on the children's path)."""
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(NUMPY_COMPAT))
+    proc = subprocess.run([sys.executable, "-c", KERNEL_PROBE], capture_output=True, env=env,
                           text=True, timeout=300)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -77,7 +72,7 @@ def numba_kernels():
 
 def run(body, env=None, **options):
     code = PRELUDE.replace("OPTIONS", repr(options)) + textwrap.dedent(body)
-    full_env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    full_env = dict(os.environ, PYTHONPATH=child_pythonpath(NUMPY_COMPAT))
     full_env.pop("MEMPOOL_CONF", None)
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full_env,
@@ -127,7 +122,7 @@ def test_env_var_installs_the_plugin_and_default_pool_follows_mempool_conf():
                           "block": pool.block_info(a.__cuda_array_interface__["data"][0]),
                           "info": list(cuda.current_context().get_memory_info())}))
     """)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(NUMPY_COMPAT),
                NUMBA_CUDA_MEMORY_MANAGER="mempool.numba", MEMPOOL_CONF="limit:1GiB")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
