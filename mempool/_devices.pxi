@@ -68,7 +68,7 @@ cdef class _DeviceBase:
 
 
 def _hold_args(n, timeout):
-    """SimDevice.hold_allocs/hold_syncs arguments: (count, timeout in ms), checked."""
+    """SimDevice.hold_allocs/hold_syncs/hold_event_creates arguments: (count, timeout in ms), checked."""
     cdef size_t k = _as_nbytes(n, "n")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
             not 0 < timeout <= 3600:
@@ -136,14 +136,23 @@ cdef class SimDevice(_DeviceBase):
         k, ms = _hold_args(n, timeout)
         mp_sim_hold_syncs(self._sim, k, ms)
 
+    def hold_event_creates(self, n=1, timeout=2.0):
+        """Hold the next ``n`` event creations the same way (:meth:`hold_allocs`). A pool
+        creates events only without its lock (Note [Events outside the lock])."""
+        self._ready()
+        cdef unsigned k, ms
+        k, ms = _hold_args(n, timeout)
+        mp_sim_hold_event_creates(self._sim, k, ms)
+
     @property
     def held(self):
-        """Segment allocations and page maps waiting in the device now (:meth:`hold_allocs`)."""
+        """Calls waiting in the device now: segment allocations, page maps, stream syncs and
+        event creations (:meth:`hold_allocs`)."""
         self._ready()
         return mp_sim_held(self._sim)
 
     def release_held(self):
-        """Let every held segment allocation go on."""
+        """Let every held call go on."""
         self._ready()
         mp_sim_release_held(self._sim)
 
@@ -234,6 +243,7 @@ cdef class SimDevice(_DeviceBase):
         out.update(syncs=mp_sim_num_syncs(self._sim),
                    stream_queries=mp_sim_num_queries(self._sim),
                    event_records=mp_sim_num_event_records(self._sim),
+                   event_creates=mp_sim_num_event_creates(self._sim),
                    waits=mp_sim_num_waits(self._sim), errors=mp_sim_num_errors(self._sim),
                    live_segments=mp_sim_live_segments(self._sim),
                    live_events=mp_sim_live_events(self._sim),

@@ -193,6 +193,7 @@ SPECIAL = {
     "hold_allocs": "a valid timeout holds the next allocation up to an hour: called with "
                    "timeouts of at most 10 ms, or invalid ones",
     "hold_syncs": "as hold_allocs, for stream synchronizations",
+    "hold_event_creates": "as hold_allocs, for event creations",
 }
 
 
@@ -344,7 +345,7 @@ def draw_args(data, world, fn, name):
     if name == "save_trace":
         return (data.draw(st.sampled_from([os.path.join(world.tmpdir, "t.jsonl"), None, 1.5,
                                            (), object()]), label="path"),), {}
-    if name in ("hold_allocs", "hold_syncs"):
+    if name in ("hold_allocs", "hold_syncs", "hold_event_creates"):
         return (data.draw(st.sampled_from([0, 1, 2, -1, 2 ** 64, None]), label="n"),
                 data.draw(st.sampled_from([0.001, 0.01, 0, -1, math.nan, math.inf, 1e9,
                                            "1", None]), label="timeout")), {}

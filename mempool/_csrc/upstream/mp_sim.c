@@ -58,13 +58,14 @@ struct mp_sim {
     unsigned fail_events;     /* the next N event records fail (mp_sim_fail_events) */
     sim_event *events;
     size_t nevents, cap_events, live_events;
-    uint64_t num_syncs, num_records, num_waits, num_errors, num_queries;
+    uint64_t num_syncs, num_records, num_waits, num_errors, num_queries, num_creates;
     int device;               /* the simulated device's ordinal */
     uint64_t peers;           /* devices granted access (bit d = device d) */
     /* mp_sim_hold_allocs: segment allocations still to hold, those waiting now, the
      * release generation they wait for a change of, and those that gave up waiting. */
     unsigned hold_next, held, hold_timeout_ms;
     unsigned hold_syncs_next;     /* mp_sim_hold_syncs: stream syncs still to hold */
+    unsigned hold_events_next;    /* mp_sim_hold_event_creates: event creations to hold */
     uint64_t release_gen, hold_timeouts;
     pthread_cond_t hold_cv;
     /* Graph capture (mp_sim_begin_capture): streams capturing now, calls a real driver
@@ -174,7 +175,7 @@ static uintptr_t bump(mp_sim *s, size_t nbytes, size_t align) {
 
 /* ---------------------------------------------------------------- upstream functions */
 
-/* A held segment allocation: wait, the sim's mutex let go meanwhile, for
+/* A held call (segment allocation, page map, stream sync, event creation): wait, the sim's mutex let go meanwhile, for
  * mp_sim_release_held or the timeout. */
 static void hold_locked(mp_sim *s, unsigned *next) {
     (*next)--;
@@ -246,6 +247,8 @@ static int sim_segment_free(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t s
 static int sim_event_create(void *ctx, uintptr_t *out) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
+    if (s->hold_events_next) hold_locked(s, &s->hold_events_next);
+    s->num_creates++;
     size_t i = 0;
     while (i < s->nevents && s->events[i].in_use) i++;
     if (i == s->nevents) {
@@ -740,6 +743,10 @@ void mp_sim_hold_syncs(mp_sim *s, unsigned n, unsigned timeout_ms) {
     set_hold(s, &s->hold_syncs_next, n, timeout_ms);
 }
 
+void mp_sim_hold_event_creates(mp_sim *s, unsigned n, unsigned timeout_ms) {
+    set_hold(s, &s->hold_events_next, n, timeout_ms);
+}
+
 unsigned mp_sim_held(mp_sim *s) {
     pthread_mutex_lock(&s->mu);
     unsigned n = s->held;
@@ -765,6 +772,7 @@ size_t mp_sim_mapped_bytes(mp_sim *s) { return s->pages.count * s->granularity; 
 uint64_t mp_sim_num_syncs(mp_sim *s) { return s->num_syncs; }
 uint64_t mp_sim_num_queries(mp_sim *s) { return s->num_queries; }
 uint64_t mp_sim_num_event_records(mp_sim *s) { return s->num_records; }
+uint64_t mp_sim_num_event_creates(mp_sim *s) { return s->num_creates; }
 uint64_t mp_sim_num_waits(mp_sim *s) { return s->num_waits; }
 uint64_t mp_sim_num_errors(mp_sim *s) { return s->num_errors; }
 size_t mp_sim_live_events(mp_sim *s) { return s->live_events; }
