@@ -14,13 +14,14 @@
  * The lock is dropped around every call that may take long or block (segment allocation and
  * release, stream synchronization, page map and unmap) through the *_unlocked helpers, with
  * in-flight bytes counted against `limit` and unmapped blocks being mapped marked busy; a
- * Pool method lets the GIL go there too (Note [Blocking upstream calls]). Event calls are
- * short and made with the lock held. Where no event can be had (event creation or recording
- * fails), the stream it was for is synchronized instead, and never under the lock either: a
- * free marks its block busy (pending, so no other thread completes it), drops the lock to
- * sync, and completes the free after; a segment release notes the stream in the detached
- * segment and syncs it before the upstream free (the sim's fail_events and hold_syncs test
- * both). Functions that expect the lock held end in _locked. */
+ * Pool method lets the GIL go there too (Note [Blocking upstream calls]). Events are made
+ * with the lock dropped too (Note [Events outside the lock]); recording, querying and
+ * waiting on them are short and made with the lock held. Where no event can be had (event
+ * creation or recording fails), the stream it was for is synchronized instead, and never
+ * under the lock either: a free marks its block busy (pending, so no other thread completes
+ * it), drops the lock to sync, and completes the free after; a segment release notes the
+ * stream in the detached segment and syncs it before the upstream free (the sim's
+ * fail_events and hold_syncs test both). Functions that expect the lock held end in _locked. */
 
 #include <stdlib.h>
 #include <string.h>
@@ -315,6 +316,9 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
         p->idle_bytes >= p->reserved_high_water / MP_HIGH_WATER_IDLE_DIV &&
         mp_reserved_now_locked(p) + seg_size > p->reserved_high_water)
         mp_release_idle_kind_locked(p, kind, 0, rel);
+    /* Note [Events outside the lock]: those releases may have dropped the lock to make an
+     * event, and other threads grown meanwhile: the limit holds still (it did, else). */
+    if (limit != MP_UNLIMITED && mp_reserved_now_locked(p) + seg_size > limit) return MP_ELIMIT;
 
     uintptr_t ptr = 0;
     int rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);
@@ -463,8 +467,10 @@ int64_t mp_tally_blocks(mp_pool *p, const mp_tally *t) {
 
 int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
     mp_release_list rel = {0};
+    int tries = 0;
     mp_lock_acquire(&p->lock);
     p->tick++;
+again:;
     mp_block *b = mp_live_block_locked(p, ptr);
     if (!b) {
         int rc = mp_classify_bad_pointer_locked(p, ptr);
@@ -484,6 +490,15 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
     if (rc != MP_OK) {
         mp_lock_release(&p->lock);
         return rc;   /* nothing changed: the block is still live */
+    }
+    /* Note [Events outside the lock]: an event per use (mp_free_pending_locked), made with
+     * the lock dropped before anything changes, then the block is looked up again. Not for
+     * a free that a capture defers, which records nothing now (Note [Graph capture]). */
+    if (nuses_after > p->nevent_cache && tries < MP_EVENT_TRIES &&
+        !mp_capture_uses_locked(p, b) && !(moving && mp_capture_stream_locked(p, fs))) {
+        free(events);
+        tries = mp_event_stock_locked(p, nuses_after) == MP_OK ? tries + 1 : MP_EVENT_TRIES;
+        goto again;
     }
     if (moving) {
         mp_use_remove(b, fs);

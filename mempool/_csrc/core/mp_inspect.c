@@ -193,7 +193,7 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
     int64_t alloc_n[3] = {0}, alloc_b[3] = {0}, req_b[3] = {0}, active_n[3] = {0},
             active_b[3] = {0}, split_n[3] = {0}, split_b[3] = {0}, seg_n[3] = {0},
             reserved_b[3] = {0};
-    size_t nfree = 0, free_bytes = 0, npending = 0, nsegs = 0, nhot = 0;
+    size_t nfree = 0, free_bytes = 0, npending = 0, nsegs = 0, nhot = 0, nheld_events = 0;
     /* Note [Block tallies]: the blocks carrying each tally seen (the first few tallies;
      * clients are few), against what the tally counts. */
     enum { MAX_TALLIES = 8 };
@@ -273,6 +273,8 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
                 CHECK(b->requested <= b->nbytes, "block %#lx: requested %zu > size %zu",
                       (unsigned long)b->ptr, b->requested, b->nbytes);
                 req_b[k] += (int64_t)b->requested;   /* until the free completes, as PyTorch */
+                for (uint16_t i = 0; b->events && i < b->nuses; i++)
+                    nheld_events += b->events[i] != 0;   /* 0: synchronized instead */
                 active_n[k]++;
                 active_b[k] += (int64_t)b->nbytes;
                 break;
@@ -342,6 +344,11 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
     CHECK(list_count == nfree && list_bytes == free_bytes,
           "free lists hold %zu blocks / %zu bytes, segments %zu / %zu", list_count, list_bytes, nfree, free_bytes);
     CHECK(npending == p->npending, "pending list %zu, counted %zu", p->npending, npending);
+    /* Note [Events outside the lock]: every event made is cached or held by a pending free,
+     * and the cache has room for all of them. */
+    CHECK(p->nevent_cache + nheld_events == p->nevents && p->nevents <= p->cap_event_cache,
+          "events: %zu made, %zu cached, %zu held by pending frees, room for %zu", p->nevents,
+          p->nevent_cache, nheld_events, p->cap_event_cache);
     CHECK(p->live.count == (size_t)(alloc_n[1] + alloc_n[2]) + nhot,
           "live map holds %zu, counted %lld and %zu hot", p->live.count,
           (long long)(alloc_n[1] + alloc_n[2]), nhot);

@@ -115,8 +115,11 @@ struct mp_pool {
     mp_block *pending_head, *pending_tail;
     size_t npending;
 
-    uintptr_t *event_cache;      /* created events not in use */
+    /* Note [Events outside the lock]: created events not in use; room for all `nevents`
+     * the pool made, so that a put never grows it. */
+    uintptr_t *event_cache;
     size_t nevent_cache, cap_event_cache;
+    size_t nevents;              /* made and not destroyed: in the cache or held by blocks */
 
     mp_block *spare_blocks;      /* block structs not in use (linked by fnext) */
     mp_block_slab *slabs;
@@ -194,8 +197,15 @@ void mp_block_delete_locked(mp_pool *p, mp_block *b);
 void mp_free_block_locked(mp_pool *p, mp_block *b);
 void mp_insert_free_merged_locked(mp_pool *p, mp_block *b);
 /* mp_stream.c (the rest of its interface is in mp_stream.h) */
+/* Note [Events outside the lock]: get takes a cached event and never makes one (MP_ENOTREADY
+ * when the cache is empty); stock makes them with the lock dropped, until the cache holds
+ * `want` (MP_OK: all made; the caller starts its lookup again, since the pool may have
+ * changed, and another thread may have drawn on them meanwhile). */
 int mp_event_get_locked(mp_pool *p, uintptr_t *ev);
 void mp_event_put_locked(mp_pool *p, uintptr_t ev);
+int mp_event_stock_locked(mp_pool *p, size_t want);
+#define MP_EVENT_TRIES 3   /* stockings before a path takes its fallback (another thread
+                              may draw on the cache while the lock is dropped) */
 mp_stream *mp_stream_lookup_locked(mp_pool *p, uintptr_t handle);
 /* The pool's struct for a stream handle, created on first use (NULL: out of host memory).
  * Inline for its one-entry cache: every allocation asks. */
@@ -227,6 +237,11 @@ static inline int mp_up_record(mp_pool *p, uintptr_t ev, uintptr_t stream) {
     mp_count_call(&p->stats.num_event_records);
     return p->up.event_record(p->up.ctx, ev, stream);
 }
+/* Note [Events outside the lock]: never with the pool lock held (the debug build checks). */
+static inline int mp_up_event_create(mp_pool *p, uintptr_t *ev) {
+    mp_assert(!mp_lock_held_by_me(&p->lock));
+    return p->up.event_create(p->up.ctx, ev);
+}
 
 /* The high-water rules (Note [Expandable segments], Note [Reserved high water]) act only
  * on this much idle memory, and 1/MP_HIGH_WATER_IDLE_DIV of the mark: few releases. */
@@ -252,11 +267,12 @@ int mp_expand_detach_range_locked(mp_pool *p, mp_segment *seg, mp_stream *only, 
 void mp_detach_segment_locked(mp_pool *p, mp_segment *s, mp_release_list *out);
 /* Release cached memory until at least `target` bytes are released or nothing releasable is
  * left: idle segments oldest first (pinned ones never), then free pages of expandable
- * segments. Returns the bytes released. May drop and retake the lock (expandable pages). */
+ * segments. Returns the bytes released. May drop and retake the lock (expandable pages, an
+ * event to make: Note [Events outside the lock]). */
 size_t mp_release_idle_locked(mp_pool *p, size_t target, mp_release_list *out);
 /* Release idle segments of one kind (small/large), oldest first, at least `target` bytes,
  * but only when that kind's idle segments hold that much: "release beyond need"; target 0:
- * all of them. */
+ * all of them. May drop and retake the lock (an event to make). */
 size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_release_list *out);
 void mp_release_finish_slow(mp_pool *p, mp_release_list *list);
 /* Free what was detached, upstream; call WITHOUT the lock. Inline: usually nothing to do. */

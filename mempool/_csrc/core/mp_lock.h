@@ -8,14 +8,57 @@
 #ifndef MP_LOCK_H
 #define MP_LOCK_H
 
+#include <pthread.h>
 #include <sched.h>
+#include <stdint.h>
 
-typedef struct { volatile int locked; } mp_lock;
+#include "mp_assert.h"
 
-static inline void mp_lock_init(mp_lock *l) { l->locked = 0; }
+/* The debug build (MP_DEBUG) also keeps the holder, for asserts that a call is made with
+ * the lock dropped (mp_lock_held_by_me: Note [Events outside the lock]). */
+typedef struct {
+    volatile int locked;
+#if MP_DEBUG
+    volatile uintptr_t owner;   /* pthread_self() of the holder, 0 when free */
+#endif
+} mp_lock;
+
+static inline void mp_lock_init(mp_lock *l) {
+    l->locked = 0;
+#if MP_DEBUG
+    l->owner = 0;
+#endif
+}
+
+static inline void mp_lock_acquire_spin(mp_lock *l);
 
 static inline void mp_lock_acquire(mp_lock *l) {
-    if (!__atomic_exchange_n(&l->locked, 1, __ATOMIC_ACQUIRE)) return;
+    if (__atomic_exchange_n(&l->locked, 1, __ATOMIC_ACQUIRE)) mp_lock_acquire_spin(l);
+#if MP_DEBUG
+    l->owner = (uintptr_t)pthread_self();
+#endif
+}
+
+static inline void mp_lock_release(mp_lock *l) {
+#if MP_DEBUG
+    l->owner = 0;
+#endif
+    __atomic_store_n(&l->locked, 0, __ATOMIC_RELEASE);
+}
+
+/* Debug build: 1 when the calling thread holds l (only the holder stores its own id, so
+ * the answer is exact for the caller). Release build: 0, for asserts only. */
+static inline int mp_lock_held_by_me(const mp_lock *l) {
+#if MP_DEBUG
+    return __atomic_load_n(&l->locked, __ATOMIC_RELAXED) &&
+           l->owner == (uintptr_t)pthread_self();
+#else
+    (void)l;
+    return 0;
+#endif
+}
+
+static inline void mp_lock_acquire_spin(mp_lock *l) {
     for (unsigned spins = 0;; spins++) {
         while (__atomic_load_n(&l->locked, __ATOMIC_RELAXED)) {
             if (spins++ < 64) {
@@ -29,7 +72,5 @@ static inline void mp_lock_acquire(mp_lock *l) {
         if (!__atomic_exchange_n(&l->locked, 1, __ATOMIC_ACQUIRE)) return;
     }
 }
-
-static inline void mp_lock_release(mp_lock *l) { __atomic_store_n(&l->locked, 0, __ATOMIC_RELEASE); }
 
 #endif

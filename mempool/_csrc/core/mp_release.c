@@ -114,14 +114,32 @@ void mp_detach_segment_locked(mp_pool *p, mp_segment *seg, mp_release_list *out)
     out->nbytes += seg->nbytes;
 }
 
+/* Note [Events outside the lock]: mp_detach_segment_locked orders the free after each other
+ * owner of seg's blocks through an event. When the cache has none, make one with the lock
+ * dropped and return 1: the caller's walk of the idle list starts again, as it may have
+ * changed. After MP_EVENT_TRIES, or when none can be made, the detach syncs the owner. */
+static int stock_for_detach_locked(mp_pool *p, const mp_segment *seg, int *tries) {
+    if (p->nevent_cache || *tries >= MP_EVENT_TRIES) return 0;
+    const mp_block *b = seg->first;
+    while (b && b->stream == seg->stream) b = b->next;
+    if (!b) return 0;   /* one owner: no event */
+    *tries = mp_event_stock_locked(p, 1) == MP_OK ? *tries + 1 : MP_EVENT_TRIES;
+    return 1;
+}
+
 size_t mp_release_idle_locked(mp_pool *p, size_t target, mp_release_list *out) {
     size_t released = 0;
+    int tries = 0;
     /* Note [Graph capture]: nothing goes while a capture is under way; later calls see it. */
     if ((p->idle_bytes || p->cfg.expandable_segments) && mp_capture_call_locked(p, out)) return 0;
     mp_segment *seg = p->idle_head;
     while (seg && released < target) {
         mp_segment *next = seg->inext;
         if (!seg->pinned && !mp_capture_segment_locked(p, out, seg)) {
+            if (stock_for_detach_locked(p, seg, &tries)) {
+                seg = p->idle_head;
+                continue;
+            }
             released += seg->nbytes;
             mp_detach_segment_locked(p, seg, out);
         }
@@ -140,10 +158,15 @@ size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_relea
         if (!seg->pinned && seg->kind == kind) idle += seg->nbytes;
     if (idle < target) return 0;   /* not a new segment's worth of this kind: keep them */
     size_t released = 0, want = target ? target : SIZE_MAX;   /* 0: every one */
+    int tries = 0;
     mp_segment *seg = p->idle_head;
     while (seg && released < want) {
         mp_segment *next = seg->inext;
         if (!seg->pinned && seg->kind == kind && !mp_capture_segment_locked(p, out, seg)) {
+            if (stock_for_detach_locked(p, seg, &tries)) {
+                seg = p->idle_head;
+                continue;
+            }
             released += seg->nbytes;
             mp_detach_segment_locked(p, seg, out);
         }

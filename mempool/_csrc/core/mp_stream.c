@@ -55,26 +55,98 @@
 
 /* ---------------------------------------------------------------- events */
 
+/* Note [Events outside the lock]
+ * Creating an event can wait on a lock of the driver's own. On the H200 under compute-
+ * sanitizer a thread in Pool.alloc (the GIL held, as the hot path keeps it) waited in
+ * cuEventCreate for a driver lock, holding the pool lock too, while a thread launching a
+ * kernel held that driver lock and, in the sanitizer's launch callback, waited for the GIL:
+ * a deadlock. Any tool or library whose driver callback takes the GIL (CUPTI profilers
+ * that take Python stacks) closes the same cycle. So the pool makes no event with its lock
+ * held, and a Pool method lets the GIL go meanwhile (Note [Blocking upstream calls]).
+ *
+ * Events come from the cache only: mp_event_get_locked never makes one. A path that finds
+ * too few calls mp_event_stock_locked, which drops the lock, makes them in a blocking pair
+ * (what is missing plus as many as the pool has, up to MP_EVENT_BATCH: a rising peak
+ * costs few drops), takes the lock back and adds them; the path then starts again from a
+ * point where it had changed nothing: cross-stream reuse searches again, mp_free looks its
+ * block up again, a deferred free restarts the pending walk, a release restarts its walk of
+ * the idle list. After MP_EVENT_TRIES stockings, or when creation fails, the path takes
+ * the fallbacks it always had (a fresh segment instead of reuse, a sync without the lock
+ * instead of an event). Steady work only draws on the cache: reuse and release put their
+ * event back at once, a pending free its events when it completes, so the cache grows to
+ * the work's peak and nothing is made after warm-up. The cache has room for every event
+ * the pool made (cap_event_cache >= nevents), so a put never grows it nor, out of host
+ * memory, destroys an event under the lock; events are destroyed at the pool's end only
+ * (mp_pool_destroy, when no other thread can reach the pool; the GIL of a Pool's dealloc
+ * is still held there).
+ *
+ * What stays under the lock: recording, querying and waiting on events that exist, and
+ * stream queries (Note [Threshold releases without a sync]). They act on one object each,
+ * and none was seen waiting in the stacks; moving them out would cost a lock drop on every
+ * cross-stream reuse. The sim holds creations on request (hold_event_creates), and
+ * tests/test_events_outside_lock.py checks that another thread runs Python and uses the
+ * pool meanwhile at each of the three places; the debug build asserts it
+ * (mp_up_event_create). */
+
+#define MP_EVENT_BATCH 32   /* the most events made beyond a path's need at once */
+
 int mp_event_get_locked(mp_pool *p, uintptr_t *ev) {
-    if (p->nevent_cache) {
-        *ev = p->event_cache[--p->nevent_cache];
-        return MP_OK;
-    }
-    return p->up.event_create(p->up.ctx, ev);
+    if (!p->nevent_cache) return MP_ENOTREADY;   /* made only by mp_event_stock_locked */
+    *ev = p->event_cache[--p->nevent_cache];
+    return MP_OK;
 }
 
 void mp_event_put_locked(mp_pool *p, uintptr_t ev) {
-    if (p->nevent_cache == p->cap_event_cache) {
-        size_t cap = p->cap_event_cache ? p->cap_event_cache * 2 : 16;
-        uintptr_t *grown = realloc(p->event_cache, cap * sizeof *grown);
-        if (!grown) {
-            p->up.event_destroy(p->up.ctx, ev);
-            return;
-        }
-        p->event_cache = grown;
-        p->cap_event_cache = cap;
-    }
+    mp_check(p->nevent_cache < p->cap_event_cache);   /* room for every event made */
     p->event_cache[p->nevent_cache++] = ev;
+}
+
+/* Make and destroy events with the lock dropped, the GIL let go in a marked thread. */
+static int events_make_unlocked(mp_pool *p, uintptr_t *evs, size_t n, size_t *made) {
+    int rc = MP_OK;
+    *made = 0;
+    mp_lock_drop(p);
+    void *blocking = mp_blocking_begin();
+    while (*made < n && (rc = mp_up_event_create(p, &evs[*made])) == MP_OK) (*made)++;
+    mp_blocking_end(blocking);
+    mp_lock_retake(p);
+    return rc;
+}
+
+static void events_destroy_unlocked(mp_pool *p, const uintptr_t *evs, size_t n) {
+    mp_lock_drop(p);
+    void *blocking = mp_blocking_begin();
+    for (size_t i = 0; i < n; i++) p->up.event_destroy(p->up.ctx, evs[i]);
+    mp_blocking_end(blocking);
+    mp_lock_retake(p);
+}
+
+int mp_event_stock_locked(mp_pool *p, size_t want) {
+    if (p->nevent_cache >= want) return MP_OK;
+    size_t extra = p->nevents < MP_EVENT_BATCH ? p->nevents : MP_EVENT_BATCH;
+    size_t n = want - p->nevent_cache + extra;
+    uintptr_t few[8], *evs = n <= 8 ? few : malloc(n * sizeof *evs);
+    if (!evs) return MP_ENOMEM;
+    size_t made;
+    int rc = events_make_unlocked(p, evs, n, &made);
+    /* Room for all of them in the cache, now, so that no put ever needs it. */
+    size_t cap = p->cap_event_cache ? p->cap_event_cache : 16;
+    while (cap < p->nevents + made) cap *= 2;
+    if (cap != p->cap_event_cache) {
+        uintptr_t *grown = realloc(p->event_cache, cap * sizeof *grown);
+        if (grown) {
+            p->event_cache = grown;
+            p->cap_event_cache = cap;
+        } else {
+            events_destroy_unlocked(p, evs, made);
+            made = 0;
+            rc = MP_ENOMEM;
+        }
+    }
+    for (size_t i = 0; i < made; i++) p->event_cache[p->nevent_cache++] = evs[i];
+    p->nevents += made;
+    if (evs != few) free(evs);
+    return rc;
 }
 
 /* ---------------------------------------------------------------- streams */
@@ -101,17 +173,25 @@ mp_stream *mp_stream_lookup_locked(mp_pool *p, uintptr_t handle) {
  * streams' free blocks, made safe for `s` by an event recorded on its owner that `s` waits
  * on. */
 mp_block *mp_take_from_other_stream_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
-    mp_block *best = NULL;
-    for (size_t i = 0; i < p->nstreams; i++) {
-        mp_stream *t = p->streams[i];
-        if (t == s) continue;
-        mp_block *b = mp_freelist_find_fit(p, &t->lists[kind], size);
-        if (b && (!best || b->nbytes < best->nbytes)) best = b;
+    mp_block *best;
+    for (int tries = 0;; tries++) {
+        best = NULL;
+        for (size_t i = 0; i < p->nstreams; i++) {
+            mp_stream *t = p->streams[i];
+            if (t == s) continue;
+            mp_block *b = mp_freelist_find_fit(p, &t->lists[kind], size);
+            if (b && (!best || b->nbytes < best->nbytes)) best = b;
+        }
+        if (!best) return NULL;
+        /* Note [Graph capture]: the event would be recorded, queried or waited on across a
+         * capture's edge. */
+        if (mp_capture_stream_locked(p, s) || mp_capture_handle(p, best->stream->handle))
+            return NULL;
+        if (p->nevent_cache) break;
+        /* Note [Events outside the lock]: the lock goes while the event is made, and the
+         * search starts again; a fresh segment when none can be made. */
+        if (tries == MP_EVENT_TRIES || mp_event_stock_locked(p, 1) != MP_OK) return NULL;
     }
-    if (!best) return NULL;
-    /* Note [Graph capture]: the event would be recorded, queried or waited on across a
-     * capture's edge. */
-    if (mp_capture_stream_locked(p, s) || mp_capture_handle(p, best->stream->handle)) return NULL;
     uintptr_t ev;
     if (mp_event_get_locked(p, &ev) != MP_OK) return NULL;
     int rc = mp_up_record(p, ev, best->stream->handle);
@@ -180,15 +260,16 @@ static uint16_t record_uses_locked(mp_pool *p, mp_block *b, uintptr_t *events) {
     return nsync;
 }
 
-static int record_deferred_locked(mp_pool *p, mp_block *b);
+static int record_deferred_locked(mp_pool *p, mp_block *b, int *stocked);
 
 int mp_process_pending_locked(mp_pool *p) {
     if (mp_capture_stream_locked(p, NULL)) return MP_OK;   /* Note [Graph capture]: no query */
     mp_block *b = p->pending_head;
+    int stocked = 0;
     while (b) {
         mp_block *next = b->fnext;
         if (!b->events) {
-            int r = record_deferred_locked(p, b);
+            int r = record_deferred_locked(p, b, &stocked);
             if (r == 0) {
                 b = next;
                 continue;
@@ -256,8 +337,19 @@ static void sync_uses_unlocked(mp_pool *p, mp_block *b, uint16_t nsync) {
 /* Note [Graph capture]: the events of a free deferred during a capture, recorded once no
  * capture touches its streams. 0: still deferred; 1: recorded; 2: a stream had to be
  * synchronized, with the lock dropped meanwhile (the caller's list walk starts again). */
-static int record_deferred_locked(mp_pool *p, mp_block *b) {
+static int record_deferred_locked(mp_pool *p, mp_block *b, int *stocked) {
     if (mp_capture_uses_locked(p, b)) return 0;
+    /* Note [Events outside the lock]: made with the lock dropped for every deferred free at
+     * once, then the walk starts again; once per walk, so that a creation that fails (or
+     * another thread's draw meanwhile) ends in the sync below, not in a loop. */
+    if (b->nuses > p->nevent_cache && !*stocked) {
+        size_t want = 0;
+        for (mp_block *d = p->pending_head; d; d = d->fnext)
+            if (!d->events) want += d->nuses;
+        *stocked = 1;
+        mp_event_stock_locked(p, want);
+        return 2;
+    }
     uintptr_t *events = malloc(b->nuses * sizeof *events);
     if (!events) return 0;
     uint16_t nsync = record_uses_locked(p, b, events);
@@ -440,6 +532,16 @@ int mp_forget_stream(mp_pool *p, uintptr_t handle) {
         return rc == MP_OK ? MP_ENOMEM : rc;
     }
     hand_over_stream_locked(p, s, legacy, &rel);
+    /* Its pending frees may have dropped the lock (an event to make, a stream to sync), and
+     * other threads added or forgotten streams meanwhile: its index is found again, and a
+     * forget of the same handle that took it then has handed it over already. */
+    i = 0;
+    while (i < p->nstreams && p->streams[i] != s) i++;
+    if (i == p->nstreams) {
+        mp_lock_release(&p->lock);
+        mp_release_finish(p, &rel);
+        return MP_OK;
+    }
     p->streams[i] = p->streams[--p->nstreams];
     if (p->last_stream == s) p->last_stream = NULL;
     if (p->nunlocked) {

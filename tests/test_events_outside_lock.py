@@ -1,0 +1,184 @@
+"""Note [Events outside the lock]: the pool creates events only with its lock dropped and,
+in a Pool method, the GIL let go, so that a driver call that waits on a driver-wide lock
+never does so holding either.
+
+The simulated device holds event creations on request (``device.hold_event_creates``): the
+call waits inside the device until ``release_held`` or its timeout. While it waits, the main
+thread must run Python (the GIL is free) and allocate and free on the same pool (its lock is
+free). The three places that draw on the event cache are each driven to an empty cache:
+cross-stream reuse (alloc), a free with recorded streams, and the release of a segment whose
+blocks other streams own. Each must end as it did when events were made under the lock: the
+same block reused, the free pending on its event, the segment freed after an event wait,
+never the fallbacks (a fresh segment, a host sync).
+"""
+import threading
+
+import pytest
+
+import mempool
+from test_blocking_upstream import WAIT, finish, in_thread, wait_until_held
+
+MiB = 1 << 20
+
+
+def creates(pool):
+    return pool.device.counters()["event_creates"]
+
+
+def test_cross_stream_reuse_creates_its_event_without_the_gil_or_the_pool_lock():
+    pool = mempool.Pool(backend="sim")
+    dev = pool.device
+    a = pool.alloc(4 * MiB, stream=1)      # a large block: the small lists stay empty
+    dev.launch(1)                          # the owner has work queued: stream 2 must wait
+    pool.free(a)
+    dev.hold_event_creates(1, timeout=WAIT)
+    thread, out = in_thread(lambda: pool.alloc(4 * MiB, stream=2))
+    assert wait_until_held(dev), "the allocating thread kept the GIL through the creation"
+    # The pool lock is free too: a small block of a new segment, no event needed.
+    small = pool.alloc(512, stream=3)
+    pool.free(small)
+    ptr = finish(thread, out, dev)
+    assert ptr == a, "the cross-stream block was not reused after the event was made"
+    stats = pool.stats()
+    assert stats["num_cross_stream_reuse"] == 1 and stats["num_event_waits"] == 1
+    assert stats["num_device_alloc"] == 2          # a's segment and the small one, no other
+    assert dev.ordered(2, 1, 1)                    # stream 2 waits for stream 1's work
+    assert dev.counters()["hold_timeouts"] == 0 and creates(pool) == 1
+    pool.free(ptr)
+    pool.check_invariants()
+
+
+def test_a_free_with_recorded_streams_creates_its_events_without_the_gil_or_the_pool_lock():
+    pool = mempool.Pool(backend="sim")
+    dev = pool.device
+    a = pool.alloc(4096, stream=1)
+    pool.record_stream(a, 7)
+    pool.record_stream(a, 8)
+    dev.launch(7)
+    dev.launch(8)
+    syncs = dev.counters()["syncs"]
+    dev.hold_event_creates(1, timeout=WAIT)
+    thread, out = in_thread(lambda: pool.free(a))
+    assert wait_until_held(dev), "the freeing thread kept the GIL through the creation"
+    other = pool.alloc(4096, stream=1)             # the rest of a's segment, on its stream
+    pool.free(other)
+    finish(thread, out, dev)
+    assert dev.counters()["hold_timeouts"] == 0
+    assert dev.counters()["syncs"] == syncs, "the free fell back to a host sync"
+    assert creates(pool) == 2                      # one event per recorded stream
+    stats = pool.stats()
+    assert stats["active.all.current"] == 1        # a waits for streams 7 and 8
+    dev.complete(7)
+    dev.complete(8)
+    assert pool.alloc(4096, stream=1) == a         # its events completed: a is free again
+    pool.check_invariants()
+
+
+def test_a_release_that_waits_on_another_owner_creates_its_event_without_the_gil_or_lock():
+    pool = mempool.Pool(backend="sim")
+    dev = pool.device
+    a = pool.alloc(4 * MiB, stream=1)
+    pool.free(a, stream=2)                 # a's segment stays stream 1's; stream 2 owns a
+    # The one event made so far is kept by a free that waits on stream 8: the cache is empty.
+    b = pool.alloc(4096, stream=3)
+    pool.record_stream(b, 8)
+    dev.launch(8)
+    pool.free(b)
+    made, syncs, waits = creates(pool), dev.counters()["syncs"], dev.counters()["waits"]
+    assert made == 1
+    dev.hold_event_creates(1, timeout=WAIT)
+    thread, out = in_thread(lambda: pool.trim(0))
+    assert wait_until_held(dev), "the releasing thread kept the GIL through the creation"
+    other = pool.alloc(4096, stream=3)             # the rest of b's segment, on its stream
+    pool.free(other)
+    finish(thread, out, dev)
+    counters = dev.counters()
+    # The one missing, and as many again as the pool had: a rising need drops the lock
+    # a few times, not once per event.
+    assert counters["hold_timeouts"] == 0 and creates(pool) == 2 * made + 1
+    assert counters["frees"] == 1                  # a's segment went back ...
+    assert counters["waits"] == waits + 1          # ... after stream 1 waited on stream 2
+    assert counters["syncs"] == syncs, "the release fell back to a host sync"
+    dev.complete(8)
+    pool.check_invariants()
+
+
+def test_a_steady_cross_stream_loop_creates_no_event_after_its_first_round():
+    """The cache keeps what was made: a loop that reuses blocks across streams, frees with
+    recorded streams and releases segments of several owners makes its events once."""
+    pool = mempool.Pool(backend="sim", release_threshold=0)
+    dev = pool.device
+
+    def one_round():
+        a = pool.alloc(MiB, stream=1)
+        dev.launch(1)
+        pool.free(a)
+        b = pool.alloc(MiB, stream=2)              # stream 1's block, after an event wait
+        pool.record_stream(b, 7)
+        dev.launch(7)
+        pool.free(b, stream=3)                     # pending on streams 7 and 2
+        dev.complete_all()
+
+    one_round()
+    made, stats = creates(pool), pool.stats()
+    assert made >= 1
+    for _ in range(50):
+        one_round()
+    after = pool.stats()
+    assert creates(pool) == made, "events were made again after the first round"
+    assert after["num_cross_stream_reuse"] - stats["num_cross_stream_reuse"] == 50
+    assert after["num_device_free"] - stats["num_device_free"] == 50   # released each round
+    assert dev.counters()["live_events"] == made
+    pool.check_invariants()
+
+
+def test_threads_sharing_streams_keep_every_event_accounted_for():
+    """Several threads draw on one cache and stock it, each with its lock drops: no event
+    is lost or handed out twice (check_invariants counts them), and none is made once
+    the cache has seen the threads' peak."""
+    pool = mempool.Pool(backend="sim", release_threshold=4 * MiB)
+    dev = pool.device
+    errors = []
+
+    def work(k):
+        try:
+            for i in range(300):
+                s = 1 + (k + i) % 4
+                ptr = pool.alloc((1 + i % 3) * 256 * 1024, stream=s)
+                if i % 5 == 0:
+                    pool.record_stream(ptr, 11 + k)
+                    dev.launch(11 + k)
+                pool.free(ptr, stream=1 + (s % 4))
+                if i % 7 == 0:
+                    dev.complete_all()
+        except BaseException as exc:   # re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    dev.complete_all()
+    pool.check_invariants()
+    pool.empty_cache()
+    assert pool.reserved_bytes() == 0
+    assert dev.counters()["live_events"] == creates(pool)   # the pool destroys none early
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("args, message", [
+    ((-1,), "n must be >= 0"),
+    ((1.5,), "n must be an integer"),
+    ((1, 0), "timeout must be a number of seconds"),
+    ((1, True), "timeout must be a number of seconds"),
+])
+def test_hold_event_creates_refuses_bad_arguments(args, message):
+    pool = mempool.Pool(backend="sim")
+    with pytest.raises((TypeError, ValueError), match=message):
+        pool.device.hold_event_creates(*args)
+    a = pool.alloc(MiB, stream=1)
+    pool.free(a)
+    assert pool.alloc(MiB, stream=2) == a   # an event was made: nothing was held
+    assert pool.device.counters()["hold_timeouts"] == 0
