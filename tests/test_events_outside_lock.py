@@ -103,6 +103,71 @@ def test_a_release_that_waits_on_another_owner_creates_its_event_without_the_gil
     pool.check_invariants()
 
 
+def deferred_free(pool, stream, use):
+    """A block of `stream`, used on `use`, freed while `use` captures a graph: the free
+    records no event until the capture is over (Note [Graph capture]); `use` then has work
+    queued, so the free stays pending once it records."""
+    dev = pool.device
+    a = pool.alloc(4096, stream=stream)
+    pool.record_stream(a, use)
+    assert dev.begin_capture(use) is None
+    pool.free(a)
+    dev.end_capture(use)
+    dev.launch(use)
+    return a
+
+
+def test_a_free_deferred_by_a_capture_creates_its_event_without_the_gil_or_the_pool_lock():
+    pool = mempool.Pool(backend="sim")
+    dev = pool.device
+    a = deferred_free(pool, 1, 7)
+    assert creates(pool) == 0 and pool.stats()["active.all.current"] == 1
+    syncs = dev.counters()["syncs"]
+    dev.hold_event_creates(1, timeout=WAIT)
+    # The next allocation records the deferred free's event first.
+    thread, out = in_thread(lambda: pool.alloc(4 * MiB, stream=2))
+    assert wait_until_held(dev), "the allocating thread kept the GIL through the creation"
+    other = pool.alloc(4096, stream=1)             # the rest of a's segment, on its stream
+    pool.free(other)
+    pool.free(finish(thread, out, dev))
+    # Two made: the main thread's allocation recorded the deferred free meanwhile, with an
+    # event of its own; the held one went to the cache.
+    assert dev.counters()["hold_timeouts"] == 0 and creates(pool) == 2
+    assert dev.counters()["syncs"] == syncs, "the deferred free fell back to a host sync"
+    assert pool.stats()["active.all.current"] == 1   # a waits for stream 7's work
+    dev.complete(7)
+    assert pool.alloc(4096, stream=1) == a
+    assert dev.capture_violations == 0
+    pool.check_invariants()
+
+
+def test_forget_stream_finds_its_stream_again_after_the_lock_was_dropped():
+    """forget_stream hands its stream's pending frees over, which may make an event with
+    the lock dropped; another thread forgets another stream meanwhile and moves the first
+    one's place in the pool's table. The first must remove its own stream, not the one
+    now at its old place."""
+    pool = mempool.Pool(backend="sim", cross_stream_reuse=False)   # no event before the hold
+    dev = pool.device
+    keep = pool.alloc(4096, stream=0)              # the table: 0, 3, 1, 7, 5
+    pool.free(pool.alloc(4096, stream=3))
+    deferred_free(pool, 1, 7)
+    pool.record_stream(keep, 5)                    # no allocation: a's free stays deferred
+    assert pool.stats()["num_streams"] == 5 and creates(pool) == 0
+    dev.hold_event_creates(1, timeout=WAIT)
+    thread, out = in_thread(lambda: pool.forget_stream(5))
+    assert wait_until_held(dev), "forget_stream kept the GIL through the creation"
+    pool.forget_stream(3)                          # moves stream 5 to 3's place
+    finish(thread, out, dev)
+    assert dev.counters()["hold_timeouts"] == 0
+    pool.check_invariants()
+    assert pool.stats()["num_streams"] == 3        # 0, 1 and 7
+    dev.complete(7)
+    ptr = pool.alloc(4096, stream=7)               # stream 7 kept its state
+    pool.free(ptr)
+    pool.free(keep)
+    pool.check_invariants()
+
+
 def test_a_steady_cross_stream_loop_creates_no_event_after_its_first_round():
     """The cache keeps what was made: a loop that reuses blocks across streams, frees with
     recorded streams and releases segments of several owners makes its events once."""
