@@ -11,6 +11,10 @@ blocks other streams own. Each must end as it did when events were made under th
 same block reused, the free pending on its event, the segment freed after an event wait,
 never the fallbacks (a fresh segment, a host sync).
 """
+import os
+import shutil
+import subprocess
+import textwrap
 import threading
 
 import pytest
@@ -19,6 +23,8 @@ import mempool
 from test_blocking_upstream import WAIT, finish, in_thread, wait_until_held
 
 MiB = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CC = os.environ.get("CC", "cc")
 
 
 def creates(pool):
@@ -247,3 +253,43 @@ def test_hold_event_creates_refuses_bad_arguments(args, message):
     pool.free(a)
     assert pool.alloc(MiB, stream=2) == a   # an event was made: nothing was held
     assert pool.device.counters()["hold_timeouts"] == 0
+
+
+@pytest.mark.skipif(shutil.which(CC) is None, reason="needs a C compiler")
+@pytest.mark.parametrize("debug", [0, 1])
+def test_the_debug_build_knows_which_thread_holds_a_pool_lock(tmp_path, debug):
+    """mp_up_event_create asserts !mp_lock_held_by_me(&p->lock) in the debug build: the
+    answer must be exact for the calling thread (another thread holding the lock is no
+    breach), and the release build keeps no holder (the lock stays one word)."""
+    src = tmp_path / "held.c"
+    src.write_text(textwrap.dedent("""
+        #include <stdio.h>
+        #include "mp_lock.h"
+        static mp_lock lock;
+        static int other_saw = -1;
+        static void *other(void *arg) { (void)arg; other_saw = mp_lock_held_by_me(&lock); return NULL; }
+        int main(void) {
+            mp_lock_init(&lock);
+            int before = mp_lock_held_by_me(&lock);
+            mp_lock_acquire(&lock);
+            int during = mp_lock_held_by_me(&lock);
+            pthread_t t;
+            pthread_create(&t, NULL, other, NULL);
+            pthread_join(t, NULL);
+            mp_lock_release(&lock);
+            printf("%d %d %d %d %zu\\n", before, during, other_saw, mp_lock_held_by_me(&lock),
+                   sizeof(mp_lock));
+            return 0;
+        }
+    """))
+    exe = tmp_path / "held"
+    flags = [f"-DMP_DEBUG={debug}"] if debug else []
+    subprocess.run([CC, "-std=gnu11", "-Wall", "-Werror", "-Wno-unused-function", "-pthread",
+                    *flags, "-I", os.path.join(ROOT, "mempool", "_csrc", "core"), str(src),
+                    "-o", str(exe)], check=True)
+    before, during, other, after, size = subprocess.run(
+        [str(exe)], capture_output=True, text=True, timeout=30, check=True).stdout.split()
+    assert (before, other, after) == ("0", "0", "0")
+    assert during == ("1" if debug else "0")
+    if not debug:
+        assert size == "4"
