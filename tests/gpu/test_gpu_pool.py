@@ -172,3 +172,57 @@ def test_stream_none_follows_cupys_current_stream(cuda_pool, cupy_device):
         assert python_lookups == 100
     first.synchronize()
     second.synchronize()
+
+
+def test_events_are_made_while_other_threads_launch_kernels(cuda_pool, kernels, cupy_device):
+    """Note [Events outside the lock]: in a fresh pool, cross-stream reuse finds the event
+    cache empty, and so does a free that waits on two streams; each makes its events while
+    other threads launch kernels without the GIL. Under compute-sanitizer, whose launch
+    callback takes the GIL, an event made with the GIL and the pool lock held deadlocked
+    against such a launch."""
+    cupy = cupy_device
+    stop = threading.Event()
+    errors = []
+
+    def launch():
+        try:
+            with cupy.cuda.Device(0):
+                s = cupy.cuda.Stream(non_blocking=True)
+                with s:
+                    x = cupy.zeros(1 << 20, dtype=cupy.float32)
+                    while not stop.is_set():
+                        x += 1
+                s.synchronize()
+        except Exception as exc:  # reported below, in the main thread
+            errors.append(repr(exc))
+
+    launchers = [threading.Thread(target=launch) for _ in range(3)]
+    for t in launchers:
+        t.start()
+    try:
+        s1, s2, s3 = (cupy.cuda.Stream(non_blocking=True) for _ in range(3))
+        for round_ in range(10):
+            pool = cuda_pool()
+            a = pool.alloc(4 * MiB, stream=s1)
+            kernels.fill(a, 4 * MiB, seed=round_, stream=s1)
+            pool.free(a)
+            b = pool.alloc(4 * MiB, stream=s2)             # s1's block, after an event
+            assert b == a and pool.stats()["num_cross_stream_reuse"] == 1
+            kernels.fill(b, 4 * MiB, seed=round_ + 100, stream=s2)
+            pool.record_stream(b, s3)
+            pool.free(b, stream=s1)                        # waits on s2 and s3: two events
+            c = pool.alloc(MiB, stream=s3)
+            kernels.fill(c, MiB, seed=round_ + 200, stream=s3)
+            assert kernels.count_bad(c, MiB, round_ + 200, s3) == 0
+            pool.free(c)
+            for s in (s1, s2, s3):
+                s.synchronize()
+            pool.empty_cache()                             # segments of several owners
+            pool.check_invariants()
+            assert pool.reserved_bytes() == 0
+    finally:
+        stop.set()
+        for t in launchers:
+            t.join(30)
+    assert not any(t.is_alive() for t in launchers)
+    assert errors == []
