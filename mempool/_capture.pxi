@@ -16,5 +16,10 @@ def _capture_end(Pool pool not None):
     """Tell ``pool`` that a capture it was told of has ended; when none is left, deferred
     frees and releases happen now. ``ValueError`` when none was begun."""
     pool._ready()
-    if mp_capture_end(pool._pool) != MP_OK:
+    # Deferred frees make their events now, and releases free segments: the GIL goes
+    # meanwhile (Note [Blocking upstream calls], Note [Events outside the lock]).
+    mp_py_mark(1)
+    cdef int rc = mp_capture_end(pool._pool)
+    mp_py_mark(0)
+    if rc != MP_OK:
         raise ValueError("_capture_end: no capture was begun on this pool")

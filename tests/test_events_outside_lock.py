@@ -20,6 +20,7 @@ import threading
 import pytest
 
 import mempool
+from mempool import _core
 from test_blocking_upstream import WAIT, finish, in_thread, wait_until_held
 
 MiB = 1 << 20
@@ -144,6 +145,30 @@ def test_a_free_deferred_by_a_capture_creates_its_event_without_the_gil_or_the_p
     dev.complete(7)
     assert pool.alloc(4096, stream=1) == a
     assert dev.capture_violations == 0
+    pool.check_invariants()
+
+
+def test_the_end_of_a_capture_records_deferred_frees_without_the_gil_or_the_pool_lock():
+    """_capture_end (the pool told of a capture it cannot see, as PyTorch's glue does)
+    records the frees deferred meanwhile: their events are made with the GIL let go."""
+    pool = mempool.Pool(backend="sim", cross_stream_reuse=False)
+    dev = pool.device
+    a = pool.alloc(4096, stream=1)
+    pool.record_stream(a, 7)
+    dev.launch(7)
+    _core._capture_begin(pool)
+    pool.free(a)                                   # deferred: no event during a capture
+    assert creates(pool) == 0
+    dev.hold_event_creates(1, timeout=WAIT)
+    thread, out = in_thread(lambda: _core._capture_end(pool))
+    assert wait_until_held(dev), "_capture_end kept the GIL through the creation"
+    other = pool.alloc(4096, stream=1)
+    pool.free(other)
+    finish(thread, out, dev)
+    assert dev.counters()["hold_timeouts"] == 0 and dev.counters()["syncs"] == 0
+    assert pool.stats()["active.all.current"] == 1   # a waits for stream 7's work
+    dev.complete(7)
+    assert pool.alloc(4096, stream=1) == a
     pool.check_invariants()
 
 
