@@ -264,6 +264,7 @@ cdef extern from "mp_sim.h" nogil:
     void mp_sim_hold_allocs(mp_sim *sim, unsigned n, unsigned timeout_ms)
     void mp_sim_hold_syncs(mp_sim *sim, unsigned n, unsigned timeout_ms)
     void mp_sim_hold_event_creates(mp_sim *sim, unsigned n, unsigned timeout_ms)
+    void mp_sim_hold_va_reserves(mp_sim *sim, unsigned n, unsigned timeout_ms)
     unsigned mp_sim_held(mp_sim *sim)
     void mp_sim_release_held(mp_sim *sim)
     uint64_t mp_sim_hold_timeouts(mp_sim *sim)

@@ -68,7 +68,7 @@ cdef class _DeviceBase:
 
 
 def _hold_args(n, timeout):
-    """SimDevice.hold_allocs/hold_syncs/hold_event_creates arguments: (count, timeout in ms), checked."""
+    """SimDevice.hold_* arguments: (count, timeout in ms), checked."""
     cdef size_t k = _as_nbytes(n, "n")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
             not 0 < timeout <= 3600:
@@ -144,10 +144,18 @@ cdef class SimDevice(_DeviceBase):
         k, ms = _hold_args(n, timeout)
         mp_sim_hold_event_creates(self._sim, k, ms)
 
+    def hold_va_reserves(self, n=1, timeout=2.0):
+        """Hold the next ``n`` address-space reservations (the ranges of expandable
+        segments) the same way (:meth:`hold_allocs`); a pool makes them without its lock."""
+        self._ready()
+        cdef unsigned k, ms
+        k, ms = _hold_args(n, timeout)
+        mp_sim_hold_va_reserves(self._sim, k, ms)
+
     @property
     def held(self):
-        """Calls waiting in the device now: segment allocations, page maps, stream syncs and
-        event creations (:meth:`hold_allocs`)."""
+        """Calls waiting in the device now: segment allocations, page maps, stream syncs,
+        event creations and address reservations (:meth:`hold_allocs`)."""
         self._ready()
         return mp_sim_held(self._sim)
 

@@ -194,6 +194,7 @@ SPECIAL = {
                    "timeouts of at most 10 ms, or invalid ones",
     "hold_syncs": "as hold_allocs, for stream synchronizations",
     "hold_event_creates": "as hold_allocs, for event creations",
+    "hold_va_reserves": "as hold_allocs, for address-space reservations",
 }
 
 
@@ -345,7 +346,7 @@ def draw_args(data, world, fn, name):
     if name == "save_trace":
         return (data.draw(st.sampled_from([os.path.join(world.tmpdir, "t.jsonl"), None, 1.5,
                                            (), object()]), label="path"),), {}
-    if name in ("hold_allocs", "hold_syncs", "hold_event_creates"):
+    if name in ("hold_allocs", "hold_syncs", "hold_event_creates", "hold_va_reserves"):
         return (data.draw(st.sampled_from([0, 1, 2, -1, 2 ** 64, None]), label="n"),
                 data.draw(st.sampled_from([0.001, 0.01, 0, -1, math.nan, math.inf, 1e9,
                                            "1", None]), label="timeout")), {}

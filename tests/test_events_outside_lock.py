@@ -199,6 +199,31 @@ def test_forget_stream_finds_its_stream_again_after_the_lock_was_dropped():
     pool.check_invariants()
 
 
+def test_an_expandable_range_is_reserved_without_the_gil_or_the_pool_lock():
+    """The address space of an expandable segment's range is reserved (cuMemAddressReserve)
+    with the lock dropped and the GIL let go, as events are made; a thread that gave the
+    stream a range meanwhile wins, and the reservation made in vain goes back."""
+    pool = mempool.Pool(backend="sim", expandable_segments=True)
+    dev = pool.device
+    dev.hold_va_reserves(1, timeout=WAIT)
+    thread, out = in_thread(lambda: pool.alloc(4 * MiB, stream=1))
+    assert wait_until_held(dev), "the allocating thread kept the GIL through the reservation"
+    other = pool.alloc(MiB, stream=2)              # another stream: its own range
+    pool.free(other)
+    mine = pool.alloc(4 * MiB, stream=1)           # stream 1's range, made meanwhile
+    ptr = finish(thread, out, dev)
+    assert dev.counters()["hold_timeouts"] == 0 and dev.counters()["errors"] == 0
+    stats = pool.stats()
+    assert stats["segment.all.current"] == 2       # one range per stream: the held one went
+    assert stats["va_reserved_bytes.current"] == 2 * pool.capacity
+    assert ptr != mine and pool.block_info(ptr)[2] == 1
+    pool.free(ptr)
+    pool.free(mine)
+    pool.check_invariants()
+    pool.empty_cache()
+    pool.check_invariants()
+
+
 def test_a_steady_cross_stream_loop_creates_no_event_after_its_first_round():
     """The cache keeps what was made: a loop that reuses blocks across streams, frees with
     recorded streams and releases segments of several owners makes its events once."""

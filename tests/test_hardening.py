@@ -105,6 +105,7 @@ UNINITIALISED = [
     "mempool.SimDevice.__new__(mempool.SimDevice).fail_events(1)",
     "mempool.SimDevice.__new__(mempool.SimDevice).hold_syncs(1)",
     "mempool.SimDevice.__new__(mempool.SimDevice).hold_event_creates(1)",
+    "mempool.SimDevice.__new__(mempool.SimDevice).hold_va_reserves(1)",
 ]
 
 

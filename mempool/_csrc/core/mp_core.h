@@ -93,8 +93,8 @@ void mp_pool_release(mp_pool *p);
  * The core stays free of Python: a binding that holds an interpreter lock installs these
  * hooks once, before any pool exists. The core calls begin() just before an upstream call
  * it makes without its own lock that may block (segment allocation and release, stream
- * synchronization, page map and unmap, event creation: Note [Events outside the lock]) and
- * end() with what begin() returned just after, in the same thread; never around the event
+ * synchronization, page map and unmap, event creation and address reservation:
+ * Note [Events outside the lock]) and end() with what begin() returned just after, in the same thread; never around the event
  * records, queries and waits made under the lock, and never with the lock held, so the
  * order "GIL, then pool lock" of Note [Lock order] holds: a thread waiting for the GIL back
  * holds no pool lock. NULL hooks (the default): nothing is called. The pairs

@@ -134,8 +134,22 @@ static void count_mapped_locked(mp_pool *p, mp_segment *seg, size_t nbytes, int 
     }
 }
 
+/* An address-space call, made with the lock dropped: it may wait on the driver's own locks
+ * (Note [Events outside the lock]). */
+static int va_call_unlocked(mp_pool *p, int reserve, size_t nbytes, uintptr_t *base) {
+    mp_lock_drop(p);
+    void *blocking = mp_blocking_begin();
+    int rc = reserve ? p->up.va_reserve(p->up.ctx, nbytes, base)
+                     : p->up.va_release(p->up.ctx, *base, nbytes);
+    mp_blocking_end(blocking);
+    mp_lock_retake(p);
+    return rc;
+}
+
 /* The growing range of (s, kind), reserved on first use: address space for the whole
- * device (or for `size`, if larger), nothing mapped. */
+ * device (or for `size`, if larger), nothing mapped. The reservation drops the lock; when
+ * another thread gave s a range meanwhile, this one goes back and that one serves (NULL:
+ * none could be reserved and none was given). */
 static mp_segment *segment_of_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
     if (s->expandable[kind]) return s->expandable[kind];
     size_t g = p->up.granularity;
@@ -145,10 +159,15 @@ static mp_segment *segment_of_locked(mp_pool *p, mp_stream *s, int kind, size_t 
     mp_segment *seg = calloc(1, sizeof *seg);
     mp_block *u = seg ? mp_block_new_locked(p) : NULL;
     uintptr_t base = 0;
-    if (!u || p->up.va_reserve(p->up.ctx, va, &base) != MP_OK) {
+    int rc = u ? va_call_unlocked(p, 1, va, &base) : MP_ENOMEM;
+    if (rc == MP_OK && s->expandable[kind]) {
+        va_call_unlocked(p, 0, va, &base);
+        rc = MP_EBUSY;
+    }
+    if (rc != MP_OK) {
         if (u) mp_block_delete_locked(p, u);
         free(seg);
-        return NULL;
+        return s->expandable[kind];
     }
     seg->ptr = base;
     seg->nbytes = va;

@@ -80,12 +80,19 @@
  * (mp_pool_destroy, when no other thread can reach the pool; the GIL of a Pool's dealloc
  * is still held there).
  *
- * What stays under the lock: recording, querying and waiting on events that exist, and
- * stream queries (Note [Threshold releases without a sync]). They act on one object each,
- * and none was seen waiting in the stacks; moving them out would cost a lock drop on every
- * cross-stream reuse. The sim holds creations on request (hold_event_creates), and
+ * The address-space reservation of an expandable range (cuMemAddressReserve: it changes
+ * the context's address space, not one object) is made the same way (segment_of_locked in
+ * mp_expand.c: a range another thread gave the stream meanwhile wins, and the one reserved
+ * in vain goes back).
+ *
+ * What stays under the lock: recording, querying and waiting on events that exist, stream
+ * queries (Note [Threshold releases without a sync]) and capture queries. They act on one
+ * object each, and none was seen waiting in the stacks; moving them out would cost a lock
+ * drop on every cross-stream reuse. Out of host memory only, a fallback may still sync a
+ * stream under the lock (mp_detach_segment_locked, sync_uses_unlocked). The sim holds
+ * creations and reservations on request (hold_event_creates, hold_va_reserves), and
  * tests/test_events_outside_lock.py checks that another thread runs Python and uses the
- * pool meanwhile at each of the three places; the debug build asserts it
+ * pool meanwhile at each place; the debug build asserts it for events
  * (mp_up_event_create). */
 
 #define MP_EVENT_BATCH 32   /* the most events made beyond a path's need at once */

@@ -66,6 +66,7 @@ struct mp_sim {
     unsigned hold_next, held, hold_timeout_ms;
     unsigned hold_syncs_next;     /* mp_sim_hold_syncs: stream syncs still to hold */
     unsigned hold_events_next;    /* mp_sim_hold_event_creates: event creations to hold */
+    unsigned hold_va_next;        /* mp_sim_hold_va_reserves: address reservations to hold */
     uint64_t release_gen, hold_timeouts;
     pthread_cond_t hold_cv;
     /* Graph capture (mp_sim_begin_capture): streams capturing now, calls a real driver
@@ -175,7 +176,8 @@ static uintptr_t bump(mp_sim *s, size_t nbytes, size_t align) {
 
 /* ---------------------------------------------------------------- upstream functions */
 
-/* A held call (segment allocation, page map, stream sync, event creation): wait, the sim's mutex let go meanwhile, for
+/* A held call (segment allocation, page map, stream sync, event creation, address
+ * reservation): wait, the sim's mutex let go meanwhile, for
  * mp_sim_release_held or the timeout. */
 static void hold_locked(mp_sim *s, unsigned *next) {
     (*next)--;
@@ -471,6 +473,7 @@ static int sim_mem_info(void *ctx, size_t *free_bytes, size_t *total) {
 static int sim_va_reserve(void *ctx, size_t nbytes, uintptr_t *out) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
+    if (s->hold_va_next) hold_locked(s, &s->hold_va_next);
     uintptr_t va = bump(s, nbytes, s->granularity);
     int rc = mp_ptrmap_insert(&s->reservations, va, (void *)(uintptr_t)nbytes);
     if (rc == MP_OK) *out = va;
@@ -745,6 +748,10 @@ void mp_sim_hold_syncs(mp_sim *s, unsigned n, unsigned timeout_ms) {
 
 void mp_sim_hold_event_creates(mp_sim *s, unsigned n, unsigned timeout_ms) {
     set_hold(s, &s->hold_events_next, n, timeout_ms);
+}
+
+void mp_sim_hold_va_reserves(mp_sim *s, unsigned n, unsigned timeout_ms) {
+    set_hold(s, &s->hold_va_next, n, timeout_ms);
 }
 
 unsigned mp_sim_held(mp_sim *s) {

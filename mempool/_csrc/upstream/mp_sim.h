@@ -34,10 +34,11 @@ void mp_sim_unlock(mp_sim *sim);
  * as a driver call that blocks, until mp_sim_release_held or `timeout_ms` (then counted in
  * mp_sim_hold_timeouts). Tests see with it what runs while a pool waits on its upstream. */
 void mp_sim_hold_allocs(mp_sim *sim, unsigned n, unsigned timeout_ms);
-/* The same for the next `n` stream synchronizations, and event creations (Note [Events
- * outside the lock]: a pool creates none with its lock held). */
+/* The same for the next `n` stream synchronizations, event creations and address-space
+ * reservations (Note [Events outside the lock]: a pool makes none with its lock held). */
 void mp_sim_hold_syncs(mp_sim *sim, unsigned n, unsigned timeout_ms);
 void mp_sim_hold_event_creates(mp_sim *sim, unsigned n, unsigned timeout_ms);
+void mp_sim_hold_va_reserves(mp_sim *sim, unsigned n, unsigned timeout_ms);
 unsigned mp_sim_held(mp_sim *sim);         /* calls waiting now */
 void mp_sim_release_held(mp_sim *sim);     /* let every waiting one go */
 uint64_t mp_sim_hold_timeouts(mp_sim *sim);
