@@ -709,8 +709,12 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
  * cannot grow. */
 static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_block **out) {
     *out = NULL;
+    /* A new range is reserved with the lock dropped: other threads may have freed blocks
+     * of s meanwhile, so the caller searches again before planning in it. */
+    int reserving = !s->expandable[kind];
     mp_segment *seg = segment_of_locked(p, s, kind, size);
     if (!seg) return MP_ENOMEM;
+    if (reserving) return MP_OK;
     grow_plan plan = {0};
     if (!plan_growth_locked(p, seg, s, size, &plan)) {
         /* The range's address space is used up (by blocks, or by holes too small for the
@@ -723,9 +727,11 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_block
             return MP_ENOMEM;
         }
         seg->growing = 0;   /* released once empty (mp_expand_drop_empty_locked) */
-        seg = fresh;
-        if (!plan_growth_locked(p, seg, s, size, &plan)) return MP_ENOMEM;
+        return MP_OK;       /* the lock was dropped: search again, then plan in `fresh` */
     }
+    /* A free block of s that holds `size` beside the hole (it came while the lock was
+     * dropped since the search): nothing to map, search again. */
+    if (!plan.nbytes) return MP_OK;
 
     /* Room first, from free pages elsewhere: down to the limit (required), below the
      * garbage collection threshold (best effort), and all idle pages before a new high

@@ -182,6 +182,8 @@ mp_stream *mp_stream_lookup_locked(mp_pool *p, uintptr_t handle) {
 mp_block *mp_take_from_other_stream_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
     mp_block *best;
     for (int tries = 0;; tries++) {
+        /* After a stocking the lock was dropped: s's own lists come first again. */
+        if (tries && (best = mp_freelist_find_fit(p, &s->lists[kind], size))) return best;
         best = NULL;
         for (size_t i = 0; i < p->nstreams; i++) {
             mp_stream *t = p->streams[i];
