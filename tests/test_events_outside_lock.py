@@ -224,6 +224,25 @@ def test_an_expandable_range_is_reserved_without_the_gil_or_the_pool_lock():
     pool.check_invariants()
 
 
+def test_a_growth_that_waited_for_its_range_uses_a_block_freed_meanwhile():
+    """While the reservation waits, another thread gives the stream a range and frees a
+    block there large enough: the waiting growth takes that block (it searches again after
+    the lock drop) instead of planning a map of nothing beside it."""
+    pool = mempool.Pool(backend="sim", expandable_segments=True)
+    dev = pool.device
+    dev.hold_va_reserves(1, timeout=WAIT)
+    thread, out = in_thread(lambda: pool.alloc(4 * MiB, stream=1))
+    assert wait_until_held(dev)
+    mine = pool.alloc(4 * MiB, stream=1)
+    pool.free(mine)
+    maps = dev.counters()["maps"]
+    ptr = finish(thread, out, dev)
+    assert ptr == mine and dev.counters()["maps"] == maps   # reused, nothing mapped
+    assert dev.counters()["errors"] == 0 and dev.counters()["hold_timeouts"] == 0
+    pool.free(ptr)
+    pool.check_invariants()
+
+
 def test_a_steady_cross_stream_loop_creates_no_event_after_its_first_round():
     """The cache keeps what was made: a loop that reuses blocks across streams, frees with
     recorded streams and releases segments of several owners makes its events once."""

@@ -82,8 +82,8 @@
  *
  * The address-space reservation of an expandable range (cuMemAddressReserve: it changes
  * the context's address space, not one object) is made the same way (segment_of_locked in
- * mp_expand.c: a range another thread gave the stream meanwhile wins, and the one reserved
- * in vain goes back).
+ * mp_expand.c: a range another thread gave the stream meanwhile wins, the one reserved in
+ * vain goes back, and the growth searches the lists again before it plans a map).
  *
  * What stays under the lock: recording, querying and waiting on events that exist, stream
  * queries (Note [Threshold releases without a sync]) and capture queries. They act on one
