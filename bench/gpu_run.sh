@@ -111,7 +111,10 @@ stage tests "$OUT/tests.log" timeout "$T_TESTS" "$PY" -m pytest -m gpu ${TESTS_A
 
 # ---- the GPU tier under memcheck: out-of-bounds and misaligned device accesses, and bad
 # frees, anywhere in kernels that touch pool memory. Failing API calls are not reported:
-# the tests make them on purpose (out of memory, invalid handles).
+# the tests make them on purpose (out of memory, invalid handles). Host backtraces are off:
+# taking one, the sanitizer takes the GIL inside the driver's launch and keeps a Python frame
+# of the launch alive, which pins the arrays of that frame's callers
+# (bench/results/2026-12-03-h200-evening.md); device backtraces stay.
 if ! wants sanitizer; then
     STATUS[sanitizer]="not selected"
 elif command -v compute-sanitizer >/dev/null; then
@@ -123,6 +126,7 @@ elif command -v compute-sanitizer >/dev/null; then
             echo "--- memcheck group $i: ${args[*]}"
             timeout "$T_SANITIZER" compute-sanitizer --tool memcheck \
                 --target-processes all --report-api-errors no --error-exitcode 99 \
+                --show-backtrace device \
                 --print-limit 200 --log-file "$OUT/sanitizer-report.$i.%p.txt" \
                 "$PY" -m pytest -m gpu "${args[@]}" "${PYTEST_OPTS[@]}" \
                 -o faulthandler_timeout=$((T_SANITIZER * 3 / 4)) \
