@@ -28,7 +28,13 @@ typedef struct mp_config {
     double gc_threshold;         /* 0 = off; else fraction of limit (or capacity) */
     int expandable_segments;
     size_t expandable_reserve;   /* address space per expandable segment; 0 = from capacity */
+    size_t max_map_size;         /* expandable: most bytes one physical allocation of a growth
+                                    holds (rounded down to pages); 0 = MP_DEFAULT_MAX_MAP */
 } mp_config;
+
+/* Expandable segments: the most bytes one physical allocation of a growth holds unless
+ * max_map_size says (Note [Growth extents] in mp_expand.c). */
+#define MP_DEFAULT_MAX_MAP ((size_t)1 << 30)
 
 void mp_config_default(mp_config *cfg);
 
@@ -238,6 +244,8 @@ typedef struct mp_segment_view {
     size_t mapped_bytes;        /* == nbytes unless expandable */
     uintptr_t stream;
     int is_small, is_expandable, is_pinned;
+    size_t nextents;            /* expandable: physical allocations mapped (one per growth or
+                                   part of one: Note [Growth extents]) */
     size_t first_block, nblocks;  /* into mp_layout.blocks */
 } mp_segment_view;
 

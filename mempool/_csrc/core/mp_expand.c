@@ -68,7 +68,9 @@
  * break it: no page is unmapped while a capture is under way (Note [Graph capture] in
  * mp_capture.h), growth maps pages as usual.
  */
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "mp_capture.h"
 #include "mp_expand.h"
@@ -132,6 +134,100 @@ static void count_mapped_locked(mp_pool *p, mp_segment *seg, size_t nbytes, int 
         mp_stat3_dec(p->stats.reserved_bytes, seg->kind, (int64_t)nbytes);
         mp_stat_dec(&p->stats.mapped_bytes, (int64_t)nbytes);
     }
+}
+
+/* ---------------------------------------------------------------- extents */
+
+/* Note [Growth extents]: seg->extents, the physical allocations mapped in a range. */
+typedef struct mp_extent mp_extent;
+
+/* The index of the first extent of seg at or above addr. */
+static size_t extent_at(const mp_segment *seg, uintptr_t addr) {
+    size_t lo = 0, hi = seg->nextents;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (seg->extents[mid].ptr < addr) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* The largest physical allocation one map call makes: whole pages, at least one. */
+static size_t max_map_bytes(const mp_pool *p) {
+    size_t g = p->up.granularity;
+    size_t m = round_down(p->cfg.max_map_size ? p->cfg.max_map_size : MP_DEFAULT_MAX_MAP, g);
+    return m ? m : g;
+}
+
+/* Room for n more extents in seg; 0 (nothing changed) when out of host memory. */
+static int extents_reserve(mp_segment *seg, size_t n) {
+    if (seg->nextents + n <= seg->cap_extents) return 1;
+    size_t cap = seg->cap_extents ? 2 * seg->cap_extents : 16;
+    while (cap < seg->nextents + n) cap *= 2;
+    mp_extent *grown = realloc(seg->extents, cap * sizeof *grown);
+    if (!grown) return 0;
+    seg->extents = grown;
+    seg->cap_extents = cap;
+    return 1;
+}
+
+/* Note [Growth extents]: [at, at + nbytes) cut into n busy extents of `max` bytes from the
+ * low end (the last one the rest), in room extents_reserve made. */
+static void extents_insert(mp_segment *seg, uintptr_t at, size_t nbytes, size_t max, size_t n) {
+    size_t i = extent_at(seg, at);
+    memmove(&seg->extents[i + n], &seg->extents[i], (seg->nextents - i) * sizeof *seg->extents);
+    for (size_t k = 0; k < n; k++) {
+        size_t off = k * max, len = nbytes - off < max ? nbytes - off : max;
+        seg->extents[i + k] = (mp_extent){at + off, len, 1};
+    }
+    seg->nextents += n;
+}
+
+/* Drop the extents inside [lo, hi) (whole ones: lo and hi are extent edges). */
+static void extents_remove(mp_segment *seg, uintptr_t lo, uintptr_t hi) {
+    size_t i = extent_at(seg, lo), j = extent_at(seg, hi);
+    memmove(&seg->extents[i], &seg->extents[j], (seg->nextents - j) * sizeof *seg->extents);
+    seg->nextents -= j - i;
+}
+
+static void extents_set_busy(mp_segment *seg, uintptr_t lo, uintptr_t hi, int busy) {
+    for (size_t i = extent_at(seg, lo); i < seg->nextents && seg->extents[i].ptr < hi; i++)
+        seg->extents[i].busy = busy;
+}
+
+int mp_expand_check_extents_locked(const mp_pool *p, const mp_segment *seg, char *why, size_t n) {
+    size_t g = p->up.granularity, held = 0;
+    uintptr_t end = seg->ptr;
+    const mp_block *b = seg->first;
+    for (size_t i = 0; i < seg->nextents; i++) {
+        const mp_extent *e = &seg->extents[i];
+        uintptr_t e_end = e->ptr + e->nbytes;
+        if (e->ptr < end || !e->nbytes || e->ptr % g || e->nbytes % g ||
+            e_end > seg->ptr + seg->nbytes) {
+            snprintf(why, n, "segment %#lx: extent [%#lx, +%zu) misplaced or overlapping",
+                     (unsigned long)seg->ptr, (unsigned long)e->ptr, e->nbytes);
+            return 1;
+        }
+        end = e_end;
+        if (!e->busy) held += e->nbytes;
+        while (b && b->ptr + b->nbytes <= e->ptr) b = b->next;
+        /* Mapped blocks lie on idle extents; a busy extent inside a busy unmapped block. */
+        for (const mp_block *c = b; c && c->ptr < e_end; c = c->next) {
+            int ok = e->busy ? c->state == MP_BLOCK_UNMAPPED && c->busy : c->state != MP_BLOCK_UNMAPPED;
+            if (!ok) {
+                snprintf(why, n, "segment %#lx: extent [%#lx, +%zu)%s holds block %#lx in state %d",
+                         (unsigned long)seg->ptr, (unsigned long)e->ptr, e->nbytes,
+                         e->busy ? " (busy)" : "", (unsigned long)c->ptr, c->state);
+                return 1;
+            }
+        }
+    }
+    if (held != seg->mapped_bytes) {
+        snprintf(why, n, "segment %#lx: extents hold %zu bytes, %zu mapped", (unsigned long)seg->ptr,
+                 held, seg->mapped_bytes);
+        return 1;
+    }
+    return 0;
 }
 
 /* The growing range of (s, kind), reserved on first use: address space for the whole
@@ -234,16 +330,21 @@ void mp_expand_drop_empty_locked(mp_pool *p, mp_release_list *out) {
  * owners never merge, but their pages are all free, so a page shared by two of them can
  * go too; each owner's stream is synchronized before the unmap. */
 
-/* The run starting at free block `first`: its last block, and the whole pages in it that
- * may be unmapped, [*lo, *hi) (*hi <= *lo when there are none). */
+/* The run starting at free block `first`: its last block, and the part of it that may be
+ * unmapped, [*lo, *hi): the extents wholly inside it past the pinned prefix (Note [Growth
+ * extents]; contiguous, since extents tile what is mapped). *hi <= *lo when there is none. */
 static mp_block *run_pages(const mp_pool *p, mp_block *first, uintptr_t *lo, uintptr_t *hi) {
-    size_t g = p->up.granularity;
     mp_block *last = first;
     while (last->next && last->next->state == MP_BLOCK_FREE) last = last->next;
-    uintptr_t a = round_up(first->ptr, g), e = round_down(last->ptr + last->nbytes, g);
-    uintptr_t pin = pinned_end(p, first->seg);
-    *lo = a < pin ? pin : a;
-    *hi = e;
+    const mp_segment *seg = first->seg;
+    uintptr_t a = first->ptr, e = last->ptr + last->nbytes, pin = pinned_end(p, seg);
+    size_t i = extent_at(seg, a < pin ? pin : a), j = i;
+    while (j < seg->nextents && seg->extents[j].ptr + seg->extents[j].nbytes <= e) j++;
+    *lo = *hi = 0;
+    if (j > i) {
+        *lo = seg->extents[i].ptr;
+        *hi = seg->extents[j - 1].ptr + seg->extents[j - 1].nbytes;
+    }
     return last;
 }
 
@@ -388,6 +489,7 @@ static int carve_run_locked(mp_pool *p, mp_block *first, uintptr_t lo, uintptr_t
     x->nbytes = hi - lo;
     x->state = MP_BLOCK_UNMAPPED;
     x->busy = 1;
+    extents_set_busy(x->seg, lo, hi, 1);
     job->u = x;
     job->parts = parts;
     job->nparts = nparts;
@@ -402,6 +504,7 @@ static int carve_run_locked(mp_pool *p, mp_block *first, uintptr_t lo, uintptr_t
 static void restore_run_locked(mp_pool *p, unmap_job *job, mp_stream *unsynced) {
     mp_block *u = job->u;
     count_mapped_locked(p, u->seg, u->nbytes, 1);
+    extents_set_busy(u->seg, u->ptr, u->ptr + u->nbytes, 0);
     u->busy = 0;
     mp_block **more = malloc(job->nparts * sizeof *more);
     size_t got = 1;
@@ -505,8 +608,12 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
         run_pages(p, runs.runs[i].first, &lo, &hi);
         size_t want = target - released;   /* only what is still wanted, from the high end */
         if (want < hi - lo) {
-            want = round_up(want, p->up.granularity);
-            if (want < hi - lo) lo = hi - want;
+            /* in whole extents (Note [Growth extents]): as few as cover it */
+            const mp_segment *seg = runs.runs[i].first->seg;
+            size_t k = extent_at(seg, hi);
+            uintptr_t cut = hi;
+            while (cut > lo && hi - cut < want) cut = seg->extents[--k].ptr;
+            lo = cut;
         }
         if (!wait && !run_idle_locked(p, runs.runs[i].first, lo, hi, asked, idle, &nasked)) {
             if (busy) *busy = 1;
@@ -564,6 +671,7 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
         mp_block *u = jobs[i].u;
         if (jobs[i].ok) {
             u->busy = 0;
+            extents_remove(u->seg, u->ptr, u->ptr + u->nbytes);
             p->stats.num_device_free++;
             mp_trace_locked(p, MP_TRACE_SEGMENT_UNMAP, u->ptr, u->nbytes, jobs[i].parts[0].owner->handle);
             merge_unmapped_locked(p, u);
@@ -632,9 +740,13 @@ static int plan_growth_locked(const mp_pool *p, mp_segment *seg, mp_stream *s, s
 }
 
 /* Map the planned pages and hand out the free block holding them (*out, in no list; NULL
- * when the neighbours it joined changed while the lock was dropped: search again). */
+ * when the neighbours it joined changed while the lock was dropped: search again). One
+ * physical allocation per max_map_bytes of the growth, each a map call of its own (Note
+ * [Growth extents]). */
 static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan *plan,
                       size_t size, mp_block **out) {
+    size_t max = max_map_bytes(p), nmaps = (plan->nbytes + max - 1) / max;
+    if (!extents_reserve(seg, nmaps)) return MP_ENOMEM;
     /* The pages become a busy block of their own, so that the rest of u stays open to
      * other threads while the lock is dropped. */
     mp_block *u = plan->u, *m = u;
@@ -650,21 +762,32 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
         u->nbytes -= plan->nbytes;
     }
     m->busy = 1;
+    extents_insert(seg, m->ptr, m->nbytes, max, nmaps);
     p->inflight_bytes += plan->nbytes;
     mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
     mp_assert(m->state == MP_BLOCK_UNMAPPED && m->nbytes > 0);
     mp_assert(m->ptr % p->up.granularity == 0 && m->nbytes % p->up.granularity == 0);
     mp_assert(m->ptr >= m->seg->ptr && m->ptr + m->nbytes <= m->seg->ptr + m->seg->nbytes);
-    int rc = p->up.map(p->up.ctx, m->ptr, m->nbytes);
+    int rc = MP_OK;
+    size_t done = 0;   /* bytes mapped */
+    while (rc == MP_OK && done < m->nbytes) {
+        size_t n = m->nbytes - done < max ? m->nbytes - done : max;
+        rc = p->up.map(p->up.ctx, m->ptr + done, n);
+        if (rc == MP_OK) done += n;
+    }
+    /* All or nothing: the allocations made before a failure go again (each whole). */
+    for (size_t off = 0; rc != MP_OK && off < done; off += max)
+        p->up.unmap(p->up.ctx, m->ptr + off, done - off < max ? done - off : max);
     mp_blocking_end(blocking);
     mp_lock_retake(p);
     p->inflight_bytes -= plan->nbytes;
     m->busy = 0;
     if (rc != MP_OK) {
-        /* All or nothing: the upstream undid any pages it had mapped, so the range is
-         * unmapped as before. Out of device memory, free pages elsewhere may make room
-         * (the caller then comes back). */
+        /* The upstream undid any pages it had mapped, so the range is unmapped as before.
+         * Out of device memory, free pages elsewhere may make room (the caller then comes
+         * back). */
+        extents_remove(seg, m->ptr, m->ptr + m->nbytes);
         merge_unmapped_locked(p, m);
         if (rc == MP_ENOMEM && !mp_capture_stream_locked(p, s) &&   /* Note [Graph capture] */
             release_pages_locked(p, plan->nbytes, plan->lo, plan->hi, 1, NULL)) {
@@ -674,9 +797,12 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
         return rc;
     }
     m->stream = s;
+    extents_set_busy(seg, m->ptr, m->ptr + m->nbytes, 0);
     count_mapped_locked(p, seg, m->nbytes, 1);
-    p->stats.num_device_alloc++;
-    mp_trace_locked(p, MP_TRACE_SEGMENT_MAP, m->ptr, m->nbytes, s->handle);
+    p->stats.num_device_alloc += nmaps;
+    for (size_t off = 0; p->trace && off < m->nbytes; off += max)
+        mp_trace_locked(p, MP_TRACE_SEGMENT_MAP, m->ptr + off,
+                        m->nbytes - off < max ? m->nbytes - off : max, s->handle);
     mp_insert_free_merged_locked(p, m);   /* m absorbs its free neighbours of s */
     if (m->nbytes >= size) {
         mp_remove_free_locked(p, m);

@@ -25,6 +25,9 @@ int mp_expand_reserve_initial(mp_pool *p, size_t nbytes);
 /* Note [Forgotten streams]: detach every range that no stream grows any more and that has
  * nothing mapped, for mp_release_finish to give back. */
 void mp_expand_drop_empty_locked(mp_pool *p, mp_release_list *out);
+/* check_invariants: the extents of expandable segment seg tile its mapped blocks exactly
+ * (Note [Growth extents]). 0 when they do, else 1 with the reason in why. */
+int mp_expand_check_extents_locked(const mp_pool *p, const mp_segment *seg, char *why, size_t n);
 /* Give a detached (or, at destroy, any) segment back to the upstream. Without the lock. */
 void mp_segment_release_upstream(mp_pool *p, mp_segment *seg);
 

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "mp_capture.h"
+#include "mp_expand.h"
 #include "mp_internal.h"
 
 /* The families of three, [all, small, large], at the start of mp_stats. */
@@ -306,6 +307,10 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
         CHECK(mapped == seg->mapped_bytes, "segment %#lx: mapped %zu, counted %zu", (unsigned long)seg->ptr,
               seg->mapped_bytes, mapped);
         reserved_b[k] += (int64_t)mapped;
+        if (seg->expandable && !r.failed) {
+            char why[200];
+            if (mp_expand_check_extents_locked(p, seg, why, sizeof why)) fail(&r, "%s", why);
+        }
         int idle = 0;
         for (mp_segment *i = p->idle_head; i; i = i->inext) idle |= i == seg;
         CHECK(idle == (!seg->expandable && busy == 0), "segment %#lx: idle list membership wrong",
@@ -393,6 +398,7 @@ int mp_layout_take(mp_pool *p, mp_layout *out) {
         v->is_small = s->kind == KIND_SMALL;
         v->is_expandable = s->expandable;
         v->is_pinned = s->pinned;
+        v->nextents = s->nextents;
         v->first_block = j;
         for (mp_block *b = s->first; b; b = b->next, j++) {
             mp_block_view *bv = &out->blocks[j];
