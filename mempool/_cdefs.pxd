@@ -202,7 +202,7 @@ cdef extern from "mp_core.h" nogil:
         size_t mapped_bytes
         uintptr_t stream
         int is_small, is_expandable, is_pinned
-        size_t nextents
+        size_t first_map, nmaps
         size_t first_block, nblocks
 
     ctypedef struct mp_layout:
@@ -210,6 +210,8 @@ cdef extern from "mp_core.h" nogil:
         size_t nsegments
         mp_block_view *blocks
         size_t nblocks
+        uintptr_t *maps
+        size_t nmaps
 
     int mp_layout_take(mp_pool *p, mp_layout *out)
     void mp_layout_free(mp_layout *l)

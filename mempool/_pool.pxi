@@ -746,11 +746,11 @@ cdef class Pool:
     def layout(self):
         """The segments and their blocks, copied under the pool lock.
 
-        A list of dicts ``{address, total_size, mapped_size, num_maps, stream, is_small,
+        A list of dicts ``{address, total_size, mapped_size, maps, stream, is_small,
         is_expandable, is_pinned, blocks: [{address, size, requested_size, stream, state}]}``
         with ``state`` one of ``MP_BLOCK_*`` (0 free, 1 allocated, 2 pending, 3 unmapped).
-        ``num_maps`` is the physical allocations mapped in an expandable segment (each
-        released only whole), 0 for others.
+        ``maps`` lists the physical allocations mapped in an expandable segment as
+        ``(address, size)`` in address order, each released only whole (empty for others).
         """
         self._ready()
         cdef mp_layout lay
@@ -769,8 +769,10 @@ cdef class Pool:
                     blocks.append({"address": bv.ptr, "size": bv.nbytes,
                                    "requested_size": bv.requested, "stream": bv.stream,
                                    "state": bv.state})
+                maps = [(lay.maps[2 * j], lay.maps[2 * j + 1])
+                        for j in range(sv.first_map, sv.first_map + sv.nmaps)]
                 segments.append({"address": sv.ptr, "total_size": sv.nbytes,
-                                 "mapped_size": sv.mapped_bytes, "num_maps": sv.nextents,
+                                 "mapped_size": sv.mapped_bytes, "maps": maps,
                                  "stream": sv.stream,
                                  "is_small": bool(sv.is_small),
                                  "is_expandable": bool(sv.is_expandable),

@@ -1,3 +1,9 @@
+    def _releasable_maps(self):
+        """Physical allocations in runs of free blocks, past any pinned prefix: releasable
+        now."""
+        g = self._page()
+        return releasable_maps(self.pool, -(-self.options.get("initial_pool_size", 0) // g) * g)
+
 """The state machines the stateful tests run (hypothesis): a pool on the simulated device
 driven by random rules, its invariants checked after every step. The test files subclass them
 with options; the graph-capture machine adds its rules to both."""
@@ -6,6 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import mempool
+from _support import releasable_maps
 
 STREAMS = (0, 5, 9)
 SIZES = st.one_of(st.integers(0, 4096), st.integers(4097, 1 << 20),
@@ -165,13 +172,13 @@ class ExpandableMachine(PoolMachine):
     @rule()
     def empty_cache(self):
         self.pool.empty_cache()
-        assert self._whole_free_pages() == 0
+        assert self._releasable_maps() == 0
 
     @rule(keep=st.integers(0, 48 * MiB))
     def trim(self, keep):
         self.pool.trim(keep)
         if self.pool.cached_bytes() > keep:
-            assert self._whole_free_pages() == 0 or self._pinned()
+            assert self._releasable_maps() == 0 or self._pinned()
 
     def _pinned(self):
         return self.options.get("initial_pool_size", 0) > 0
@@ -179,7 +186,7 @@ class ExpandableMachine(PoolMachine):
     def _page(self):
         return self.pool.options["granularity"] or 2 * MiB
 
-    def _whole_free_pages(self):
+    def _releasable_maps(self):
         """Whole pages in runs of free blocks, past any pinned prefix: releasable now."""
         g, n = self._page(), 0
         pin = -(-self.options.get("initial_pool_size", 0) // g) * g

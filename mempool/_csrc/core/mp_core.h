@@ -244,9 +244,10 @@ typedef struct mp_segment_view {
     size_t mapped_bytes;        /* == nbytes unless expandable */
     uintptr_t stream;
     int is_small, is_expandable, is_pinned;
-    size_t nextents;            /* expandable: physical allocations mapped (one per growth or
-                                   part of one: Note [Growth extents]) */
     size_t first_block, nblocks;  /* into mp_layout.blocks */
+    /* expandable: the physical allocations mapped, each released only whole (Note [Growth
+     * extents]), into mp_layout.maps as (address, bytes) pairs */
+    size_t first_map, nmaps;
 } mp_segment_view;
 
 typedef struct mp_layout {
@@ -254,6 +255,8 @@ typedef struct mp_layout {
     size_t nsegments;
     mp_block_view *blocks;
     size_t nblocks;
+    uintptr_t *maps;            /* address, bytes, address, bytes, ... */
+    size_t nmaps;
 } mp_layout;
 
 int mp_layout_take(mp_pool *p, mp_layout *out);

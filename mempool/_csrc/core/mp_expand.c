@@ -171,16 +171,30 @@ static int extents_reserve(mp_segment *seg, size_t n) {
     return 1;
 }
 
-/* Note [Growth extents]: [at, at + nbytes) cut into n busy extents of `max` bytes from the
- * low end (the last one the rest), in room extents_reserve made. */
-static void extents_insert(mp_segment *seg, uintptr_t at, size_t nbytes, size_t max, size_t n) {
+/* Note [Growth extents]: how a growth of nbytes is cut into physical allocations: pieces of
+ * max_map_bytes from the low end, the last one the rest. Piece i is [off(i), off(i + 1)). */
+typedef struct growth_cut {
+    size_t nbytes, max;
+    size_t n;                   /* pieces */
+} growth_cut;
+
+static growth_cut cut_growth(const mp_pool *p, size_t nbytes) {
+    size_t max = max_map_bytes(p);
+    growth_cut c = {nbytes, max, (nbytes + max - 1) / max};
+    return c;
+}
+
+static size_t cut_off(const growth_cut *c, size_t i) {
+    return i >= c->n ? c->nbytes : i * c->max;
+}
+
+/* The pieces of growth c at `at`, as busy extents, in room extents_reserve made. */
+static void extents_insert(mp_segment *seg, uintptr_t at, const growth_cut *c) {
     size_t i = extent_at(seg, at);
-    memmove(&seg->extents[i + n], &seg->extents[i], (seg->nextents - i) * sizeof *seg->extents);
-    for (size_t k = 0; k < n; k++) {
-        size_t off = k * max, len = nbytes - off < max ? nbytes - off : max;
-        seg->extents[i + k] = (mp_extent){at + off, len, 1};
-    }
-    seg->nextents += n;
+    memmove(&seg->extents[i + c->n], &seg->extents[i], (seg->nextents - i) * sizeof *seg->extents);
+    for (size_t k = 0; k < c->n; k++)
+        seg->extents[i + k] = (mp_extent){at + cut_off(c, k), cut_off(c, k + 1) - cut_off(c, k), 1};
+    seg->nextents += c->n;
 }
 
 /* Drop the extents inside [lo, hi) (whole ones: lo and hi are extent edges). */
@@ -745,8 +759,8 @@ static int plan_growth_locked(const mp_pool *p, mp_segment *seg, mp_stream *s, s
  * [Growth extents]). */
 static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan *plan,
                       size_t size, mp_block **out) {
-    size_t max = max_map_bytes(p), nmaps = (plan->nbytes + max - 1) / max;
-    if (!extents_reserve(seg, nmaps)) return MP_ENOMEM;
+    growth_cut cut = cut_growth(p, plan->nbytes);
+    if (!extents_reserve(seg, cut.n)) return MP_ENOMEM;
     /* The pages become a busy block of their own, so that the rest of u stays open to
      * other threads while the lock is dropped. */
     mp_block *u = plan->u, *m = u;
@@ -762,7 +776,7 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
         u->nbytes -= plan->nbytes;
     }
     m->busy = 1;
-    extents_insert(seg, m->ptr, m->nbytes, max, nmaps);
+    extents_insert(seg, m->ptr, &cut);
     p->inflight_bytes += plan->nbytes;
     mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
@@ -770,15 +784,14 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
     mp_assert(m->ptr % p->up.granularity == 0 && m->nbytes % p->up.granularity == 0);
     mp_assert(m->ptr >= m->seg->ptr && m->ptr + m->nbytes <= m->seg->ptr + m->seg->nbytes);
     int rc = MP_OK;
-    size_t done = 0;   /* bytes mapped */
-    while (rc == MP_OK && done < m->nbytes) {
-        size_t n = m->nbytes - done < max ? m->nbytes - done : max;
-        rc = p->up.map(p->up.ctx, m->ptr + done, n);
-        if (rc == MP_OK) done += n;
+    size_t done = 0;   /* pieces mapped */
+    for (; rc == MP_OK && done < cut.n; done += rc == MP_OK) {
+        size_t off = cut_off(&cut, done);
+        rc = p->up.map(p->up.ctx, m->ptr + off, cut_off(&cut, done + 1) - off);
     }
-    /* All or nothing: the allocations made before a failure go again (each whole). */
-    for (size_t off = 0; rc != MP_OK && off < done; off += max)
-        p->up.unmap(p->up.ctx, m->ptr + off, done - off < max ? done - off : max);
+    /* All or nothing: the pieces mapped before a failure go again (each whole). */
+    for (size_t i = 0; rc != MP_OK && i < done; i++)
+        p->up.unmap(p->up.ctx, m->ptr + cut_off(&cut, i), cut_off(&cut, i + 1) - cut_off(&cut, i));
     mp_blocking_end(blocking);
     mp_lock_retake(p);
     p->inflight_bytes -= plan->nbytes;
@@ -799,10 +812,10 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
     m->stream = s;
     extents_set_busy(seg, m->ptr, m->ptr + m->nbytes, 0);
     count_mapped_locked(p, seg, m->nbytes, 1);
-    p->stats.num_device_alloc += nmaps;
-    for (size_t off = 0; p->trace && off < m->nbytes; off += max)
-        mp_trace_locked(p, MP_TRACE_SEGMENT_MAP, m->ptr + off,
-                        m->nbytes - off < max ? m->nbytes - off : max, s->handle);
+    p->stats.num_device_alloc += cut.n;
+    for (size_t i = 0; p->trace && i < cut.n; i++)
+        mp_trace_locked(p, MP_TRACE_SEGMENT_MAP, m->ptr + cut_off(&cut, i),
+                        cut_off(&cut, i + 1) - cut_off(&cut, i), s->handle);
     mp_insert_free_merged_locked(p, m);   /* m absorbs its free neighbours of s */
     if (m->nbytes >= size) {
         mp_remove_free_locked(p, m);

@@ -378,12 +378,15 @@ int mp_layout_take(mp_pool *p, mp_layout *out) {
     memset(out, 0, sizeof *out);
     mp_lock_acquire(&p->lock);
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
-    size_t nblocks = 0;
-    for (mp_segment *s = p->segments; s; s = s->next)
+    size_t nblocks = 0, nmaps = 0;
+    for (mp_segment *s = p->segments; s; s = s->next) {
         for (mp_block *b = s->first; b; b = b->next) nblocks++;
+        nmaps += s->nextents;
+    }
     out->segments = malloc((p->nsegments + 1) * sizeof *out->segments);
     out->blocks = malloc((nblocks + 1) * sizeof *out->blocks);
-    if (!out->segments || !out->blocks) {
+    out->maps = malloc((2 * nmaps + 1) * sizeof *out->maps);
+    if (!out->segments || !out->blocks || !out->maps) {
         mp_lock_release(&p->lock);
         mp_layout_free(out);
         return MP_ENOMEM;
@@ -398,7 +401,12 @@ int mp_layout_take(mp_pool *p, mp_layout *out) {
         v->is_small = s->kind == KIND_SMALL;
         v->is_expandable = s->expandable;
         v->is_pinned = s->pinned;
-        v->nextents = s->nextents;
+        v->first_map = out->nmaps;
+        v->nmaps = s->nextents;
+        for (size_t k = 0; k < s->nextents; k++, out->nmaps++) {
+            out->maps[2 * out->nmaps] = s->extents[k].ptr;
+            out->maps[2 * out->nmaps + 1] = s->extents[k].nbytes;
+        }
         v->first_block = j;
         for (mp_block *b = s->first; b; b = b->next, j++) {
             mp_block_view *bv = &out->blocks[j];
@@ -419,5 +427,6 @@ int mp_layout_take(mp_pool *p, mp_layout *out) {
 void mp_layout_free(mp_layout *l) {
     free(l->segments);
     free(l->blocks);
+    free(l->maps);
     memset(l, 0, sizeof *l);
 }
