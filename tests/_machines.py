@@ -1,9 +1,3 @@
-    def _releasable_maps(self):
-        """Physical allocations in runs of free blocks, past any pinned prefix: releasable
-        now."""
-        g = self._page()
-        return releasable_maps(self.pool, -(-self.options.get("initial_pool_size", 0) // g) * g)
-
 """The state machines the stateful tests run (hypothesis): a pool on the simulated device
 driven by random rules, its invariants checked after every step. The test files subclass them
 with options; the graph-capture machine adds its rules to both."""
@@ -187,21 +181,10 @@ class ExpandableMachine(PoolMachine):
         return self.pool.options["granularity"] or 2 * MiB
 
     def _releasable_maps(self):
-        """Whole pages in runs of free blocks, past any pinned prefix: releasable now."""
-        g, n = self._page(), 0
-        pin = -(-self.options.get("initial_pool_size", 0) // g) * g
-        for seg in self.pool.layout():
-            start = seg["address"] + (pin if seg["is_pinned"] else 0)
-            run = None
-            for b in seg["blocks"] + [{"state": None}]:
-                if b["state"] == 0:
-                    run = [run[0] if run else b["address"], b["address"] + b["size"]]
-                    continue
-                if run:
-                    lo, hi = max(-(-run[0] // g) * g, start), run[1] // g * g
-                    n += max(0, hi - lo) // g
-                run = None
-        return n
+        """Physical allocations in runs of free blocks, past any pinned prefix: releasable
+        now."""
+        g = self._page()
+        return releasable_maps(self.pool, -(-self.options.get("initial_pool_size", 0) // g) * g)
 
     @invariant()
     def consistent(self):
@@ -215,6 +198,9 @@ class ExpandableMachine(PoolMachine):
         assert mapped == pool.reserved_bytes() == counters["mapped_bytes"] == dev.used_bytes
         assert mapped == pool.stats()["mapped_bytes.current"]
         assert counters["errors"] == 0
+        # the device's physical allocations are the pool's (Note [Growth extents])
+        assert counters["live_maps"] == sum(len(s["maps"]) for s in layout)
+        assert counters["split_unmaps"] == 0
         limit = pool.options["limit"]
         if limit is not None and not self._pinned():
             assert pool.reserved_bytes() <= limit
