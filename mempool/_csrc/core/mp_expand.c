@@ -28,10 +28,10 @@
  * mapped part, extended by the request less the free block already there; after releases,
  * holes are refilled before the edge moves whenever that maps less.
  *
- * Release unmaps whole pages of runs of free blocks (adjacent free blocks of any owners:
- * blocks of two streams never merge, but a page they share is free all the same), the
- * largest runs first (fewest unmap calls and splits per byte), taking from a run's high end
- * only as many pages as are still wanted. Unmapping does not wait for queued work, so the
+ * Release unmaps whole physical allocations inside runs of free blocks (Note [Growth
+ * extents]; adjacent free blocks of any owners: blocks of two streams never merge, but a page
+ * they share is free all the same), the largest runs first (fewest unmap calls and splits
+ * per byte), taking from a run's high end only as many as are still wanted. Unmapping does not wait for queued work, so the
  * streams that freed those pages are synchronized first, each once; pages of a stream that
  * cannot be synchronized, or that fail to unmap, become free blocks of their owners again.
  * Releases happen on demand (empty_cache, trim, release_threshold), before growing past the
@@ -41,14 +41,15 @@
  * mapped at the start of stream 0's large range and stay mapped (its pinned prefix).
  *
  * The high-water rule: a growth that would map more bytes than the pool has ever held at
- * once first releases every idle whole page outside the growth, provided they add up to at
+ * once first releases every idle whole allocation outside the growth, provided they add up to at
  * least MP_HIGH_WATER_MIN_IDLE and 1/MP_HIGH_WATER_IDLE_DIV of that high-water mark. Best
  * fit leaves holes between live blocks (freed temporaries; state created once, such as an
  * optimizer's, among the first step's blocks), and without the rule the footprint ratchets
  * up over them: peak reserved / peak live 1.019 on the shipped transformer trace, up to
  * 1.033 on other seeds of its generator. With it, physical pages move from idle holes to
  * where they are needed: 1.012, at most 1.013, for 1 to 13 stream syncs per run, all while
- * the footprint set a new record (docs/expandable.md). The floor keeps the syncs few: with
+ * the footprint set a new record (docs/expandable.md), measured with one allocation per
+ * page; it acts on whole allocations only (Note [Growth extents]). The floor keeps the syncs few: with
  * none, 1.007 for 17 to 37. The mark is the pool's own: reset_peak_stats() does not move it.
  *
  * Failures: map is all or nothing (the upstream undoes a partial map), so a failed growth
@@ -67,6 +68,37 @@
  * crossed at every free expensive. A stream sync or query inside a CUDA graph capture would
  * break it: no page is unmapped while a capture is under way (Note [Graph capture] in
  * mp_capture.h), growth maps pages as usual.
+ */
+
+/* Note [Growth extents]
+ *
+ * Why: a driver's time for expandable segments follows the number of physical allocations,
+ * not their bytes (a cuMemCreate and a cuMemMap each), and it maps and unmaps a physical
+ * allocation only whole: cuMemMap at an offset into a larger one is not supported, and
+ * cuMemUnmap refuses part of a mapping. One allocation per page made a page the unit of both
+ * growth and release, and the page size a choice between driver calls and memory (2 MiB
+ * pages: 4,145 physical allocations on the shipped transformer trace; docs/expandable.md).
+ *
+ * Approach: a growth of N pages is one map call, one physical allocation (cut into pieces of
+ * max_map_size, default MP_DEFAULT_MAX_MAP, when larger, so that a huge growth is a few).
+ * Each segment keeps its allocations ("extents") in address order; they tile its mapped
+ * bytes exactly, so the edges between mapped and unmapped blocks are extent edges. Every
+ * release (empty_cache, trim, release_threshold, the limit, garbage collection, out of
+ * memory, the high-water rule, forget_stream, destroy) unmaps only extents wholly inside a
+ * run of free blocks (run_pages), taking from a run's high end as few as cover what is
+ * wanted; the high-water rule counts only those as idle. Pages and blocks are as before:
+ * growth is planned in pages, blocks split and merge across extents freely. An extent being
+ * mapped or unmapped is busy (inside the busy unmapped block), so that check_invariants,
+ * which checks the tiling, holds while the lock is dropped. sim and host keep the driver's
+ * rule (mp_mappings_whole in mp_budget.h): an unmap that cuts an allocation is refused.
+ *
+ * Limits: a free page of an allocation that still holds a block cannot be released; that is
+ * the price of fewer driver calls. Best fit reuses the start of large free blocks, so free
+ * tails sit in allocations in use, and the high-water rule finds few idle allocations whole:
+ * on the shipped transformer trace with 2 MiB pages it no longer fires and the footprint is
+ * that of no rule; with 8 MiB pages, and on the vision trace, the ratio stays within a page
+ * of the page-per-allocation figure (docs/expandable.md, "Where the time goes", has the
+ * counts). max_map_size = the page gives back one allocation per page exactly.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -298,7 +330,7 @@ int mp_expand_detach_range_locked(mp_pool *p, mp_segment *seg, mp_stream *only,
     }
     struct mp_run *runs = nruns ? malloc(nruns * sizeof *runs) : NULL;
     if (nruns && !runs) return 0;
-    /* Mapped runs are whole pages (unmapped blocks are page-aligned): note them for the
+    /* Mapped runs are whole allocations (Note [Growth extents]): note them for the
      * unmap, which runs without the lock (mp_release_finish). */
     size_t r = 0;
     for (mp_block *b = seg->first, *next; b; b = next) {
@@ -364,7 +396,7 @@ static mp_block *run_pages(const mp_pool *p, mp_block *first, uintptr_t *lo, uin
 
 typedef struct run_ref {
     mp_block *first;
-    size_t nbytes;        /* whole pages in it */
+    size_t nbytes;        /* in the whole allocations in it */
 } run_ref;
 
 /* Visit the runs with pages to give, outside [keep_lo, keep_hi); stop when visit says 0. */

@@ -1,6 +1,7 @@
 /* Expandable segments: one growing address range per (stream, small/large), mapped in pages
- * of the upstream's granularity as blocks need them. See "Note [Expandable segments]" in
- * mp_expand.c and docs/expandable.md. */
+ * of the upstream's granularity as blocks need them, one physical allocation per growth. See
+ * "Note [Expandable segments]" and "Note [Growth extents]" in mp_expand.c and
+ * docs/expandable.md. */
 #ifndef MP_EXPAND_H
 #define MP_EXPAND_H
 
@@ -12,9 +13,9 @@
  * block returned is in no free list. May drop and retake the lock. */
 int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
                            mp_release_list *rel, mp_block **out);
-/* Unmap whole free pages, largest runs first, until `target` bytes are released; the owner
- * streams of those pages are synchronized first. Drops and retakes the lock. Returns the
- * bytes unmapped. */
+/* Unmap whole free physical allocations (Note [Growth extents]), largest runs first, until
+ * `target` bytes are released; the owner streams of those pages are synchronized first.
+ * Drops and retakes the lock. Returns the bytes unmapped. */
 size_t mp_expand_release_locked(mp_pool *p, size_t target);
 /* The same without waiting: only pages whose owner streams have no work left now (a
  * stream_query each); *busy is set when pages stayed for a busy stream. */
