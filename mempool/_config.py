@@ -220,7 +220,7 @@ def _parse_optional_size(value: Any, key: str) -> int | None:
 
 def _parse_max_map_size(value: Any, key: str) -> int | None:
     accepted = ("a size above 0: an int (bytes) or a string such as '256MiB'; or None / "
-                "'none' (the default, 1 GiB)")
+                "'none' (the default: 1 GiB, one page under a limit)")
     n = _size_or_none(value, key, accepted)
     if n == 0:
         raise _error(key, value, accepted, "a growth must map at least one page per allocation")
@@ -544,7 +544,8 @@ OPTIONS: dict[str, Option] = {
         None, "size or None",
         "the most bytes one physical allocation of expandable segments holds: a growth maps "
         "one allocation per this many bytes (whole pages, at least one) and releases each "
-        "only whole (None = 1 GiB; the page size = one allocation per page)",
+        "only whole (None = 1 GiB, or one page when a limit is set; the page size = one "
+        "allocation per page)",
         _parse_max_map_size, "256MiB", sized=True),
     "pool_handle": Option(
         "create", "'create', 'default', 'current' or int",

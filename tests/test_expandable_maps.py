@@ -121,7 +121,7 @@ def test_every_release_path_unmaps_whole_allocations_only(sim):
 
     # A growth of 21 MiB at the edge would pass 40 MiB: the whole free allocation goes first.
     grown = kept + [(34 * MiB, 22 * MiB)]
-    pool = sim(expandable_segments=True, capacity=GiB, limit=40 * MiB)
+    pool = sim(expandable_segments=True, capacity=GiB, limit=40 * MiB, max_map_size=GiB)
     live = fill(pool)
     live.append(pool.alloc(21 * MiB))
     assert live[-1] == BASE + 34 * MiB and maps(pool) == grown
@@ -163,6 +163,17 @@ def test_the_high_water_rule_releases_whole_idle_allocations(sim):
     assert pool.device.counters()["split_unmaps"] == 0
     pool.free(b)
     pool.free(c)
+
+
+def test_a_pool_under_a_limit_maps_one_allocation_per_page_unless_told(sim):
+    """Under a limit every free page must be able to go: one allocation per page by default
+    (Note [Growth extents]), as many as a growth has pages."""
+    for options, expect in [({}, [(0, 2 * MiB), (2 * MiB, 2 * MiB), (4 * MiB, 2 * MiB)]),
+                            ({"max_map_size": GiB}, [(0, 6 * MiB)])]:
+        pool = sim(expandable_segments=True, capacity=GiB, limit=64 * MiB, **options)
+        a = pool.alloc(6 * MiB)
+        assert maps(pool) == expect and pool.stats()["num_device_alloc"] == len(expect)
+        pool.free(a)
 
 
 def test_initial_pool_size_is_its_own_allocation_and_stays(sim):

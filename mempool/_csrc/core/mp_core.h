@@ -29,7 +29,8 @@ typedef struct mp_config {
     int expandable_segments;
     size_t expandable_reserve;   /* address space per expandable segment; 0 = from capacity */
     size_t max_map_size;         /* expandable: most bytes one physical allocation of a growth
-                                    holds (rounded down to pages); 0 = MP_DEFAULT_MAX_MAP */
+                                    holds (rounded down to pages); 0 = MP_DEFAULT_MAX_MAP, or
+                                    one page under a limit */
 } mp_config;
 
 /* Expandable segments: the most bytes one physical allocation of a growth holds unless
