@@ -312,8 +312,13 @@ static int sim_event_record(void *ctx, uintptr_t ev, uintptr_t stream) {
         e->ndeps = 0;
         for (size_t i = 0; i < st->nwaits; i++) {
             const sim_wait *w = &st->waits[i];
-            if (s->streams[w->other].completed < w->seq)
-                e->deps[e->ndeps++] = (sim_dep){w->other, w->seq};
+            if (s->streams[w->other].completed >= w->seq) continue;
+            /* One dep per stream, its latest: the event completes when that is done. Copying
+             * every wait grew the lists without bound while streams never completed. */
+            size_t d = 0;
+            while (d < e->ndeps && e->deps[d].other != w->other) d++;
+            if (d == e->ndeps) e->deps[e->ndeps++] = (sim_dep){w->other, w->seq};
+            else if (e->deps[d].seq < w->seq) e->deps[d].seq = w->seq;
         }
         s->num_records++;
     }
@@ -373,6 +378,11 @@ static int sim_stream_wait_event(void *ctx, uintptr_t stream, uintptr_t ev) {
             size_t other = i ? e->deps[i - 1].other : e->stream;
             uint64_t seq = i ? e->deps[i - 1].seq : e->target;
             if (s->streams[other].completed >= seq) continue;
+            /* A wait placed earlier for as much of `other` covers this one (it completes
+             * with less of this stream's work, and orders as much). */
+            size_t k = 0;
+            while (k < st->nwaits && !(st->waits[k].other == other && st->waits[k].seq >= seq)) k++;
+            if (k < st->nwaits) continue;
             st->waits[st->nwaits].other = other;
             st->waits[st->nwaits].seq = seq;
             st->waits[st->nwaits].at = st->submitted - 1;
