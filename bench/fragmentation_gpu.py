@@ -6,7 +6,9 @@ would pick instead, side by side in one run.
 For each trace in mempool/traces/ (transformer, vision) it replays every alloc and free,
 allocating real device memory (no kernels), through:
 
-- mempool ``backend="cuda"`` (default settings, and expandable segments where available);
+- mempool ``backend="cuda"`` (default settings, and expandable segments where available,
+  one physical allocation per growth; ``--pages`` and ``--max-map`` add rows with other
+  page sizes and allocation sizes, ``--max-map page`` the one-allocation-per-page pool);
 - PyTorch's caching allocator (``torch.cuda.caching_allocator_alloc``/``_delete``) under
   several ``PYTORCH_CUDA_ALLOC_CONF`` settings, one subprocess each (the variable is read
   once, at CUDA initialisation);
@@ -124,8 +126,8 @@ def cupy_replay(path: str) -> dict:
 
 def mempool_replay(path: str, conf: dict) -> dict:
     r = rp.replay(mtrace.load(path), conf=conf, backend="cuda", check=True)
-    # calls_per_step: segment allocs and frees (expandable: page maps and unmaps, each
-    # mapped_bytes / 2 MiB pages of driver calls), stream syncs, event records and waits.
+    # calls_per_step: segment allocs and frees (expandable: map and unmap calls, each map one
+    # physical allocation: Note [Growth extents]), stream syncs, event records and waits.
     return {"peak_reserved_bytes": r.peak_reserved_bytes,
             "peak_allocated_bytes": r.peak_allocated_bytes,
             "peak_live_bytes": r.peak_live_bytes, "num_ooms": r.num_ooms,
@@ -216,6 +218,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pages", default="",
                     help="also mempool expandable rows with these pages (the granularity "
                          "option), e.g. 8MiB,32MiB")
+    ap.add_argument("--max-map", default="",
+                    help="also mempool expandable rows with these max_map_size values (the "
+                         "most bytes of one physical allocation), e.g. page,64MiB; 'page' = "
+                         "one allocation per page, as before growth extents")
     ap.add_argument("--torch-confs", default=None,
                     help="PyTorch rows: PYTORCH_CUDA_ALLOC_CONF strings separated by ';' "
                          "('' = default; default: %s)" % ";".join(TORCH_CONFS))
@@ -238,6 +244,11 @@ def main(argv=None) -> int:
     for page in filter(None, args.pages.split(",")):
         mempool_rows.append((f"mempool expandable, {page} pages",
                              {"expandable_segments": True, "granularity": page}))
+    for most in filter(None, args.max_map.split(",")):
+        # 1 byte rounds up to one page, whatever the page: one allocation per page
+        mempool_rows.append((f"mempool expandable, max_map_size {most}",
+                             {"expandable_segments": True,
+                              "max_map_size": 1 if most == "page" else most}))
     torch_confs = TORCH_CONFS if args.torch_confs is None else args.torch_confs.split(";")
     for name in TRACES:
         path = _trace_path(name)

@@ -234,9 +234,16 @@ def main(argv=None):
     workloads = args.workloads.split(",")
     allocators = args.allocators.split(",")
     rows, extra = [], {}
+
+    def save():
+        # After every row, so a run cut at its time limit keeps what it measured.
+        with open(os.path.join(args.outdir, "workloads.json"), "w") as f:
+            json.dump({"rows": rows, **extra}, f, indent=1)
+
     for w in workloads:
         if w == "empty":
             extra["torch_empty"] = run_empty(args.outdir)
+            save()
             continue
         reps = 1 if w in ("batch", "infer") else args.reps
         for _ in range(reps):
@@ -246,9 +253,12 @@ def main(argv=None):
                 r.setdefault("workload", w)
                 r.setdefault("allocator", a)
                 rows.append(r)
-                print(w, a, {k: v for k, v in r.items() if k != "values"}, flush=True)
-    with open(os.path.join(args.outdir, "workloads.json"), "w") as f:
-        json.dump({"rows": rows, **extra}, f, indent=1)
+                shown = {k: v for k, v in r.items() if k != "values"}
+                if r.get("values"):
+                    shown["last_value"] = r["values"][-1]   # the loss or output compared
+                print(w, a, shown, flush=True)
+                save()
+    save()
     print(summarize([r for r in rows if "error" not in r]))
     if "torch_empty" in extra:
         for name, rs in extra["torch_empty"].items():

@@ -104,6 +104,7 @@ cdef extern from "mp_core.h" nogil:
         double gc_threshold
         int expandable_segments
         size_t expandable_reserve
+        size_t max_map_size
 
     void mp_config_default(mp_config *cfg)
 
@@ -201,6 +202,7 @@ cdef extern from "mp_core.h" nogil:
         size_t mapped_bytes
         uintptr_t stream
         int is_small, is_expandable, is_pinned
+        size_t first_map, nmaps
         size_t first_block, nblocks
 
     ctypedef struct mp_layout:
@@ -208,6 +210,8 @@ cdef extern from "mp_core.h" nogil:
         size_t nsegments
         mp_block_view *blocks
         size_t nblocks
+        uintptr_t *maps
+        size_t nmaps
 
     int mp_layout_take(mp_pool *p, mp_layout *out)
     void mp_layout_free(mp_layout *l)
@@ -273,6 +277,8 @@ cdef extern from "mp_sim.h" nogil:
     void mp_sim_fail_events(mp_sim *sim, unsigned n)
     size_t mp_sim_live_segments(mp_sim *sim)
     size_t mp_sim_mapped_bytes(mp_sim *sim)
+    size_t mp_sim_live_maps(mp_sim *sim)
+    uint64_t mp_sim_num_split_unmaps(mp_sim *sim)
     uint64_t mp_sim_num_syncs(mp_sim *sim)
     uint64_t mp_sim_num_queries(mp_sim *sim)
     uint64_t mp_sim_num_event_records(mp_sim *sim)

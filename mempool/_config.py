@@ -218,6 +218,15 @@ def _parse_optional_size(value: Any, key: str) -> int | None:
     return _size_or_none(value, key, _SIZE_ACCEPTED + ", or None / 'none' / 'unlimited'")
 
 
+def _parse_max_map_size(value: Any, key: str) -> int | None:
+    accepted = ("a size above 0: an int (bytes) or a string such as '256MiB'; or None / "
+                "'none' (the default: 1 GiB, one page under a limit)")
+    n = _size_or_none(value, key, accepted)
+    if n == 0:
+        raise _error(key, value, accepted, "a growth must map at least one page per allocation")
+    return n
+
+
 def _parse_max_split_size(value: Any, key: str) -> int | None:
     accepted = (f"a size of at least {_mib(MIN_MAX_SPLIT_SIZE)}, or None / 'none' / "
                 "'unlimited' (split every block)")
@@ -531,6 +540,13 @@ OPTIONS: dict[str, Option] = {
         "page size of expandable segments (None = 2 MiB on 'sim' and 'host', 8 MiB on "
         "'cuda', where a page is the driver's allocation granularity times a power of two)",
         _parse_optional_size, "4MiB", sized=True),
+    "max_map_size": Option(
+        None, "size or None",
+        "the most bytes one physical allocation of expandable segments holds: a growth maps "
+        "one allocation per this many bytes (whole pages, at least one) and releases each "
+        "only whole (None = 1 GiB, or one page when a limit is set; the page size = one "
+        "allocation per page)",
+        _parse_max_map_size, "256MiB", sized=True),
     "pool_handle": Option(
         "create", "'create', 'default', 'current' or int",
         "which cudaMemPool supplies segments: a new one, the device's default or current "

@@ -228,6 +228,7 @@ cdef class Pool:
             cfg.initial_pool_size = opts["initial_pool_size"]
             cfg.gc_threshold = opts["garbage_collection_threshold"]
             cfg.expandable_segments = 1 if opts["expandable_segments"] else 0
+            cfg.max_map_size = opts["max_map_size"] or 0
             if cfg.expandable_segments and up.map == NULL:
                 raise ValueError(f"expandable_segments is not supported by the {backend_name} "
                                  f"upstream")
@@ -745,9 +746,11 @@ cdef class Pool:
     def layout(self):
         """The segments and their blocks, copied under the pool lock.
 
-        A list of dicts ``{address, total_size, mapped_size, stream, is_small,
+        A list of dicts ``{address, total_size, mapped_size, maps, stream, is_small,
         is_expandable, is_pinned, blocks: [{address, size, requested_size, stream, state}]}``
         with ``state`` one of ``MP_BLOCK_*`` (0 free, 1 allocated, 2 pending, 3 unmapped).
+        ``maps`` lists the physical allocations mapped in an expandable segment as
+        ``(address, size)`` in address order, each released only whole (empty for others).
         """
         self._ready()
         cdef mp_layout lay
@@ -766,8 +769,11 @@ cdef class Pool:
                     blocks.append({"address": bv.ptr, "size": bv.nbytes,
                                    "requested_size": bv.requested, "stream": bv.stream,
                                    "state": bv.state})
+                maps = [(lay.maps[2 * j], lay.maps[2 * j + 1])
+                        for j in range(sv.first_map, sv.first_map + sv.nmaps)]
                 segments.append({"address": sv.ptr, "total_size": sv.nbytes,
-                                 "mapped_size": sv.mapped_bytes, "stream": sv.stream,
+                                 "mapped_size": sv.mapped_bytes, "maps": maps,
+                                 "stream": sv.stream,
                                  "is_small": bool(sv.is_small),
                                  "is_expandable": bool(sv.is_expandable),
                                  "is_pinned": bool(sv.is_pinned), "blocks": blocks})

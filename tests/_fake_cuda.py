@@ -24,7 +24,8 @@ fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)   # found again as libc
 for name, res in [("fake_make_pool", c_size_t), ("fake_pool_access", c_int),
                   ("fake_page_access", c_int), ("fake_mapped_pages", c_int),
                   ("fake_set_access_calls", c_int), ("fake_pool_set_access_calls", c_int),
-                  ("fake_create_calls", c_int)]:
+                  ("fake_create_calls", c_int), ("fake_map_calls", c_int),
+                  ("fake_live_handles", c_int)]:
     getattr(fake, name).restype = res
 fake.fake_page_access.argtypes = [c_uint64]
 fake.fake_pool_access.argtypes = [c_size_t]

@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import mempool
+from _support import releasable_maps
 
 STREAMS = (0, 5, 9)
 SIZES = st.one_of(st.integers(0, 4096), st.integers(4097, 1 << 20),
@@ -165,13 +166,13 @@ class ExpandableMachine(PoolMachine):
     @rule()
     def empty_cache(self):
         self.pool.empty_cache()
-        assert self._whole_free_pages() == 0
+        assert self._releasable_maps() == 0
 
     @rule(keep=st.integers(0, 48 * MiB))
     def trim(self, keep):
         self.pool.trim(keep)
         if self.pool.cached_bytes() > keep:
-            assert self._whole_free_pages() == 0 or self._pinned()
+            assert self._releasable_maps() == 0 or self._pinned()
 
     def _pinned(self):
         return self.options.get("initial_pool_size", 0) > 0
@@ -179,22 +180,11 @@ class ExpandableMachine(PoolMachine):
     def _page(self):
         return self.pool.options["granularity"] or 2 * MiB
 
-    def _whole_free_pages(self):
-        """Whole pages in runs of free blocks, past any pinned prefix: releasable now."""
-        g, n = self._page(), 0
-        pin = -(-self.options.get("initial_pool_size", 0) // g) * g
-        for seg in self.pool.layout():
-            start = seg["address"] + (pin if seg["is_pinned"] else 0)
-            run = None
-            for b in seg["blocks"] + [{"state": None}]:
-                if b["state"] == 0:
-                    run = [run[0] if run else b["address"], b["address"] + b["size"]]
-                    continue
-                if run:
-                    lo, hi = max(-(-run[0] // g) * g, start), run[1] // g * g
-                    n += max(0, hi - lo) // g
-                run = None
-        return n
+    def _releasable_maps(self):
+        """Physical allocations in runs of free blocks, past any pinned prefix: releasable
+        now."""
+        g = self._page()
+        return releasable_maps(self.pool, -(-self.options.get("initial_pool_size", 0) // g) * g)
 
     @invariant()
     def consistent(self):
@@ -208,6 +198,9 @@ class ExpandableMachine(PoolMachine):
         assert mapped == pool.reserved_bytes() == counters["mapped_bytes"] == dev.used_bytes
         assert mapped == pool.stats()["mapped_bytes.current"]
         assert counters["errors"] == 0
+        # the device's physical allocations are the pool's (Note [Growth extents])
+        assert counters["live_maps"] == sum(len(s["maps"]) for s in layout)
+        assert counters["split_unmaps"] == 0
         limit = pool.options["limit"]
         if limit is not None and not self._pinned():
             assert pool.reserved_bytes() <= limit

@@ -28,6 +28,26 @@ def blocks(pool):
     return out
 
 
+def releasable_maps(pool, pinned=0):
+    """The physical allocations of expandable segments that a release could unmap now: those
+    wholly inside a run of free blocks (each goes only whole: Note [Growth extents]), past
+    the first `pinned` bytes of a pinned segment (initial_pool_size)."""
+    n = 0
+    for seg in pool.layout():
+        start = seg["address"] + (pinned if seg["is_pinned"] else 0)
+        runs, run = [], None
+        for b in seg["blocks"] + [{"state": None}]:
+            if b["state"] == 0:
+                run = [run[0] if run else b["address"], b["address"] + b["size"]]
+                continue
+            if run:
+                runs.append(run)
+            run = None
+        n += sum(a >= start and any(lo <= a and a + size <= hi for lo, hi in runs)
+                 for a, size in seg["maps"])
+    return n
+
+
 def run_threads(target, argsets):
     """Run target(*args) in one thread per argument tuple, started together, all joined."""
     import threading

@@ -35,9 +35,10 @@ def test_pages_mapped_before_and_after_enabling_get_the_peer(fake_driver):
         assert c.enable(1) == (OK, "")                # idempotent: nothing more asked
         assert (fake.fake_set_access_calls(), fake.fake_pool_set_access_calls()) == calls
 
-        assert c.unmap(va, g) == OK and c.map(va, g) == OK
-        assert c.pages(va, 1) == [3]                  # re-mapped after a release: granted
-        assert c.unmap(va, 2 * g) == OK and c.unmap(va + 4 * g, 2 * g) == OK
+        assert c.unmap(va, g) == EINVAL               # half of one physical allocation
+        assert c.unmap(va, 2 * g) == OK and c.map(va, g) == OK
+        assert c.pages(va, 2) == [3, -1]              # re-mapped after a release: granted
+        assert c.unmap(va, g) == OK and c.unmap(va + 4 * g, 2 * g) == OK
         assert c.release(va, 8 * g) == OK
         c.destroy()
     """)
@@ -128,10 +129,12 @@ def test_without_virtual_memory_the_pool_alone_is_granted(fake_driver):
     """, FAKE_NO_VMM="1")
 
 
-def test_a_page_of_several_granules_is_one_handle_and_one_mapping(fake_driver):
-    """The `granularity` option on cuda: pages of any multiple of the driver's granularity,
-    each one cuMemCreate and one cuMemMap, unmapped whole (the driver unmaps only whole
-    mappings, and the fake refuses anything else)."""
+def test_a_map_call_is_one_physical_allocation_unmapped_only_whole(fake_driver):
+    """Note [Expandable pages]: whatever the page (any power of two times the driver's
+    granularity, the `granularity` option), a map call is one cuMemCreate of its whole range,
+    one cuMemMap and one cuMemSetAccess; an unmap covers whole allocations, one or several
+    (the driver unmaps only whole mappings, and the fake refuses anything else), and a cut
+    one is refused with nothing changed."""
     run_fake(fake_driver, f"""
         c = Cuda(0)
         assert c.set_page(3 << 20)[0] == EINVAL       # not a multiple of 2 MiB
@@ -147,14 +150,19 @@ def test_a_page_of_several_granules_is_one_handle_and_one_mapping(fake_driver):
         assert rc == EBUSY and "reserved" in why, why
         assert c.g == 4 * {G}
         assert va % g == 0                             # reservations aligned to the page
-        creates = fake.fake_create_calls()
-        assert c.map(va, 3 * g) == OK                  # three pages of 8 MiB
-        assert fake.fake_create_calls() - creates == 3
-        assert fake.fake_mapped_pages() == 12          # the fake counts 2 MiB granules
-        assert c.unmap(va + g, g) == OK                # the middle page alone
-        assert fake.fake_mapped_pages() == 8
-        assert c.map(va + g, g) == OK
-        assert c.unmap(va, 3 * g) == OK and fake.fake_mapped_pages() == 0
+        calls = (fake.fake_create_calls(), fake.fake_map_calls(), fake.fake_set_access_calls())
+        assert c.map(va, 3 * g) == OK                  # three pages of 8 MiB: one allocation
+        assert c.map(va + 3 * g, 2 * g) == OK          # and two more: another
+        now = (fake.fake_create_calls(), fake.fake_map_calls(), fake.fake_set_access_calls())
+        assert [b - a for a, b in zip(calls, now)] == [2, 2, 2]
+        assert fake.fake_live_handles() == 2
+        assert fake.fake_mapped_pages() == 20          # the fake counts 2 MiB granules
+        for bad in [(va + g, g), (va, g), (va, 4 * g), (va + g, 4 * g)]:
+            assert c.unmap(*bad) == EINVAL, bad        # each cuts an allocation
+        assert fake.fake_mapped_pages() == 20 and fake.fake_live_handles() == 2
+        assert c.unmap(va, 5 * g) == OK                # both whole, in one call
+        assert fake.fake_mapped_pages() == 0 and fake.fake_live_handles() == 0
+        assert c.map(va + g, g) == OK and c.unmap(va + g, g) == OK
         assert c.release(va, 8 * g) == OK
         c.destroy()
     """)

@@ -7,7 +7,8 @@ work, inject failures (the next N upstream calls, or a map that fails part-way),
 - check_invariants(): blocks tile every range, free neighbours of one stream are merged,
   unmapped blocks are page-aligned, free lists and every counter add up;
 - the pages add up: reserved bytes == mapped bytes in the layout == the device's mapped pages
-  == the device's used bytes, and the device saw no double map or unmap;
+  == the device's used bytes, the device's physical allocations are the layout's maps, and
+  it saw no double map or unmap nor one that cut an allocation;
 - no two live blocks overlap, and no block is handed to a stream while work of another
   stream that used its bytes may still be pending, unless the new stream is ordered after
   that work (device.ordered);
@@ -42,6 +43,11 @@ class ReleaseEagerly(ExpandableMachine):
     options = {"release_threshold": 0, "cross_stream_reuse": False}
 
 
+class SmallMaps(ExpandableMachine):
+    # growths cut into allocations of two pages, released only whole (Note [Growth extents])
+    options = {"max_map_size": 4 * MiB, "release_threshold": 8 * MiB}
+
+
 class Pinned(ExpandableMachine):
     options = {"initial_pool_size": 9 * MiB, "granularity": 1 << 20}
 
@@ -51,7 +57,8 @@ TestSmallPages = SmallPages.TestCase
 TestLimitedAndCollected = LimitedAndCollected.TestCase
 TestReleaseEagerly = ReleaseEagerly.TestCase
 TestPinned = Pinned.TestCase
+TestSmallMaps = SmallMaps.TestCase
 for case in (TestExpandable, TestSmallPages, TestLimitedAndCollected, TestReleaseEagerly,
-             TestPinned):
+             TestPinned, TestSmallMaps):
     case.settings = SETTINGS
 del case   # the loop variable: not a test of its own (pytest would run that case twice)

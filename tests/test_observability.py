@@ -291,7 +291,7 @@ def test_snapshot_has_pytorchs_segments_and_blocks(sim):
 
 
 def test_snapshot_of_an_expandable_segment_shows_its_mapped_run(sim):
-    pool = sim(expandable_segments=True)
+    pool = sim(expandable_segments=True, max_map_size=2 * MiB)   # one allocation per page
     a = pool.alloc(3 * MiB)                  # maps [0, 4) MiB
     b = pool.alloc(3 * MiB)                  # maps [4, 6) MiB: b is [3, 6) MiB
     pool.free(a)

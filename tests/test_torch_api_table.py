@@ -46,12 +46,13 @@ class BlockView(ctypes.Structure):
 class SegmentView(ctypes.Structure):
     _fields_ = [("ptr", u), ("nbytes", sz), ("mapped_bytes", sz), ("stream", u),
                 ("is_small", i32), ("is_expandable", i32), ("is_pinned", i32),
-                ("first_block", sz), ("nblocks", sz)]
+                ("first_block", sz), ("nblocks", sz), ("first_map", sz), ("nmaps", sz)]
 
 
 class Layout(ctypes.Structure):
     _fields_ = [("segments", ctypes.POINTER(SegmentView)), ("nsegments", sz),
-                ("blocks", ctypes.POINTER(BlockView)), ("nblocks", sz)]
+                ("blocks", ctypes.POINTER(BlockView)), ("nblocks", sz),
+                ("maps", ctypes.POINTER(u)), ("nmaps", sz)]
 
 
 F = ctypes.CFUNCTYPE
@@ -86,7 +87,7 @@ class Api(ctypes.Structure):
 @pytest.fixture
 def api():
     table = Api.from_address(_core._torch_api_address())
-    assert table.version == 1
+    assert table.version == 2
     assert table.struct_size == ctypes.sizeof(Api), "the table's layout changed: update Api"
     yield table
 

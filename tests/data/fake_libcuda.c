@@ -15,7 +15,7 @@ typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 
 enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, INVALID_DEVICE = 101, NOT_MAPPED = 211,
-       UNKNOWN = 999 };
+       NOT_SUPPORTED = 801, UNKNOWN = 999 };
 
 #define NDEV 4
 #define GRAN ((size_t)2 << 20)
@@ -37,7 +37,7 @@ typedef struct {
 static struct { CUdeviceptr addr, start; size_t len; unsigned mask; int owner, used; }
     pages[MAX_PAGES];
 static struct { size_t size; int owner, used; } handles[MAX_HANDLES];
-static int create_calls;
+static int create_calls, map_calls;
 static struct { int owner; unsigned mask; } pools[MAX_POOLS];
 static int npools;
 static CUdeviceptr next_va = 0x7f0000000000ull, next_seg = 0x600000000000ull;
@@ -75,6 +75,13 @@ int fake_mapped_pages(void) {
 }
 int fake_set_access_calls(void) { return set_access_calls; }
 int fake_create_calls(void) { return create_calls; }
+int fake_map_calls(void) { return map_calls; }
+/* Physical allocations alive (created and not released). */
+int fake_live_handles(void) {
+    int n = 0;
+    for (int i = 0; i < MAX_HANDLES; i++) n += handles[i].used;
+    return n;
+}
 int fake_pool_set_access_calls(void) { return pool_set_access_calls; }
 /* The cuMemSetAccess call after the next n succeeds fails (with CUDA_ERROR_UNKNOWN). */
 void fake_fail_set_access_after(int n) { fail_set_access_after = n; }
@@ -104,7 +111,8 @@ CUresult cuDevicePrimaryCtxRelease_v2(int dev) { (void)dev; return OK; }
 CUresult cuCtxGetCurrent(void **ctx) { *ctx = current; return OK; }
 CUresult cuCtxSetCurrent(void *ctx) { current = ctx; return OK; }
 CUresult cuGetErrorName(CUresult r, const char **s) {
-    *s = r == INVALID_VALUE ? "CUDA_ERROR_INVALID_VALUE" : r == INVALID_DEVICE
+    *s = r == INVALID_VALUE ? "CUDA_ERROR_INVALID_VALUE" : r == NOT_SUPPORTED
+         ? "CUDA_ERROR_NOT_SUPPORTED" : r == INVALID_DEVICE
          ? "CUDA_ERROR_INVALID_DEVICE" : r == UNKNOWN ? "CUDA_ERROR_UNKNOWN" : "CUDA_ERROR_OTHER";
     return OK;
 }
@@ -193,6 +201,10 @@ CUresult cuMemMap(CUdeviceptr p, size_t n, size_t offset, unsigned long long h,
     if (h == 0 || h >= MAX_HANDLES || !handles[h].used) return INVALID_VALUE;
     if (n == 0 || n % GRAN || p % GRAN || offset % GRAN || offset + n > handles[h].size)
         return INVALID_VALUE;
+    /* As the driver (an H200, CUDA 13): a physical allocation is mapped whole; an offset into
+     * it, or part of it, is not supported. */
+    if (offset != 0 || n != handles[h].size) return NOT_SUPPORTED;
+    map_calls++;
     for (CUdeviceptr a = p; a < p + n; a += GRAN)
         if (page_index(a) >= 0) return INVALID_VALUE;
     capture_counts[8] += capture_mode == 2;

@@ -129,3 +129,41 @@ def test_the_granularity_option_sets_the_page(cuda_pool, streams, kernels):
     pool.empty_cache()
     pool.check_invariants()
     assert pool.reserved_bytes() == 0
+
+
+def test_a_growth_is_one_physical_allocation_released_whole(cuda_pool, cupy_device):
+    """Note [Growth extents] on the driver: a growth of many pages is one cuMemCreate and one
+    cuMemMap (the driver maps it whole), its bytes are usable end to end, a free page of an
+    allocation that still holds a block stays mapped, and the whole allocation goes back to
+    the device once free. max_map_size cuts a growth into allocations of that size."""
+    cupy = cupy_device
+    pool = cuda_pool(expandable_segments=True)
+    page = pool.options["granularity"]
+    free_before, _ = cupy.cuda.runtime.memGetInfo()
+    a = pool.alloc(10 * page)                             # one map call, ten pages
+    (seg,) = pool.layout()
+    assert seg["maps"] == [(seg["address"], 10 * page)]
+    assert pool.stats()["num_device_alloc"] == 1
+    arr = cupy.ndarray((10 * page // 4,), cupy.int32,
+                       cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(a, 10 * page, pool), 0))
+    arr.fill(3)                                           # a kernel over every page
+    assert int((arr != 3).sum()) == 0
+    del arr
+    pool.free(a)
+    b = pool.alloc(page)                                  # in a's allocation: it stays whole
+    pool.empty_cache()
+    assert pool.reserved_bytes() == 10 * page and pool.stats()["num_device_free"] == 0
+    pool.free(b)
+    pool.empty_cache()
+    cupy.cuda.Device(0).synchronize()
+    assert pool.reserved_bytes() == 0 and pool.stats()["num_device_free"] == 1
+    free_after, _ = cupy.cuda.runtime.memGetInfo()
+    assert free_after >= free_before - 2 * page, "the allocation was not given back"
+
+    cut = cuda_pool(expandable_segments=True, max_map_size=4 * page)
+    c = cut.alloc(10 * page)                              # 4 + 4 + 2 pages
+    (seg,) = cut.layout()
+    assert [n for _, n in seg["maps"]] == [4 * page, 4 * page, 2 * page]
+    cut.free(c)
+    cut.empty_cache()
+    assert cut.reserved_bytes() == 0

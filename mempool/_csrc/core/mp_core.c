@@ -97,6 +97,7 @@ void mp_pool_destroy(mp_pool *p) {
         }
         seg->release_stream = legacy ? 0 : seg->stream->handle;
         mp_segment_release_upstream(p, seg);
+        free(seg->extents);
         free(seg);
         seg = next;
     }

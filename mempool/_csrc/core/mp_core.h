@@ -28,7 +28,14 @@ typedef struct mp_config {
     double gc_threshold;         /* 0 = off; else fraction of limit (or capacity) */
     int expandable_segments;
     size_t expandable_reserve;   /* address space per expandable segment; 0 = from capacity */
+    size_t max_map_size;         /* expandable: most bytes one physical allocation of a growth
+                                    holds (rounded down to pages); 0 = MP_DEFAULT_MAX_MAP, or
+                                    one page under a limit */
 } mp_config;
+
+/* Expandable segments: the most bytes one physical allocation of a growth holds unless
+ * max_map_size says (Note [Growth extents] in mp_expand.c). */
+#define MP_DEFAULT_MAX_MAP ((size_t)1 << 30)
 
 void mp_config_default(mp_config *cfg);
 
@@ -241,6 +248,9 @@ typedef struct mp_segment_view {
     uintptr_t stream;
     int is_small, is_expandable, is_pinned;
     size_t first_block, nblocks;  /* into mp_layout.blocks */
+    /* expandable: the physical allocations mapped, each released only whole (Note [Growth
+     * extents]), into mp_layout.maps as (address, bytes) pairs */
+    size_t first_map, nmaps;
 } mp_segment_view;
 
 typedef struct mp_layout {
@@ -248,6 +258,8 @@ typedef struct mp_layout {
     size_t nsegments;
     mp_block_view *blocks;
     size_t nblocks;
+    uintptr_t *maps;            /* address, bytes, address, bytes, ... */
+    size_t nmaps;
 } mp_layout;
 
 int mp_layout_take(mp_pool *p, mp_layout *out);

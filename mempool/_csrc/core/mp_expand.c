@@ -28,10 +28,10 @@
  * mapped part, extended by the request less the free block already there; after releases,
  * holes are refilled before the edge moves whenever that maps less.
  *
- * Release unmaps whole pages of runs of free blocks (adjacent free blocks of any owners:
- * blocks of two streams never merge, but a page they share is free all the same), the
- * largest runs first (fewest unmap calls and splits per byte), taking from a run's high end
- * only as many pages as are still wanted. Unmapping does not wait for queued work, so the
+ * Release unmaps whole physical allocations inside runs of free blocks (Note [Growth
+ * extents]; adjacent free blocks of any owners: blocks of two streams never merge, but a page
+ * they share is free all the same), the largest runs first (fewest unmap calls and splits
+ * per byte), taking from a run's high end only as many as are still wanted. Unmapping does not wait for queued work, so the
  * streams that freed those pages are synchronized first, each once; pages of a stream that
  * cannot be synchronized, or that fail to unmap, become free blocks of their owners again.
  * Releases happen on demand (empty_cache, trim, release_threshold), before growing past the
@@ -41,14 +41,15 @@
  * mapped at the start of stream 0's large range and stay mapped (its pinned prefix).
  *
  * The high-water rule: a growth that would map more bytes than the pool has ever held at
- * once first releases every idle whole page outside the growth, provided they add up to at
+ * once first releases every idle whole allocation outside the growth, provided they add up to at
  * least MP_HIGH_WATER_MIN_IDLE and 1/MP_HIGH_WATER_IDLE_DIV of that high-water mark. Best
  * fit leaves holes between live blocks (freed temporaries; state created once, such as an
  * optimizer's, among the first step's blocks), and without the rule the footprint ratchets
  * up over them: peak reserved / peak live 1.019 on the shipped transformer trace, up to
  * 1.033 on other seeds of its generator. With it, physical pages move from idle holes to
  * where they are needed: 1.012, at most 1.013, for 1 to 13 stream syncs per run, all while
- * the footprint set a new record (docs/expandable.md). The floor keeps the syncs few: with
+ * the footprint set a new record (docs/expandable.md), measured with one allocation per
+ * page; it acts on whole allocations only (Note [Growth extents]). The floor keeps the syncs few: with
  * none, 1.007 for 17 to 37. The mark is the pool's own: reset_peak_stats() does not move it.
  *
  * Failures: map is all or nothing (the upstream undoes a partial map), so a failed growth
@@ -68,7 +69,43 @@
  * break it: no page is unmapped while a capture is under way (Note [Graph capture] in
  * mp_capture.h), growth maps pages as usual.
  */
+
+/* Note [Growth extents]
+ *
+ * Why: a driver's time for expandable segments follows the number of physical allocations,
+ * not their bytes (a cuMemCreate and a cuMemMap each), and it maps and unmaps a physical
+ * allocation only whole: cuMemMap at an offset into a larger one is not supported, and
+ * cuMemUnmap refuses part of a mapping. One allocation per page made a page the unit of both
+ * growth and release, and the page size a choice between driver calls and memory (2 MiB
+ * pages: 4,145 physical allocations on the shipped transformer trace; docs/expandable.md).
+ *
+ * Approach: a growth of N pages is one map call, one physical allocation (cut into pieces of
+ * max_map_size, default MP_DEFAULT_MAX_MAP, when larger, so that a huge growth is a few).
+ * Each segment keeps its allocations ("extents") in address order; they tile its mapped
+ * bytes exactly, so the edges between mapped and unmapped blocks are extent edges. Every
+ * release (empty_cache, trim, release_threshold, the limit, garbage collection, out of
+ * memory, the high-water rule, forget_stream, destroy) unmaps only extents wholly inside a
+ * run of free blocks (run_pages), taking from a run's high end as few as cover what is
+ * wanted; the high-water rule counts only those as idle. Pages and blocks are as before:
+ * growth is planned in pages, blocks split and merge across extents freely. An extent being
+ * mapped or unmapped is busy (inside the busy unmapped block), so that check_invariants,
+ * which checks the tiling, holds while the lock is dropped. sim and host keep the driver's
+ * rule (mp_mappings_whole in mp_budget.h): an unmap that cuts an allocation is refused.
+ *
+ * Limits: a free page of an allocation that still holds a block cannot be released; that is
+ * the price of fewer driver calls. Best fit reuses the start of large free blocks, so free
+ * tails sit in allocations in use, and the high-water rule finds few idle allocations whole:
+ * on the shipped transformer trace with 2 MiB pages it no longer fires and the footprint is
+ * that of no rule; with 8 MiB pages, and on the vision trace, the ratio stays within a page
+ * of the page-per-allocation figure (docs/expandable.md, "Where the time goes", has the
+ * counts). Under a limit that costs more: the pool gives back less when it must, and on the
+ * shipped transformer trace under a limit below its live peak it refused 10 requests where
+ * one allocation per page refused 1. So a pool with a limit maps one allocation per page
+ * unless max_map_size is set; max_map_size = the page gives that to any pool.
+ */
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "mp_capture.h"
 #include "mp_expand.h"
@@ -132,6 +169,117 @@ static void count_mapped_locked(mp_pool *p, mp_segment *seg, size_t nbytes, int 
         mp_stat3_dec(p->stats.reserved_bytes, seg->kind, (int64_t)nbytes);
         mp_stat_dec(&p->stats.mapped_bytes, (int64_t)nbytes);
     }
+}
+
+/* ---------------------------------------------------------------- extents */
+
+/* Note [Growth extents]: seg->extents, the physical allocations mapped in a range. */
+typedef struct mp_extent mp_extent;
+
+/* The index of the first extent of seg at or above addr. */
+static size_t extent_at(const mp_segment *seg, uintptr_t addr) {
+    size_t lo = 0, hi = seg->nextents;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (seg->extents[mid].ptr < addr) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* The largest physical allocation one map call makes: whole pages, at least one. Unless
+ * max_map_size says, a pool under a limit maps one per page: there every free page must be
+ * able to go (Note [Growth extents], Limits). */
+static size_t max_map_bytes(const mp_pool *p) {
+    size_t g = p->up.granularity;
+    if (!p->cfg.max_map_size && p->cfg.limit != MP_UNLIMITED) return g;
+    size_t m = round_down(p->cfg.max_map_size ? p->cfg.max_map_size : MP_DEFAULT_MAX_MAP, g);
+    return m ? m : g;
+}
+
+/* Room for n more extents in seg; 0 (nothing changed) when out of host memory. */
+static int extents_reserve(mp_segment *seg, size_t n) {
+    if (seg->nextents + n <= seg->cap_extents) return 1;
+    size_t cap = seg->cap_extents ? 2 * seg->cap_extents : 16;
+    while (cap < seg->nextents + n) cap *= 2;
+    mp_extent *grown = realloc(seg->extents, cap * sizeof *grown);
+    if (!grown) return 0;
+    seg->extents = grown;
+    seg->cap_extents = cap;
+    return 1;
+}
+
+/* Note [Growth extents]: how a growth of nbytes is cut into physical allocations: pieces of
+ * max_map_bytes from the low end, the last one the rest. Piece i is [off(i), off(i + 1)). */
+typedef struct growth_cut {
+    size_t nbytes, max;
+    size_t n;                   /* pieces */
+} growth_cut;
+
+static growth_cut cut_growth(const mp_pool *p, size_t nbytes) {
+    size_t max = max_map_bytes(p);
+    growth_cut c = {nbytes, max, (nbytes + max - 1) / max};
+    return c;
+}
+
+static size_t cut_off(const growth_cut *c, size_t i) {
+    return i >= c->n ? c->nbytes : i * c->max;
+}
+
+/* The pieces of growth c at `at`, as busy extents, in room extents_reserve made. */
+static void extents_insert(mp_segment *seg, uintptr_t at, const growth_cut *c) {
+    size_t i = extent_at(seg, at);
+    memmove(&seg->extents[i + c->n], &seg->extents[i], (seg->nextents - i) * sizeof *seg->extents);
+    for (size_t k = 0; k < c->n; k++)
+        seg->extents[i + k] = (mp_extent){at + cut_off(c, k), cut_off(c, k + 1) - cut_off(c, k), 1};
+    seg->nextents += c->n;
+}
+
+/* Drop the extents inside [lo, hi) (whole ones: lo and hi are extent edges). */
+static void extents_remove(mp_segment *seg, uintptr_t lo, uintptr_t hi) {
+    size_t i = extent_at(seg, lo), j = extent_at(seg, hi);
+    memmove(&seg->extents[i], &seg->extents[j], (seg->nextents - j) * sizeof *seg->extents);
+    seg->nextents -= j - i;
+}
+
+static void extents_set_busy(mp_segment *seg, uintptr_t lo, uintptr_t hi, int busy) {
+    for (size_t i = extent_at(seg, lo); i < seg->nextents && seg->extents[i].ptr < hi; i++)
+        seg->extents[i].busy = busy;
+}
+
+int mp_expand_check_extents_locked(const mp_pool *p, const mp_segment *seg, char *why, size_t n) {
+    size_t g = p->up.granularity, held = 0;
+    uintptr_t end = seg->ptr;
+    const mp_block *b = seg->first;
+    for (size_t i = 0; i < seg->nextents; i++) {
+        const mp_extent *e = &seg->extents[i];
+        uintptr_t e_end = e->ptr + e->nbytes;
+        if (e->ptr < end || !e->nbytes || e->ptr % g || e->nbytes % g ||
+            e_end > seg->ptr + seg->nbytes) {
+            snprintf(why, n, "segment %#lx: extent [%#lx, +%zu) misplaced or overlapping",
+                     (unsigned long)seg->ptr, (unsigned long)e->ptr, e->nbytes);
+            return 1;
+        }
+        end = e_end;
+        if (!e->busy) held += e->nbytes;
+        while (b && b->ptr + b->nbytes <= e->ptr) b = b->next;
+        /* Mapped blocks lie on idle extents; a busy extent inside a busy unmapped block. */
+        for (const mp_block *c = b; c && c->ptr < e_end; c = c->next) {
+            int ok = e->busy ? c->state == MP_BLOCK_UNMAPPED && c->busy : c->state != MP_BLOCK_UNMAPPED;
+            if (!ok) {
+                snprintf(why, n, "segment %#lx: extent [%#lx, +%zu)%s holds block %#lx in state %d",
+                         (unsigned long)seg->ptr, (unsigned long)e->ptr, e->nbytes,
+                         e->busy ? " (busy)" : "", (unsigned long)c->ptr, c->state);
+                return 1;
+            }
+        }
+    }
+    if (held != seg->mapped_bytes) {
+        snprintf(why, n, "segment %#lx: extents hold %zu bytes, %zu mapped", (unsigned long)seg->ptr,
+                 held, seg->mapped_bytes);
+        return 1;
+    }
+    return 0;
 }
 
 /* An address-space call, made with the lock dropped: it may wait on the driver's own locks
@@ -207,7 +355,7 @@ int mp_expand_detach_range_locked(mp_pool *p, mp_segment *seg, mp_stream *only,
     }
     struct mp_run *runs = nruns ? malloc(nruns * sizeof *runs) : NULL;
     if (nruns && !runs) return 0;
-    /* Mapped runs are whole pages (unmapped blocks are page-aligned): note them for the
+    /* Mapped runs are whole allocations (Note [Growth extents]): note them for the
      * unmap, which runs without the lock (mp_release_finish). */
     size_t r = 0;
     for (mp_block *b = seg->first, *next; b; b = next) {
@@ -253,22 +401,27 @@ void mp_expand_drop_empty_locked(mp_pool *p, mp_release_list *out) {
  * owners never merge, but their pages are all free, so a page shared by two of them can
  * go too; each owner's stream is synchronized before the unmap. */
 
-/* The run starting at free block `first`: its last block, and the whole pages in it that
- * may be unmapped, [*lo, *hi) (*hi <= *lo when there are none). */
+/* The run starting at free block `first`: its last block, and the part of it that may be
+ * unmapped, [*lo, *hi): the extents wholly inside it past the pinned prefix (Note [Growth
+ * extents]; contiguous, since extents tile what is mapped). *hi <= *lo when there is none. */
 static mp_block *run_pages(const mp_pool *p, mp_block *first, uintptr_t *lo, uintptr_t *hi) {
-    size_t g = p->up.granularity;
     mp_block *last = first;
     while (last->next && last->next->state == MP_BLOCK_FREE) last = last->next;
-    uintptr_t a = round_up(first->ptr, g), e = round_down(last->ptr + last->nbytes, g);
-    uintptr_t pin = pinned_end(p, first->seg);
-    *lo = a < pin ? pin : a;
-    *hi = e;
+    const mp_segment *seg = first->seg;
+    uintptr_t a = first->ptr, e = last->ptr + last->nbytes, pin = pinned_end(p, seg);
+    size_t i = extent_at(seg, a < pin ? pin : a), j = i;
+    while (j < seg->nextents && seg->extents[j].ptr + seg->extents[j].nbytes <= e) j++;
+    *lo = *hi = 0;
+    if (j > i) {
+        *lo = seg->extents[i].ptr;
+        *hi = seg->extents[j - 1].ptr + seg->extents[j - 1].nbytes;
+    }
     return last;
 }
 
 typedef struct run_ref {
     mp_block *first;
-    size_t nbytes;        /* whole pages in it */
+    size_t nbytes;        /* in the whole allocations in it */
 } run_ref;
 
 /* Visit the runs with pages to give, outside [keep_lo, keep_hi); stop when visit says 0. */
@@ -407,6 +560,7 @@ static int carve_run_locked(mp_pool *p, mp_block *first, uintptr_t lo, uintptr_t
     x->nbytes = hi - lo;
     x->state = MP_BLOCK_UNMAPPED;
     x->busy = 1;
+    extents_set_busy(x->seg, lo, hi, 1);
     job->u = x;
     job->parts = parts;
     job->nparts = nparts;
@@ -421,6 +575,7 @@ static int carve_run_locked(mp_pool *p, mp_block *first, uintptr_t lo, uintptr_t
 static void restore_run_locked(mp_pool *p, unmap_job *job, mp_stream *unsynced) {
     mp_block *u = job->u;
     count_mapped_locked(p, u->seg, u->nbytes, 1);
+    extents_set_busy(u->seg, u->ptr, u->ptr + u->nbytes, 0);
     u->busy = 0;
     mp_block **more = malloc(job->nparts * sizeof *more);
     size_t got = 1;
@@ -524,8 +679,12 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
         run_pages(p, runs.runs[i].first, &lo, &hi);
         size_t want = target - released;   /* only what is still wanted, from the high end */
         if (want < hi - lo) {
-            want = round_up(want, p->up.granularity);
-            if (want < hi - lo) lo = hi - want;
+            /* in whole extents (Note [Growth extents]): as few as cover it */
+            const mp_segment *seg = runs.runs[i].first->seg;
+            size_t k = extent_at(seg, hi);
+            uintptr_t cut = hi;
+            while (cut > lo && hi - cut < want) cut = seg->extents[--k].ptr;
+            lo = cut;
         }
         if (!wait && !run_idle_locked(p, runs.runs[i].first, lo, hi, asked, idle, &nasked)) {
             if (busy) *busy = 1;
@@ -583,6 +742,7 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
         mp_block *u = jobs[i].u;
         if (jobs[i].ok) {
             u->busy = 0;
+            extents_remove(u->seg, u->ptr, u->ptr + u->nbytes);
             p->stats.num_device_free++;
             mp_trace_locked(p, MP_TRACE_SEGMENT_UNMAP, u->ptr, u->nbytes, jobs[i].parts[0].owner->handle);
             merge_unmapped_locked(p, u);
@@ -651,9 +811,13 @@ static int plan_growth_locked(const mp_pool *p, mp_segment *seg, mp_stream *s, s
 }
 
 /* Map the planned pages and hand out the free block holding them (*out, in no list; NULL
- * when the neighbours it joined changed while the lock was dropped: search again). */
+ * when the neighbours it joined changed while the lock was dropped: search again). One
+ * physical allocation per max_map_bytes of the growth, each a map call of its own (Note
+ * [Growth extents]). */
 static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan *plan,
                       size_t size, mp_block **out) {
+    growth_cut cut = cut_growth(p, plan->nbytes);
+    if (!extents_reserve(seg, cut.n)) return MP_ENOMEM;
     /* The pages become a busy block of their own, so that the rest of u stays open to
      * other threads while the lock is dropped. */
     mp_block *u = plan->u, *m = u;
@@ -669,21 +833,31 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
         u->nbytes -= plan->nbytes;
     }
     m->busy = 1;
+    extents_insert(seg, m->ptr, &cut);
     p->inflight_bytes += plan->nbytes;
     mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
     mp_assert(m->state == MP_BLOCK_UNMAPPED && m->nbytes > 0);
     mp_assert(m->ptr % p->up.granularity == 0 && m->nbytes % p->up.granularity == 0);
     mp_assert(m->ptr >= m->seg->ptr && m->ptr + m->nbytes <= m->seg->ptr + m->seg->nbytes);
-    int rc = p->up.map(p->up.ctx, m->ptr, m->nbytes);
+    int rc = MP_OK;
+    size_t done = 0;   /* pieces mapped */
+    for (; rc == MP_OK && done < cut.n; done += rc == MP_OK) {
+        size_t off = cut_off(&cut, done);
+        rc = p->up.map(p->up.ctx, m->ptr + off, cut_off(&cut, done + 1) - off);
+    }
+    /* All or nothing: the pieces mapped before a failure go again (each whole). */
+    for (size_t i = 0; rc != MP_OK && i < done; i++)
+        p->up.unmap(p->up.ctx, m->ptr + cut_off(&cut, i), cut_off(&cut, i + 1) - cut_off(&cut, i));
     mp_blocking_end(blocking);
     mp_lock_retake(p);
     p->inflight_bytes -= plan->nbytes;
     m->busy = 0;
     if (rc != MP_OK) {
-        /* All or nothing: the upstream undid any pages it had mapped, so the range is
-         * unmapped as before. Out of device memory, free pages elsewhere may make room
-         * (the caller then comes back). */
+        /* The upstream undid any pages it had mapped, so the range is unmapped as before.
+         * Out of device memory, free pages elsewhere may make room (the caller then comes
+         * back). */
+        extents_remove(seg, m->ptr, m->ptr + m->nbytes);
         merge_unmapped_locked(p, m);
         if (rc == MP_ENOMEM && !mp_capture_stream_locked(p, s) &&   /* Note [Graph capture] */
             release_pages_locked(p, plan->nbytes, plan->lo, plan->hi, 1, NULL)) {
@@ -693,9 +867,12 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
         return rc;
     }
     m->stream = s;
+    extents_set_busy(seg, m->ptr, m->ptr + m->nbytes, 0);
     count_mapped_locked(p, seg, m->nbytes, 1);
-    p->stats.num_device_alloc++;
-    mp_trace_locked(p, MP_TRACE_SEGMENT_MAP, m->ptr, m->nbytes, s->handle);
+    p->stats.num_device_alloc += cut.n;
+    for (size_t i = 0; p->trace && i < cut.n; i++)
+        mp_trace_locked(p, MP_TRACE_SEGMENT_MAP, m->ptr + cut_off(&cut, i),
+                        cut_off(&cut, i + 1) - cut_off(&cut, i), s->handle);
     mp_insert_free_merged_locked(p, m);   /* m absorbs its free neighbours of s */
     if (m->nbytes >= size) {
         mp_remove_free_locked(p, m);

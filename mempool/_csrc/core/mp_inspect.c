@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "mp_capture.h"
+#include "mp_expand.h"
 #include "mp_internal.h"
 
 /* The families of three, [all, small, large], at the start of mp_stats. */
@@ -308,6 +309,10 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
         CHECK(mapped == seg->mapped_bytes, "segment %#lx: mapped %zu, counted %zu", (unsigned long)seg->ptr,
               seg->mapped_bytes, mapped);
         reserved_b[k] += (int64_t)mapped;
+        if (seg->expandable && !r.failed) {
+            char why[200];
+            if (mp_expand_check_extents_locked(p, seg, why, sizeof why)) fail(&r, "%s", why);
+        }
         int idle = 0;
         for (mp_segment *i = p->idle_head; i; i = i->inext) idle |= i == seg;
         CHECK(idle == (!seg->expandable && busy == 0), "segment %#lx: idle list membership wrong",
@@ -380,12 +385,15 @@ int mp_layout_take(mp_pool *p, mp_layout *out) {
     memset(out, 0, sizeof *out);
     mp_lock_acquire(&p->lock);
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
-    size_t nblocks = 0;
-    for (mp_segment *s = p->segments; s; s = s->next)
+    size_t nblocks = 0, nmaps = 0;
+    for (mp_segment *s = p->segments; s; s = s->next) {
         for (mp_block *b = s->first; b; b = b->next) nblocks++;
+        nmaps += s->nextents;
+    }
     out->segments = malloc((p->nsegments + 1) * sizeof *out->segments);
     out->blocks = malloc((nblocks + 1) * sizeof *out->blocks);
-    if (!out->segments || !out->blocks) {
+    out->maps = malloc((2 * nmaps + 1) * sizeof *out->maps);
+    if (!out->segments || !out->blocks || !out->maps) {
         mp_lock_release(&p->lock);
         mp_layout_free(out);
         return MP_ENOMEM;
@@ -400,6 +408,12 @@ int mp_layout_take(mp_pool *p, mp_layout *out) {
         v->is_small = s->kind == KIND_SMALL;
         v->is_expandable = s->expandable;
         v->is_pinned = s->pinned;
+        v->first_map = out->nmaps;
+        v->nmaps = s->nextents;
+        for (size_t k = 0; k < s->nextents; k++, out->nmaps++) {
+            out->maps[2 * out->nmaps] = s->extents[k].ptr;
+            out->maps[2 * out->nmaps + 1] = s->extents[k].nbytes;
+        }
         v->first_block = j;
         for (mp_block *b = s->first; b; b = b->next, j++) {
             mp_block_view *bv = &out->blocks[j];
@@ -420,5 +434,6 @@ int mp_layout_take(mp_pool *p, mp_layout *out) {
 void mp_layout_free(mp_layout *l) {
     free(l->segments);
     free(l->blocks);
+    free(l->maps);
     memset(l, 0, sizeof *l);
 }

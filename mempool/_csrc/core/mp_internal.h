@@ -63,6 +63,11 @@ struct mp_segment {
      * their work (Note [Lock order]: never under the lock). */
     uintptr_t *release_sync;
     size_t nrelease_sync;
+    /* Expandable: the physical allocations mapped in it, in address order, each unmapped only
+     * whole (Note [Growth extents] in mp_expand.c). busy: being mapped or unmapped with the
+     * lock dropped, inside a busy unmapped block. */
+    struct mp_extent { uintptr_t ptr; size_t nbytes; int busy; } *extents;
+    size_t nextents, cap_extents;
 };
 
 /* Note [Hot blocks]: a freed block parked on its stream, unmerged and in no list, for the

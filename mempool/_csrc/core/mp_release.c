@@ -185,6 +185,7 @@ void mp_release_finish_slow(mp_pool *p, mp_release_list *list) {
         mp_segment_release_upstream(p, seg);
         free(seg->release_sync);
         free(seg->release_runs);
+        free(seg->extents);
         free(seg);
         seg = next;
     }

@@ -119,7 +119,7 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
  *   - Refused with a message naming the feature: exporting a tensor to another process
  *     (pool memory has no legacy IPC handle; receiving works), MemPool(no_split=True), and
  *     disabling the allocator. */
-#define MP_TORCH_API_VERSION 1
+#define MP_TORCH_API_VERSION 2   /* 2: mp_layout lists each segment's physical allocations */
 #define MP_TORCH_FIGURES 7
 
 typedef struct mp_torch_api {

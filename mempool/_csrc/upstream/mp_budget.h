@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "mp_ptrmap.h"
 #include "mp_upstream.h"
 
 typedef struct mp_budget {
@@ -42,6 +43,26 @@ static inline int mp_budget_take(mp_budget *b, size_t nbytes) {
 }
 
 static inline void mp_budget_give(mp_budget *b, size_t nbytes) { b->used -= nbytes; }
+
+/* The physical allocations of expandable segments, kept as a driver keeps them: one per
+ * map call (start -> nbytes), and an unmap must cover whole ones (mp_upstream.h), as
+ * cuMemUnmap refuses part of a mapping. Guarded by the owning upstream's mutex. */
+static inline int mp_mappings_whole(const mp_ptrmap *m, uintptr_t va, size_t nbytes) {
+    uintptr_t a = va;
+    while (a < va + nbytes) {
+        size_t n = (size_t)(uintptr_t)mp_ptrmap_get(m, a);
+        if (!n) return 0;   /* a starts no allocation: the range cuts one */
+        a += n;
+    }
+    return a == va + nbytes;
+}
+
+/* Forget the allocations of [va, va + nbytes), which mp_mappings_whole accepted. */
+static inline size_t mp_mappings_remove(mp_ptrmap *m, uintptr_t va, size_t nbytes) {
+    size_t k = 0;
+    for (uintptr_t a = va; a < va + nbytes; k++) a += (size_t)(uintptr_t)mp_ptrmap_remove(m, a);
+    return k;
+}
 
 /* Host upstream's budget, for its test controls (lock around changes). */
 mp_budget *mp_host_budget(void *ctx);

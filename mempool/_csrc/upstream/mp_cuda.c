@@ -12,17 +12,18 @@
  *     and switch back, so the caller's current device is unchanged.
  *
  * Note [Expandable pages]
- * Physical memory is created one page at a time, each page its own cuMemCreate handle, kept
- * in a per-reservation table indexed by page. The pool may unmap any page-aligned sub-range
- * of what it mapped, and a page-sized handle can always be unmapped and released alone; a
- * handle per map call would have to be split. The price is one cuMemCreate + cuMemMap per
- * page on growth, and the driver's cost follows the number of handles more than their size
- * (bench/vmm_costs.py), so the page is a choice between calls and memory: the driver's
- * granularity (2 MiB on an H200) by default, it times a power of two through the pool's
- * `granularity` option (mp_cuda_set_page_size, before the first reservation). PyTorch's
- * expandable segments use 2 MiB pages for small blocks and 20 MiB for large ones. Access is
- * set once per map call over the whole range, for the device and its peers (Note [Peer
- * access]).
+ * Each map call is one physical allocation: one cuMemCreate of the whole range, one cuMemMap
+ * and one cuMemSetAccess, however many pages it spans. The driver's cost follows the number
+ * of physical allocations, not their bytes (bench/vmm_costs.py), and a physical allocation can
+ * only be mapped and unmapped whole (cuMemMap at an offset into a larger handle is refused as
+ * not supported, cuMemUnmap refuses part of a mapping), so the core remembers what each map
+ * call covered and unmaps only whole ones (Note [Growth extents] in core/mp_expand.c); an
+ * unmap may cover several, each unmapped and released in turn. The table per reservation
+ * marks each mapped page as the head of its allocation (holding the handle) or a page after
+ * it. The page, the unit of addresses and of growth, is the driver's granularity (2 MiB on
+ * an H200) times a power of two through the pool's `granularity` option
+ * (mp_cuda_set_page_size, before the first reservation). Access is granted per map call over
+ * the whole range, for the device and its peers (Note [Peer access]).
  *
  * Note [Peer access]
  * Another device reaches this device's memory only where access was granted to it; without
@@ -251,11 +252,14 @@ static const char *d_load(void) {
 
 /* ---- The upstream context. ---- */
 
+/* mapped[i]: page i of a reservation (Note [Expandable pages]) */
+enum { PAGE_UNMAPPED = 0, PAGE_HEAD = 1, PAGE_REST = 2 };
+
 typedef struct {
     CUdeviceptr va;
     size_t nbytes, npages, nmapped;
-    CUmemGenericAllocationHandle *handles; /* per page; valid where mapped[i] */
-    unsigned char *mapped;
+    CUmemGenericAllocationHandle *handles; /* per page; valid where mapped[i] == PAGE_HEAD */
+    unsigned char *mapped;                 /* PAGE_* */
 } mp_cuda_range;
 
 /* The device itself and its peers: bounded by the 64-bit masks of mp_cuda_access_mask. */
@@ -540,16 +544,26 @@ static mp_cuda_range *range_find_locked(mp_cuda *c, uintptr_t va, size_t nbytes)
     return NULL;
 }
 
-/* Unmap and release pages [first, first + n) of r, all mapped. Returns the first failure.
- * Caller holds vmm_lock and has the context current. */
-static CUresult pages_release_locked(mp_cuda *c, mp_cuda_range *r, size_t first, size_t n) {
+/* The pages of the physical allocation whose head is page `head` of r. */
+static size_t allocation_pages(const mp_cuda_range *r, size_t head) {
+    size_t end = head + 1;
+    while (end < r->npages && r->mapped[end] == PAGE_REST) end++;
+    return end - head;
+}
+
+/* Unmap and release the physical allocations that start in pages [first, first + n) of r
+ * (whole ones: the caller checked). Returns the first failure; an allocation that failed
+ * stays mapped. Caller holds vmm_lock and has the context current. */
+static CUresult allocations_release_locked(mp_cuda *c, mp_cuda_range *r, size_t first, size_t n) {
     CUresult bad = CUDA_SUCCESS;
     for (size_t i = first; i < first + n; i++) {
-        CUresult e = D.MemUnmap(r->va + i * c->granularity, c->granularity);
+        if (r->mapped[i] != PAGE_HEAD) continue;
+        size_t k = allocation_pages(r, i);
+        CUresult e = D.MemUnmap(r->va + i * c->granularity, k * c->granularity);
         if (e == CUDA_SUCCESS) e = D.MemRelease(r->handles[i]);
         if (e == CUDA_SUCCESS) {
-            r->mapped[i] = 0;
-            r->nmapped--;
+            memset(&r->mapped[i], PAGE_UNMAPPED, k);
+            r->nmapped -= k;
         } else if (bad == CUDA_SUCCESS) {
             bad = e;
         }
@@ -614,7 +628,7 @@ static int cu_map(void *ctx, uintptr_t va, size_t nbytes) {
     int rc = MP_OK;
     pthread_mutex_lock(&c->vmm_lock);
     mp_cuda_range *r = range_find_locked(c, va, nbytes);
-    size_t first = r ? (va - r->va) / g : 0, n = nbytes / g, done = 0;
+    size_t first = r ? (va - r->va) / g : 0, n = nbytes / g;
     if (!r) {
         rc = MP_EINVAL;
         goto out;
@@ -628,21 +642,21 @@ static int cu_map(void *ctx, uintptr_t va, size_t nbytes) {
     CUcontext prev;
     int mode = relaxed_enter();   /* growth maps pages during a capture too */
     CUresult e = ctx_enter(c, &prev);
-    for (; e == CUDA_SUCCESS && done < n; done++) {
-        CUmemGenericAllocationHandle h = 0;
-        e = D.MemCreate(&h, g, &c->prop, 0);
-        if (e != CUDA_SUCCESS) break;
-        e = D.MemMap(va + done * g, g, 0, h, 0);
-        if (e != CUDA_SUCCESS) {
-            D.MemRelease(h);
-            break;
-        }
-        r->handles[first + done] = h;
-        r->mapped[first + done] = 1;
-        r->nmapped++;
-    }
+    CUmemGenericAllocationHandle h = 0;
+    int created = 0, mapped = 0;
+    /* One physical allocation for the whole range (Note [Expandable pages]). */
+    if (e == CUDA_SUCCESS) created = (e = D.MemCreate(&h, nbytes, &c->prop, 0)) == CUDA_SUCCESS;
+    if (e == CUDA_SUCCESS) mapped = (e = D.MemMap(va, nbytes, 0, h, 0)) == CUDA_SUCCESS;
     if (e == CUDA_SUCCESS) e = D.MemSetAccess(va, nbytes, c->access, c->naccess);
-    if (e != CUDA_SUCCESS) pages_release_locked(c, r, first, done);  /* all or nothing */
+    if (e == CUDA_SUCCESS) {
+        r->handles[first] = h;
+        r->mapped[first] = PAGE_HEAD;
+        memset(&r->mapped[first + 1], PAGE_REST, n - 1);
+        r->nmapped += n;
+    } else {   /* all or nothing */
+        if (mapped) D.MemUnmap(va, nbytes);
+        if (created) D.MemRelease(h);
+    }
     ctx_leave(prev);
     relaxed_leave(mode);
     rc = check(c, e);
@@ -662,14 +676,17 @@ static int cu_unmap(void *ctx, uintptr_t va, size_t nbytes) {
         rc = MP_EINVAL;
         goto out;
     }
-    for (size_t i = first; i < first + n; i++) {
-        if (!r->mapped[i]) {
-            rc = MP_EINVAL;  /* the contract unmaps mapped ranges only */
-            goto out;
-        }
+    /* The contract unmaps whole physical allocations only, as the driver does: the range
+     * starts at one's head, is mapped throughout, and the page after it starts another. */
+    int whole = r->mapped[first] == PAGE_HEAD &&
+                (first + n == r->npages || r->mapped[first + n] != PAGE_REST);
+    for (size_t i = first; i < first + n && whole; i++) whole = r->mapped[i] != PAGE_UNMAPPED;
+    if (!whole) {
+        rc = MP_EINVAL;
+        goto out;
     }
     CUresult e;
-    CU_CALL(c, e, pages_release_locked(c, r, first, n));
+    CU_CALL(c, e, allocations_release_locked(c, r, first, n));
     rc = check(c, e);
 out:
     pthread_mutex_unlock(&c->vmm_lock);
@@ -712,8 +729,7 @@ static void cu_destroy(void *ctx) {
     if (c->nranges && ctx_enter(c, &prev) == CUDA_SUCCESS) {
         for (size_t i = 0; i < c->nranges; i++) {
             mp_cuda_range *r = &c->ranges[i];
-            for (size_t p = 0; p < r->npages; p++)
-                if (r->mapped[p]) pages_release_locked(c, r, p, 1);
+            allocations_release_locked(c, r, 0, r->npages);
             D.MemAddressFree(r->va, r->nbytes);
         }
         ctx_leave(prev);

@@ -16,6 +16,7 @@ typedef struct mp_host {
     mp_budget budget;
     size_t granularity;
     uintptr_t next_event;
+    mp_ptrmap mappings;   /* one per map call, unmapped only whole (mp_mappings_whole) */
 } mp_host;
 
 static int host_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr_t *out) {
@@ -112,6 +113,11 @@ static int host_map(void *ctx, uintptr_t va, size_t nbytes) {
         mprotect((void *)va, done * g, PROT_NONE);
     }
     pthread_mutex_lock(&h->mu);
+    if (rc == MP_OK && mp_ptrmap_insert(&h->mappings, va, (void *)(uintptr_t)nbytes) != MP_OK) {
+        rc = MP_ENOMEM;
+        madvise((void *)va, nbytes, MADV_DONTNEED);
+        mprotect((void *)va, nbytes, PROT_NONE);
+    }
     if (rc == MP_OK) {
         h->budget.num_maps++;
     } else {
@@ -124,6 +130,11 @@ static int host_map(void *ctx, uintptr_t va, size_t nbytes) {
 
 static int host_unmap(void *ctx, uintptr_t va, size_t nbytes) {
     mp_host *h = ctx;
+    pthread_mutex_lock(&h->mu);
+    int whole = nbytes && mp_mappings_whole(&h->mappings, va, nbytes);
+    if (whole) mp_mappings_remove(&h->mappings, va, nbytes);
+    pthread_mutex_unlock(&h->mu);
+    if (!whole) return MP_EINVAL;   /* it would cut a physical allocation: nothing changes */
     madvise((void *)va, nbytes, MADV_DONTNEED);   /* drop the pages themselves */
     mprotect((void *)va, nbytes, PROT_NONE);
     pthread_mutex_lock(&h->mu);
@@ -141,6 +152,7 @@ static int host_va_release(void *ctx, uintptr_t va, size_t nbytes) {
 
 static void host_destroy(void *ctx) {
     mp_host *h = ctx;
+    mp_ptrmap_destroy(&h->mappings);
     pthread_mutex_destroy(&h->mu);
     free(h);
 }
@@ -154,6 +166,10 @@ int mp_host_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
     if (!granularity || granularity % (size_t)page) return MP_EINVAL;
     mp_host *h = calloc(1, sizeof *h);
     if (!h) return MP_ENOMEM;
+    if (mp_ptrmap_init(&h->mappings, 64) != MP_OK) {
+        free(h);
+        return MP_ENOMEM;
+    }
     pthread_mutex_init(&h->mu, NULL);
     mp_budget_init(&h->budget, capacity);
     h->granularity = granularity;

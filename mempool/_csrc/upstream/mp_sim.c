@@ -49,6 +49,7 @@ struct mp_sim {
     mp_ptrmap segments;       /* ptr -> size */
     mp_ptrmap reservations;   /* va -> size */
     mp_ptrmap pages;          /* mapped page address -> access mask (own device's bit set) */
+    mp_ptrmap mappings;       /* physical allocations: one per map call (mp_mappings_whole) */
     sim_stream *streams;
     size_t nstreams, cap_streams;
     /* Stream id -> index + 1 (0: empty), open addressing; and the slots of destroyed
@@ -59,6 +60,7 @@ struct mp_sim {
     sim_event *events;
     size_t nevents, cap_events, live_events;
     uint64_t num_syncs, num_records, num_waits, num_errors, num_queries, num_creates;
+    uint64_t num_split_unmaps;   /* unmaps refused for cutting a physical allocation */
     int device;               /* the simulated device's ordinal */
     uint64_t peers;           /* devices granted access (bit d = device d) */
     /* mp_sim_hold_allocs: segment allocations still to hold, those waiting now, the
@@ -315,8 +317,13 @@ static int sim_event_record(void *ctx, uintptr_t ev, uintptr_t stream) {
         e->ndeps = 0;
         for (size_t i = 0; i < st->nwaits; i++) {
             const sim_wait *w = &st->waits[i];
-            if (s->streams[w->other].completed < w->seq)
-                e->deps[e->ndeps++] = (sim_dep){w->other, w->seq};
+            if (s->streams[w->other].completed >= w->seq) continue;
+            /* One dep per stream, its latest: the event completes when that is done. Copying
+             * every wait grew the lists without bound while streams never completed. */
+            size_t d = 0;
+            while (d < e->ndeps && e->deps[d].other != w->other) d++;
+            if (d == e->ndeps) e->deps[e->ndeps++] = (sim_dep){w->other, w->seq};
+            else if (e->deps[d].seq < w->seq) e->deps[d].seq = w->seq;
         }
         s->num_records++;
     }
@@ -376,6 +383,11 @@ static int sim_stream_wait_event(void *ctx, uintptr_t stream, uintptr_t ev) {
             size_t other = i ? e->deps[i - 1].other : e->stream;
             uint64_t seq = i ? e->deps[i - 1].seq : e->target;
             if (s->streams[other].completed >= seq) continue;
+            /* A wait placed earlier for as much of `other` covers this one (it completes
+             * with less of this stream's work, and orders as much). */
+            size_t k = 0;
+            while (k < st->nwaits && !(st->waits[k].other == other && st->waits[k].seq >= seq)) k++;
+            if (k < st->nwaits) continue;
             st->waits[st->nwaits].other = other;
             st->waits[st->nwaits].seq = seq;
             st->waits[st->nwaits].at = st->submitted - 1;
@@ -532,6 +544,9 @@ static int sim_map(void *ctx, uintptr_t va, size_t nbytes) {
         s->budget.used += g;
         if (s->budget.used > s->budget.peak) s->budget.peak = s->budget.used;
     }
+    /* One physical allocation for the whole call, as the CUDA upstream makes one handle. */
+    if (rc == MP_OK && mp_ptrmap_insert(&s->mappings, va, (void *)(uintptr_t)nbytes) != MP_OK)
+        rc = MP_ENOMEM;
     if (rc != MP_OK) unmap_pages(s, va, done);
     else s->budget.num_maps++;
     pthread_mutex_unlock(&s->mu);
@@ -549,6 +564,15 @@ static int sim_unmap(void *ctx, uintptr_t va, size_t nbytes) {
         pthread_mutex_unlock(&s->mu);
         return rc;
     }
+    /* As the driver: only whole allocations; anything else is a caller bug, refused with
+     * nothing changed. */
+    if (!nbytes || !mp_mappings_whole(&s->mappings, va, nbytes)) {
+        s->num_errors++;
+        s->num_split_unmaps++;
+        pthread_mutex_unlock(&s->mu);
+        return MP_EINVAL;
+    }
+    mp_mappings_remove(&s->mappings, va, nbytes);
     unmap_pages(s, va, nbytes / s->granularity);
     s->budget.num_unmaps++;
     pthread_mutex_unlock(&s->mu);
@@ -582,6 +606,7 @@ static void sim_destroy(void *ctx) {
     mp_ptrmap_destroy(&s->segments);
     mp_ptrmap_destroy(&s->reservations);
     mp_ptrmap_destroy(&s->pages);
+    mp_ptrmap_destroy(&s->mappings);
     for (size_t i = 0; i < s->nstreams; i++) free(s->streams[i].waits);
     free(s->streams);
     free(s->shash);
@@ -598,9 +623,10 @@ int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
     mp_sim *s = calloc(1, sizeof *s);
     if (!s) return MP_ENOMEM;
     if (mp_ptrmap_init(&s->segments, 256) || mp_ptrmap_init(&s->reservations, 16) ||
-        mp_ptrmap_init(&s->pages, 256)) {
+        mp_ptrmap_init(&s->pages, 256) || mp_ptrmap_init(&s->mappings, 64)) {
         mp_ptrmap_destroy(&s->segments);
         mp_ptrmap_destroy(&s->reservations);
+        mp_ptrmap_destroy(&s->pages);
         free(s);
         return MP_ENOMEM;
     }
@@ -776,6 +802,8 @@ uint64_t mp_sim_hold_timeouts(mp_sim *s) {
 }
 size_t mp_sim_live_segments(mp_sim *s) { return s->segments.count; }
 size_t mp_sim_mapped_bytes(mp_sim *s) { return s->pages.count * s->granularity; }
+size_t mp_sim_live_maps(mp_sim *s) { return s->mappings.count; }
+uint64_t mp_sim_num_split_unmaps(mp_sim *s) { return s->num_split_unmaps; }
 uint64_t mp_sim_num_syncs(mp_sim *s) { return s->num_syncs; }
 uint64_t mp_sim_num_queries(mp_sim *s) { return s->num_queries; }
 uint64_t mp_sim_num_event_records(mp_sim *s) { return s->num_records; }

@@ -50,6 +50,8 @@ size_t mp_sim_num_streams(mp_sim *sim);                   /* streams the sim tra
 void mp_sim_fail_events(mp_sim *sim, unsigned n);
 size_t mp_sim_live_segments(mp_sim *sim);
 size_t mp_sim_mapped_bytes(mp_sim *sim);
+size_t mp_sim_live_maps(mp_sim *sim);          /* physical allocations mapped now: one per map */
+uint64_t mp_sim_num_split_unmaps(mp_sim *sim); /* unmaps refused for cutting one (also errors) */
 uint64_t mp_sim_num_syncs(mp_sim *sim);
 uint64_t mp_sim_num_queries(mp_sim *sim);   /* stream_query calls */
 uint64_t mp_sim_num_event_records(mp_sim *sim);

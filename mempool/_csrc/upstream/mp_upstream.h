@@ -80,10 +80,13 @@ typedef struct mp_upstream {
     /* Expandable segments (all NULL, granularity 0, when unsupported).
      * va_reserve: reserve nbytes (a multiple of granularity) of address space, nothing mapped.
      * map: back [va, va + nbytes) (granularity-aligned, inside a reservation, unmapped) with
-     *      physical memory readable and writable by the device; all or nothing: on failure
-     *      nothing of the range stays mapped. MP_ENOMEM when the device is full.
-     * unmap: release the physical memory of a mapped range. It does not wait for queued
-     *      work: the caller synchronizes the streams that used the range first.
+     *      one physical allocation readable and writable by the device; all or nothing: on
+     *      failure nothing of the range stays mapped. MP_ENOMEM when the device is full.
+     * unmap: release the physical memory of a mapped range made of whole allocations, one
+     *      or several adjacent ones, each as one map call made it (a driver maps and unmaps
+     *      physical allocations only whole): MP_EINVAL, nothing changed, when it would cut
+     *      one. It does not wait for queued work: the caller synchronizes the streams that
+     *      used the range first (Note [Growth extents] in core/mp_expand.c).
      * va_release: give back a reservation with nothing mapped in it. */
     size_t granularity;
     int (*va_reserve)(void *ctx, size_t nbytes, uintptr_t *out);
