@@ -101,17 +101,17 @@ void mp_pool_release(mp_pool *p);
  * hooks once, before any pool exists. The core calls begin() just before an upstream call
  * it makes without its own lock that may block (segment allocation and release, stream
  * synchronization, page map and unmap, event creation and address reservation:
- * Note [Events outside the lock]) and end() with what begin() returned just after, in the same thread; never around the event
- * records, queries and waits made under the lock, and never with the lock held, so the
- * order "GIL, then pool lock" of Note [Lock order] holds: a thread waiting for the GIL back
- * holds no pool lock. NULL hooks (the default): nothing is called. The pairs
- * may nest (a release before a growth, inside the growth's pair).
+ * Note [Events outside the lock]) and end() with what begin() returned just after, in the
+ * same thread; never around the event records, queries and waits made under the lock, and
+ * never with the lock held, so the order "GIL, then pool lock" of Note [Lock order] holds:
+ * a thread waiting for the GIL back holds no pool lock. NULL hooks (the default): nothing
+ * is called. The pairs may nest (a release before a growth, inside the growth's pair).
  *
  * The binding's hooks let the GIL go only in a thread that marked itself: Pool.alloc, free,
  * malloc (the CuPy hook), trim, empty_cache, forget_stream and _capture_end set a
  * thread-local mark around their core call (an initial-exec TLS store, free on the hot
- * path); an inner pair finds the mark cleared and does nothing. The PyTorch entry points, DLPack deleters and
- * deallocators do not mark: they may run without the GIL, or where giving it up is not
+ * path); an inner pair finds the mark cleared and does nothing. The PyTorch entry points,
+ * DLPack deleters and deallocators do not mark: they may run without the GIL, or where giving it up is not
  * theirs to decide. The simulated device can hold segment allocations (device.hold_allocs),
  * syncs and event creations: tests/test_blocking_upstream.py and
  * tests/test_events_outside_lock.py check that another thread runs Python, and allocates
