@@ -134,7 +134,13 @@ if ! wants sanitizer; then
     STATUS[sanitizer]="not selected"
 elif command -v compute-sanitizer >/dev/null; then
     memcheck_groups() {
-        local i=0 rc=0 args
+        local i=0 rc=0 group_rc args sanitizer_timeout=
+        # A test under memcheck may take longer than pytest-timeout's 60 s without hanging
+        # (torch.compile's kernel compilation in a child took over a minute on the H200):
+        # each test may then use its group's limit, less the time to report.
+        if [[ " ${PYTEST_OPTS[*]} " == *" --timeout "* ]] && [ "$T_SANITIZER" -gt 75 ]; then
+            sanitizer_timeout="--timeout $((T_SANITIZER - 15))"
+        fi
         while read -r -a args; do
             [ ${#args[@]} -eq 0 ] && continue
             i=$((i + 1))
@@ -144,7 +150,7 @@ elif command -v compute-sanitizer >/dev/null; then
                 --show-backtrace device \
                 --print-limit 200 --log-file "$OUT/sanitizer-report.$i.%p.txt" \
                 "$PY" -m pytest -m gpu "${args[@]}" "${PYTEST_OPTS[@]}" \
-                -o faulthandler_timeout=$((T_SANITIZER * 3 / 4)) \
+                -o faulthandler_timeout=$((T_SANITIZER * 3 / 4)) $sanitizer_timeout \
                 --junitxml "$OUT/junit-sanitizer-$i.xml" &
             local pid=$! waited=0
             # A group still running near its limit: take every thread's native stack of
@@ -155,8 +161,10 @@ elif command -v compute-sanitizer >/dev/null; then
             if kill -0 "$pid" 2>/dev/null; then
                 bash bench/hang_stacks.sh "$pid" >"$OUT/sanitizer-hang.$i.txt" 2>&1
             fi
-            wait "$pid" || rc=$?
-            echo "--- memcheck group $i: exit status $rc"
+            group_rc=0
+            wait "$pid" || group_rc=$?
+            [ $group_rc -ne 0 ] && rc=$group_rc
+            echo "--- memcheck group $i: exit status $group_rc"
         done < <(if [ -n "$SANITIZER_GROUPS" ]; then cat "$SANITIZER_GROUPS"
                  else printf '%s\n' tests/gpu/test_*.py tests/test_contract.py |
                       grep -v -e test_gpu_demo.py -e test_gpu_examples.py \

@@ -31,13 +31,34 @@ ROOT = os.path.dirname(HERE)
 
 # ---- the child: one workload under one allocator ------------------------------------------
 
+POOL = None   # the child's mempool.Pool, under the mempool allocators
+
+# Upstream traffic and waits over the timed steps: a step time above PyTorch's with the same
+# kernels is either these (a segment allocation or a sync inside a step leaves the GPU idle
+# while the host catches up) or the kernels' own pace on the memory they were given.
+TORCH_COUNTERS = ("num_device_alloc", "num_device_free", "num_sync_all_streams",
+                  "num_alloc_retries", "segment.all.allocated", "segment.all.freed")
+POOL_COUNTERS = ("num_stream_syncs", "num_stream_queries", "num_event_records",
+                 "num_event_waits", "num_cross_stream_reuse")
+
+
+def counters(torch):
+    stats = torch.cuda.memory_stats()
+    out = {k: stats.get(k) for k in TORCH_COUNTERS}
+    if POOL is not None:
+        pool_stats = POOL.stats()
+        out.update({k: pool_stats.get(k) for k in POOL_COUNTERS})
+    return out
+
+
 def setup_allocator(name):
+    global POOL
     import torch
     if name.startswith("mempool"):
         import mempool
         import mempool.torch as mt
-        pool = mempool.Pool(backend="cuda", expandable_segments=name.endswith("expandable"))
-        mt.install(pool, allocator="full")
+        POOL = mempool.Pool(backend="cuda", expandable_segments=name.endswith("expandable"))
+        mt.install(POOL, allocator="full")
     return torch
 
 
@@ -49,16 +70,25 @@ def gpt_model(torch):
     return GPT2LMHeadModel(cfg).cuda()
 
 
+TIMED = {}   # what timed() saw besides the median: the child adds it to its result
+
+
 def timed(torch, steps, warmup, body):
     times, values = [], []
     for i in range(warmup + steps):
         torch.cuda.synchronize()
+        if i == warmup:
+            before = counters(torch)
         t0 = time.perf_counter()
         v = body(i)
         torch.cuda.synchronize()
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
         values.append(v)
+    after = counters(torch)
+    TIMED.update(ms_min=min(times), ms_max=max(times),
+                 timed_steps_counters={k: (after[k] - before[k]) if None not in (after[k], before[k])
+                                       else None for k in after})
     return statistics.median(times), values
 
 
@@ -158,6 +188,7 @@ def child(workload, allocator, steps):
     torch = setup_allocator(allocator)
     t0 = time.time()
     out = WORKLOADS[workload](torch, steps)
+    out.update(TIMED)
     out.update(workload=workload, allocator=allocator, wall_s=round(time.time() - t0, 1),
                peak_reserved=torch.cuda.max_memory_reserved(),
                peak_allocated=torch.cuda.max_memory_allocated(),
@@ -184,23 +215,55 @@ def spawn(args, env_extra=None, timeout=900, cpu=None):
     return {"error": (done.stdout + done.stderr)[-3000:], "rc": done.returncode}
 
 
+# Besides ALLOCATORS, --allocators takes "torch-async": PyTorch on the driver's stream-ordered
+# pool (backend:cudaMallocAsync), whose memory is of the kind mempool's default segments are
+# made of (cuMemAllocFromPoolAsync): a step time shared by it and mempool's default, and not
+# by PyTorch's default, is the memory's and not the allocator's.
+TORCH_CONFS = {"torch-expandable": "expandable_segments:True",
+               "torch-async": "backend:cudaMallocAsync"}
+
+
 def allocator_env(name):
-    return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if name == "torch-expandable" else {}
+    return {"PYTORCH_CUDA_ALLOC_CONF": TORCH_CONFS[name]} if name in TORCH_CONFS else {}
+
+
+def cpu_paces(loops=1_000_000, probes=3):
+    """ns per iteration of an empty Python loop on each CPU this process may use (the median
+    of `probes`), measured by moving this process there."""
+    home = os.sched_getaffinity(0)
+    paces = {}
+    try:
+        for cpu in sorted(home):
+            os.sched_setaffinity(0, {cpu})
+            runs = []
+            for _ in range(probes):
+                t0 = time.perf_counter_ns()
+                for _ in range(loops):
+                    pass
+                runs.append((time.perf_counter_ns() - t0) / loops)
+            paces[cpu] = statistics.median(runs)
+    finally:
+        os.sched_setaffinity(0, home)
+    return paces
 
 
 def run_empty(outdir, procs=6):
     """torch.empty + drop: six processes per allocator, alternating (torch_empty_child.py),
-    every child pinned to one CPU: on a host whose cores run at two paces, unpinned children
-    of either allocator landed on either pace, and a process's figure said more about its
-    core than about its allocator."""
-    cpu = max(os.sched_getaffinity(0))
-    results = {"caching": [], "mempool": []}
+    each child pinned to one CPU, the one whose pace was the fastest just before it started.
+    Unpinned children landed on cores of two paces; pinned to one fixed core, two children
+    of six per allocator ran at 1.7x the interpreter's usual time per loop, on both
+    allocators (bench/results/2026-12-03-h200-night.md): that core was slowed for seconds
+    at a time. Each child's context records its pace at start and after."""
+    results = {"caching": [], "mempool": [], "cpus": []}
     for _ in range(procs):
-        for name in results:
+        for name in ("caching", "mempool"):
+            paces = cpu_paces()
+            cpu = min(paces, key=paces.get)
             r = spawn([os.path.join(ROOT, "mempool", "bench", "torch_empty_child.py"), name,
                        "7", "2000", "512", "65536", "1048576", "67108864"], cpu=cpu)
+            r["cpu"], r["cpu_pace_ns"] = cpu, paces[cpu]
             results[name].append(r)
-    results["cpu"] = cpu
+            results["cpus"].append({"child": name, "cpu": cpu, "paces": paces})
     return results
 
 
@@ -216,6 +279,28 @@ def summarize(rows):
         batch = ", ".join(str(r["largest_batch"]) for r in rs if "largest_batch" in r)
         vals = "; ".join(f"{r['values'][0]:.4f}/{r['values'][-1]:.4f}" for r in rs if r.get("values"))
         lines.append(f"| {w} | {a} | {ms} | {peak} | {batch} | {vals} |")
+    return "\n".join(lines)
+
+
+def compare_values(rows):
+    """Per workload: the largest difference, over the steps, between PyTorch's two runs of
+    its default allocator (its spread against itself), and between each other row and
+    PyTorch's first run. Losses within PyTorch's own spread are PyTorch's."""
+    lines = []
+    for w in sorted({r.get("workload") for r in rows}):
+        rs = [r for r in rows if r.get("workload") == w and r.get("values")]
+        ref = [r for r in rs if r["allocator"] == "torch"]
+        if not ref:
+            continue
+
+        def gap(a, b):
+            n = min(len(a["values"]), len(b["values"]))
+            return max(abs(x - y) for x, y in zip(a["values"][:n], b["values"][:n]))
+        spread = f"{gap(ref[0], ref[1]):.2e}" if len(ref) > 1 else "one run"
+        others = ", ".join(f"{r['allocator']} {gap(r, ref[0]):.2e}" for r in rs
+                           if r is not ref[0] and not (len(ref) > 1 and r is ref[1]))
+        lines.append(f"{w}: largest step difference, PyTorch against itself {spread}; "
+                     f"against PyTorch's first run: {others}")
     return "\n".join(lines)
 
 
@@ -260,17 +345,28 @@ def main(argv=None):
                 save()
     save()
     print(summarize([r for r in rows if "error" not in r]))
+    print(compare_values([r for r in rows if "error" not in r]))
+    for r in rows:
+        if r.get("timed_steps_counters"):
+            print(f"{r['workload']} {r['allocator']}: steps {r['ms_min']:.2f}-{r['ms_max']:.2f} ms; "
+                  f"over the timed steps {r['timed_steps_counters']}")
     if "torch_empty" in extra:
         for name, rs in extra["torch_empty"].items():
-            if name == "cpu":
+            if name == "cpus":
                 continue
             for size in ("512", "65536", "1048576", "67108864"):
                 vals = [r[size]["ns_per_pair"] for r in rs if size in r]
                 if vals:
                     print(f"torch.empty {name} {size} B: median {statistics.median(vals):.0f} ns, "
                           f"worst {max(vals):.0f} ns over {len(vals)} processes")
-        # Child i of each allocator ran one after the other: their ratio is the fairest pair.
         te = extra["torch_empty"]
+        for name in ("caching", "mempool"):
+            for i, r in enumerate(te[name]):
+                sizes = "; ".join(f"{size} B {r[size]['ns_per_pair']:.0f} ns (loop "
+                                  f"{r[size].get('empty_loop_ns', float('nan')):.1f} ns)"
+                                  for size in ("512", "65536", "1048576", "67108864") if size in r)
+                print(f"torch.empty {name} process {i + 1} on CPU {r.get('cpu')}: {sizes}")
+        # Child i of each allocator ran one after the other: their ratio is the fairest pair.
         for size in ("512", "65536", "1048576", "67108864"):
             ratios = [m[size]["ns_per_pair"] / c[size]["ns_per_pair"]
                       for m, c in zip(te["mempool"], te["caching"]) if size in m and size in c]

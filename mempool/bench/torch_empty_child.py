@@ -79,6 +79,11 @@ def main(argv):
     empty, uint8 = torch.empty, torch.uint8
     out = {"context": {"start": at_start, "before": context()}}
     for nbytes in sizes:
+        # The CPU's pace just before this size's rounds: a core slowed for seconds shows here.
+        t0, loops = time.perf_counter_ns(), 200_000
+        for _ in range(loops):
+            pass
+        pace = (time.perf_counter_ns() - t0) / loops
         per_round = []
         for r in range(rounds + 1):
             t0 = time.perf_counter_ns()
@@ -87,7 +92,7 @@ def main(argv):
             if r:                                   # round 0 warms up
                 per_round.append((time.perf_counter_ns() - t0) / pairs)
         out[nbytes] = {"ns_per_pair": statistics.median(per_round),
-                       "min_ns_per_pair": min(per_round)}
+                       "min_ns_per_pair": min(per_round), "empty_loop_ns": pace}
     torch.cuda.synchronize()
     if pool is not None:
         stats = pool.stats()

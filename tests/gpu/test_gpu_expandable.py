@@ -139,7 +139,6 @@ def test_a_growth_is_one_physical_allocation_released_whole(cuda_pool, cupy_devi
     cupy = cupy_device
     pool = cuda_pool(expandable_segments=True)
     page = pool.options["granularity"]
-    free_before, _ = cupy.cuda.runtime.memGetInfo()
     a = pool.alloc(10 * page)                             # one map call, ten pages
     (seg,) = pool.layout()
     assert seg["maps"] == [(seg["address"], 10 * page)]
@@ -149,6 +148,12 @@ def test_a_growth_is_one_physical_allocation_released_whole(cuda_pool, cupy_devi
     arr.fill(3)                                           # a kernel over every page
     assert int((arr != 3).sum()) == 0
     del arr
+    cupy.cuda.Device(0).synchronize()
+    # Free device memory while the ten pages are mapped, read after the kernel ran: loading
+    # the kernel's module, and under compute-sanitizer its shadow memory, take device memory
+    # too (22 MiB under memcheck on the H200), which a reading before the kernel would
+    # blame on the pool.
+    free_mapped, _ = cupy.cuda.runtime.memGetInfo()
     pool.free(a)
     b = pool.alloc(page)                                  # in a's allocation: it stays whole
     pool.empty_cache()
@@ -158,7 +163,7 @@ def test_a_growth_is_one_physical_allocation_released_whole(cuda_pool, cupy_devi
     cupy.cuda.Device(0).synchronize()
     assert pool.reserved_bytes() == 0 and pool.stats()["num_device_free"] == 1
     free_after, _ = cupy.cuda.runtime.memGetInfo()
-    assert free_after >= free_before - 2 * page, "the allocation was not given back"
+    assert free_after >= free_mapped + 8 * page, "the allocation was not given back"
 
     cut = cuda_pool(expandable_segments=True, max_map_size=4 * page)
     c = cut.alloc(10 * page)                              # 4 + 4 + 2 pages
