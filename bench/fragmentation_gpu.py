@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from mempool.tools import replay as rp  # noqa: E402
 from mempool.tools import trace as mtrace  # noqa: E402
+from mempool.tools.torch_replay import replay as torch_replay  # noqa: E402
 from mempool.cli.trace import TRACES_DIR  # noqa: E402
 
 TRACES = ("transformer_train.jsonl.gz", "vision_train.jsonl.gz")
@@ -42,61 +43,6 @@ TORCH_CONFS = ("", "expandable_segments:True", "roundup_power2_divisions:4",
 
 def _trace_path(name):
     return name if os.path.exists(name) else os.path.join(TRACES_DIR, name)
-
-
-def torch_replay(trace) -> dict:
-    """Replay in this process through PyTorch's caching allocator (its conf from the env).
-
-    `trace` is a trace file or what :func:`mempool.tools.replay.prepare` takes. The cache is
-    emptied before and after, so that several replays in one process (one per batch size in
-    bench/largest_batch.py) each start from an empty allocator, as a fresh process would.
-    """
-    import torch
-
-    prep = rp.prepare(mtrace.load(trace) if isinstance(trace, str) else trace)
-    streams = [None] + [torch.cuda.Stream() for _ in prep.streams[1:]]
-    alloc, delete = torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete
-    ptrs = [0] * prep.nslots
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    ooms = 0
-    # Upstream calls per training step: the allocator's device allocs and frees (with
-    # expandable segments, its page maps and unmaps), read between steps, outside the timing.
-    starts = set(prep.step_ops or ())
-    marks = []
-    elapsed = 0
-    t0 = time.perf_counter_ns()
-    for i, (slot, n, s) in enumerate(prep.ops):
-        if i in starts:
-            elapsed += time.perf_counter_ns() - t0
-            st = torch.cuda.memory_stats()
-            marks.append(st.get("num_device_alloc", 0) + st.get("num_device_free", 0))
-            t0 = time.perf_counter_ns()
-        if n:
-            try:
-                ptrs[slot] = alloc(n, 0, streams[s])
-            except torch.OutOfMemoryError:
-                ooms += 1
-        elif ptrs[slot]:
-            delete(ptrs[slot])
-            ptrs[slot] = 0
-    elapsed += time.perf_counter_ns() - t0
-    st = torch.cuda.memory_stats()
-    marks.append(st.get("num_device_alloc", 0) + st.get("num_device_free", 0))
-    for p in ptrs:                     # a trace cut short leaves buffers live
-        if p:
-            delete(p)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return {"peak_reserved_bytes": st["reserved_bytes.all.peak"],
-            "peak_allocated_bytes": st["allocated_bytes.all.peak"],
-            "peak_live_bytes": prep.peak_live_bytes, "num_ooms": ooms,
-            "ns_per_event": elapsed / len(prep.ops),
-            "ratio": st["reserved_bytes.all.peak"] / prep.peak_live_bytes,
-            "num_device_alloc": st.get("num_device_alloc"),
-            "num_device_free": st.get("num_device_free"),
-            "calls_per_step": [b - a for a, b in zip(marks, marks[1:])] if starts else None}
 
 
 def cupy_replay(path: str) -> dict:

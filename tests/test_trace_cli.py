@@ -87,3 +87,49 @@ def test_python_dash_m_dispatch():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "reserved/live" in r.stdout
+
+
+def test_replay_compare_puts_both_modes_side_by_side(capsys):
+    """--compare: expandable segments off and on, each row the figures of a replay of its
+    own; off a GPU, PyTorch's rows are left out saying why."""
+    from mempool.tools import replay as rp
+
+    assert cli_trace.main("replay", [SMALL, "--compare", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [r["allocator"] for r in d["rows"]] == ["mempool", "mempool expandable_segments"]
+    for row, expandable in zip(d["rows"], (False, True)):
+        alone = rp.replay(cli_trace._load(SMALL), expandable_segments=expandable)
+        assert row["ratio"] == alone.ratio
+        assert row["calls_per_step"] == alone.calls_per_step
+        assert row["num_device_alloc"] == alone.num_device_alloc
+    assert "--backend cuda" in d["note"]
+
+    assert cli_trace.main("replay", [SMALL, "--compare", "--conf", "roundup_power2_divisions:4"]) == 0
+    out = capsys.readouterr().out
+    assert "mempool expandable_segments" in out and "upstream calls per step" in out
+    assert "PyTorch's rows need a GPU" in out
+
+
+def test_replay_compare_refuses_plot(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_trace.main("replay", [SMALL, "--compare", "--plot", str(tmp_path / "x.png")])
+    assert e.value.code == 2
+    assert "--compare draws no plot" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_a_pytorch_row_that_cannot_run_is_reported_not_raised():
+    """The PyTorch rows run in a child process; where PyTorch or a GPU is missing, the row
+    carries the child's error."""
+    import importlib.util
+
+    row = cli_trace._torch_row(SMALL, "expandable_segments:True")
+    has_torch = importlib.util.find_spec("torch") is not None
+    if has_torch:
+        import torch
+        if torch.cuda.is_available():
+            assert row["ratio"] >= 1.0 and row["calls_per_step"] is not None
+            return
+    assert "error" in row and row["error"]
+    if not has_torch:
+        assert "torch" in row["error"]

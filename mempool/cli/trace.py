@@ -1,7 +1,7 @@
 """Command line for traces: ``python -m mempool replay|tune|plot``.
 
     python -m mempool replay [TRACE] [--conf CONF] [--backend sim|cuda|host] [--limit N]
-                             [--plot FILE] [--json]
+                             [--plot FILE] [--json] [--compare]
     python -m mempool tune   [TRACE] [--limit N] [--top N] [--quiet]
     python -m mempool plot   [SNAPSHOT_OR_TRACE] [--out FILE.png] [--conf CONF] [--segments]
 
@@ -81,13 +81,22 @@ def _replay(argv) -> int:
     ap.add_argument("--plot", metavar="FILE", default=None,
                     help="also draw live and reserved bytes over the replay to FILE (.png)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    ap.add_argument("--compare", action="store_true",
+                    help="replay with expandable segments off and on, side by side, and on "
+                         "--backend cuda with PyTorch installed also through PyTorch's "
+                         "caching allocator, default and expandable_segments:True (each in "
+                         "a process of its own)")
     args = ap.parse_args(argv)
+    if args.compare and args.plot:
+        ap.error("--compare draws no plot: give --plot without --compare")
     path = args.trace or default_trace()
     events = _load(path)
     capacity = args.capacity
     if capacity is None and args.backend == "host":
         capacity = SIM_CAPACITY
     extra = {} if capacity is None else {"capacity": capacity}
+    if args.compare:
+        return _compare(path, events, args, extra)
     result = rp.replay(events, conf=args.conf, backend=args.backend, limit=args.limit,
                        timeseries=bool(args.plot), **extra)
     if args.json:
@@ -138,6 +147,98 @@ def _replay(argv) -> int:
 
         plot.plot_timeline(result, args.plot, title=os.path.basename(path))
         print(f"plot           {args.plot}")
+    return 0
+
+
+# The PyTorch rows of --compare: PYTORCH_CUDA_ALLOC_CONF for each.
+TORCH_COMPARED = (("PyTorch default", ""),
+                  ("PyTorch expandable_segments:True", "expandable_segments:True"))
+
+
+def _calls_text(calls) -> str:
+    """Upstream calls in the first three steps, and the most in any later step."""
+    if not calls:
+        return "(no training steps marked)"
+    return f"{' '.join(map(str, calls[:3]))}, then at most {max(calls[3:], default=0)}"
+
+
+def _torch_row(path: str, torch_conf: str) -> dict:
+    """One replay through PyTorch's caching allocator in a fresh process (PyTorch reads its
+    configuration once, when CUDA starts)."""
+    import subprocess
+
+    env = dict(os.environ)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if torch_conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = torch_conf
+    # The child imports this package from wherever this process did.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(
+        os.pathsep) if p])
+    try:
+        done = subprocess.run([sys.executable, "-m", "mempool.tools.torch_replay", path],
+                              env=env, capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired:
+        return {"error": "the PyTorch replay ran over 30 minutes"}
+    lines = done.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (ValueError, IndexError):
+        return {"error": (done.stderr or done.stdout).strip()[-500:] or
+                f"the PyTorch replay exited with status {done.returncode} and printed nothing"}
+
+
+def _compare(path: str, events, args, extra: dict) -> int:
+    """replay --compare: expandable segments off and on, and PyTorch's allocator where it can
+    run, side by side: reserved / live, ns per event, upstream calls per step."""
+    import importlib.util
+
+    from mempool.tools import replay as rp
+
+    rows = []
+    for label, expandable in (("mempool", False), ("mempool expandable_segments", True)):
+        try:
+            r = rp.replay(events, conf=args.conf, backend=args.backend, limit=args.limit,
+                          expandable_segments=expandable, **extra)
+        except (ValueError, TypeError, MemoryError) as e:
+            rows.append({"allocator": label, "error": str(e)})
+            continue
+        rows.append({"allocator": label, "ratio": r.ratio, "ns_per_event": r.ns_per_event,
+                     "peak_reserved_bytes": r.peak_reserved_bytes,
+                     "peak_live_bytes": r.peak_live_bytes, "num_ooms": r.num_ooms,
+                     "num_device_alloc": r.num_device_alloc,
+                     "num_device_free": r.num_device_free, "calls_per_step": r.calls_per_step})
+    if args.backend != "cuda":
+        torch_note = ("PyTorch's rows need a GPU: give --backend cuda on a machine with CUDA "
+                      "and PyTorch")
+    elif args.limit is not None:
+        torch_note = "PyTorch's rows are left out under --limit (PyTorch has no such cap)"
+    elif importlib.util.find_spec("torch") is None:
+        torch_note = "PyTorch's rows are left out: PyTorch is not installed"
+    else:
+        torch_note = None
+        for label, torch_conf in TORCH_COMPARED:
+            rows.append({"allocator": label, **_torch_row(path, torch_conf)})
+    if args.json:
+        print(json.dumps({"trace": path, "backend": args.backend, "conf": args.conf,
+                          "rows": rows, "note": torch_note}, indent=2, default=str))
+        return 0
+    print(f"trace          {path} ({len(events):,} events)")
+    print(f"compared on    {args.backend}, settings {args.conf or '(default)'}"
+          + (f", limit {args.limit}" if args.limit is not None else ""))
+    print(f"{'allocator':<34} {'reserved/live':>13} {'ns/event':>9}  {'OOMs':>5}  "
+          "upstream calls per step")
+    for row in rows:
+        if "error" in row:
+            print(f"{row['allocator']:<34} error: {row['error']}")
+            continue
+        print(f"{row['allocator']:<34} {row['ratio']:>13.3f} {row['ns_per_event']:>9,.0f}  "
+              f"{row.get('num_ooms', 0):>5}  {_calls_text(row.get('calls_per_step'))}")
+    if torch_note:
+        print(torch_note)
+    print("ns/event: " + ("the GPU's allocators against device memory" if args.backend == "cuda"
+                          else f"this machine's CPU with the {args.backend} device's upstream; "
+                               "compare the calls, not the ns, with a GPU's"))
     return 0
 
 
