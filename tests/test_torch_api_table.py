@@ -80,14 +80,23 @@ FIELDS = [
 N_POOL_FUNCTIONS = 15
 
 
+PoolArray = ctypes.POINTER(vp)
+DEVICE_PEAK_FIELDS = [
+    ("private_event", F(i32, i32, PoolArray, sz)),
+    ("device_stats", F(i32, i32, PoolArray, sz, ctypes.POINTER(Stats))),
+    ("device_reset_peak_stats", F(i32, i32, PoolArray, sz)),
+]
+
+
 class Api(ctypes.Structure):
-    _fields_ = FIELDS + [(f"pool_fn_{i}", vp) for i in range(N_POOL_FUNCTIONS)]
+    _fields_ = (FIELDS + [(f"pool_fn_{i}", vp) for i in range(N_POOL_FUNCTIONS)]
+                + DEVICE_PEAK_FIELDS)
 
 
 @pytest.fixture
 def api():
     table = Api.from_address(_core._torch_api_address())
-    assert table.version == 2
+    assert table.version == 3
     assert table.struct_size == ctypes.sizeof(Api), "the table's layout changed: update Api"
     yield table
 
@@ -245,3 +254,89 @@ def test_capture_begin_and_end_reach_the_device_pool(api, routed):
     assert routed.reserved_bytes() == 0         # the deferred release happens at the end
     assert api.capture_end(DEVICE) == MP_EINVAL  # no capture begun
     assert api.capture_begin(DEVICE + 1) == MP_EINVAL
+
+
+PRIVATE_DEVICE = DEVICE + 2   # a slot that only lends the "private" pool's address
+
+
+@pytest.fixture
+def private_pool():
+    """A second pool standing for a CUDA graph's private pool (on sim the table makes none:
+    private pools take plain CUDA segments); its address comes from a slot of its own."""
+    pool = mempool.Pool(backend="sim", capacity="1GiB", device=PRIVATE_DEVICE)
+    _core._torch_register(PRIVATE_DEVICE, pool)
+    address = _core._torch_pool_address(PRIVATE_DEVICE)
+    assert address
+    yield pool, (vp * 1)(address)
+    pool.empty_cache()
+    _core._torch_unregister(PRIVATE_DEVICE)
+    pool.check_invariants()
+
+
+def device_stats_of(api, privates, n=1):
+    s = Stats()
+    assert api.device_stats(DEVICE, privates, n, ctypes.byref(s)) == MP_OK
+    return s
+
+
+def test_device_peaks_are_the_devices_not_the_sum_of_each_pools(api, routed, private_pool):
+    """Note [Device peaks]: the device pool peaks at 200 MiB while the private pool holds
+    nothing, then at 180 MiB while it holds 50: the device's peak is 230 MiB (the sum of
+    the two pools' peaks, 250, is what the statistics said before), and the device pool's
+    own peak stays 200 MiB after the windows the reports closed."""
+    priv, privates = private_pool
+    out = u()
+
+    def main_round_trip(nbytes):
+        assert api.alloc(DEVICE, nbytes, 0, ctypes.byref(out)) == MP_OK
+        api.free(DEVICE, out.value)
+
+    main_round_trip(200 * MiB)
+    x = priv.alloc(50 * MiB)
+    assert api.private_event(DEVICE, privates, 1) == MP_OK
+    main_round_trip(180 * MiB)
+    # read while the private pool still holds its block: the open window counts too
+    s = device_stats_of(api, privates)
+    assert s.requested_bytes[0].peak == 230 * MiB
+    assert s.requested_bytes[0].current == 50 * MiB
+    priv.free(x)
+    assert api.private_event(DEVICE, privates, 1) == MP_OK
+    main_round_trip(60 * MiB)
+
+    s = device_stats_of(api, privates)
+    assert s.requested_bytes[0].peak == 230 * MiB
+    assert s.allocated_bytes[0].peak == 230 * MiB        # MiB sizes are not rounded up
+    assert s.allocation[0].peak == 2                      # one block of each pool at once
+    assert s.requested_bytes[0].current == 0
+    own = routed.stats()
+    assert own["requested_bytes.all.peak"] == 200 * MiB     # the closed windows are kept
+    assert own["requested_bytes.all.allocated"] == 440 * MiB
+    assert s.requested_bytes[0].allocated == 490 * MiB      # the two pools' sums
+    assert priv.stats()["requested_bytes.all.peak"] == 50 * MiB
+
+    # reset: the device's peaks start again from what both pools hold now
+    y = priv.alloc(10 * MiB)
+    assert api.private_event(DEVICE, privates, 1) == MP_OK
+    assert api.device_reset_peak_stats(DEVICE, privates, 1) == MP_OK
+    s = device_stats_of(api, privates)
+    assert s.requested_bytes[0].peak == 10 * MiB
+    assert routed.stats()["requested_bytes.all.peak"] == 0
+    main_round_trip(30 * MiB)
+    assert device_stats_of(api, privates).requested_bytes[0].peak == 40 * MiB
+    priv.free(y)
+    assert api.private_event(DEVICE, privates, 1) == MP_OK
+    routed.check_invariants()
+
+
+def test_device_peaks_without_private_pools_are_the_pools(api, routed):
+    out = u()
+    for nbytes in (30 * MiB, 70 * MiB, 20 * MiB):
+        assert api.alloc(DEVICE, nbytes, 0, ctypes.byref(out)) == MP_OK
+        api.free(DEVICE, out.value)
+    none = PoolArray()
+    s = device_stats_of(api, none, 0)
+    py = routed.stats()
+    assert s.requested_bytes[0].peak == py["requested_bytes.all.peak"] == 70 * MiB
+    assert s.reserved_bytes[0].current == py["reserved_bytes.all.current"]
+    assert api.private_event(DEVICE + 1, none, 0) == MP_EINVAL    # no pool there
+    assert api.device_stats(DEVICE + 1, none, 0, ctypes.byref(Stats())) == MP_EINVAL

@@ -216,6 +216,13 @@ void mp_oom_snapshot(mp_pool *p, int code, size_t nbytes, uintptr_t stream, mp_o
 
 void mp_get_stats(mp_pool *p, mp_stats *out);
 void mp_reset_peak_stats(mp_pool *p);
+/* Note [Peak windows]: the stats with each peak taken over the current window only (since
+ * the last mp_stats_window with close, or the last reset), and with close a new window
+ * starts (each peak from the current value; mp_get_stats still reports the pool's peaks
+ * since the last reset). For a client that adds other memory to this pool's figures, and
+ * must know the pool's peak between two changes of that other memory. */
+#define MP_NSTATS (offsetof(mp_stats, num_alloc_retries) / sizeof(mp_stat))
+void mp_stats_window(mp_pool *p, mp_stats *out, int close);
 void mp_reset_accumulated_stats(mp_pool *p);
 size_t mp_used_bytes(mp_pool *p);
 size_t mp_cached_bytes(mp_pool *p);

@@ -23,26 +23,64 @@ static void fill_totals(mp_stats *st) {
     }
 }
 
-void mp_get_stats(mp_pool *p, mp_stats *out) {
-    mp_lock_acquire(&p->lock);
+#define NSTATS MP_NSTATS
+
+/* Note [Peak windows]
+ * PyTorch reports one peak per statistic for a device, over all of its memory, CUDA graphs'
+ * private pools included; the glue keeps those in pools of their own. The sum of each
+ * pool's peak is only an upper bound (the pools peak at different times: 1.27 GiB
+ * reported for 1.11 under torch.compile's CUDA graphs), and tracking the device's total on
+ * every allocation would cost the hot path. But the private pools change only at their own
+ * allocations and frees, which are rare: between two of those, the device's peak is this
+ * pool's peak over that stretch plus what the private pools held through it. So the pool
+ * keeps windows: mp_stats_window reads the peaks of the current one and, with close,
+ * starts the next from the current values, keeping the closed windows' peaks in
+ * closed_peak, so that mp_get_stats still reports the peaks since the last reset. The hot
+ * path is unchanged (it updates peak as always); the glue's use is in mp_torch.c
+ * (device_stats). */
+static void stats_locked(mp_pool *p, mp_stats *out, int with_closed) {
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     *out = p->stats;
     out->num_streams = p->nstreams;
+    mp_stat *o = (mp_stat *)out;
+    for (size_t i = 0; with_closed && i < NSTATS; i++)
+        if (p->closed_peak[i] > o[i].peak) o[i].peak = p->closed_peak[i];
+}
+
+void mp_get_stats(mp_pool *p, mp_stats *out) {
+    mp_lock_acquire(&p->lock);
+    stats_locked(p, out, 1);
     mp_lock_release(&p->lock);
     fill_totals(out);
 }
 
-#define NSTATS (offsetof(mp_stats, num_alloc_retries) / sizeof(mp_stat))
-
-void mp_reset_peak_stats(mp_pool *p) {
-    mp_lock_acquire(&p->lock);
+/* Every peak from its current value; an `all` column holds only its peak (Note [Derived
+ * totals]), which starts again from the current total of its two pools. */
+static void restart_peaks_locked(mp_pool *p) {
     mp_stat *s = (mp_stat *)&p->stats;
     for (size_t i = 0; i < NSTATS; i++) s[i].peak = s[i].current;
-    /* Note [Derived totals]: an `all` column holds only its peak; it starts again from the
-     * current total of its two pools. */
     mp_stat *f = (mp_stat *)&p->stats;
     for (size_t i = 0; i < NFAMILIES; i++, f += MP_STAT_TYPES)
         f[MP_STAT_ALL].peak = mp_stat3_current(f);
+}
+
+void mp_stats_window(mp_pool *p, mp_stats *out, int close) {
+    mp_lock_acquire(&p->lock);
+    stats_locked(p, out, 0);
+    if (close) {
+        const mp_stat *s = (const mp_stat *)&p->stats;
+        for (size_t i = 0; i < NSTATS; i++)
+            if (s[i].peak > p->closed_peak[i]) p->closed_peak[i] = s[i].peak;
+        restart_peaks_locked(p);
+    }
+    mp_lock_release(&p->lock);
+    fill_totals(out);
+}
+
+void mp_reset_peak_stats(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    memset(p->closed_peak, 0, sizeof p->closed_peak);
+    restart_peaks_locked(p);
     mp_lock_release(&p->lock);
 }
 

@@ -138,6 +138,7 @@ struct mp_pool {
     int captures;                /* Note [Graph capture]: mp_capture_begin less mp_capture_end */
     mp_stream *capture_seen;     /* Note [Graph capture]: the stream last found capturing */
     mp_stats stats;
+    int64_t closed_peak[MP_NSTATS];   /* Note [Peak windows]: peaks of closed windows */
 
     uint8_t keep_struct;         /* mp_pool_keep_struct: destroy leaves the struct */
 

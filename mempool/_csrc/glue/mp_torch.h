@@ -97,7 +97,8 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
  *     are 512-byte aligned), so the deleter frees without a lookup. Size 0 gives a null
  *     DataPtr, as PyTorch's own allocator does.
  *   - Statistics are the core's counters, which have PyTorch's meanings (Note [Derived
- *     totals]), summed over the device's pool and its private pools.
+ *     totals]), of the device's pool and its private pools together, each peak the
+ *     device's own (Note [Device peaks] in mp_torch.c).
  *   - Out of memory throws c10::OutOfMemoryError (Python's torch.OutOfMemoryError) with the
  *     pool's figures, after the OOM observers and an oom trace entry; the pool is
  *     unchanged.
@@ -119,7 +120,8 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
  *   - Refused with a message naming the feature: exporting a tensor to another process
  *     (pool memory has no legacy IPC handle; receiving works), MemPool(no_split=True), and
  *     disabling the allocator. */
-#define MP_TORCH_API_VERSION 2   /* 2: mp_layout lists each segment's physical allocations */
+#define MP_TORCH_API_VERSION 3   /* 2: mp_layout lists each segment's physical allocations;
+                                    3: the device's peaks with its private pools */
 #define MP_TORCH_FIGURES 7
 
 typedef struct mp_torch_api {
@@ -169,6 +171,13 @@ typedef struct mp_torch_api {
     int (*pool_layout)(mp_pool *p, mp_layout *out);
     void (*layout_free)(mp_layout *l);
     void (*pool_release)(mp_pool *p);
+    /* Note [Device peaks] (mp_torch.c): the device's statistics, its pool's and its private
+     * pools' (`privates`, n of them) together, with each peak the device's own. The glue
+     * calls private_event after every allocation and free of a private pool, and whenever
+     * the set of private pools changes. */
+    int (*private_event)(int device, mp_pool *const *privates, size_t n);
+    int (*device_stats)(int device, mp_pool *const *privates, size_t n, mp_stats *out);
+    int (*device_reset_peak_stats)(int device, mp_pool *const *privates, size_t n);
 } mp_torch_api;
 
 /* The table (static storage, never freed). */

@@ -240,6 +240,7 @@ class MempoolAllocator final : public CUDAAllocator {
     std::vector<PrivatePool*> pinned = pin_pools(mempool_id);
     for (PrivatePool* pp : pinned) api->pool_empty_cache(pp->pool);
     unpin(pinned);   // and destroys the pools nobody uses any more
+    if (!pinned.empty()) note_private_change_everywhere();
     if (mempool_id == MempoolId_t{0, 0}) {
       for (int d = 0; d < api->max_devices && d < device_limit(); d++) api->empty_cache(d);
     }
@@ -305,19 +306,17 @@ class MempoolAllocator final : public CUDAAllocator {
 
   // ---- statistics ------------------------------------------------------------------------
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    // The device's pool and its private pools together, each peak the device's own (Note
+    // [Device peaks] in mp_torch.c), as PyTorch counts its graph pools in its device stats.
     DeviceStats out;
     mp_stats s;
-    check_device(device, api->stats(device, &s), "getDeviceStats");
-    add_stats(out, s);
     {
       std::lock_guard<std::mutex> lock(pools_mu_);
-      for (auto& [key, pp] : private_) {
-        if (pp->pool && pp->device == device) {
-          api->pool_stats(pp->pool, &s);
-          add_stats(out, s);
-        }
-      }
+      std::vector<mp_pool*> pools = private_pools_locked(device);
+      check_device(device, api->device_stats(device, pools.data(), pools.size(), &s),
+                   "getDeviceStats");
     }
+    add_stats(out, s);
     size_t f[MP_TORCH_FIGURES];
     if (api->memory_figures(device, f) == MP_OK)
       out.max_split_size = static_cast<int64_t>(f[6]);   // SIZE_MAX reads -1, as PyTorch's
@@ -332,10 +331,10 @@ class MempoolAllocator final : public CUDAAllocator {
   }
 
   void resetPeakStats(c10::DeviceIndex device) override {
-    check_device(device, api->reset_peak_stats(device), "resetPeakStats");
     std::lock_guard<std::mutex> lock(pools_mu_);
-    for (auto& [key, pp] : private_)
-      if (pp->pool && pp->device == device) api->pool_reset_peak_stats(pp->pool);
+    std::vector<mp_pool*> pools = private_pools_locked(device);
+    check_device(device, api->device_reset_peak_stats(device, pools.data(), pools.size()),
+                 "resetPeakStats");
   }
 
   std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
@@ -500,6 +499,7 @@ class MempoolAllocator final : public CUDAAllocator {
     }
     for (PrivatePool* pp : pinned) api->pool_empty_cache(pp->pool);
     unpin(pinned);   // and destroys the pool once it holds no live block
+    if (!pinned.empty()) note_private_change_everywhere();
   }
 
   int getPoolUseCount(c10::DeviceIndex /*device*/, MempoolId_t mempool_id) override {
@@ -589,6 +589,7 @@ class MempoolAllocator final : public CUDAAllocator {
           reinterpret_cast<void*>(p), reinterpret_cast<void*>(p | kTagPrivate), &delete_block,
           c10::Device(c10::DeviceType::CUDA, device));
     }
+    note_private_change(device);
     unpin(pinned);
     return delta;
   }
@@ -738,6 +739,7 @@ class MempoolAllocator final : public CUDAAllocator {
       private_blocks_[out] = pp;
     }
     n_private_blocks_.fetch_add(1, std::memory_order_release);
+    if (!pp->custom) note_private_change(pp->device);
     if (history_on_.load(std::memory_order_relaxed))
       record_alloc(pp->device, out, nbytes, stream, pp->id);
     return reinterpret_cast<void*>(out);
@@ -775,6 +777,7 @@ class MempoolAllocator final : public CUDAAllocator {
       pp->custom->raw_delete(reinterpret_cast<void*>(ptr));
     } else {
       api->pool_free(pp->pool, ptr, 0, 0);
+      note_private_change(pp->device);
     }
     drop_live_block(pp);
     return true;
@@ -817,6 +820,29 @@ class MempoolAllocator final : public CUDAAllocator {
   // Destroying a core pool frees its segments (cuMemFree synchronizes): never under pools_mu_.
   void release_pools(const std::vector<mp_pool*>& doomed) {
     for (mp_pool* p : doomed) api->pool_release(p);
+    if (!doomed.empty()) note_private_change_everywhere();
+  }
+
+  // The core pools of the device's private pools. Called with pools_mu_ held, which keeps
+  // them alive (a pool leaves private_ under it before it is destroyed).
+  std::vector<mp_pool*> private_pools_locked(int device) {
+    std::vector<mp_pool*> pools;
+    for (auto& [key, pp] : private_)
+      if (pp->pool && pp->device == device) pools.push_back(pp->pool);
+    return pools;
+  }
+
+  // Note [Device peaks] (mp_torch.c): after every allocation and free of a private pool,
+  // and when private pools release memory or go, the device's peaks take in the stretch
+  // that ends here. Without pools_mu_ held.
+  void note_private_change(int device) {
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    std::vector<mp_pool*> pools = private_pools_locked(device);
+    (void)api->private_event(device, pools.data(), pools.size());   // MP_EINVAL: no pool
+  }
+
+  void note_private_change_everywhere() {
+    for (int d = 0; d < device_limit(); d++) note_private_change(d);
   }
 
   // private_id: the private pool that refused, or nullptr for the device's pool.
