@@ -81,6 +81,9 @@ def mempool_replay(path: str, conf: dict) -> dict:
             "num_device_alloc": r.num_device_alloc, "num_device_free": r.num_device_free,
             "calls_per_step": r.calls_per_step,
             "syncs_per_step": [st["stream_syncs"] for st in r.steps] if r.steps else None,
+            "driver_reserved_peak_bytes": r.driver_reserved_peak_bytes,
+            "driver_ratio": (r.driver_reserved_peak_bytes / r.peak_live_bytes
+                             if r.driver_reserved_peak_bytes is not None else None),
             "mapped_bytes": r.upstream["mapped_bytes"] if r.upstream else None}
 
 
@@ -221,8 +224,10 @@ def main(argv=None) -> int:
         if "error" in r:
             print(f"{r['trace']:<27} {r['allocator']:<36} error: {r['error'][:150]}")
         else:
+            driver = (f"  (its cudaMemPool: {r['driver_ratio']:.3f})"
+                      if r.get("driver_ratio") is not None else "")
             print(f"{r['trace']:<27} {r['allocator']:<36} reserved/live {r['ratio']:.3f}  "
-                  f"{r['ns_per_event']:7.0f} ns/event{_calls(r)}")
+                  f"{r['ns_per_event']:7.0f} ns/event{_calls(r)}{driver}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2, default=str)

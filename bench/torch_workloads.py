@@ -193,6 +193,10 @@ def child(workload, allocator, steps):
                peak_reserved=torch.cuda.max_memory_reserved(),
                peak_allocated=torch.cuda.max_memory_allocated(),
                backend=torch.cuda.memory.get_allocator_backend())
+    if POOL is not None and not POOL.options["expandable_segments"]:
+        # The cudaMemPool under mempool's default segments keeps what the pool gives back
+        # until empty_cache: the device memory the process held at most.
+        out["driver_pool_reserved_high"] = POOL.stats().get("cuda_pool.reserved_high")
     print("RESULT " + json.dumps(out))
 
 

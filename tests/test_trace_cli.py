@@ -102,6 +102,7 @@ def test_replay_compare_puts_both_modes_side_by_side(capsys):
         assert row["ratio"] == alone.ratio
         assert row["calls_per_step"] == alone.calls_per_step
         assert row["num_device_alloc"] == alone.num_device_alloc
+        assert row["driver_reserved_peak_bytes"] is None      # no cudaMemPool on sim
     assert "--backend cuda" in d["note"]
 
     assert cli_trace.main("replay", [SMALL, "--compare", "--conf", "roundup_power2_divisions:4"]) == 0
@@ -133,3 +134,17 @@ def test_a_pytorch_row_that_cannot_run_is_reported_not_raised():
     assert "error" in row and row["error"]
     if not has_torch:
         assert "torch" in row["error"]
+
+
+def test_the_driver_pools_peak_is_read_only_where_segments_come_from_it():
+    """On cuda without expandable segments a replay reports the cudaMemPool's own reserved
+    high watermark: it keeps the segments the pool gives back, so it is the device memory
+    the process held."""
+    from mempool.tools import replay as rp
+
+    stats = {"cuda_pool.reserved_high": 123 << 20}
+    assert rp._driver_peak("cuda", {"expandable_segments": False}, stats) == 123 << 20
+    assert rp._driver_peak("cuda", {"expandable_segments": True}, stats) is None
+    assert rp._driver_peak("sim", {"expandable_segments": False}, stats) is None
+    assert rp._driver_peak("cuda", {}, {}) is None
+    assert rp.replay(cli_trace._load(SMALL)).driver_reserved_peak_bytes is None

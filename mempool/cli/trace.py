@@ -126,6 +126,11 @@ def _replay(argv) -> int:
         print(f"peak reserved  {fb(result.peak_reserved_bytes, exact=True)}: the most the pool "
               "held from the device (lower is better)")
         print(f"reserved/live  {result.ratio:.3f} (1.000 = no overhead; lower is better)")
+        if result.driver_reserved_peak_bytes is not None:
+            print(f"driver pool    {fb(result.driver_reserved_peak_bytes, exact=True)} at its "
+                  f"peak, {result.driver_reserved_peak_bytes / result.peak_live_bytes:.3f} of "
+                  "peak live: the cudaMemPool under the pool, which keeps the segments the "
+                  "pool gives back until empty_cache")
         print(f"upstream calls {result.num_device_alloc:,} segment allocs, "
               f"{result.num_device_free:,} frees (each a cudaMalloc/cudaFree-class call on a "
               "GPU; fewer is better)")
@@ -204,6 +209,7 @@ def _compare(path: str, events, args, extra: dict) -> int:
             rows.append({"allocator": label, "error": str(e)})
             continue
         rows.append({"allocator": label, "ratio": r.ratio, "ns_per_event": r.ns_per_event,
+                     "driver_reserved_peak_bytes": r.driver_reserved_peak_bytes,
                      "peak_reserved_bytes": r.peak_reserved_bytes,
                      "peak_live_bytes": r.peak_live_bytes, "num_ooms": r.num_ooms,
                      "num_device_alloc": r.num_device_alloc,
@@ -234,6 +240,12 @@ def _compare(path: str, events, args, extra: dict) -> int:
             continue
         print(f"{row['allocator']:<34} {row['ratio']:>13.3f} {row['ns_per_event']:>9,.0f}  "
               f"{row.get('num_ooms', 0):>5}  {_calls_text(row.get('calls_per_step'))}")
+    for row in rows:
+        driver = row.get("driver_reserved_peak_bytes")
+        if driver is not None:
+            print(f"{row['allocator']}: its cudaMemPool held {driver / row['peak_live_bytes']:.3f}"
+                  " of peak live at its peak (it keeps the segments the pool gives back until "
+                  "empty_cache)")
     if torch_note:
         print(torch_note)
     print("ns/event: " + ("the GPU's allocators against device memory" if args.backend == "cuda"

@@ -83,6 +83,11 @@ class ReplayResult:
     upstream: dict | None = None
     setup: dict | None = None
     steps: list | None = None
+    # cuda, segments from a cudaMemPool (no expandable segments): the most that pool held
+    # from the device at once. With the pool's default release_threshold it keeps what the
+    # Pool gives back until a trim (empty_cache), so this, not peak_reserved_bytes, is the
+    # device memory the process held. None elsewhere.
+    driver_reserved_peak_bytes: int | None = None
 
     @property
     def calls_per_step(self) -> list | None:
@@ -378,7 +383,16 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
         num_device_alloc=_stat(stats, "num_device_alloc"),
         num_device_free=_stat(stats, "num_device_free"),
         ns_per_event=elapsed / max(1, len(ops)), first_oom=ooms[0][1] if ooms else None,
-        timeseries=series, stats=stats, upstream=total, setup=setup, steps=steps)
+        timeseries=series, stats=stats, upstream=total, setup=setup, steps=steps,
+        driver_reserved_peak_bytes=_driver_peak(backend, options_used, stats))
+
+
+def _driver_peak(backend: str, options: dict, stats: dict) -> int | None:
+    """The cudaMemPool's reserved high watermark where segments come from it."""
+    if backend != "cuda" or options.get("expandable_segments"):
+        return None
+    value = stats.get("cuda_pool.reserved_high")
+    return None if value is None else int(value)
 
 
 def _release(pool, ptrs, keep_streams) -> None:

@@ -35,3 +35,8 @@ def test_replay_compare_with_pytorchs_rows():
         steps = len(row["calls_per_step"])
     # The same live bytes went through every allocator.
     assert len({row["peak_live_bytes"] for row in d["rows"]}) == 1
+    # mempool's default segments come from a cudaMemPool that keeps what the pool gives
+    # back: it held at least the pool's own peak; expandable segments map their own pages.
+    default, expandable = d["rows"][0], d["rows"][1]
+    assert default["driver_reserved_peak_bytes"] >= default["peak_reserved_bytes"]
+    assert expandable["driver_reserved_peak_bytes"] is None
