@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from mempool.tools import replay as rp  # noqa: E402
 from mempool.tools import trace as mtrace  # noqa: E402
 from mempool.tools.torch_replay import replay as torch_replay  # noqa: E402
-from mempool.cli.trace import TRACES_DIR  # noqa: E402
+from mempool.cli.trace import TRACES_DIR, calls_per_step_text  # noqa: E402
 
 TRACES = ("transformer_train.jsonl.gz", "vision_train.jsonl.gz")
 TORCH_CONFS = ("", "expandable_segments:True", "roundup_power2_divisions:4",
@@ -88,12 +88,8 @@ def mempool_replay(path: str, conf: dict) -> dict:
 
 
 def _calls(row) -> str:
-    """Upstream calls in the first three steps, and the most in any later step."""
     steps = row.get("calls_per_step")
-    if not steps:
-        return ""
-    later = max(steps[3:], default=0)
-    return f"  calls/step {'+'.join(map(str, steps[:3]))}, then at most {later}"
+    return f"  calls/step {calls_per_step_text(steps)}" if steps else ""
 
 
 def record_torch_snapshot(path: str) -> dict:

@@ -111,6 +111,13 @@ def test_replay_compare_puts_both_modes_side_by_side(capsys):
     assert "PyTorch's rows need a GPU" in out
 
 
+def test_replay_compare_refuses_a_bad_conf_as_replay_does(capsys):
+    assert cli_trace.main("replay", [SMALL, "--compare", "--conf", "bogus:1"]) == 1
+    captured = capsys.readouterr()
+    assert "unknown option 'bogus'" in captured.err
+    assert "mempool expandable_segments" not in captured.out
+
+
 def test_replay_compare_refuses_plot(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli_trace.main("replay", [SMALL, "--compare", "--plot", str(tmp_path / "x.png")])

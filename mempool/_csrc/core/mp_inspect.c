@@ -23,7 +23,6 @@ static void fill_totals(mp_stats *st) {
     }
 }
 
-#define NSTATS MP_NSTATS
 
 /* Note [Peak windows]
  * PyTorch reports one peak per statistic for a device, over all of its memory, CUDA graphs'
@@ -43,7 +42,7 @@ static void stats_locked(mp_pool *p, mp_stats *out, int with_closed) {
     *out = p->stats;
     out->num_streams = p->nstreams;
     mp_stat *o = (mp_stat *)out;
-    for (size_t i = 0; with_closed && i < NSTATS; i++)
+    for (size_t i = 0; with_closed && i < MP_NSTATS; i++)
         if (p->closed_peak[i] > o[i].peak) o[i].peak = p->closed_peak[i];
 }
 
@@ -58,7 +57,7 @@ void mp_get_stats(mp_pool *p, mp_stats *out) {
  * totals]), which starts again from the current total of its two pools. */
 static void restart_peaks_locked(mp_pool *p) {
     mp_stat *s = (mp_stat *)&p->stats;
-    for (size_t i = 0; i < NSTATS; i++) s[i].peak = s[i].current;
+    for (size_t i = 0; i < MP_NSTATS; i++) s[i].peak = s[i].current;
     mp_stat *f = (mp_stat *)&p->stats;
     for (size_t i = 0; i < NFAMILIES; i++, f += MP_STAT_TYPES)
         f[MP_STAT_ALL].peak = mp_stat3_current(f);
@@ -69,7 +68,7 @@ void mp_stats_window(mp_pool *p, mp_stats *out, int close) {
     stats_locked(p, out, 0);
     if (close) {
         const mp_stat *s = (const mp_stat *)&p->stats;
-        for (size_t i = 0; i < NSTATS; i++)
+        for (size_t i = 0; i < MP_NSTATS; i++)
             if (s[i].peak > p->closed_peak[i]) p->closed_peak[i] = s[i].peak;
         restart_peaks_locked(p);
     }
@@ -87,7 +86,7 @@ void mp_reset_peak_stats(mp_pool *p) {
 void mp_reset_accumulated_stats(mp_pool *p) {
     mp_lock_acquire(&p->lock);
     mp_stat *s = (mp_stat *)&p->stats;
-    for (size_t i = 0; i < NSTATS; i++) s[i].allocated = s[i].freed = 0;
+    for (size_t i = 0; i < MP_NSTATS; i++) s[i].allocated = s[i].freed = 0;
     p->stats.num_alloc_retries = p->stats.num_ooms = p->stats.num_sync_all_streams = 0;
     p->stats.num_device_alloc = p->stats.num_device_free = 0;
     p->stats.num_cross_stream_reuse = p->stats.num_event_waits = 0;
