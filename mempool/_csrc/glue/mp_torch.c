@@ -471,7 +471,7 @@ static int api_private_pool_create(int device, mp_pool **out) {
  * the device pool's window, adding to the device's peaks that window's peak plus what the
  * private pools held through it (`held`, as at the report before), and the moment after
  * the change. device_stats reads the open window the same way, so its peaks are exact when
- * every change was reported, and an upper bound otherwise. The figures belong to the pool
+ * every change was reported (the glue reports each). The figures belong to the pool
  * registered when they were taken: a new pool in the slot starts them again. */
 typedef struct device_peaks {
     mp_pool *pool;                 /* the device pool the figures are of */
