@@ -8,7 +8,9 @@ allocating real device memory (no kernels), through:
 
 - mempool ``backend="cuda"`` (default settings, and expandable segments where available,
   one physical allocation per growth; ``--pages`` and ``--max-map`` add rows with other
-  page sizes and allocation sizes, ``--max-map page`` the one-allocation-per-page pool);
+  page sizes and allocation sizes, ``--max-map page`` the one-allocation-per-page pool;
+  ``--driver-rows`` adds the default path with the device synchronized at each step and
+  with its cudaMemPool keeping every freed byte, for the cudaMemPool's own peak);
 - PyTorch's caching allocator (``torch.cuda.caching_allocator_alloc``/``_delete``) under
   several ``PYTORCH_CUDA_ALLOC_CONF`` settings, one subprocess each (the variable is read
   once, at CUDA initialisation);
@@ -31,6 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from mempool import _cuda as mcuda  # noqa: E402
 from mempool.tools import replay as rp  # noqa: E402
 from mempool.tools import trace as mtrace  # noqa: E402
 from mempool.tools.torch_replay import replay as torch_replay  # noqa: E402
@@ -71,7 +74,16 @@ def cupy_replay(path: str) -> dict:
 
 
 def mempool_replay(path: str, conf: dict) -> dict:
-    r = rp.replay(mtrace.load(path), conf=conf, backend="cuda", check=True)
+    conf = dict(conf)
+    sync_steps = conf.pop("sync_steps", False)
+    if conf.pop("driver_keeps_all", False):
+        # The default path as it was before Note [The driver keeps nothing given back]: a
+        # cudaMemPool of its own that keeps every freed byte (the process ends with it).
+        h, _ = mcuda.resolve_pool_handle("create", 0)
+        mcuda.configure(h, release_threshold=mcuda.KEEP_ALL)
+        conf["pool_handle"] = h
+    r = rp.replay(mtrace.load(path), conf=conf, backend="cuda", check=True,
+                  sync_steps=sync_steps)
     # calls_per_step: segment allocs and frees (expandable: map and unmap calls, each map one
     # physical allocation: Note [Growth extents]), stream syncs, event records and waits.
     return {"peak_reserved_bytes": r.peak_reserved_bytes,
@@ -167,6 +179,10 @@ def main(argv=None) -> int:
                     help="also mempool expandable rows with these max_map_size values (the "
                          "most bytes of one physical allocation), e.g. page,64MiB; 'page' = "
                          "one allocation per page, as before growth extents")
+    ap.add_argument("--driver-rows", action="store_true",
+                    help="also mempool default rows with the device synchronized at each "
+                         "step, and with its cudaMemPool keeping every freed byte (as before "
+                         "2026-12)")
     ap.add_argument("--torch-confs", default=None,
                     help="PyTorch rows: PYTORCH_CUDA_ALLOC_CONF strings separated by ';' "
                          "('' = default; default: %s)" % ";".join(TORCH_CONFS))
@@ -186,6 +202,10 @@ def main(argv=None) -> int:
     results = {"rows": []}
     mempool_rows = [("mempool default", {}),
                     ("mempool expandable_segments:True", {"expandable_segments": True})]
+    if args.driver_rows:
+        mempool_rows[1:1] = [("mempool default, synced steps", {"sync_steps": True}),
+                             ("mempool default, cudaMemPool keeps all",
+                              {"driver_keeps_all": True})]
     for page in filter(None, args.pages.split(",")):
         mempool_rows.append((f"mempool expandable, {page} pages",
                              {"expandable_segments": True, "granularity": page}))

@@ -51,13 +51,22 @@ def counters(torch):
     return out
 
 
+# mempool's allocators: the Pool options of each. Besides ALLOCATORS, --allocators takes
+# "mempool-expandable-2mib": expandable segments with PyTorch's page size instead of the
+# default 8 MiB on cuda, to see what the page costs in peak reserved on a real workload.
+MEMPOOL_OPTIONS = {"mempool": {},
+                   "mempool-expandable": {"expandable_segments": True},
+                   "mempool-expandable-2mib": {"expandable_segments": True,
+                                               "granularity": "2MiB"}}
+
+
 def setup_allocator(name):
     global POOL
     import torch
-    if name.startswith("mempool"):
+    if name in MEMPOOL_OPTIONS:
         import mempool
         import mempool.torch as mt
-        POOL = mempool.Pool(backend="cuda", expandable_segments=name.endswith("expandable"))
+        POOL = mempool.Pool(backend="cuda", **MEMPOOL_OPTIONS[name])
         mt.install(POOL, allocator="full")
     return torch
 
@@ -194,8 +203,9 @@ def child(workload, allocator, steps):
                peak_allocated=torch.cuda.max_memory_allocated(),
                backend=torch.cuda.memory.get_allocator_backend())
     if POOL is not None and not POOL.options["expandable_segments"]:
-        # The cudaMemPool under mempool's default segments keeps what the pool gives back
-        # until empty_cache: the device memory the process held at most.
+        # The cudaMemPool under mempool's default segments: the device memory the process
+        # held at most (what the pool gave back stays there until the next synchronization,
+        # Note [The driver keeps nothing given back]).
         out["driver_pool_reserved_high"] = POOL.stats().get("cuda_pool.reserved_high")
     print("RESULT " + json.dumps(out))
 

@@ -3,8 +3,6 @@
 # Uses _cuda.pxi and _streams.pxi; takes the cudaMemPool handle, never the Pool.
 from libc.stdint cimport uintptr_t
 
-_UINT64_MAX = 2 ** 64 - 1
-
 
 # The page of expandable segments on cuda unless the `granularity` option sets one: the
 # driver's granularity times the smallest power of two reaching this. The driver's cost
@@ -27,8 +25,8 @@ cdef object _make_cuda(mp_upstream *up, int device, dict opts):
     try:
         _cuda.configure(
             handle,
-            release_threshold=_UINT64_MAX if opts["release_threshold"] is None
-            else opts["release_threshold"],
+            release_threshold=_cuda.driver_release_threshold(opts["pool_handle"],
+                                                             opts["release_threshold"]),
             reuse_follow_event_dependencies=opts["reuse_follow_event_dependencies"],
             reuse_allow_opportunistic=opts["reuse_allow_opportunistic"],
             reuse_allow_internal_dependencies=opts["reuse_allow_internal_dependencies"])
@@ -68,10 +66,12 @@ cdef _CurrentStream _cuda_current_stream(int device):
     return _CurrentStream(cupy.cuda.get_current_stream, capi, device)
 
 
-cdef int _cuda_set_release_threshold(object handle, object value) except -1:
-    """Set the cudaMemPool's release threshold to the pool option's `value` (None: keep all)."""
+cdef int _cuda_set_release_threshold(object handle, object pool_handle,
+                                     object value) except -1:
+    """Set the cudaMemPool's release threshold for the pool option's `value`."""
     from mempool import _cuda
-    _cuda.configure(handle, release_threshold=_UINT64_MAX if value is None else value)
+    _cuda.configure(handle,
+                    release_threshold=_cuda.driver_release_threshold(pool_handle, value))
     return 0
 
 

@@ -648,7 +648,7 @@ cdef class Pool:
         mp_set_release_threshold(self._pool, _or_unlimited(value))
         self.options["release_threshold"] = value
         if self._kind == _CUDA:
-            _cuda_set_release_threshold(self._cuda_handle, value)
+            _cuda_set_release_threshold(self._cuda_handle, self.options["pool_handle"], value)
 
     # ------------------------------------------------------------------ observability
 

@@ -253,19 +253,29 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
-def _stepped_run(pool, prep, handles, ptrs, oom_error, ooms):
+def _stepped_run(pool, prep, handles, ptrs, oom_error, ooms, between=None):
     """_run one step at a time: [counters at the start, then at each step's start], and the
-    ns spent reading them."""
+    ns spent reading them (and calling `between()` at each step's start, when given)."""
     ops = prep.ops
     bounds = [0] + list(prep.step_ops) + [len(ops)]
     counts = []
     spent = 0
     for i in range(len(bounds) - 1):
         t = time.perf_counter_ns()
+        if between is not None:
+            between()
         counts.append(_upstream(pool.stats()))
         spent += time.perf_counter_ns() - t
         _run(pool, ops[bounds[i]:bounds[i + 1]], handles, ptrs, oom_error, ooms, bounds[i])
     return counts, spent
+
+
+def _device_sync(pool):
+    """A function synchronizing the pool's device."""
+    import cupy
+
+    device = cupy.cuda.Device(pool.device_id)
+    return device.synchronize
 
 
 def _stat(stats: dict, key: str, default=0) -> int:
@@ -274,7 +284,7 @@ def _stat(stats: dict, key: str, default=0) -> int:
 
 
 def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool = False,
-           check: bool = False, **options) -> ReplayResult:
+           check: bool = False, sync_steps: bool = False, **options) -> ReplayResult:
     """Replay a trace through a fresh Pool and measure it.
 
     Parameters
@@ -297,6 +307,11 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
         ``live_bytes``, ``reserved_bytes``.
     check : bool
         Call ``pool.check_invariants()`` at the end of the replay.
+    sync_steps : bool
+        On cuda, synchronize the device at the start of every step of a trace that marks
+        its steps (outside the timing; not with `timeseries`), as a training loop that reads
+        its loss each step does; the cudaMemPool under the default path releases what the pool gave back at a
+        synchronization (Note [The driver keeps nothing given back], mempool/_cuda.py).
     **options
         Further ``Pool`` keywords (``capacity``, ``device``, any option); they override
         `conf`.
@@ -318,10 +333,11 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
     series = None
     t0 = time.perf_counter_ns()
     counts = None
+    between = _device_sync(pool) if sync_steps and backend == "cuda" else None
     if not timeseries:
         if prep.step_ops:
             # Step by step, the upstream counters read between steps, outside the timing.
-            counts, spent = _stepped_run(pool, prep, handles, ptrs, oom_error, ooms)
+            counts, spent = _stepped_run(pool, prep, handles, ptrs, oom_error, ooms, between)
             t0 += spent
         else:
             _run(pool, ops, handles, ptrs, oom_error, ooms)
