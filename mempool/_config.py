@@ -510,12 +510,6 @@ OPTIONS: dict[str, Option] = {
         True, "bool",
         "serve a stream from another stream's free blocks through an event wait, not a sync",
         _parse_bool, "False"),
-    "settle_releases": Option(
-        True, "bool",
-        "before a growth, wait for the segments just given back to make room for it (a sync "
-        "of each stream they were freed on), so the device does not hold both (False: no "
-        "sync; the cudaMemPool keeps them until the next synchronization)",
-        _parse_bool, "False"),
     "release_threshold": Option(
         None, "size or None",
         "cached (free) bytes the pool keeps; beyond it freed segments go upstream, oldest "

@@ -24,7 +24,6 @@ DEFAULTS = {
     "roundup_power2_divisions": [0] * 16,
     "max_split_size": None,
     "cross_stream_reuse": True,
-    "settle_releases": True,
     "release_threshold": None,
     "limit": None,
     "initial_pool_size": 0,

@@ -134,52 +134,6 @@ def test_limit_releases_idle_segments_before_growing_past_it(sim):
     pool.free(c)
 
 
-def test_a_growth_waits_for_the_segments_given_back_for_it(sim):
-    """Note [Settled releases]: each stream a segment given back before a growth was freed
-    on is synchronized once, after the frees and before the new segment is asked for."""
-    pool = sim(limit="40MiB")
-    a, b = pool.alloc(12 * MiB, stream=S1), pool.alloc(14 * MiB, stream=S2)
-    pool.free(a, stream=S1)
-    pool.free(b, stream=S2)
-    c = pool.alloc(30 * MiB, stream=S3)      # 26 + 30 > 40: both go back first
-    assert device(pool, "frees", "syncs") == {"frees": 2, "syncs": 2}
-    assert counters(pool, "num_stream_syncs") == {"num_stream_syncs": 2}
-    pool.free(c, stream=S3)
-    for _ in range(3):                       # a steady loop: no release, no sync
-        pool.free(pool.alloc(30 * MiB, stream=S3), stream=S3)
-    assert device(pool, "frees", "syncs") == {"frees": 2, "syncs": 2}
-
-
-def test_without_settling_a_growth_does_not_sync(sim):
-    pool = sim(limit="40MiB", settle_releases=False)
-    a = pool.alloc(12 * MiB, stream=S1)
-    pool.free(a, stream=S1)
-    pool.alloc(30 * MiB, stream=S3)
-    assert device(pool, "frees", "syncs") == {"frees": 1, "syncs": 0}
-
-
-def test_settling_syncs_each_of_many_streams_once(sim):
-    streams = range(100, 112)                # more streams than one settling batch holds
-    pool = sim(limit="150MiB")
-    ptrs = [(pool.alloc(12 * MiB, stream=h), h) for h in streams]
-    for p, h in ptrs:
-        pool.free(p, stream=h)
-    assert pool.reserved_bytes() == 144 * MiB  # one 12 MiB segment a stream
-    pool.alloc(100 * MiB, stream=S3)         # 144 + 100 > 150: eight or more go back
-    freed = device(pool, "frees")["frees"]
-    assert freed >= 8
-    assert device(pool, "syncs") == {"syncs": freed}
-
-
-@pytest.mark.parametrize("release", ["release_threshold", "empty_cache", "trim"])
-def test_releases_not_made_for_a_growth_do_not_sync(sim, release):
-    pool = sim(release_threshold=0) if release == "release_threshold" else sim()
-    three_idle_segments(pool)
-    if release != "release_threshold":
-        getattr(pool, release)()
-    assert device(pool, "frees", "syncs") == {"frees": 3, "syncs": 0}
-
-
 def test_limit_fails_with_out_of_memory_when_releasing_cannot_make_room(sim):
     pool = sim(limit="40MiB")
     a = pool.alloc(24 * MiB)

@@ -37,7 +37,6 @@ void mp_config_default(mp_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
     cfg->max_split_size = MP_UNLIMITED;
     cfg->cross_stream_reuse = 1;
-    cfg->settle_releases = 1;
     cfg->release_threshold = MP_UNLIMITED;
     cfg->limit = MP_UNLIMITED;
 }
@@ -146,11 +145,9 @@ static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
                                      mp_release_list *rel, uintptr_t *ptr) {
     p->inflight_bytes += nbytes;
     uintptr_t handle = s->handle;
-    rel->settle = p->cfg.settle_releases;   /* Note [Settled releases] */
     mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
     mp_release_finish(p, rel);
-    rel->settle = 0;   /* what the caller releases after the growth is not before one */
     int rc = p->up.segment_alloc(p->up.ctx, nbytes, handle, ptr);
     mp_blocking_end(blocking);
     mp_lock_retake(p);

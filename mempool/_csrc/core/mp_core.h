@@ -22,8 +22,6 @@ typedef struct mp_config {
     size_t roundup_divisions[MP_ROUNDUP_INTERVALS];
     size_t max_split_size;       /* MP_UNLIMITED = split every block */
     int cross_stream_reuse;      /* take other streams' free blocks through an event wait */
-    int settle_releases;         /* wait for segments given back before a growth
-                                    (Note [Settled releases], mp_release.c) */
     size_t release_threshold;    /* cached bytes kept; MP_UNLIMITED = keep all */
     size_t limit;                /* cap on reserved bytes; MP_UNLIMITED = none */
     size_t initial_pool_size;    /* reserved at creation and never released automatically */

@@ -265,8 +265,6 @@ typedef struct mp_release_list {
      * calls that have none), and whether it captures: 0 not asked yet, 1 no, 2 yes. */
     mp_stream *stream;
     int capture;
-    /* Note [Settled releases]: finishing the list also waits for its segments' frees. */
-    int settle;
 } mp_release_list;
 /* Note [Forgotten streams]: detach an expandable range that holds nothing but unmapped pages
  * and free blocks of `only` (NULL: of nobody): its mapped runs are unmapped and its address

@@ -175,42 +175,13 @@ size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_relea
     return released;
 }
 
-/* Note [Settled releases]
- * A segment of fixed size goes back with a stream-ordered free (cuMemFreeAsync), and the
- * cudaMemPool under it returns the memory to the device only at a synchronization (with the
- * threshold of Note [The driver keeps nothing given back], mempool/_cuda.py). Segments are
- * given back to make room just before a growth (beyond need, the high-water rule, the limit,
- * the GC threshold), and without a sync in between the device holds both: on an H200 the
- * cudaMemPool peaked at 1.084 / 1.119 of peak live on the shipped transformer / vision
- * traces while the pool's reserved bytes peaked at 1.036 / 1.041, with or without a sync
- * at every step (bench/results/2026-12-03-h200-late.md). So a growth's list is
- * settled: after its frees, each stream they were made on is synchronized once, before the
- * new segment is asked for. Steady loops never pay for it (no release, no growth); a pool
- * with settle_releases=False does not sync and may hold both until the next sync. The
- * expandable segments' releases unmap at once and need none. */
-#define MP_SETTLE_STREAMS 8
-
-static void settle_add(mp_pool *p, uintptr_t *handles, size_t *n, uintptr_t h) {
-    for (size_t i = 0; i < *n; i++)
-        if (handles[i] == h) return;
-    if (*n == MP_SETTLE_STREAMS) {   /* many streams: settle those seen so far, go on */
-        for (size_t i = 0; i < *n; i++) mp_up_sync(p, handles[i]);
-        *n = 0;
-    }
-    handles[(*n)++] = h;
-}
-
 void mp_release_finish_slow(mp_pool *p, mp_release_list *list) {
     mp_segment *seg = list->head;
-    uintptr_t settle[MP_SETTLE_STREAMS];
-    size_t nsettle = 0;
     void *blocking = mp_blocking_begin();
     while (seg) {
         mp_segment *next = seg->inext;
         for (size_t i = 0; i < seg->nrelease_sync; i++)
             mp_up_sync(p, seg->release_sync[i]);
-        if (list->settle && !seg->expandable)
-            settle_add(p, settle, &nsettle, seg->release_stream);
         mp_segment_release_upstream(p, seg);
         free(seg->release_sync);
         free(seg->release_runs);
@@ -218,7 +189,6 @@ void mp_release_finish_slow(mp_pool *p, mp_release_list *list) {
         free(seg);
         seg = next;
     }
-    for (size_t i = 0; i < nsettle; i++) mp_up_sync(p, settle[i]);
     mp_blocking_end(blocking);
     list->head = NULL;
     list->nbytes = 0;
