@@ -10,7 +10,8 @@ allocating real device memory (no kernels), through:
   one physical allocation per growth; ``--pages`` and ``--max-map`` add rows with other
   page sizes and allocation sizes, ``--max-map page`` the one-allocation-per-page pool;
   ``--driver-rows`` adds the default path with the device synchronized at each step and
-  with its cudaMemPool keeping every freed byte, for the cudaMemPool's own peak);
+  as it was before 2026-12-03 (its cudaMemPool keeping every freed byte), for the
+  cudaMemPool's own peak);
 - PyTorch's caching allocator (``torch.cuda.caching_allocator_alloc``/``_delete``) under
   several ``PYTORCH_CUDA_ALLOC_CONF`` settings, one subprocess each (the variable is read
   once, at CUDA initialisation);
@@ -181,8 +182,8 @@ def main(argv=None) -> int:
                          "one allocation per page, as before growth extents")
     ap.add_argument("--driver-rows", action="store_true",
                     help="also mempool default rows with the device synchronized at each "
-                         "step, and with its cudaMemPool keeping every freed byte (as before "
-                         "2026-12)")
+                         "step, and as before 2026-12-03 (its cudaMemPool keeping every "
+                         "freed byte)")
     ap.add_argument("--torch-confs", default=None,
                     help="PyTorch rows: PYTORCH_CUDA_ALLOC_CONF strings separated by ';' "
                          "('' = default; default: %s)" % ";".join(TORCH_CONFS))
@@ -204,7 +205,7 @@ def main(argv=None) -> int:
                     ("mempool expandable_segments:True", {"expandable_segments": True})]
     if args.driver_rows:
         mempool_rows[1:1] = [("mempool default, synced steps", {"sync_steps": True}),
-                             ("mempool default, cudaMemPool keeps all",
+                             ("mempool default as before 2026-12-03",
                               {"driver_keeps_all": True})]
     for page in filter(None, args.pages.split(",")):
         mempool_rows.append((f"mempool expandable, {page} pages",
@@ -238,11 +239,11 @@ def main(argv=None) -> int:
     print()
     for r in results["rows"]:
         if "error" in r:
-            print(f"{r['trace']:<27} {r['allocator']:<36} error: {r['error'][:150]}")
+            print(f"{r['trace']:<27} {r['allocator']:<40} error: {r['error'][:150]}")
         else:
             driver = (f"  (its cudaMemPool: {r['driver_ratio']:.3f})"
                       if r.get("driver_ratio") is not None else "")
-            print(f"{r['trace']:<27} {r['allocator']:<36} reserved/live {r['ratio']:.3f}  "
+            print(f"{r['trace']:<27} {r['allocator']:<40} reserved/live {r['ratio']:.3f}  "
                   f"{r['ns_per_event']:7.0f} ns/event{_calls(r)}{driver}")
     if args.out:
         with open(args.out, "w") as f:

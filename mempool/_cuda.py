@@ -189,20 +189,26 @@ def _bool_attrs(rt):
     }
 
 
+# Note [The driver keeps nothing given back]
+# The Pool is the cache. What it gives back (segments beyond need, over the limit or the GC
+# threshold, empty_cache, trim) it means to give back, so with release_threshold None the
+# cudaMemPool the Pool created keeps nothing freed: the driver returns it to the device at
+# the next synchronization, CUDA's own default for a pool. Until 2026-12 that pool kept
+# everything, so memory given back stayed on the device until empty_cache. A threshold
+# given is set on the cudaMemPool too, as the option documents. A shared cudaMemPool
+# ("default", "current", a handle) keeps its owner's threshold unless one is given: that is
+# someone else's policy.
+# What the threshold does not change: the cudaMemPool's own high watermark. On an H200 it
+# peaked at 1.084 / 1.119 of peak live on the shipped transformer / vision traces while
+# the Pool's reserved bytes peaked at 1.036 / 1.041, alike with this threshold, with
+# everything kept, with the device synchronized at every step, and with every growth
+# waiting for the segments given back before it (bench/results/2026-12-03-h200-late.md):
+# the driver's own overhead over the segments it hands out, which only expandable segments
+# (cuMemCreate, no cudaMemPool) avoid.
 def driver_release_threshold(pool_handle, release_threshold):
     """The cudaMemPool release threshold a Pool sets for its ``release_threshold`` option
-    (None: leave the cudaMemPool's own as it is).
-
-    Note [The driver keeps nothing given back]: the Pool is the cache. What it gives back
-    (segments beyond need, over the limit or the GC threshold, ``empty_cache``, ``trim``) it
-    means to give back, so with ``release_threshold`` None the cudaMemPool the Pool created
-    keeps nothing freed: the driver releases it at the next synchronization, CUDA's own
-    default for a pool. Until 2026-12 that pool kept everything instead, and on an H200 the
-    device then held 1.084 / 1.119 of peak live on the shipped transformer / vision traces
-    while the Pool reported 1.036 / 1.041 reserved (bench/results/2026-12-03-h200-late.md).
-    A threshold given is set on the cudaMemPool too, as the option documents. A shared
-    cudaMemPool (``"default"``, ``"current"``, a handle) keeps its owner's threshold unless
-    one is given: that is someone else's policy.
+    (None: leave the cudaMemPool's own as it is); Note [The driver keeps nothing given
+    back] says why.
     """
     if release_threshold is not None:
         return release_threshold

@@ -69,43 +69,36 @@ def test_release_threshold_keeps_memory_until_emptied(cuda_pool, streams):
     assert attrs["reserved_current"] == 0, "empty_cache left the memory in the cudaMemPool"
 
 
-def _give_back_then_grow(pool, s):
-    """A 64 MiB segment freed, then a 96 MiB one under a 100 MiB limit: the Pool gives the
-    idle segment back (cuMemFreeAsync, no trim, no sync) before it grows. Returns the live
-    pointer and the Pool's reserved bytes."""
-    ptr = pool.alloc(64 * MiB, stream=s)
-    pool.free(ptr, stream=s)
-    pool.set_limit(100 * MiB)
-    ptr = pool.alloc(96 * MiB, stream=s)
-    assert pool.stats()["num_device_free"] == 1   # the idle segment went back
-    s.synchronize()
-    return ptr, pool.reserved_bytes()
-
-
-def test_what_the_pool_gives_back_leaves_the_device_at_the_next_sync(cuda_pool, streams):
-    """Note [The driver keeps nothing given back]: the cudaMemPool a Pool creates keeps
-    nothing freed, so what the Pool gave back is not held by the device after a sync; a
-    cudaMemPool that keeps everything (the Pool's own before, and a shared one the Pool
-    leaves as it is) still holds it."""
+def test_a_created_cudamempool_keeps_nothing_the_pool_gives_back(cuda_pool, streams):
+    """Note [The driver keeps nothing given back]: the cudaMemPool a Pool creates has a
+    release threshold of 0, and after the Pool gives a segment back (cuMemFreeAsync, no
+    trim) the device holds what the Pool reserves once a sync has passed."""
     s, _ = streams
     pool = cuda_pool()
     assert _attrs(pool)["release_threshold"] == 0
-    ptr, reserved = _give_back_then_grow(pool, s)
-    assert reserved >= 96 * MiB
-    assert _attrs(pool)["reserved_current"] == reserved   # 64 MiB gone from the device
+    ptr = pool.alloc(64 * MiB, stream=s)
+    pool.free(ptr, stream=s)
+    pool.set_limit(100 * MiB)
+    ptr = pool.alloc(96 * MiB, stream=s)   # gives the idle 64 MiB back, then grows
+    assert pool.stats()["num_device_free"] == 1
+    s.synchronize()
+    assert _attrs(pool)["reserved_current"] == pool.reserved_bytes() == 96 * MiB
     pool.free(ptr, stream=s)
 
+
+def test_a_shared_cudamempool_keeps_its_owners_threshold(cupy_device):
     h, owned = _cuda.resolve_pool_handle("create", 0)
     try:
         _cuda.configure(h, release_threshold=_cuda.KEEP_ALL)
-        kept = mempool.Pool(backend="cuda", device=0, pool_handle=h)
-        assert _attrs(kept)["release_threshold"] == _cuda.KEEP_ALL   # left as it was
-        ptr, reserved = _give_back_then_grow(kept, s)
-        assert _attrs(kept)["reserved_current"] >= reserved + 64 * MiB
-        kept.free(ptr, stream=s)
-        kept.empty_cache()
-        del kept
+        pool = mempool.Pool(backend="cuda", device=0, pool_handle=h)
+        kept = _attrs(pool)["release_threshold"]
+        given = mempool.Pool(backend="cuda", device=0, pool_handle=h,
+                             release_threshold=123 * MiB)
+        set_by_option = _attrs(given)["release_threshold"]
+        del pool, given
         gc.collect()
+        assert kept == _cuda.KEEP_ALL
+        assert set_by_option == 123 * MiB
     finally:
         _cuda.destroy(h)
 
