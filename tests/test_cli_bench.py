@@ -1,5 +1,6 @@
 """``python -m mempool bench``: the summary table, the plot, and one short end-to-end run."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -87,10 +88,12 @@ def test_bad_option_is_refused_by_argparse():
 def test_end_to_end_quick_run_of_the_floor(tmp_path):
     """A real run through ``python -m mempool bench``, narrowed to the floor benchmarks."""
     out = tmp_path / "out"
+    # Not an xdist worker's environment: pytest-benchmark disables itself when it sees one.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     proc = subprocess.run(
         [sys.executable, "-m", "mempool", "bench", "--quick", "--out", str(out),
          "-k", "test_sim_floor"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bare C-method call x2 (floor)" in proc.stdout
     data = json.loads((out / "bench.json").read_text())
