@@ -515,7 +515,8 @@ OPTIONS: dict[str, Option] = {
         "cached (free) bytes the pool keeps; beyond it freed segments go upstream, oldest "
         "first (None = keep all); with expandable segments, free pages of streams with no "
         "work left, without a sync (docs/expandable.md); with backend='cuda' also the "
-        "cudaMemPool's ReleaseThreshold",
+        "cudaMemPool's ReleaseThreshold (None: 0 on a cudaMemPool the pool created, which "
+        "then keeps nothing the pool gave back past a sync)",
         _parse_optional_size, "2GB", sized=True),
     "limit": Option(
         None, "size, float in (0, 1], or None",
