@@ -9,9 +9,9 @@ allocating real device memory (no kernels), through:
 - mempool ``backend="cuda"`` (default settings, and expandable segments where available,
   one physical allocation per growth; ``--pages`` and ``--max-map`` add rows with other
   page sizes and allocation sizes, ``--max-map page`` the one-allocation-per-page pool;
-  ``--driver-rows`` adds the default path with the device synchronized at each step and
-  as it was before 2026-12-03 (its cudaMemPool keeping every freed byte), for the
-  cudaMemPool's own peak);
+  ``--driver-rows`` adds the default path with the device synchronized at each step, as it
+  was before 2026-12-03 (its cudaMemPool keeping every freed byte), and with
+  ``segment_rounding`` 32 and 64 MiB, for the cudaMemPool's own peak);
 - PyTorch's caching allocator (``torch.cuda.caching_allocator_alloc``/``_delete``) under
   several ``PYTORCH_CUDA_ALLOC_CONF`` settings, one subprocess each (the variable is read
   once, at CUDA initialisation);
@@ -95,6 +95,7 @@ def mempool_replay(path: str, conf: dict) -> dict:
             "calls_per_step": r.calls_per_step,
             "syncs_per_step": [st["stream_syncs"] for st in r.steps] if r.steps else None,
             "driver_reserved_peak_bytes": r.driver_reserved_peak_bytes,
+            "driver_used_peak_bytes": (r.stats or {}).get("cuda_pool.used_high"),
             "driver_ratio": (r.driver_reserved_peak_bytes / r.peak_live_bytes
                              if r.driver_reserved_peak_bytes is not None else None),
             "mapped_bytes": r.upstream["mapped_bytes"] if r.upstream else None}
@@ -182,8 +183,8 @@ def main(argv=None) -> int:
                          "one allocation per page, as before growth extents")
     ap.add_argument("--driver-rows", action="store_true",
                     help="also mempool default rows with the device synchronized at each "
-                         "step, and as before 2026-12-03 (its cudaMemPool keeping every "
-                         "freed byte)")
+                         "step, as before 2026-12-03 (its cudaMemPool keeping every freed "
+                         "byte), and with segment_rounding 32 and 64 MiB")
     ap.add_argument("--torch-confs", default=None,
                     help="PyTorch rows: PYTORCH_CUDA_ALLOC_CONF strings separated by ';' "
                          "('' = default; default: %s)" % ";".join(TORCH_CONFS))
@@ -206,7 +207,11 @@ def main(argv=None) -> int:
     if args.driver_rows:
         mempool_rows[1:1] = [("mempool default, synced steps", {"sync_steps": True}),
                              ("mempool default as before 2026-12-03",
-                              {"driver_keeps_all": True})]
+                              {"driver_keeps_all": True}),
+                             ("mempool default, 32 MiB segments",
+                              {"segment_rounding": "32MiB"}),
+                             ("mempool default, 64 MiB segments",
+                              {"segment_rounding": "64MiB"})]
     for page in filter(None, args.pages.split(",")):
         mempool_rows.append((f"mempool expandable, {page} pages",
                              {"expandable_segments": True, "granularity": page}))

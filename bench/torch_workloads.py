@@ -53,11 +53,13 @@ def counters(torch):
 
 # mempool's allocators: the Pool options of each. Besides ALLOCATORS, --allocators takes
 # "mempool-expandable-2mib": expandable segments with PyTorch's page size instead of the
-# default 8 MiB on cuda, to see what the page costs in peak reserved on a real workload.
+# default 8 MiB on cuda, to see what the page costs in peak reserved on a real workload;
+# "mempool-seg32": the default path with segment_rounding 32 MiB (Note [Segment rounding]).
 MEMPOOL_OPTIONS = {"mempool": {},
                    "mempool-expandable": {"expandable_segments": True},
                    "mempool-expandable-2mib": {"expandable_segments": True,
-                                               "granularity": "2MiB"}}
+                                               "granularity": "2MiB"},
+                   "mempool-seg32": {"segment_rounding": "32MiB"}}
 
 
 def setup_allocator(name):
@@ -206,7 +208,9 @@ def child(workload, allocator, steps):
         # The cudaMemPool under mempool's default segments: the device memory the process
         # held at most (what the pool gave back stays there until the next synchronization,
         # Note [The driver keeps nothing given back]).
-        out["driver_pool_reserved_high"] = POOL.stats().get("cuda_pool.reserved_high")
+        stats = POOL.stats()
+        out["driver_pool_reserved_high"] = stats.get("cuda_pool.reserved_high")
+        out["driver_pool_used_high"] = stats.get("cuda_pool.used_high")
     print("RESULT " + json.dumps(out))
 
 

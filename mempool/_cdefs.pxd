@@ -98,6 +98,7 @@ cdef extern from "mp_core.h" nogil:
         size_t roundup_divisions[16]
         size_t max_split_size
         int cross_stream_reuse
+        size_t segment_round
         size_t release_threshold
         size_t limit
         size_t initial_pool_size

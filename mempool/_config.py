@@ -218,6 +218,17 @@ def _parse_optional_size(value: Any, key: str) -> int | None:
     return _size_or_none(value, key, _SIZE_ACCEPTED + ", or None / 'none' / 'unlimited'")
 
 
+def _parse_segment_rounding(value: Any, key: str) -> int | None:
+    accepted = ("a multiple of 2 MiB, at most 1 TiB: an int (bytes) or a string such as "
+                "'32MiB'; or None / 'none' (the default: 2 MiB)")
+    n = _size_or_none(value, key, accepted)
+    if n is not None and (n == 0 or n % (2 * MiB) or n > (1 << 40)):
+        raise _error(key, value, accepted,
+                     f"{format_bytes(n, exact=True)} is not a multiple of 2 MiB between 2 MiB "
+                     "and 1 TiB")
+    return n
+
+
 def _parse_max_map_size(value: Any, key: str) -> int | None:
     accepted = ("a size above 0: an int (bytes) or a string such as '256MiB'; or None / "
                 "'none' (the default: 1 GiB, one page under a limit)")
@@ -510,6 +521,12 @@ OPTIONS: dict[str, Option] = {
         True, "bool",
         "serve a stream from another stream's free blocks through an event wait, not a sync",
         _parse_bool, "False"),
+    "segment_rounding": Option(
+        None, "size or None",
+        "fixed segments of requests over 1 MiB are whole multiples of this (None = 2 MiB, "
+        "as PyTorch's): fewer, larger segments and fewer upstream calls; not with "
+        "expandable segments, whose page rounds each growth (Note [Segment rounding])",
+        _parse_segment_rounding, "32MiB", sized=True),
     "release_threshold": Option(
         None, "size or None",
         "cached (free) bytes the pool keeps; beyond it freed segments go upstream, oldest "
@@ -768,6 +785,11 @@ def _overridden(out: dict[str, Any]) -> dict[str, str]:
 
 
 def _check_combination(out: dict[str, Any], given: Mapping[str, Any]) -> None:
+    if out["expandable_segments"] and out["segment_rounding"] is not None:
+        raise ValueError(
+            f"option 'segment_rounding' ({format_size(out['segment_rounding'])}) rounds fixed "
+            "segments and does not combine with 'expandable_segments', whose page rounds "
+            "each growth: leave it out, or set 'granularity' for the page")
     if out["backend"] != "cuda":
         for name, opt in OPTIONS.items():
             if opt.cuda_only and name in given and out[name] != _default(name):

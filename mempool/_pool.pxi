@@ -223,6 +223,7 @@ cdef class Pool:
                 cfg.roundup_divisions[i] = d
             cfg.max_split_size = _or_unlimited(opts["max_split_size"])
             cfg.cross_stream_reuse = 1 if opts["cross_stream_reuse"] else 0
+            cfg.segment_round = opts["segment_rounding"] or 0
             cfg.release_threshold = _or_unlimited(opts["release_threshold"])
             cfg.limit = _or_unlimited(limit)
             cfg.initial_pool_size = opts["initial_pool_size"]

@@ -24,6 +24,7 @@ DEFAULTS = {
     "roundup_power2_divisions": [0] * 16,
     "max_split_size": None,
     "cross_stream_reuse": True,
+    "segment_rounding": None,
     "release_threshold": None,
     "limit": None,
     "initial_pool_size": 0,

@@ -1,0 +1,102 @@
+"""segment_rounding: fixed segments of the large pool as whole multiples of a size (Note
+[Segment rounding], mempool/_csrc/core/mp_core.c), on the simulated device with exact
+figures; see tests/test_retention.py for the layout helpers' conventions."""
+import os
+
+import pytest
+
+import mempool
+from _support import MiB
+from _support import device_counters as device
+from mempool.cli.trace import TRACES_DIR
+from mempool.tools import replay as rp
+from mempool.tools import trace as mtrace
+
+
+def segment_sizes(pool):
+    return [s["total_size"] for s in pool.layout()]
+
+
+@pytest.mark.parametrize("nbytes,plain,rounded", [
+    (5 * MiB, 20 * MiB, 32 * MiB),      # the 20 MiB segment of a request under 10 MiB
+    (12 * MiB, 12 * MiB, 32 * MiB),
+    (40 * MiB, 40 * MiB, 64 * MiB),
+    (64 * MiB, 64 * MiB, 64 * MiB),     # already a multiple
+])
+def test_a_large_segment_is_a_multiple_of_the_rounding(sim, nbytes, plain, rounded):
+    default = sim()
+    default.free(default.alloc(nbytes))
+    assert segment_sizes(default) == [plain]
+    pool = sim(segment_rounding="32MiB")
+    pool.free(pool.alloc(nbytes))
+    assert segment_sizes(pool) == [rounded]
+
+
+def test_small_segments_are_not_rounded(sim):
+    pool = sim(segment_rounding="32MiB")
+    pool.alloc(512)
+    pool.alloc(MiB)
+    assert segment_sizes(pool) == [2 * MiB]
+
+
+def test_the_tail_of_a_rounded_segment_serves_later_requests(sim):
+    pool = sim(segment_rounding="32MiB")
+    a = pool.alloc(12 * MiB)
+    b = pool.alloc(12 * MiB)            # from the same segment's 20 MiB tail
+    assert b == a + 12 * MiB
+    assert segment_sizes(pool) == [32 * MiB]
+    assert device(pool, "allocs") == {"allocs": 1}
+
+
+def test_a_rounded_segment_that_passes_the_limit_falls_back_to_the_plain_one(sim):
+    pool = sim(segment_rounding="32MiB", limit="48MiB")
+    a = pool.alloc(30 * MiB)            # a 32 MiB segment: its 2 MiB tail cannot serve 14
+    b = pool.alloc(14 * MiB)            # rounded: 32 + 32 > 48; plain: 32 + 14 <= 48
+    assert segment_sizes(pool) == [32 * MiB, 14 * MiB]
+    assert pool.reserved_bytes() == 46 * MiB
+    pool.free(a)
+    pool.free(b)
+
+
+def test_a_rounded_segment_the_device_cannot_give_falls_back_to_the_plain_one(sim):
+    pool = sim(segment_rounding="32MiB", capacity="48MiB")
+    a = pool.alloc(30 * MiB)
+    b = pool.alloc(14 * MiB)            # the device has 16 MiB left: 32 fails, 14 fits
+    assert segment_sizes(pool) == [32 * MiB, 14 * MiB]
+    assert device(pool, "failed") == {"failed": 1}
+    assert pool.stats()["num_ooms"] == 0
+    pool.free(a)
+    pool.free(b)
+
+
+@pytest.mark.parametrize("value,fragment", [
+    (0, "not a multiple of 2 MiB"),
+    ("3MiB", "not a multiple of 2 MiB"),
+    (2 << 40, "not a multiple of 2 MiB between 2 MiB and 1 TiB"),
+    (True, "a bool"),
+    (-2, "negative"),
+])
+def test_bad_roundings_are_refused(value, fragment):
+    with pytest.raises(ValueError, match=fragment) as err:
+        mempool.Pool(backend="sim", segment_rounding=value)
+    assert "segment_rounding" in str(err.value)
+
+
+def test_rounding_does_not_combine_with_expandable_segments():
+    with pytest.raises(ValueError, match="does not combine with 'expandable_segments'"):
+        mempool.Pool(backend="sim", segment_rounding="32MiB", expandable_segments=True)
+    pool = mempool.Pool.from_conf("backend:sim,segment_rounding_mb:32")
+    assert pool.options["segment_rounding"] == 32 * MiB
+
+
+def test_the_shipped_traces_make_fewer_segments():
+    """The figures of Note [Segment rounding]: about half the segment allocations, at a
+    cost of at most 0.011 peak reserved over peak live."""
+    for name, plain_allocs, allocs, ratio in [("transformer_train.jsonl.gz", 225, 132, 1.0465),
+                                               ("vision_train.jsonl.gz", 210, 135, 1.0417)]:
+        events = mtrace.load(os.path.join(TRACES_DIR, name))
+        plain = rp.replay(events, backend="sim")
+        r = rp.replay(events, backend="sim", check=True, segment_rounding="32MiB")
+        assert (plain.num_device_alloc, r.num_device_alloc) == (plain_allocs, allocs), name
+        assert round(r.ratio, 4) == ratio, name
+        assert r.num_ooms == 0
