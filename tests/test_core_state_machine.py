@@ -24,10 +24,16 @@ class ReleaseEagerly(PoolMachine):
     options = {"release_threshold": 0, "garbage_collection_threshold": 0.5}
 
 
+class RoundedSegmentsUnderALimit(PoolMachine):
+    """Note [Segment rounding]: whole 32 MiB segments, and the plain ones the limit forces."""
+    options = {"segment_rounding": 32 << 20, "limit": 200 << 20}
+
+
 TestDefaultPool = DefaultPool.TestCase
 TestNoCrossStreamReuse = NoCrossStreamReuse.TestCase
 TestRoundedAndLimited = RoundedAndLimited.TestCase
 TestReleaseEagerly = ReleaseEagerly.TestCase
+TestRoundedSegmentsUnderALimit = RoundedSegmentsUnderALimit.TestCase
 for case in (TestDefaultPool, TestNoCrossStreamReuse, TestRoundedAndLimited, TestReleaseEagerly):
     case.settings = SETTINGS
 del case   # the loop variable: not a test of its own (pytest would run that case twice)
