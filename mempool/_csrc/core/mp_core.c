@@ -271,9 +271,6 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
  * while the footprint sets records, so a steady loop never pays for it. Figures:
  * bench/results/history.md. */
 
-/* The fallback chain once the lists have no fit: garbage collection, the limit, the
- * upstream, then release what is cached and retry, then sync pending frees and retry.
- * Returns a free block in no list (a new segment's, or one that became free meanwhile). */
 /* Note [Segment rounding]
  * A fixed segment of the large pool is the request rounded to 2 MiB (20 MiB under 10 MiB),
  * as PyTorch's allocator makes them. The segment_rounding option rounds it further, to a
@@ -292,6 +289,9 @@ static size_t rounded_segment(const mp_pool *p, int kind, size_t plain) {
     return rounded < plain ? plain : rounded;
 }
 
+/* The fallback chain once the lists have no fit: garbage collection, the limit, the
+ * upstream, then release what is cached and retry, then sync pending frees and retry.
+ * Returns a free block in no list (a new segment's, or one that became free meanwhile). */
 static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_release_list *rel,
                        mp_block **out) {
     size_t plain = mp_segment_size(size);
