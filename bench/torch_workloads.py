@@ -336,6 +336,11 @@ def main(argv=None):
     os.makedirs(args.outdir, exist_ok=True)
     workloads = args.workloads.split(",")
     allocators = args.allocators.split(",")
+    known = set(ALLOCATORS) | set(TORCH_CONFS) | set(MEMPOOL_OPTIONS)
+    unknown = [a for a in allocators if a not in known]
+    if unknown:   # an unknown name would otherwise run PyTorch's own allocator under it
+        ap.error(f"--allocators: unknown {', '.join(unknown)}; known: "
+                 f"{', '.join(sorted(known))}")
     rows, extra = [], {}
 
     def save():

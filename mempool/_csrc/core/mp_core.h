@@ -111,13 +111,13 @@ void mp_pool_release(mp_pool *p);
  *
  * The binding's hooks let the GIL go only in a thread that marked itself: Pool.alloc, free,
  * malloc (the CuPy hook), trim, empty_cache, forget_stream and _capture_end set a
- * thread-local mark around their core call (an initial-exec TLS store, free on the hot
- * path); an inner pair finds the mark cleared and does nothing. The PyTorch entry points,
- * DLPack deleters and deallocators do not mark: they may run without the GIL, or where giving it up is not
- * theirs to decide. The simulated device can hold segment allocations (device.hold_allocs),
- * syncs and event creations: tests/test_blocking_upstream.py and
- * tests/test_events_outside_lock.py check that another thread runs Python, and allocates
- * from the same pool, while a call waits there. */
+ * thread-local mark around their core call (an initial-exec TLS store, free on the hot path);
+ * an inner pair finds the mark cleared and does nothing. The PyTorch entry points, DLPack
+ * deleters and deallocators do not mark: they may run without the GIL, or where giving it up
+ * is not theirs to decide. The simulated device can hold segment allocations
+ * (device.hold_allocs), syncs and event creations: tests/test_blocking_upstream.py and
+ * tests/test_events_outside_lock.py check that another thread runs Python, and allocates from
+ * the same pool, while a call waits there. */
 typedef void *(*mp_blocking_begin_fn)(void);
 typedef void (*mp_blocking_end_fn)(void *state);
 void mp_set_blocking_hooks(mp_blocking_begin_fn begin, mp_blocking_end_fn end);

@@ -32,9 +32,9 @@
  * extents]; adjacent free blocks of any owners: blocks of two streams never merge, but a page
  * they share is free all the same), the largest runs first (fewest unmap calls and splits
  * per byte), taking from a run's high end only as many as are still wanted. Unmapping does
- * not wait for queued work, so the
- * streams that freed those pages are synchronized first, each once; pages of a stream that
- * cannot be synchronized, or that fail to unmap, become free blocks of their owners again.
+ * not wait for queued work, so the streams that freed those pages are synchronized first,
+ * each once; pages of a stream that cannot be synchronized, or that fail to unmap, become
+ * free blocks of their owners again.
  * Releases happen on demand (empty_cache, trim, release_threshold), before growing past the
  * limit (required) or the garbage collection threshold (best effort), when the device is
  * out of memory, and under the high-water rule below. The pages a growth is about to join
@@ -43,17 +43,16 @@
  *
  * The high-water rule: a growth that would map more bytes than the pool has ever held at
  * once first releases every idle whole allocation outside the growth, provided they add up
- * to at
- * least MP_HIGH_WATER_MIN_IDLE and 1/MP_HIGH_WATER_IDLE_DIV of that high-water mark. Best
- * fit leaves holes between live blocks (freed temporaries; state created once, such as an
+ * to at least MP_HIGH_WATER_MIN_IDLE and 1/MP_HIGH_WATER_IDLE_DIV of that high-water mark.
+ * Best fit leaves holes between live blocks (freed temporaries; state created once, such as an
  * optimizer's, among the first step's blocks), and without the rule the footprint ratchets
  * up over them: peak reserved / peak live 1.019 on the shipped transformer trace, up to
  * 1.033 on other seeds of its generator. With it, physical pages move from idle holes to
  * where they are needed: 1.012, at most 1.013, for 1 to 13 stream syncs per run, all while
  * the footprint set a new record (docs/expandable.md), measured with one allocation per
  * page; it acts on whole allocations only (Note [Growth extents]). The floor keeps the syncs
- * few: with
- * none, 1.007 for 17 to 37. The mark is the pool's own: reset_peak_stats() does not move it.
+ * few: with none, 1.007 for 17 to 37. The mark is the pool's own: reset_peak_stats() does
+ * not move it.
  *
  * Failures: map is all or nothing (the upstream undoes a partial map), so a failed growth
  * leaves its range unmapped as before; out of device memory, free pages elsewhere are

@@ -23,7 +23,6 @@ static void fill_totals(mp_stats *st) {
     }
 }
 
-
 /* Note [Peak windows]
  * PyTorch reports one peak per statistic for a device, over all of its memory, CUDA graphs'
  * private pools included; the glue keeps those in pools of their own. The sum of each
