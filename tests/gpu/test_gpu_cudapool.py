@@ -254,3 +254,19 @@ def test_current_stream_ptr_follows_cupy(streams, cupy_device):
         assert _cuda.current_stream_ptr() == s.ptr
     with cupy.cuda.Stream.ptds:
         assert _cuda.current_stream_ptr() == 2
+
+
+def test_rounded_segments_are_what_the_cudamempool_hands_out(cuda_pool, streams):
+    """Note [Segment rounding] on the device: a 12 MiB request grows one 32 MiB segment,
+    which is what the cudaMemPool hands out, and a second request is served from its
+    tail without another upstream call."""
+    s, _ = streams
+    pool = cuda_pool(segment_rounding="32MiB")
+    a = pool.alloc(12 * MiB, stream=s)
+    b = pool.alloc(12 * MiB, stream=s)
+    assert b == a + 12 * MiB
+    assert pool.reserved_bytes() == 32 * MiB
+    assert pool.stats()["num_device_alloc"] == 1
+    assert _attrs(pool)["used_current"] == 32 * MiB
+    pool.free(a, stream=s)
+    pool.free(b, stream=s)
