@@ -220,7 +220,8 @@ def _parse_optional_size(value: Any, key: str) -> int | None:
 
 def _parse_segment_rounding(value: Any, key: str) -> int | None:
     accepted = ("a multiple of 2 MiB, at most 1 TiB: an int (bytes) or a string such as "
-                "'32MiB'; or None / 'none' (the default: 2 MiB)")
+                "'32MiB' ('2MiB': plain segments, as PyTorch's); or None / 'none' (the "
+                "default: the unit of the cudaMemPool with backend='cuda', else plain)")
     n = _size_or_none(value, key, accepted)
     if n is not None and (n == 0 or n % (2 * MiB) or n > (1 << 40)):
         raise _error(key, value, accepted,
@@ -523,9 +524,11 @@ OPTIONS: dict[str, Option] = {
         _parse_bool, "False"),
     "segment_rounding": Option(
         None, "size or None",
-        "fixed segments of requests over 1 MiB are whole multiples of this (None = 2 MiB, "
-        "as PyTorch's): fewer, larger segments and fewer upstream calls; not with "
-        "expandable segments, whose page rounds each growth (Note [Segment rounding])",
+        "fixed segments of requests over 1 MiB are whole multiples of this: fewer, larger "
+        "segments and fewer upstream calls (None = with backend='cuda' the unit the "
+        "cudaMemPool backs allocations with, 32 MiB on an H200, so the pool reserves what "
+        "the device holds; else 2 MiB, PyTorch's plain segments); not with expandable "
+        "segments, whose page rounds each growth (Note [Segment rounding])",
         _parse_segment_rounding, "32MiB", sized=True),
     "release_threshold": Option(
         None, "size or None",

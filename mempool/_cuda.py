@@ -15,6 +15,7 @@ import functools
 __all__ = [
     "KEEP_ALL",
     "POOL_HANDLES",
+    "allocation_unit",
     "attributes",
     "available",
     "can_access_peer",
@@ -25,6 +26,7 @@ __all__ = [
     "driver_release_threshold",
     "reset_peaks",
     "resolve_pool_handle",
+    "segment_rounding_for",
     "trim_to",
 ]
 
@@ -213,6 +215,70 @@ def driver_release_threshold(pool_handle, release_threshold):
     if release_threshold is not None:
         return release_threshold
     return 0 if pool_handle == "create" else None
+
+
+# Note [The cudaMemPool's unit]
+# A cudaMemPool backs what it hands out with physical chunks of its own: on an H200 (driver
+# 580, CUDA 13) any allocation up to 32 MiB held a 32 MiB chunk, larger ones the next multiple
+# of 32 MiB, and smaller ones shared a chunk only while they fitted it whole
+# (bench/driver_granularity.py; bench/results/2026-12-03-h200-unit.md). Fixed segments of other
+# sizes leave the rest of their chunks to the driver, where nothing of the Pool's reaches it:
+# the device held 1.084 / 1.119 of peak live on the shipped transformer / vision traces while
+# the Pool reserved 1.036 / 1.041. So by default the Pool rounds its large segments to the
+# unit (Note [Segment rounding], mp_core.c), and what it reserves is what the device holds
+# for them; the tails of the rounded segments serve its later requests. The unit is read from
+# the driver, not assumed: one 1-byte allocation from a cudaMemPool made for the purpose,
+# once per device and process.
+_units = {}
+
+
+def allocation_unit(device):
+    """The device memory a cudaMemPool on `device` holds for its smallest allocation (bytes),
+    measured once per device (Note [The cudaMemPool's unit]); None when the probe could not
+    allocate (the device is full: then nothing is cached and the next Pool asks again).
+
+    Nothing here synchronizes: the probe's free is stream-ordered, and the driver releases
+    the destroyed pool and stream once it has run, so a Pool made while another stream
+    captures a CUDA graph breaks nothing.
+    """
+    _check_device(device)
+    if device in _units:
+        return _units[device]
+    rt = _runtime()
+    handle, _ = resolve_pool_handle("create", device)
+    previous = _call("reading the current device (cudaGetDevice)", rt.getDevice)
+    stream = None
+    unit = None
+    try:
+        _call(f"setting device {device} (cudaSetDevice)", rt.setDevice, device)
+        stream = _call("creating a stream (cudaStreamCreateWithFlags)",
+                       rt.streamCreateWithFlags, 1)   # cudaStreamNonBlocking
+        try:
+            ptr = rt.mallocFromPoolAsync(1, handle, stream)
+        except Exception:
+            return None
+        unit = int(_call("reading the pool's reserved memory", rt.memPoolGetAttribute, handle,
+                         rt.cudaMemPoolAttrReservedMemCurrent))
+        _call("freeing the probe (cudaFreeAsync)", rt.freeAsync, ptr, stream)
+    finally:
+        if stream is not None:
+            rt.streamDestroy(stream)
+        rt.setDevice(previous)
+        destroy(handle)
+    _units[device] = unit
+    return unit
+
+
+def segment_rounding_for(unit):
+    """The segment_rounding a Pool on a cudaMemPool takes when the option is None: the
+    cudaMemPool's unit where the core can round to it (a multiple of 2 MiB above 2 MiB, up to
+    1 GiB), else None (plain segments, as PyTorch's)."""
+    if not isinstance(unit, int) or isinstance(unit, bool):
+        return None
+    two_mib = 2 << 20
+    if unit <= two_mib or unit % two_mib or unit > (1 << 30):
+        return None
+    return unit
 
 
 def configure(handle, release_threshold=None, reuse_follow_event_dependencies=None,

@@ -223,6 +223,13 @@ cdef class Pool:
                 cfg.roundup_divisions[i] = d
             cfg.max_split_size = _or_unlimited(opts["max_split_size"])
             cfg.cross_stream_reuse = 1 if opts["cross_stream_reuse"] else 0
+            if opts["segment_rounding"] is None and kind == _CUDA \
+                    and not opts["expandable_segments"]:
+                # Note [The cudaMemPool's unit] (mempool/_cuda.py): the pool reserves what
+                # the device holds for its segments; options report the rounding in use.
+                from mempool import _cuda
+                opts["segment_rounding"] = _cuda.segment_rounding_for(
+                    _cuda.allocation_unit(device_id))
             cfg.segment_round = opts["segment_rounding"] or 0
             cfg.release_threshold = _or_unlimited(opts["release_threshold"])
             cfg.limit = _or_unlimited(limit)

@@ -261,7 +261,7 @@ def test_rounded_segments_are_what_the_cudamempool_hands_out(cuda_pool, streams)
     which is what the cudaMemPool hands out, and a second request is served from its
     tail without another upstream call."""
     s, _ = streams
-    pool = cuda_pool(segment_rounding="32MiB")
+    pool = cuda_pool(pool_handle="create", segment_rounding="32MiB")
     a = pool.alloc(12 * MiB, stream=s)
     b = pool.alloc(12 * MiB, stream=s)
     assert b == a + 12 * MiB
@@ -270,3 +270,25 @@ def test_rounded_segments_are_what_the_cudamempool_hands_out(cuda_pool, streams)
     assert _attrs(pool)["used_current"] == 32 * MiB
     pool.free(a, stream=s)
     pool.free(b, stream=s)
+
+
+def test_a_default_pool_reserves_what_the_device_holds_for_it(cuda_pool, streams):
+    """Note [The cudaMemPool's unit]: by default the large segments are whole units of the
+    cudaMemPool's chunk, measured from the driver, so the device holds no more for them
+    than the pool reserves (a plain 20 MiB segment would hold a whole chunk)."""
+    s, _ = streams
+    unit = _cuda.allocation_unit(0)
+    assert unit > 2 * MiB and unit % (2 * MiB) == 0, unit
+    pool = cuda_pool(pool_handle="create")
+    assert pool.options["segment_rounding"] == unit
+    ptrs = [pool.alloc(n, stream=s) for n in (5 * MiB, 12 * MiB, unit + MiB)]
+    assert pool.reserved_bytes() % unit == 0
+    attrs = _attrs(pool)
+    assert attrs["reserved_current"] == attrs["used_current"] == pool.reserved_bytes()
+    for p in ptrs:
+        pool.free(p, stream=s)
+    expandable = cuda_pool(expandable_segments=True)
+    assert expandable.options["segment_rounding"] is None
+    plain = cuda_pool(segment_rounding="2MiB")
+    plain.free(plain.alloc(12 * MiB, stream=s), stream=s)
+    assert plain.reserved_bytes() == 12 * MiB

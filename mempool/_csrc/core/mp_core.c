@@ -272,16 +272,19 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
  * bench/results/history.md. */
 
 /* Note [Segment rounding]
- * A fixed segment of the large pool is the request rounded to 2 MiB (20 MiB under 10 MiB),
- * as PyTorch's allocator makes them. The segment_rounding option rounds it further, to a
- * multiple of its value: fewer and larger segments, so fewer upstream calls, and tails that
- * later requests split. Figures on sim, shipped transformer / vision traces: 2 MiB (the
- * default) 1.036 / 1.041 peak reserved over peak live and 225 / 210 segment allocations;
- * 32 MiB 1.047 / 1.042 and 132 / 135 (bench/results/2026-12-03-h200-late.md). On cuda the
- * segments come from a cudaMemPool whose reserved bytes are whole 32 MiB units (every peak
- * read on the H200 was), so segments of whole units may leave it less of its own overhead
- * (Note [The driver keeps nothing given back]): not yet measured. A rounded segment never
- * makes the pool pass its limit or fail where the plain one fits: it falls back to it. */
+ * A plain fixed segment of the large pool is the request rounded to 2 MiB (20 MiB under
+ * 10 MiB), as PyTorch's allocator makes them. The segment_rounding option rounds it further,
+ * to a multiple of its value: fewer and larger segments, so fewer upstream calls, and tails
+ * that later requests split. Figures on sim, shipped transformer / vision traces: plain
+ * 1.036 / 1.041 peak reserved over peak live and 225 / 210 segment allocations; 32 MiB
+ * 1.047 / 1.042 and 132 / 135 (bench/results/2026-12-03-h200-late.md). On cuda the segments
+ * come from a cudaMemPool that backs them with 32 MiB chunks on an H200, so a plain segment
+ * leaves the rest of its chunk to the driver: on the same replays the device held 1.084 /
+ * 1.119 of peak live with plain segments, 1.059 / 1.089 with 32 MiB ones
+ * (bench/results/2026-12-03-h200-unit.md). So on cuda the Pool rounds to that unit by default
+ * (Note [The cudaMemPool's unit], mempool/_cuda.py); 2 MiB asks for plain segments. A
+ * rounded segment never makes the pool pass its limit or fail where the plain one fits: it
+ * falls back to it. */
 static size_t rounded_segment(const mp_pool *p, int kind, size_t plain) {
     size_t unit = p->cfg.segment_round;
     if (kind != KIND_LARGE || unit <= MP_LARGE_ROUND) return plain;
