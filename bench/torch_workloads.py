@@ -216,13 +216,16 @@ def child(workload, allocator, steps):
 
 # ---- the parent ------------------------------------------------------------------------
 
-def spawn(args, env_extra=None, timeout=900, cpu=None):
+def spawn(args, env_extra=None, timeout=900, cpu=None, cpus=None):
     """Run a child of this script (or another) and return the JSON it prints. `cpu` pins the
-    child to that CPU, so that children compared with each other run on the same core."""
+    child to that CPU, `cpus` to that set, so that children compared with each other run on
+    cores of the same pace."""
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env.update(env_extra or {})
-    pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
+    if cpu is not None:
+        cpus = {cpu}
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
                           timeout=timeout, preexec_fn=pin)
     for line in done.stdout.splitlines():
@@ -265,6 +268,21 @@ def cpu_paces(loops=1_000_000, probes=3):
     return paces
 
 
+# The workloads' children run on the CPUs of the fastest pace just before they start. Their
+# step times follow the host's pace (a GPT-2 step of this size launches kernels faster than
+# the GPU runs them only on a fast core): unpinned, one allocator's GPT steps took 129-177 ms
+# from process to process on one machine, 82 ms on another
+# (bench/results/2026-12-03-h200-late.md), which hid any difference between allocators.
+# Two CPUs, not one: autograd's backward runs on a thread of its own beside the Python one.
+WORKLOAD_CPUS = 2
+
+
+def fastest_cpus(n):
+    """The n CPUs of this process's set with the fastest pace now, and every CPU's pace."""
+    paces = cpu_paces()
+    return set(sorted(paces, key=paces.get)[:n]), paces
+
+
 def run_empty(outdir, procs=6):
     """torch.empty + drop: six processes per allocator, alternating (torch_empty_child.py),
     each child pinned to one CPU, the one whose pace was the fastest just before it started.
@@ -289,14 +307,15 @@ def summarize(rows):
     by = {}
     for r in rows:
         by.setdefault((r.get("workload"), r.get("allocator")), []).append(r)
-    lines = ["| workload | allocator | ms/step (runs) | peak reserved GiB | largest batch | "
-             "first/last value |", "|---|---|---|---|---|---|"]
+    lines = ["| workload | allocator | ms/step (runs) | peak reserved GiB | peak allocated GiB | "
+             "largest batch | first/last value |", "|---|---|---|---|---|---|---|"]
     for (w, a), rs in sorted(by.items(), key=lambda kv: (str(kv[0][0]), ALLOCATORS.index(kv[0][1]) if kv[0][1] in ALLOCATORS else 9)):
         ms = ", ".join(f"{r['ms_per_step']:.2f}" for r in rs if r.get("ms_per_step"))
         peak = ", ".join(f"{r['peak_reserved'] / (1 << 30):.2f}" for r in rs if "peak_reserved" in r)
+        live = ", ".join(f"{r['peak_allocated'] / (1 << 30):.2f}" for r in rs if "peak_allocated" in r)
         batch = ", ".join(str(r["largest_batch"]) for r in rs if "largest_batch" in r)
         vals = "; ".join(f"{r['values'][0]:.4f}/{r['values'][-1]:.4f}" for r in rs if r.get("values"))
-        lines.append(f"| {w} | {a} | {ms} | {peak} | {batch} | {vals} |")
+        lines.append(f"| {w} | {a} | {ms} | {peak} | {live} | {batch} | {vals} |")
     return "\n".join(lines)
 
 
@@ -356,8 +375,10 @@ def main(argv=None):
         reps = 1 if w in ("batch", "infer") else args.reps
         for _ in range(reps):
             for a in allocators:     # alternating: rep 1 of each, then rep 2 of each
+                cpus, paces = fastest_cpus(WORKLOAD_CPUS)
                 r = spawn([__file__, "--child", w, a, "--steps", str(args.steps)],
-                          allocator_env(a))
+                          allocator_env(a), cpus=cpus)
+                r["cpus"], r["cpu_paces_ns"] = sorted(cpus), [round(paces[c], 1) for c in sorted(cpus)]
                 r.setdefault("workload", w)
                 r.setdefault("allocator", a)
                 rows.append(r)
