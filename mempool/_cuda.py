@@ -220,7 +220,7 @@ def driver_release_threshold(pool_handle, release_threshold):
 # Note [The cudaMemPool's unit]
 # A cudaMemPool backs what it hands out with physical chunks of its own: on an H200 (driver
 # 580, CUDA 13) any allocation up to 32 MiB held a 32 MiB chunk, larger ones the next multiple
-# of 32 MiB, and smaller ones shared a chunk only while they fitted it whole
+# of 32 MiB, and a run of them the smallest multiple of 32 MiB covering their total
 # (bench/driver_granularity.py; bench/results/2026-12-03-h200-unit.md). Fixed segments of other
 # sizes leave the rest of their chunks to the driver, where nothing of the Pool's reaches it:
 # the device held 1.084 / 1.119 of peak live on the shipped transformer / vision traces while
