@@ -222,13 +222,15 @@ def driver_release_threshold(pool_handle, release_threshold):
 # 580, CUDA 13) any allocation up to 32 MiB held a 32 MiB chunk, larger ones the next multiple
 # of 32 MiB, and a run of them the smallest multiple of 32 MiB covering their total
 # (bench/driver_granularity.py; bench/results/2026-12-03-h200-unit.md). Fixed segments of other
-# sizes leave the rest of their chunks to the driver, where nothing of the Pool's reaches it:
-# the device held 1.084 / 1.119 of peak live on the shipped transformer / vision traces while
-# the Pool reserved 1.036 / 1.041. So by default the Pool rounds its large segments to the
-# unit (Note [Segment rounding], mp_core.c): what it reserves is then what the device holds
-# for it, but for segments given back that the driver keeps until the next synchronization
-# (Note [The driver keeps nothing given back]): 1.059 / 1.089 on those traces, the Pool's own
-# count 1.047 / 1.042. The tails of the rounded segments serve later requests. The unit is read from
+# sizes share chunks with each other, and a chunk goes back only when every segment in it has:
+# the pieces of chunks that freed segments leave are the driver's, out of the Pool's sight
+# and count. The device held 1.084 / 1.119 of peak live on the shipped transformer / vision
+# traces while the Pool reserved 1.036 / 1.041. So by default the Pool rounds its large
+# segments to the unit (Note [Segment rounding], mp_core.c): each segment is whole chunks, and
+# what the Pool reserves is what the device holds for it, but for segments given back that
+# the driver keeps until the next synchronization (Note [The driver keeps nothing given
+# back]): 1.059 / 1.089 on those traces, the Pool's own count 1.047 / 1.042. The tails of the
+# rounded segments serve later requests. The unit is read from
 # the driver, not assumed: one 1-byte allocation from a cudaMemPool made for the purpose,
 # once per device and process.
 _units = {}
