@@ -1,6 +1,7 @@
 """Real PyTorch workloads under four allocators, side by side, each run in a process of its own.
 
     python bench/torch_workloads.py OUTDIR [--steps 30] [--reps 2] [--workloads gpt,resnet,infer,batch,empty]
+    python bench/torch_workloads.py OUTDIR --workloads resnet --allocators torch --reps 1 --snapshot
 
 Workloads (model code from Hugging Face ``transformers`` and ``torchvision``, random
 weights, built from a config; nothing here defines a model):
@@ -195,10 +196,22 @@ def run_batch(torch, steps, cap_gib=24):
 WORKLOADS = {"gpt": run_gpt, "resnet": run_resnet, "infer": run_infer, "batch": run_batch}
 
 
-def child(workload, allocator, steps):
+def child(workload, allocator, steps, snapshot=None):
     torch = setup_allocator(allocator)
+    if snapshot:
+        # Every allocation and free of the run, in PyTorch's snapshot format: `python -m
+        # mempool replay SNAPSHOT` replays it on sim under any setting, so that where a peak
+        # comes from can be studied without a GPU. Recording costs time: not a timed run.
+        torch.cuda.memory._record_memory_history(context=None, max_entries=2_000_000)
     t0 = time.time()
     out = WORKLOADS[workload](torch, steps)
+    if snapshot:
+        import gzip
+        import pickle
+        with gzip.open(snapshot, "wb") as f:
+            pickle.dump(torch.cuda.memory._snapshot(), f)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        out["snapshot"] = os.path.basename(snapshot)
     out.update(TIMED)
     out.update(workload=workload, allocator=allocator, wall_s=round(time.time() - t0, 1),
                peak_reserved=torch.cuda.max_memory_reserved(),
@@ -349,9 +362,14 @@ def main(argv=None):
     ap.add_argument("--workloads", default="gpt,resnet,infer,batch,empty")
     ap.add_argument("--allocators", default=",".join(ALLOCATORS))
     ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "ALLOCATOR"))
+    ap.add_argument("--snapshot", action="store_true",
+                    help="record each child's allocations (torch.cuda.memory._record_memory_"
+                         "history) into OUTDIR/snapshot-WORKLOAD-ALLOCATOR-N.pickle.gz, for "
+                         "`python -m mempool replay`; its times are not comparable")
+    ap.add_argument("--snapshot-path", help=argparse.SUPPRESS)   # the child's file
     args = ap.parse_args(argv)
     if args.child:
-        return child(args.child[0], args.child[1], args.steps)
+        return child(args.child[0], args.child[1], args.steps, args.snapshot_path)
     os.makedirs(args.outdir, exist_ok=True)
     workloads = args.workloads.split(",")
     allocators = args.allocators.split(",")
@@ -373,10 +391,12 @@ def main(argv=None):
             save()
             continue
         reps = 1 if w in ("batch", "infer") else args.reps
-        for _ in range(reps):
+        for rep in range(reps):
             for a in allocators:     # alternating: rep 1 of each, then rep 2 of each
                 cpus, paces = fastest_cpus(WORKLOAD_CPUS)
-                r = spawn([__file__, "--child", w, a, "--steps", str(args.steps)],
+                snap = ["--snapshot-path", os.path.join(
+                    args.outdir, f"snapshot-{w}-{a}-{rep + 1}.pickle.gz")] if args.snapshot else []
+                r = spawn([__file__, "--child", w, a, "--steps", str(args.steps), *snap],
                           allocator_env(a), cpus=cpus)
                 r["cpus"], r["cpu_paces_ns"] = sorted(cpus), [round(paces[c], 1) for c in sorted(cpus)]
                 r.setdefault("workload", w)
