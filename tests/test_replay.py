@@ -169,6 +169,20 @@ def test_conf_as_string_or_dict_and_bad_input(small):
         rp.replay([("realloc", 1, 5, 0, 0)])
 
 
+def test_a_path_replays_as_its_loaded_trace(small):
+    # A user passing the file itself got "not enough values to unpack": each character of
+    # the path was taken for an event.
+    assert _figures(rp.replay(SMALL)) == _figures(rp.replay(small))
+    import pathlib
+    assert _figures(rp.replay(pathlib.Path(SMALL))) == _figures(rp.replay(small))
+
+
+@pytest.mark.parametrize("bad", [[("alloc", 1, 5)], [42], [None], ["free"]])
+def test_an_event_of_the_wrong_shape_is_named(bad):
+    with pytest.raises(ValueError, match=r"event 0: an event is a trace.Event or a 5-tuple"):
+        rp.replay(bad)
+
+
 def test_pool_at(small):
     full = rp.replay(small)
     pool, ptrs = rp.pool_at(small)            # where reserved bytes reach their peak

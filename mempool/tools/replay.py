@@ -12,6 +12,7 @@ per event; :func:`mempool.tools.tune.tune` reuses one preparation for every sett
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 import numpy as np
@@ -117,7 +118,8 @@ class ReplayResult:
 
 
 def prepare(events) -> Prepared:
-    """Convert events (an iterable of :class:`mempool.tools.trace.Event` or 5-tuples) for replay.
+    """Convert events (an iterable of :class:`mempool.tools.trace.Event` or 5-tuples, or a
+    trace file's path) for replay.
 
     Ids map to dense slots, reused once freed. A free of an id that is not live is counted
     in ``unknown_frees`` and dropped; an alloc of an id that is already live (a trace that
@@ -125,6 +127,10 @@ def prepare(events) -> Prepared:
     """
     if isinstance(events, Prepared):
         return events
+    if isinstance(events, (str, os.PathLike)):
+        # A file, in any format the trace module reads (as `python -m mempool replay` takes).
+        from mempool.tools import trace as mtrace
+        events = mtrace.load_any(events)
     ops = []
     deltas = []
     times = []
@@ -143,7 +149,12 @@ def prepare(events) -> Prepared:
         if step_events is not None and n_events in step_events:
             step_ops.append(len(ops))
         n_events += 1
-        action, ident, nbytes, stream, t = ev
+        try:
+            action, ident, nbytes, stream, t = ev
+        except (TypeError, ValueError):
+            raise ValueError(f"prepare: event {n_events - 1}: an event is a trace.Event or a "
+                             f"5-tuple (action, id, nbytes, stream, time_ns); got "
+                             f"{ev!r:.80}") from None
         s = stream_index.get(stream)
         if s is None:
             s = stream_index[stream] = len(streams)
@@ -289,8 +300,9 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
 
     Parameters
     ----------
-    events : Trace, iterable of Event, or Prepared
-        The trace (see :mod:`mempool.tools.trace`); :func:`prepare` it once to replay it often.
+    events : Trace, iterable of Event, Prepared, or a path
+        The trace (see :mod:`mempool.tools.trace`), or a file of one in any format
+        :func:`mempool.tools.trace.load_any` reads; :func:`prepare` it once to replay it often.
     conf : str or dict, optional
         The pool's options: a ``"key:value,..."`` string as ``MEMPOOL_CONF`` takes, or a dict
         of ``Pool`` keywords. None = the defaults.
