@@ -10,8 +10,8 @@ allocating real device memory (no kernels), through:
   one physical allocation per growth; ``--pages`` and ``--max-map`` add rows with other
   page sizes and allocation sizes, ``--max-map page`` the one-allocation-per-page pool;
   ``--driver-rows`` adds the default path with the device synchronized at each step, as it
-  was before 2026-12-03 (its cudaMemPool keeping every freed byte), and with
-  ``segment_rounding`` 32 and 64 MiB, for the cudaMemPool's own peak);
+  was before 2026-12-03 (its cudaMemPool keeping every freed byte), and with plain segments
+  (``segment_rounding`` 2 MiB) and 64 MiB ones, for the cudaMemPool's own peak);
 - PyTorch's caching allocator (``torch.cuda.caching_allocator_alloc``/``_delete``) under
   several ``PYTORCH_CUDA_ALLOC_CONF`` settings, one subprocess each (the variable is read
   once, at CUDA initialisation);
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     ap.add_argument("--driver-rows", action="store_true",
                     help="also mempool default rows with the device synchronized at each "
                          "step, as before 2026-12-03 (its cudaMemPool keeping every freed "
-                         "byte), and with segment_rounding 32 and 64 MiB")
+                         "byte), and with plain segments (segment_rounding 2 MiB) and 64 MiB ones")
     ap.add_argument("--torch-confs", default=None,
                     help="PyTorch rows: PYTORCH_CUDA_ALLOC_CONF strings separated by ';' "
                          "('' = default; default: %s)" % ";".join(TORCH_CONFS))
@@ -208,8 +208,8 @@ def main(argv=None) -> int:
         mempool_rows[1:1] = [("mempool default, synced steps", {"sync_steps": True}),
                              ("mempool default as before 2026-12-03",
                               {"driver_keeps_all": True}),
-                             ("mempool default, 32 MiB segments",
-                              {"segment_rounding": "32MiB"}),
+                             ("mempool, plain segments (segment_rounding 2 MiB)",
+                              {"segment_rounding": "2MiB"}),
                              ("mempool default, 64 MiB segments",
                               {"segment_rounding": "64MiB"})]
     for page in filter(None, args.pages.split(",")):

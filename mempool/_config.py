@@ -524,11 +524,12 @@ OPTIONS: dict[str, Option] = {
         _parse_bool, "False"),
     "segment_rounding": Option(
         None, "size or None",
-        "fixed segments of requests over 1 MiB are whole multiples of this: fewer, larger "
-        "segments and fewer upstream calls (None = with backend='cuda' the unit the "
-        "cudaMemPool backs allocations with, 32 MiB on an H200, so the pool reserves what "
-        "the device holds; else 2 MiB, PyTorch's plain segments); not with expandable "
-        "segments, whose page rounds each growth (Note [Segment rounding])",
+        "every fixed segment is a whole multiple of this (a small one, for requests up to "
+        "1 MiB, exactly one): fewer, larger segments and fewer upstream calls (None = with "
+        "backend='cuda' the unit the cudaMemPool backs allocations with, 32 MiB on an H200, "
+        "so the pool reserves what the device holds; else 2 MiB, PyTorch's plain segments); "
+        "not with expandable segments, whose page rounds each growth (Note [Segment "
+        "rounding])",
         _parse_segment_rounding, "32MiB", sized=True),
     "release_threshold": Option(
         None, "size or None",

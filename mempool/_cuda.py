@@ -225,14 +225,16 @@ def driver_release_threshold(pool_handle, release_threshold):
 # sizes share chunks with each other, and a chunk goes back only when every segment in it has:
 # the pieces of chunks that freed segments leave are the driver's, out of the Pool's sight
 # and count. The device held 1.084 / 1.119 of peak live on the shipped transformer / vision
-# traces while the Pool reserved 1.036 / 1.041. So by default the Pool rounds its large
-# segments to the unit (Note [Segment rounding], mp_core.c): each segment is whole chunks, and
-# what the Pool reserves is what the device holds for it, but for segments given back that
-# the driver keeps until the next synchronization (Note [The driver keeps nothing given
-# back]): 1.059 / 1.089 on those traces, the Pool's own count 1.047 / 1.042. The tails of the
-# rounded segments serve later requests. The unit is read from
-# the driver, not assumed: one 1-byte allocation from a cudaMemPool made for the purpose,
-# once per device and process.
+# traces while the Pool reserved 1.036 / 1.041. So by default the Pool rounds its segments
+# to the unit, the small ones included (Note [Segment rounding], mp_core.c): each segment is
+# whole chunks and starts on a chunk boundary, and what the Pool reserves is what the device
+# holds for it. With large segments rounded and 2 MiB small ones, the device held 1.059 /
+# 1.089 on those traces against the Pool's 1.047 / 1.042: a 2 MiB segment among the large
+# ones set those after it off the boundaries. A model of the cudaMemPool that reproduces
+# these figures (bench/driver_model.py) has the device hold the Pool's own 1.050 / 1.044
+# with small segments of one unit. The tails of rounded segments serve later requests. The
+# unit is read from the driver, not assumed: one 1-byte allocation from a cudaMemPool made
+# for the purpose, once per device and process.
 _units = {}
 
 

@@ -1,6 +1,6 @@
-"""segment_rounding: fixed segments of the large pool as whole multiples of a size (Note
-[Segment rounding], mempool/_csrc/core/mp_core.c), on the simulated device with exact
-figures; see tests/test_retention.py for the layout helpers' conventions."""
+"""segment_rounding: every fixed segment a whole multiple of a size (Note [Segment rounding],
+mempool/_csrc/core/mp_core.c), on the simulated device with exact figures; see
+tests/test_retention.py for the layout helpers' conventions."""
 import os
 
 import pytest
@@ -32,11 +32,31 @@ def test_a_large_segment_is_a_multiple_of_the_rounding(sim, nbytes, plain, round
     assert segment_sizes(pool) == [rounded]
 
 
-def test_small_segments_are_not_rounded(sim):
+def test_a_small_segment_is_one_rounding_unit(sim):
+    # A 2 MiB small segment among the large ones would set every large segment after it
+    # off the cudaMemPool's chunk boundaries (bench/driver_model.py).
+    plain = sim()
+    plain.alloc(512)
+    assert segment_sizes(plain) == [2 * MiB]
     pool = sim(segment_rounding="32MiB")
-    pool.alloc(512)
-    pool.alloc(MiB)
-    assert segment_sizes(pool) == [2 * MiB]
+    blocks = [pool.alloc(512), pool.alloc(MiB)] + [pool.alloc(MiB) for _ in range(20)]
+    assert segment_sizes(pool) == [32 * MiB]     # 21 MiB and 512 B of small blocks in one
+    big = pool.alloc(40 * MiB)
+    assert segment_sizes(pool) == [32 * MiB, 64 * MiB]
+    assert all(size % (32 * MiB) == 0 for size in segment_sizes(pool))
+    for b in blocks + [big]:
+        pool.free(b)
+    pool.check_invariants()
+
+
+def test_a_small_segment_falls_back_to_the_plain_one_under_the_limit_or_the_device(sim):
+    capped = sim(segment_rounding="32MiB", limit="16MiB")
+    capped.alloc(512)
+    assert segment_sizes(capped) == [2 * MiB]
+    small_device = sim(segment_rounding="32MiB", capacity="16MiB")
+    small_device.alloc(512)
+    assert segment_sizes(small_device) == [2 * MiB]
+    assert device(small_device, "failed") == {"failed": 1}
 
 
 def test_the_tail_of_a_rounded_segment_serves_later_requests(sim):
@@ -90,10 +110,10 @@ def test_rounding_does_not_combine_with_expandable_segments():
 
 
 def test_the_shipped_traces_make_fewer_segments():
-    """The figures of Note [Segment rounding]: about half the segment allocations, at a
-    cost of at most 0.011 peak reserved over peak live."""
-    for name, plain_allocs, allocs, ratio in [("transformer_train.jsonl.gz", 225, 132, 1.0465),
-                                               ("vision_train.jsonl.gz", 210, 135, 1.0417)]:
+    """The figures of Note [Segment rounding] (bench/results/history.md): about half the
+    segment allocations, at a cost of at most 0.014 peak reserved over peak live."""
+    for name, plain_allocs, allocs, ratio in [("transformer_train.jsonl.gz", 225, 131, 1.0502),
+                                               ("vision_train.jsonl.gz", 210, 109, 1.0436)]:
         events = mtrace.load(os.path.join(TRACES_DIR, name))
         plain = rp.replay(events, backend="sim")
         r = rp.replay(events, backend="sim", check=True, segment_rounding="32MiB")

@@ -273,16 +273,20 @@ def test_rounded_segments_are_what_the_cudamempool_hands_out(cuda_pool, streams)
 
 
 def test_a_default_pool_reserves_what_the_device_holds_for_it(cuda_pool, streams):
-    """Note [The cudaMemPool's unit]: by default the large segments are whole units of the
-    cudaMemPool's chunk, measured from the driver, so the device holds no more for them
-    than the pool reserves (a plain 20 MiB segment would hold a whole chunk)."""
+    """Note [The cudaMemPool's unit]: by default every segment is whole units of the
+    cudaMemPool's chunk, measured from the driver, the small ones one unit, so the device
+    holds no more for them than the pool reserves (a plain 20 MiB segment would hold a
+    whole chunk, and a 2 MiB small one would set the large ones after it off the chunk
+    boundaries)."""
     s, _ = streams
     unit = _cuda.allocation_unit(0)
     assert unit > 2 * MiB and unit % (2 * MiB) == 0, unit
     pool = cuda_pool(pool_handle="create")
     assert pool.options["segment_rounding"] == unit
-    ptrs = [pool.alloc(n, stream=s) for n in (5 * MiB, 12 * MiB, unit + MiB)]
-    assert pool.reserved_bytes() % unit == 0
+    ptrs = [pool.alloc(n, stream=s) for n in (512, 5 * MiB, 12 * MiB, unit + MiB, 4096)]
+    layout = pool.layout()
+    assert all(seg["total_size"] % unit == 0 for seg in layout), layout
+    assert [seg["total_size"] for seg in layout if seg["is_small"]] == [unit]
     attrs = _attrs(pool)
     assert attrs["reserved_current"] == attrs["used_current"] == pool.reserved_bytes()
     for p in ptrs:

@@ -273,21 +273,24 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
 
 /* Note [Segment rounding]
  * A plain fixed segment of the large pool is the request rounded to 2 MiB (20 MiB under
- * 10 MiB), as PyTorch's allocator makes them. The segment_rounding option rounds it further,
- * to a multiple of its value: fewer and larger segments, so fewer upstream calls, and tails
- * that later requests split. Figures on sim, shipped transformer / vision traces: plain
- * 1.036 / 1.041 peak reserved over peak live and 225 / 210 segment allocations; 32 MiB
- * 1.047 / 1.042 and 132 / 135 (bench/results/2026-12-03-h200-late.md). On cuda the segments
- * come from a cudaMemPool that backs them with 32 MiB chunks on an H200, so a plain segment
- * leaves the rest of its chunk to the driver: on the same replays the device held 1.084 /
- * 1.119 of peak live with plain segments, 1.059 / 1.089 with 32 MiB ones
- * (bench/results/2026-12-03-h200-unit.md). So on cuda the Pool rounds to that unit by default
- * (Note [The cudaMemPool's unit], mempool/_cuda.py); 2 MiB asks for plain segments. A
- * rounded segment never makes the pool pass its limit or fail where the plain one fits: it
- * falls back to it. */
+ * 10 MiB), and of the small pool 2 MiB, as PyTorch's allocator makes them. The
+ * segment_rounding option makes every fixed segment a whole multiple of its value: large
+ * ones rounded up to one, small ones exactly one. Fewer and larger segments, so fewer
+ * upstream calls, and tails that later requests split. On cuda the segments come from a
+ * cudaMemPool that backs them with chunks of its own (32 MiB on an H200), and by default
+ * the Pool rounds to that chunk (Note [The cudaMemPool's unit], mempool/_cuda.py), so that
+ * each segment is whole chunks and what the Pool reserves is what the device holds. Small
+ * segments are rounded too because one 2 MiB segment among the large ones sets every large
+ * segment after it off the chunk boundaries, where each shares a chunk with its neighbour
+ * and a freed one leaves a piece of chunk the driver holds and the Pool does not count
+ * (bench/driver_model.py, a model of the cudaMemPool that reproduces the H200's figures;
+ * figures in bench/results/history.md). 2 MiB asks for plain segments. A rounded segment
+ * never makes the pool pass its limit or fail where the plain one fits: it falls back to
+ * it. */
 static size_t rounded_segment(const mp_pool *p, int kind, size_t plain) {
     size_t unit = p->cfg.segment_round;
-    if (kind != KIND_LARGE || unit <= MP_LARGE_ROUND) return plain;
+    if (unit <= MP_LARGE_ROUND) return plain;
+    if (kind != KIND_LARGE) return unit;
     size_t rounded = plain + (unit - plain % unit) % unit;
     return rounded < plain ? plain : rounded;
 }
