@@ -302,20 +302,25 @@ FITTING = ("best fit (ties: highest address), unmap", "best fit (ties: oldest ra
 
 # ----------------------------------------------------------------------------- probe facts
 
+def held_after(steps, **model):
+    """MiB held after each allocation of `steps`, ``(op, seg, mib)`` with op "alloc" or
+    "free" (whose mib is ignored), as bench/driver_granularity.py reports a case."""
+    m = DriverModel(**model)
+    out = []
+    for op, seg, mib in steps:
+        if op == "alloc":
+            m.alloc(seg, mib * MiB)
+            out.append(m.held // MiB)
+        else:
+            m.free(seg)
+    return out
+
+
 def probe_facts(**model):
     """The probe cases of bench/driver_granularity.py under a model, in MiB, as the probe
     reports them: one allocation; after each of a run of one size; free then grow."""
     def run(steps):
-        m = DriverModel(**model)
-        out = []
-        for op, seg, mib in steps:
-            if op == "alloc":
-                m.alloc(seg, mib * MiB)
-                out.append(m.held // MiB)
-            else:
-                m.free(seg)
-        return out
-
+        return held_after(steps, **model)
     one = {mib: run([("alloc", 0, mib)])[0]
            for mib in (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 30, 32, 34, 40, 48, 64, 96, 100, 128,
                        200, 256)}

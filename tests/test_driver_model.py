@@ -13,16 +13,7 @@ MiB = dm.MiB
 FIT = dm.CANDIDATES[dm.FITTING[0]]
 
 
-def held_after(steps, **model):
-    m = dm.DriverModel(**model)
-    out = []
-    for op, seg, mib in steps:
-        if op == "alloc":
-            m.alloc(seg, mib * MiB)
-            out.append(m.held // MiB)
-        else:
-            m.free(seg)
-    return out
+held_after = dm.held_after
 
 
 @pytest.mark.parametrize("label", dm.FITTING)
