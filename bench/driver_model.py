@@ -431,15 +431,19 @@ def candidates_table():
 PREDICT_SETTINGS = (None, "16MiB", "32MiB", "48MiB", "64MiB", "96MiB", "128MiB")
 
 
-def predictions_table(models=FITTING + ("first fit, unmap",), settings=PREDICT_SETTINGS):
-    """This build's segments on both traces under each segment_rounding: the pool's own
-    peak / live, then the device's under each of `models`, and the segment allocations."""
+def predictions_table(models=FITTING + ("first fit, unmap",), settings=PREDICT_SETTINGS,
+                      traces=TRACES):
+    """This build's segments on each trace (a shipped trace's name, or a path of any trace
+    `python -m mempool replay` reads, e.g. a PyTorch snapshot from bench/torch_workloads.py
+    --snapshot) under each segment_rounding: the pool's own peak / live, then the device's
+    under each of `models`, and the segment allocations."""
     head = " / ".join(["pool"] + [f"model {i + 1}" for i in range(len(models))])
-    lines = [f"| segment_rounding | transformer: {head} (segment allocs) | vision: {head} "
-             "(segment allocs) |", "|---|---|---|"]
+    names = [os.path.basename(t).split(".")[0].split("_")[0] for t in traces]
+    lines = ["| segment_rounding | " + " | ".join(f"{n}: {head} (segment allocs)" for n in names)
+             + " |", "|---|" + "---|" * len(traces)]
     for rounding in settings:
         cells = []
-        for name in TRACES:
+        for name in traces:
             seq, info = sequence(name, rounding)
             live = info["peak_live"]
             devs = [peak_held(seq, **CANDIDATES[m]) / live for m in models]
@@ -457,6 +461,9 @@ def main(argv=None) -> int:
     ap.add_argument("--predict", action="store_true",
                     help="this build's segments under the fitting models (and first fit), "
                          "for several segment_rounding values")
+    ap.add_argument("--trace", action="append", default=None, metavar="PATH",
+                    help="with --predict: a trace to use instead of the shipped ones (any "
+                         "format `python -m mempool replay` reads; repeatable)")
     args = ap.parse_args(argv)
     if args.sequence:
         name, _, rounding = args.sequence.partition(":")
@@ -466,7 +473,7 @@ def main(argv=None) -> int:
             print(f"{ev:>6} {op:<5} seg {seg:>4} {n / MiB:>7g} MiB stream {s}")
         return 0
     if args.predict:
-        print(predictions_table())
+        print(predictions_table(traces=tuple(args.trace) if args.trace else TRACES))
         return 0
     print(candidates_table())
     return 0

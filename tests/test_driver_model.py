@@ -90,3 +90,15 @@ def test_the_kept_sequences_are_the_pool_the_h200_measured():
     for (name, rounding), (_, pool) in dm.MEASURED.items():
         _, info = dm.measured_sequence(name, rounding)
         assert info["peak_reserved"] / info["peak_live"] == pytest.approx(pool, abs=0.0005)
+
+
+def test_predictions_take_any_trace_file():
+    # A workload's own trace (e.g. bench/torch_workloads.py --snapshot) in place of the
+    # shipped ones: one row per rounding, the pool's figure first.
+    small = os.path.join(os.path.dirname(dm.HERE), "mempool", "traces", "small.jsonl")
+    table = dm.predictions_table(settings=(None, "32MiB"), traces=(small,))
+    rows = [line for line in table.splitlines() if line.startswith("| plain") or
+            line.startswith("| 32MiB")]
+    assert len(rows) == 2 and "small: pool" in table
+    seq, info = dm.sequence(small, "32MiB")
+    assert all(n % dm.CHUNK == 0 for op, _, n, _ in seq if op == "alloc")
