@@ -118,6 +118,31 @@ def test_replay_compare_refuses_a_bad_conf_as_replay_does(capsys):
     assert "mempool expandable_segments" not in captured.out
 
 
+def test_replay_compare_runs_fixed_segment_options_on_the_default_row_only(capsys):
+    """A conf with segment_rounding (which expandable segments refuse) compares instead of
+    failing: the default row takes it, the expandable row runs without it and says so."""
+    from mempool.tools import replay as rp
+
+    assert cli_trace.main("replay", [SMALL, "--compare", "--json", "--conf",
+                                     "segment_rounding:32MiB"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    rounded = rp.replay(cli_trace._load(SMALL), segment_rounding="32MiB")
+    expandable = rp.replay(cli_trace._load(SMALL), expandable_segments=True)
+    assert [r["ratio"] for r in d["rows"]] == [rounded.ratio, expandable.ratio]
+    assert cli_trace.main("replay", [SMALL, "--compare", "--conf", "segment_rounding:32MiB"]) == 0
+    assert "mempool expandable_segments: without segment_rounding" in capsys.readouterr().out
+
+
+def test_replay_takes_a_conf_dict_naming_a_backend():
+    # The backend argument wins, as over a conf string's backend key; it was a TypeError
+    # ("multiple values for keyword argument 'backend'").
+    from mempool.tools import replay as rp
+
+    events = cli_trace._load(SMALL)
+    assert rp.replay(events, conf={"backend": "host"}).backend == "sim"
+    assert rp.replay(events, conf={"backend": "host"}).ratio == rp.replay(events).ratio
+
+
 def test_replay_compare_refuses_plot(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli_trace.main("replay", [SMALL, "--compare", "--plot", str(tmp_path / "x.png")])

@@ -129,8 +129,7 @@ def _replay(argv) -> int:
         if result.driver_reserved_peak_bytes is not None:
             print(f"driver pool    {fb(result.driver_reserved_peak_bytes, exact=True)} at its "
                   f"peak, {result.driver_reserved_peak_bytes / result.peak_live_bytes:.3f} of "
-                  "peak live: the cudaMemPool under the pool, which keeps the segments the "
-                  "pool gives back until empty_cache")
+                  "peak live: the device memory the cudaMemPool under the pool held at most")
         print(f"upstream calls {result.num_device_alloc:,} segment allocs, "
               f"{result.num_device_free:,} frees (each a cudaMalloc/cudaFree-class call on a "
               "GPU; fewer is better)")
@@ -154,6 +153,9 @@ def _replay(argv) -> int:
         print(f"plot           {args.plot}")
     return 0
 
+
+# Options that only fixed segments take: --compare's expandable row runs without them.
+FIXED_SEGMENT_OPTIONS = ("segment_rounding",)
 
 # The PyTorch rows of --compare: PYTORCH_CUDA_ALLOC_CONF for each.
 TORCH_COMPARED = (("PyTorch default", ""),
@@ -200,10 +202,16 @@ def _compare(path: str, events, args, extra: dict) -> int:
 
     from mempool.tools import replay as rp
 
+    from mempool._config import parse_conf
+
     rows = []
+    # A bad --conf is refused as without --compare (main reports it, exit status 1).
+    conf = parse_conf(args.conf, "--conf") if args.conf else {}
+    # Options of fixed segments only: the expandable row leaves them out instead of refusing.
+    fixed_only = sorted(k for k in conf if k in FIXED_SEGMENT_OPTIONS)
     for label, expandable in (("mempool", False), ("mempool expandable_segments", True)):
-        # A bad --conf is refused as without --compare (main reports it, exit status 1).
-        r = rp.replay(events, conf=args.conf, backend=args.backend, limit=args.limit,
+        row_conf = {k: v for k, v in conf.items() if not (expandable and k in fixed_only)}
+        r = rp.replay(events, conf=row_conf, backend=args.backend, limit=args.limit,
                       expandable_segments=expandable, **extra)
         rows.append({"allocator": label, "ratio": r.ratio, "ns_per_event": r.ns_per_event,
                      "driver_reserved_peak_bytes": r.driver_reserved_peak_bytes,
@@ -241,8 +249,10 @@ def _compare(path: str, events, args, extra: dict) -> int:
         driver = row.get("driver_reserved_peak_bytes")
         if driver is not None:
             print(f"{row['allocator']}: its cudaMemPool held {driver / row['peak_live_bytes']:.3f}"
-                  " of peak live at its peak (it keeps the segments the pool gives back until "
-                  "empty_cache)")
+                  " of peak live at its peak (the device memory under the pool's segments)")
+    if fixed_only:
+        print(f"mempool expandable_segments: without {', '.join(fixed_only)} (an option of "
+              "fixed segments; expandable segments round each growth to their page)")
     if torch_note:
         print(torch_note)
     print("ns/event: " + ("the GPU's allocators against device memory" if args.backend == "cuda"

@@ -217,7 +217,8 @@ def _make_pool(conf, backend, limit, options):
     if isinstance(conf, dict):
         merged = dict(conf)
         merged.update(opts)
-        return mempool.Pool(backend=backend, **merged)
+        merged["backend"] = backend   # the argument wins, as over a conf string's key
+        return mempool.Pool(**merged)
     raise ValueError(f"replay: conf must be None, a 'key:value,...' string or a dict of "
                      f"options; got {type(conf).__name__}")
 
