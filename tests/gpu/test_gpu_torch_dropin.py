@@ -141,6 +141,29 @@ def test_cuda_graph_capture_and_replay():
     """)
 
 
+def test_a_graphs_private_pool_takes_plain_segments():
+    """A graph's private pool takes its segments from cuMemAlloc, not from the cudaMemPool
+    whose chunk the device pool's segments are rounded to (Note [Segment rounding]): there a
+    rounding would only make the graph hold more, 32 MiB for one small tensor."""
+    run("""
+        MiB = 1 << 20
+        assert pool.options["segment_rounding"] and pool.options["segment_rounding"] > 2 * MiB
+        x = torch.ones(256, device="cuda")     # the device pool's segments, outside the graph
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = x * 2                           # 1 KiB: a small segment of the graph's pool
+            z = torch.empty(12 * MiB, dtype=torch.uint8, device="cuda")
+            z.fill_(1)                          # 12 MiB: a large one of its own size
+        g.replay()
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_reserved() - before
+        assert grown == 2 * MiB + 12 * MiB, grown / MiB
+        assert torch.equal(y, x * 2) and int(z.sum()) == 12 * MiB
+    """)
+
+
 GRAPH_PEAK_SCRIPT = """
 MiB = 1 << 20
 torch.cuda.init()

@@ -22,8 +22,8 @@ typedef struct mp_config {
     size_t roundup_divisions[MP_ROUNDUP_INTERVALS];
     size_t max_split_size;       /* MP_UNLIMITED = split every block */
     int cross_stream_reuse;      /* take other streams' free blocks through an event wait */
-    size_t segment_round;        /* fixed segments of the large pool: a multiple of this;
-                                    0 = MP_LARGE_ROUND (Note [Segment rounding]) */
+    size_t segment_round;        /* every fixed segment a multiple of this, a small one
+                                    exactly one; 0 = plain (Note [Segment rounding]) */
     size_t release_threshold;    /* cached bytes kept; MP_UNLIMITED = keep all */
     size_t limit;                /* cap on reserved bytes; MP_UNLIMITED = none */
     size_t initial_pool_size;    /* reserved at creation and never released automatically */

@@ -455,6 +455,10 @@ static int api_private_pool_create(int device, mp_pool **out) {
             cfg.gc_threshold = 0.0;
             cfg.expandable_segments = 0;
             cfg.cross_stream_reuse = 0;
+            /* Plain segments: theirs come from cuMemAlloc, not the cudaMemPool whose chunk
+             * the device pool's rounding follows (Note [Segment rounding]), so a rounding
+             * would only make a graph's pool hold more. */
+            cfg.segment_round = 0;
             rc = mp_pool_create(&cfg, &up, out);
         }
     });
