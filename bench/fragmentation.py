@@ -39,6 +39,11 @@ SETTINGS = [
      {"roundup_power2_divisions": "[256:1,512:2,>:8]"}),
     ("max_split_size:64MB", {"max_split_size": 64 << 20}),
     ("expandable_segments:True", {"expandable_segments": True}),
+    # What backend="cuda" does by default on an H200: segments of whole cudaMemPool chunks
+    # (Note [The cudaMemPool's unit]) and 8 MiB pages for expandable segments.
+    ("segment_rounding:32MiB (cuda)", {"segment_rounding": "32MiB"}),
+    ("expandable_segments:True,granularity:8MiB (cuda)",
+     {"expandable_segments": True, "granularity": "8MiB"}),
 ]
 TARGET_EXPANDABLE = 1.02
 TARGET = 1.10
@@ -91,15 +96,15 @@ def _later(row) -> str:
 
 def table(rows: list) -> str:
     gib = float(1 << 30)
-    lines = [f"{'trace':<27} {'setting':<43} {'live GiB':>8} {'reserved':>8} "
+    lines = [f"{'trace':<27} {'setting':<48} {'live GiB':>8} {'reserved':>8} "
              f"{'res/live':>8} {'target':>6} {'ok':>3} {'upstream':>8} {'later':>5} "
              f"{'ns/ev':>6}"]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"{r['trace']:<27} {r['setting']:<43} skipped: {r['skipped']}")
+            lines.append(f"{r['trace']:<27} {r['setting']:<48} skipped: {r['skipped']}")
             continue
         lines.append(
-            f"{r['trace']:<27} {r['setting']:<43} {r['peak_live_bytes'] / gib:>8.3f} "
+            f"{r['trace']:<27} {r['setting']:<48} {r['peak_live_bytes'] / gib:>8.3f} "
             f"{r['peak_reserved_bytes'] / gib:>8.3f} {r['ratio']:>8.3f} "
             f"{r['target']:>6.2f} {'yes' if r['meets_target'] else 'NO':>3} "
             f"{r['num_device_alloc'] + r['num_device_free']:>8} {_later(r):>5} "
