@@ -120,3 +120,13 @@ def test_the_shipped_traces_make_fewer_segments():
         assert (plain.num_device_alloc, r.num_device_alloc) == (plain_allocs, allocs), name
         assert round(r.ratio, 4) == ratio, name
         assert r.num_ooms == 0
+
+
+def test_the_initial_segment_is_whole_units_unless_the_limit_or_device_refuses(sim):
+    assert sim(initial_pool_size="100MiB").reserved_bytes() == 100 * MiB
+    assert sim(segment_rounding="32MiB", initial_pool_size="100MiB").reserved_bytes() == 128 * MiB
+    capped = sim(segment_rounding="32MiB", initial_pool_size="100MiB", limit="110MiB")
+    assert capped.reserved_bytes() == 100 * MiB
+    small_device = sim(segment_rounding="32MiB", initial_pool_size="100MiB", capacity="120MiB")
+    assert small_device.reserved_bytes() == 100 * MiB
+    assert device(small_device, "failed") == {"failed": 1}

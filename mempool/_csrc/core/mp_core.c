@@ -233,10 +233,16 @@ static mp_block *new_segment_locked(mp_pool *p, mp_stream *s, int kind, uintptr_
     return b;
 }
 
+static size_t rounded_segment(const mp_pool *p, int kind, size_t plain);
+
 int mp_reserve_initial(mp_pool *p, size_t nbytes) {
     /* Expandable pools map it into their growing range, where it merges with what grows. */
     if (p->cfg.expandable_segments) return mp_expand_reserve_initial(p, nbytes);
-    nbytes = (nbytes + MP_LARGE_ROUND - 1) & ~(MP_LARGE_ROUND - 1);
+    size_t plain = (nbytes + MP_LARGE_ROUND - 1) & ~(MP_LARGE_ROUND - 1);
+    /* Note [Segment rounding]: whole units like every other segment, unless that passes the
+     * limit or the device refuses it. */
+    nbytes = rounded_segment(p, KIND_LARGE, plain);
+    if (nbytes > plain && p->cfg.limit != MP_UNLIMITED && nbytes > p->cfg.limit) nbytes = plain;
     mp_lock_acquire(&p->lock);
     mp_stream *s = mp_stream_get_locked(p, 0);
     int rc = MP_ENOMEM;
@@ -244,6 +250,10 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
         mp_release_list none = {0};
         uintptr_t ptr = 0;
         rc = upstream_segment_unlocked(p, s, nbytes, &none, &ptr);
+        if (rc == MP_ENOMEM && nbytes > plain) {
+            nbytes = plain;
+            rc = upstream_segment_unlocked(p, s, nbytes, &none, &ptr);
+        }
         if (rc == MP_OK) {
             mp_block *b = new_segment_locked(p, s, KIND_LARGE, ptr, nbytes);
             if (b) {
@@ -284,9 +294,9 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
  * segment after it off the chunk boundaries, where each shares a chunk with its neighbour
  * and a freed one leaves a piece of chunk the driver holds and the Pool does not count
  * (bench/driver_model.py, a model of the cudaMemPool that reproduces the H200's figures;
- * figures in bench/results/history.md). 2 MiB asks for plain segments. A rounded segment
- * never makes the pool pass its limit or fail where the plain one fits: it falls back to
- * it. */
+ * figures in bench/results/history.md). The initial_pool_size segment is rounded too. 2 MiB
+ * asks for plain segments. A rounded segment never makes the pool pass its limit or fail
+ * where the plain one fits: it falls back to it. */
 static size_t rounded_segment(const mp_pool *p, int kind, size_t plain) {
     size_t unit = p->cfg.segment_round;
     if (unit <= MP_LARGE_ROUND) return plain;
