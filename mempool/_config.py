@@ -528,8 +528,8 @@ OPTIONS: dict[str, Option] = {
         "1 MiB, exactly one): fewer, larger segments and fewer upstream calls (None = with "
         "backend='cuda' the unit the cudaMemPool backs allocations with, 32 MiB on an H200, "
         "so the pool reserves what the device holds; else 2 MiB, PyTorch's plain segments); "
-        "not with expandable segments, whose page rounds each growth (Note [Segment "
-        "rounding])",
+        "with max_split_size, only segments that stay below it; not with expandable "
+        "segments, whose page rounds each growth (Note [Segment rounding])",
         _parse_segment_rounding, "32MiB", sized=True),
     "release_threshold": Option(
         None, "size or None",

@@ -29,11 +29,18 @@ class RoundedSegmentsUnderALimit(PoolMachine):
     options = {"segment_rounding": 32 << 20, "limit": 200 << 20}
 
 
+class RoundedSegmentsBelowMaxSplit(PoolMachine):
+    """Note [Segment rounding] with max_split_size: segments rounded while they stay below
+    it, plain ones from it up (and small ones of one unit)."""
+    options = {"segment_rounding": 32 << 20, "max_split_size": 64 << 20}
+
+
 TestDefaultPool = DefaultPool.TestCase
 TestNoCrossStreamReuse = NoCrossStreamReuse.TestCase
 TestRoundedAndLimited = RoundedAndLimited.TestCase
 TestReleaseEagerly = ReleaseEagerly.TestCase
 TestRoundedSegmentsUnderALimit = RoundedSegmentsUnderALimit.TestCase
+TestRoundedSegmentsBelowMaxSplit = RoundedSegmentsBelowMaxSplit.TestCase
 for case in (TestDefaultPool, TestNoCrossStreamReuse, TestRoundedAndLimited, TestReleaseEagerly):
     case.settings = SETTINGS
 del case   # the loop variable: not a test of its own (pytest would run that case twice)

@@ -130,3 +130,26 @@ def test_the_initial_segment_is_whole_units_unless_the_limit_or_device_refuses(s
     small_device = sim(segment_rounding="32MiB", initial_pool_size="100MiB", capacity="120MiB")
     assert small_device.reserved_bytes() == 100 * MiB
     assert device(small_device, "failed") == {"failed": 1}
+
+
+@pytest.mark.parametrize("max_split", ["20MiB", "30MiB", "32MiB"])
+def test_no_rounding_up_to_max_split_size(sim, max_split):
+    # A block of max_split_size or more is never split and no smaller request takes it:
+    # rounded up to it, every small request took a 32 MiB segment of its own.
+    pool = sim(segment_rounding="32MiB", max_split_size=max_split)
+    blocks = [pool.alloc(512) for _ in range(4)] + [pool.alloc(12 * MiB) for _ in range(2)]
+    assert segment_sizes(pool) == [2 * MiB, 12 * MiB, 12 * MiB]   # the plain segments
+    for b in blocks:
+        pool.free(b)
+    pool.check_invariants()
+
+
+def test_a_segment_rounded_below_max_split_size_is_rounded(sim):
+    pool = sim(segment_rounding="32MiB", max_split_size="128MiB")
+    small, a, b = pool.alloc(512), pool.alloc(12 * MiB), pool.alloc(12 * MiB)
+    assert segment_sizes(pool) == [32 * MiB, 32 * MiB]          # b from a's tail
+    big = pool.alloc(150 * MiB)                                  # oversize: plain
+    assert segment_sizes(pool) == [32 * MiB, 32 * MiB, 150 * MiB]
+    for p in (small, a, b, big):
+        pool.free(p)
+    pool.check_invariants()

@@ -294,15 +294,19 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
  * segment after it off the chunk boundaries, where each shares a chunk with its neighbour
  * and a freed one leaves a piece of chunk the driver holds and the Pool does not count
  * (bench/driver_model.py, a model of the cudaMemPool that reproduces the H200's figures;
- * figures in bench/results/history.md). The initial_pool_size segment is rounded too. 2 MiB
- * asks for plain segments. A rounded segment never makes the pool pass its limit or fail
+ * figures in bench/results/history.md). The initial_pool_size segment is rounded too; with
+ * max_split_size, only segments that stay below it are. 2 MiB asks for plain segments. A rounded segment never makes the pool pass its limit or fail
  * where the plain one fits: it falls back to it. */
 static size_t rounded_segment(const mp_pool *p, int kind, size_t plain) {
     size_t unit = p->cfg.segment_round;
     if (unit <= MP_LARGE_ROUND) return plain;
-    if (kind != KIND_LARGE) return unit;
-    size_t rounded = plain + (unit - plain % unit) % unit;
-    return rounded < plain ? plain : rounded;
+    size_t rounded = kind != KIND_LARGE ? unit : plain + (unit - plain % unit) % unit;
+    if (rounded < plain) return plain;
+    /* A block of max_split_size or more is never split, and a request below it never takes
+     * one: a segment rounded up to it would hold its tail where nothing can reach it, one
+     * whole segment a request. */
+    if (rounded > plain && rounded >= p->cfg.max_split_size) return plain;
+    return rounded;
 }
 
 /* The fallback chain once the lists have no fit: garbage collection, the limit, the
