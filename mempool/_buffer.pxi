@@ -36,8 +36,12 @@ def _dl_dtype(dtype):
     import numpy
     try:
         dt = numpy.dtype(dtype)
-    except TypeError as exc:
-        raise TypeError(f"dtype: {dtype!r} is not a NumPy dtype ({exc})") from None
+    except (TypeError, ValueError):
+        # NumPy's own reason can be a bare "object of type 'NoneType' has no len()": say
+        # what is accepted instead.
+        raise TypeError(f"dtype: {dtype!r:.80} is not a NumPy dtype; accepted: {_DL_ACCEPTED} "
+                        "(a name such as 'float32', a numpy.dtype or a NumPy scalar "
+                        "type)") from None
     if dt.name in _DL_NAMED_CODES:
         code, minor = _DL_NAMED_CODES[dt.name]
         return dt, code, minor

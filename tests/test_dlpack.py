@@ -170,6 +170,16 @@ def test_view_exports_a_byte_offset(pool):
     assert arr[0, 0] == 8 and arr[3, 3] == 23
 
 
+@pytest.mark.parametrize("dtype", [{0: None}, {"names": 1}, "flot32", [None]])
+def test_a_dtype_numpy_cannot_read_is_refused_saying_what_is_accepted(pool, dtype):
+    # NumPy's own reason was passed on, and for {0: None} it is a bare "object of type
+    # 'NoneType' has no len()".
+    with pytest.raises(TypeError, match="is not a NumPy dtype; accepted: bool") as err:
+        pool.empty(0, dtype)
+    assert "has no len()" not in str(err.value)
+    assert pool.used_bytes() == 0
+
+
 def test_view_with_another_dtype(pool):
     buf = pool.empty(8, "float32")
     v = buf.view(dtype="uint8")
