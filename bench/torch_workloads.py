@@ -229,15 +229,13 @@ def child(workload, allocator, steps, snapshot=None):
 
 # ---- the parent ------------------------------------------------------------------------
 
-def spawn(args, env_extra=None, timeout=900, cpu=None, cpus=None):
-    """Run a child of this script (or another) and return the JSON it prints. `cpu` pins the
-    child to that CPU, `cpus` to that set, so that children compared with each other run on
-    cores of the same pace."""
+def spawn(args, env_extra=None, timeout=900, cpus=None):
+    """Run a child of this script (or another) and return the JSON it prints. `cpus` pins
+    the child to that set of CPUs, so that children compared with each other run on cores
+    of the same pace."""
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env.update(env_extra or {})
-    if cpu is not None:
-        cpus = {cpu}
     pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
                           timeout=timeout, preexec_fn=pin)
@@ -310,10 +308,9 @@ def run_empty(outdir, procs=6):
     results = {"caching": [], "mempool": [], "cpus": []}
     for _ in range(procs):
         for name in ("caching", "mempool"):
-            paces = cpu_paces()
-            cpu = min(paces, key=paces.get)
+            (cpu,), paces = fastest_cpus(1)
             r = spawn([os.path.join(ROOT, "mempool", "bench", "torch_empty_child.py"), name,
-                       "7", "2000", "512", "65536", "1048576", "67108864"], cpu=cpu)
+                       "7", "2000", "512", "65536", "1048576", "67108864"], cpus={cpu})
             r["cpu"], r["cpu_pace_ns"] = cpu, paces[cpu]
             results[name].append(r)
             results["cpus"].append({"child": name, "cpu": cpu, "paces": paces})
@@ -329,7 +326,8 @@ def summarize(rows):
     for (w, a), rs in sorted(by.items(), key=lambda kv: (str(kv[0][0]), ALLOCATORS.index(kv[0][1]) if kv[0][1] in ALLOCATORS else 9)):
         ms = ", ".join(f"{r['ms_per_step']:.2f}" for r in rs if r.get("ms_per_step"))
         peak = ", ".join(f"{r['peak_reserved'] / (1 << 30):.2f}" for r in rs if "peak_reserved" in r)
-        live = ", ".join(f"{r['peak_allocated'] / (1 << 30):.2f}" for r in rs if "peak_allocated" in r)
+        live = ", ".join(f"{r['peak_allocated'] / (1 << 30):.2f}" for r in rs
+                         if "peak_allocated" in r)
         batch = ", ".join(str(r["largest_batch"]) for r in rs if "largest_batch" in r)
         vals = "; ".join(f"{r['values'][0]:.4f}/{r['values'][-1]:.4f}" for r in rs if r.get("values"))
         lines.append(f"| {w} | {a} | {ms} | {peak} | {live} | {batch} | {vals} |")

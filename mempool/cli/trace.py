@@ -200,9 +200,8 @@ def _compare(path: str, events, args, extra: dict) -> int:
     run, side by side: reserved / live, ns per event, upstream calls per step."""
     import importlib.util
 
-    from mempool.tools import replay as rp
-
     from mempool._config import parse_conf
+    from mempool.tools import replay as rp
 
     rows = []
     # A bad --conf is refused as without --compare (main reports it, exit status 1).

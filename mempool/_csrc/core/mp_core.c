@@ -295,8 +295,9 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
  * and a freed one leaves a piece of chunk the driver holds and the Pool does not count
  * (bench/driver_model.py, a model of the cudaMemPool that reproduces the H200's figures;
  * figures in bench/results/history.md). The initial_pool_size segment is rounded too; with
- * max_split_size, only segments that stay below it are. 2 MiB asks for plain segments. A rounded segment never makes the pool pass its limit or fail
- * where the plain one fits: it falls back to it. */
+ * max_split_size, only segments that stay below it are. 2 MiB asks for plain segments. A
+ * rounded segment never makes the pool pass its limit or fail where the plain one fits: it
+ * falls back to it. */
 static size_t rounded_segment(const mp_pool *p, int kind, size_t plain) {
     size_t unit = p->cfg.segment_round;
     if (unit <= MP_LARGE_ROUND) return plain;
