@@ -528,8 +528,9 @@ OPTIONS: dict[str, Option] = {
         "1 MiB, exactly one): fewer, larger segments and fewer upstream calls (None = with "
         "backend='cuda' the unit the cudaMemPool backs allocations with, 32 MiB on an H200, "
         "so the pool reserves what the device holds; else 2 MiB, PyTorch's plain segments); "
-        "with max_split_size, only segments that stay below it; not with expandable "
-        "segments, whose page rounds each growth (Note [Segment rounding])",
+        "with max_split_size, only segments that stay below it; under a limit below the "
+        "capacity, none (plain segments fit more); not with expandable segments, whose page "
+        "rounds each growth (Note [Segment rounding])",
         _parse_segment_rounding, "32MiB", sized=True),
     "release_threshold": Option(
         None, "size or None",
@@ -747,6 +748,16 @@ def normalize(options: Mapping[str, Any]) -> dict[str, Any]:
     for name, why in _overridden(out).items():
         _warn_once(("overridden", name), why)
         out[name] = _default(name)
+    rounding, limit = out["segment_rounding"], out["limit"]
+    whole_device = isinstance(limit, float) and limit == 1.0
+    if rounding is not None and rounding > 2 << 20 and limit is not None and not whole_device:
+        # Kept, not overridden: it applies again once set_limit(None) lifts the limit.
+        _warn_once(("rounding under a limit",),
+                   f"option 'segment_rounding' ({format_size(rounding)}) has no effect while "
+                   f"'limit' is set: under a limit every fixed segment is plain, since a "
+                   f"rounded segment's tail would count against the limit and refuse requests "
+                   f"plain segments fit (Note [Segment rounding]); it applies again after "
+                   f"set_limit(None)")
     return out
 
 

@@ -5,6 +5,9 @@ one stream merged, free lists and counters consistent), no two live blocks overl
 block is ever handed to a stream while work of another stream that used its bytes may still
 be pending, unless the new stream is ordered after that work (device.ordered).
 """
+import hypothesis.strategies as st
+from hypothesis.stateful import rule
+
 from _machines import SETTINGS, PoolMachine
 
 
@@ -25,8 +28,13 @@ class ReleaseEagerly(PoolMachine):
 
 
 class RoundedSegmentsUnderALimit(PoolMachine):
-    """Note [Segment rounding]: whole 32 MiB segments, and the plain ones the limit forces."""
-    options = {"segment_rounding": 32 << 20, "limit": 200 << 20}
+    """Note [Segment rounding]: whole 32 MiB segments while no limit is set, plain ones
+    while one is, and the two kinds side by side as the limit comes and goes."""
+    options = {"segment_rounding": 32 << 20}
+
+    @rule(limited=st.booleans())
+    def set_limit(self, limited):
+        self.pool.set_limit(200 << 20 if limited else None)
 
 
 class RoundedSegmentsBelowMaxSplit(PoolMachine):

@@ -13,6 +13,12 @@ from mempool.tools import replay as rp
 from mempool.tools import trace as mtrace
 
 
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    """Each test starts as a fresh process would: nothing warned yet."""
+    monkeypatch.setattr(mempool._config, "_warned", set())
+
+
 def segment_sizes(pool):
     return [s["total_size"] for s in pool.layout()]
 
@@ -49,10 +55,7 @@ def test_a_small_segment_is_one_rounding_unit(sim):
     pool.check_invariants()
 
 
-def test_a_small_segment_falls_back_to_the_plain_one_under_the_limit_or_the_device(sim):
-    capped = sim(segment_rounding="32MiB", limit="16MiB")
-    capped.alloc(512)
-    assert segment_sizes(capped) == [2 * MiB]
+def test_a_small_segment_falls_back_to_the_plain_one_on_a_device_without_room(sim):
     small_device = sim(segment_rounding="32MiB", capacity="16MiB")
     small_device.alloc(512)
     assert segment_sizes(small_device) == [2 * MiB]
@@ -68,14 +71,36 @@ def test_the_tail_of_a_rounded_segment_serves_later_requests(sim):
     assert device(pool, "allocs") == {"allocs": 1}
 
 
-def test_a_rounded_segment_that_passes_the_limit_falls_back_to_the_plain_one(sim):
-    pool = sim(segment_rounding="32MiB", limit="48MiB")
-    a = pool.alloc(30 * MiB)            # a 32 MiB segment: its 2 MiB tail cannot serve 14
-    b = pool.alloc(14 * MiB)            # rounded: 32 + 32 > 48; plain: 32 + 14 <= 48
-    assert segment_sizes(pool) == [32 * MiB, 14 * MiB]
-    assert pool.reserved_bytes() == 46 * MiB
-    pool.free(a)
-    pool.free(b)
+def test_under_a_limit_every_segment_is_plain_so_what_fits_is_served(sim):
+    # As on the H200 (tests/test_contract.py): a 224 MiB segment for 200 MiB left 32 MiB
+    # under the limit, and 40 MiB more, 240 MiB live in all, was refused.
+    with pytest.warns(mempool.ConfigWarning, match="'segment_rounding' .* no effect while "
+                      "'limit' is set"):
+        pool = sim(segment_rounding="32MiB", limit="256MiB")
+    first, small = pool.alloc(200 * MiB), pool.alloc(40 * MiB)
+    tiny = pool.alloc(512)
+    assert segment_sizes(pool) == [200 * MiB, 40 * MiB, 2 * MiB]
+    assert pool.options["segment_rounding"] == 32 * MiB   # kept, for a lifted limit
+    for b in (first, small, tiny):
+        pool.free(b)
+    pool.check_invariants()
+
+
+def test_rounding_follows_set_limit(sim):
+    pool = sim(segment_rounding="32MiB")
+    a = pool.alloc(12 * MiB)
+    pool.set_limit("1GiB")
+    b = pool.alloc(40 * MiB)
+    pool.set_limit(None)
+    c = pool.alloc(40 * MiB)
+    assert segment_sizes(pool) == [32 * MiB, 40 * MiB, 64 * MiB]
+    # A limit of the whole device limits nothing (set_per_process_memory_fraction(1.0)).
+    pool.set_limit(1.0)
+    d = pool.alloc(50 * MiB)
+    assert segment_sizes(pool) == [32 * MiB, 40 * MiB, 64 * MiB, 64 * MiB]
+    for p in (a, b, c, d):
+        pool.free(p)
+    pool.check_invariants()
 
 
 def test_a_rounded_segment_the_device_cannot_give_falls_back_to_the_plain_one(sim):
@@ -122,10 +147,11 @@ def test_the_shipped_traces_make_fewer_segments():
         assert r.num_ooms == 0
 
 
-def test_the_initial_segment_is_whole_units_unless_the_limit_or_device_refuses(sim):
+def test_the_initial_segment_is_whole_units_unless_a_limit_or_the_device_refuses(sim):
     assert sim(initial_pool_size="100MiB").reserved_bytes() == 100 * MiB
     assert sim(segment_rounding="32MiB", initial_pool_size="100MiB").reserved_bytes() == 128 * MiB
-    capped = sim(segment_rounding="32MiB", initial_pool_size="100MiB", limit="110MiB")
+    with pytest.warns(mempool.ConfigWarning):
+        capped = sim(segment_rounding="32MiB", initial_pool_size="100MiB", limit="1GiB")
     assert capped.reserved_bytes() == 100 * MiB
     small_device = sim(segment_rounding="32MiB", initial_pool_size="100MiB", capacity="120MiB")
     assert small_device.reserved_bytes() == 100 * MiB

@@ -239,10 +239,9 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
     /* Expandable pools map it into their growing range, where it merges with what grows. */
     if (p->cfg.expandable_segments) return mp_expand_reserve_initial(p, nbytes);
     size_t plain = (nbytes + MP_LARGE_ROUND - 1) & ~(MP_LARGE_ROUND - 1);
-    /* Note [Segment rounding]: whole units like every other segment, unless that passes the
-     * limit or the device refuses it. */
+    /* Note [Segment rounding]: whole units like every other segment, unless the pool has a
+     * limit or the device refuses them. */
     nbytes = rounded_segment(p, KIND_LARGE, plain);
-    if (nbytes > plain && p->cfg.limit != MP_UNLIMITED && nbytes > p->cfg.limit) nbytes = plain;
     mp_lock_acquire(&p->lock);
     mp_stream *s = mp_stream_get_locked(p, 0);
     int rc = MP_ENOMEM;
@@ -295,12 +294,21 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
  * and a freed one leaves a piece of chunk the driver holds and the Pool does not count
  * (bench/driver_model.py, a model of the cudaMemPool that reproduces the H200's figures;
  * figures in bench/results/history.md). The initial_pool_size segment is rounded too; with
- * max_split_size, only segments that stay below it are. 2 MiB asks for plain segments. A
- * rounded segment never makes the pool pass its limit or fail where the plain one fits: it
- * falls back to it. */
+ * max_split_size, only segments that stay below it are. 2 MiB asks for plain segments.
+ * Under a limit below the device's capacity every segment is plain, whatever the option
+ * says (set_limit included): a rounded segment's tail counts against the limit while only
+ * requests that fit in it can use it, so rounded segments refuse what plain ones fit (on
+ * the H200 under a 256 MiB limit, 200 MiB took a 224 MiB segment and 40 MiB more was
+ * refused; under 16 GiB the largest batch of the transformer trace was 38, against 41 with
+ * plain segments). The device may then hold a little more than the pool counts: what freed
+ * plain segments leave of chunks they shared. A rounded segment the device refuses falls
+ * back to the plain one. */
 static size_t rounded_segment(const mp_pool *p, int kind, size_t plain) {
     size_t unit = p->cfg.segment_round;
     if (unit <= MP_LARGE_ROUND) return plain;
+    /* A limit of the whole device (set_per_process_memory_fraction(1.0)) limits nothing. */
+    size_t limit = p->cfg.limit;
+    if (limit != MP_UNLIMITED && (!p->capacity || limit < p->capacity)) return plain;
     size_t rounded = kind != KIND_LARGE ? unit : plain + (unit - plain % unit) % unit;
     if (rounded < plain) return plain;
     /* A block of max_split_size or more is never split, and a request below it never takes
@@ -318,8 +326,6 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
     size_t plain = mp_segment_size(size);
     size_t seg_size = rounded_segment(p, kind, plain);
     size_t limit = p->cfg.limit;
-    if (seg_size > plain && limit != MP_UNLIMITED && mp_reserved_now_locked(p) + seg_size > limit)
-        seg_size = plain;   /* Note [Segment rounding]: not past the limit for a rounding */
     /* Note [Graph capture]: during a capture releases skip themselves, and neither the sync
      * of pending frees nor the retries run: the limit, a capture-safe segment, else out of
      * memory. Asked only there (rel keeps the answer): a growth alone asks nothing. */
