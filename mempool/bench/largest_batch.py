@@ -13,9 +13,8 @@ from mempool.tools import replay as rp
 MEMPOOL_CONFS = [
     ("mempool default", {}),
     ("mempool expandable_segments:True", {"expandable_segments": True}),
-    # backend='cuda''s default on an H200 (Note [The cudaMemPool's unit]); the default row
-    # is it there, plain segments on sim.
-    ("mempool segment_rounding:32MiB", {"segment_rounding": "32MiB"}),
+    # No segment_rounding row: under the limit every fixed segment is plain (Note [Segment
+    # rounding]), so it would be the default row again, on sim and on cuda.
     ("mempool roundup_power2_divisions:4", {"roundup_power2_divisions": 4}),
     ("mempool max_split_size:64MB", {"max_split_size": 64 << 20}),
 ]
