@@ -33,7 +33,8 @@ T_FRAG=${T_FRAG:-120}
 T_TORCH=${T_TORCH:-480}
 T_CHURN=${T_CHURN:-120}
 T_VMM=${T_VMM:-60}
-STAGES=" ${STAGES:-build tests sanitizer bench churn vmm fragmentation torch} "
+T_SNAPSHOT=${T_SNAPSHOT:-150}
+STAGES=" ${STAGES:-build tests sanitizer bench churn vmm fragmentation torch snapshot} "
 # SANITIZER_GROUPS: a file with one line of pytest arguments per memcheck process (default:
 # one process per file of tests/gpu, and one for the upstream contract's cuda cases; not
 # the three files of examples and scripts run in child processes, which were never in this
@@ -206,11 +207,19 @@ stage fragmentation "$OUT/fragmentation.log" timeout "$T_FRAG" bash -c "$(declar
 stage torch "$OUT/torch-workloads.log" timeout "$T_TORCH" "$PY" bench/torch_workloads.py \
     "$OUT/torch" ${TORCH_ARGS:-}
 
+# ---- snapshots: each allocator's allocations and frees in PyTorch's snapshot format, a few
+# steps of each workload, so that what the device holds can be worked out on a machine with
+# no GPU (`python -m mempool replay FILE`; `bench/driver_model.py --predict --trace FILE`, the
+# cudaMemPool under the default path). Their times are not comparable (history is on).
+stage snapshot "$OUT/snapshot.log" timeout "$T_SNAPSHOT" "$PY" bench/torch_workloads.py \
+    "$OUT/snapshots" --workloads "${SNAPSHOT_WORKLOADS:-gpt,resnet}" --reps 1 --steps 5 \
+    --allocators torch-expandable,mempool,mempool-expandable --snapshot
+
 # ---- summary
 {
     cat "$OUT/versions.txt"
     echo
-    for name in build tests sanitizer bench churn vmm fragmentation torch; do
+    for name in build tests sanitizer bench churn vmm fragmentation torch snapshot; do
         echo "stage $name: ${STATUS[$name]:-not run} (0 = passed; 124 = over its time limit)"
     done
     echo
