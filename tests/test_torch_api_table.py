@@ -86,17 +86,24 @@ DEVICE_PEAK_FIELDS = [
     ("device_stats", F(i32, i32, PoolArray, sz, ctypes.POINTER(Stats))),
     ("device_reset_peak_stats", F(i32, i32, PoolArray, sz)),
 ]
+# Note [Segment observer] (mp_core.h): fn(ctx, pool, action, ptr, nbytes, stream).
+Observer = F(None, vp, vp, i32, u, sz, u)
+OBSERVER_FIELDS = [
+    ("set_segment_observer", F(None, Observer, vp)),
+    ("pool_device", F(i32, vp)),
+]
+SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP = 3, 4, 6, 7
 
 
 class Api(ctypes.Structure):
     _fields_ = (FIELDS + [(f"pool_fn_{i}", vp) for i in range(N_POOL_FUNCTIONS)]
-                + DEVICE_PEAK_FIELDS)
+                + DEVICE_PEAK_FIELDS + OBSERVER_FIELDS)
 
 
 @pytest.fixture
 def api():
     table = Api.from_address(_core._torch_api_address())
-    assert table.version == 3
+    assert table.version == 4
     assert table.struct_size == ctypes.sizeof(Api), "the table's layout changed: update Api"
     yield table
 
@@ -340,3 +347,58 @@ def test_device_peaks_without_private_pools_are_the_pools(api, routed):
     assert s.reserved_bytes[0].current == py["reserved_bytes.all.current"]
     assert api.private_event(DEVICE + 1, none, 0) == MP_EINVAL    # no pool there
     assert api.device_stats(DEVICE + 1, none, 0, ctypes.byref(Stats())) == MP_EINVAL
+
+
+@pytest.fixture
+def observed(api):
+    """The segment observer set to a recorder (as the glue sets its own at install), and
+    unset afterwards: it is process-wide."""
+    events = []
+
+    def record(ctx, pool, action, ptr, nbytes, stream):
+        events.append((pool, action, ptr, nbytes))
+
+    callback = Observer(record)   # kept alive until the observer is unset
+    api.set_segment_observer(callback, None)
+    yield events
+    api.set_segment_observer(Observer(), None)
+
+
+def test_the_observer_sees_every_segment_event_and_its_pool(api, routed, observed):
+    address = _core._torch_pool_address(DEVICE)
+    assert api.pool_device(address) == DEVICE
+    out = u()
+    assert api.alloc(DEVICE, 3 * MiB, 0, ctypes.byref(out)) == MP_OK
+    segment = routed.layout()[0]
+    assert observed == [(address, SEGMENT_ALLOC, segment["address"], segment["total_size"])]
+    api.free(DEVICE, out.value)
+    assert api.empty_cache(DEVICE) == MP_OK
+    assert observed[1:] == [(address, SEGMENT_FREE, segment["address"],
+                             segment["total_size"])]
+    # A pool of no device (a CuPy pool beside PyTorch's, say) is told too; the glue drops
+    # its events because no device routes to it.
+    other = mempool.Pool(backend="sim", capacity="1GiB")
+    other.free(other.alloc(MiB))
+    assert len(observed) == 3 and observed[2][1] == SEGMENT_ALLOC
+    assert api.pool_device(observed[2][0]) == -1
+    assert api.pool_device(None) == -1
+
+
+def test_the_observer_sees_expandable_maps_and_unmaps(api, observed):
+    pool = mempool.Pool(backend="sim", capacity="1GiB", device=DEVICE,
+                        expandable_segments=True)
+    _core._torch_register(DEVICE, pool)
+    try:
+        out = u()
+        assert api.alloc(DEVICE, 5 * MiB, 0, ctypes.byref(out)) == MP_OK
+        maps = [e for e in observed if e[1] == SEGMENT_MAP]
+        assert maps and sum(e[3] for e in maps) == pool.reserved_bytes()
+        assert all(e[1] == SEGMENT_MAP for e in observed)   # no segment_alloc: as PyTorch's
+        api.free(DEVICE, out.value)
+        assert api.empty_cache(DEVICE) == MP_OK
+        unmaps = [e for e in observed if e[1] == SEGMENT_UNMAP]
+        assert sum(e[3] for e in unmaps) == sum(e[3] for e in maps)
+        assert pool.reserved_bytes() == 0
+    finally:
+        pool.empty_cache()
+        _core._torch_unregister(DEVICE)

@@ -25,8 +25,8 @@ assert torch.cuda.memory.get_allocator_backend() == "mempool"
 """
 
 
-def run(body, timeout=300):
-    code = PRELUDE + textwrap.dedent(body)
+def run(body, timeout=300, prelude=PRELUDE):
+    code = prelude + textwrap.dedent(body)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=timeout, cwd=os.getcwd())
     assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr}"
@@ -233,6 +233,38 @@ def test_memory_history_and_snapshot_in_pytorch_format():
         assert "<html" in html.lower() or len(html) > 1000
         _memory_viz.segment_plot(snap)
     """)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_the_snapshot_trace_has_the_pools_segment_events(expandable):
+    # Note [Segment observer]: memory_viz's allocator state history replays these.
+    prelude = PRELUDE.replace('device=0)', 'device=0, expandable_segments=True)')
+    assert prelude != PRELUDE
+    run("""
+        torch.cuda.memory._record_memory_history(max_entries=10000)
+        before = pool.stats()["num_device_alloc"]
+        a = torch.empty(300 << 20, dtype=torch.uint8, device="cuda")   # a segment of its own
+        made = pool.stats()["num_device_alloc"] - before
+        del a
+        torch.cuda.empty_cache()
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        trace = snap["device_traces"][0]
+        actions = [e["action"] for e in trace]
+        grow, give = (("segment_map", "segment_unmap") if pool.options["expandable_segments"]
+                      else ("segment_alloc", "segment_free"))
+        grown = [e for e in trace if e["action"] == grow]
+        assert made and len(grown) == made, (made, actions)
+        first_alloc = actions.index("alloc")
+        assert actions.index(grow) < first_alloc, actions       # the segment before its block
+        given = [e for e in trace if e["action"] == give]
+        assert sum(e["size"] for e in given) >= 300 << 20, actions
+        assert actions.index(give) > actions.index("free_completed"), actions
+        from torch.cuda import _memory_viz
+        _memory_viz.trace_plot(snap)
+        _memory_viz.segment_plot(snap)
+        print("segment events ok", made, len(given))
+    """, prelude=prelude if expandable else PRELUDE)
 
 
 def test_empty_cache_fraction_record_stream_and_mem_pool():

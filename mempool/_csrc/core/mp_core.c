@@ -229,7 +229,7 @@ static mp_block *new_segment_locked(mp_pool *p, mp_stream *s, int kind, uintptr_
     if (mp_reserved_now_locked(p) > p->reserved_high_water)
         p->reserved_high_water = mp_reserved_now_locked(p);
     if (nbytes >= p->cfg.max_split_size) mp_stat_inc(&p->stats.oversize_segments, 1);
-    mp_trace_locked(p, MP_TRACE_SEGMENT_ALLOC, ptr, nbytes, s->handle);
+    mp_trace_segment_locked(p, MP_TRACE_SEGMENT_ALLOC, ptr, nbytes, s->handle);
     return b;
 }
 

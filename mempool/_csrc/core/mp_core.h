@@ -290,6 +290,18 @@ typedef struct mp_trace_entry {
 } mp_trace_entry;
 
 int mp_trace_enable(mp_pool *p, size_t max_entries);   /* 0 turns recording off */
+
+/* Note [Segment observer]
+ * One process-wide function is told of every segment event of every pool as it happens:
+ * the MP_TRACE_SEGMENT_* actions (a segment allocated or freed, pages of an expandable
+ * segment mapped or unmapped), whether or not the pool records a trace. The PyTorch glue
+ * puts them in _snapshot()'s trace, where PyTorch's allocator records its own, so that
+ * memory_viz shows the pool's segments over time. It runs under the pool's lock, on the
+ * thread that caused the event: it must return at once and call no pool. Set it once (or
+ * to NULL, when no pool is in use); NULL, the default, costs one load per segment event. */
+typedef void (*mp_segment_observer)(void *ctx, mp_pool *p, int action, uintptr_t ptr,
+                                    size_t nbytes, uintptr_t stream);
+void mp_set_segment_observer(mp_segment_observer fn, void *ctx);
 /* Copy out the recorded entries, oldest first; *n receives the count. Caller frees. */
 int mp_trace_take(mp_pool *p, mp_trace_entry **entries, size_t *n);
 

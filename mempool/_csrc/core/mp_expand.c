@@ -371,7 +371,8 @@ int mp_expand_detach_range_locked(mp_pool *p, mp_segment *seg, mp_stream *only,
     }
     seg->first = NULL;
     for (size_t i = 0; i < nruns; i++)
-        mp_trace_locked(p, MP_TRACE_SEGMENT_UNMAP, runs[i].ptr, runs[i].nbytes, seg->stream->handle);
+        mp_trace_segment_locked(p, MP_TRACE_SEGMENT_UNMAP, runs[i].ptr, runs[i].nbytes,
+                                seg->stream->handle);
     p->stats.num_device_free += nruns;
     out->nbytes += seg->mapped_bytes;
     if (seg->mapped_bytes) count_mapped_locked(p, seg, seg->mapped_bytes, 0);
@@ -746,7 +747,8 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
             u->busy = 0;
             extents_remove(u->seg, u->ptr, u->ptr + u->nbytes);
             p->stats.num_device_free++;
-            mp_trace_locked(p, MP_TRACE_SEGMENT_UNMAP, u->ptr, u->nbytes, jobs[i].parts[0].owner->handle);
+            mp_trace_segment_locked(p, MP_TRACE_SEGMENT_UNMAP, u->ptr, u->nbytes,
+                                    jobs[i].parts[0].owner->handle);
             merge_unmapped_locked(p, u);
         } else {
             released -= u->nbytes;
@@ -872,9 +874,9 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
     extents_set_busy(seg, m->ptr, m->ptr + m->nbytes, 0);
     count_mapped_locked(p, seg, m->nbytes, 1);
     p->stats.num_device_alloc += cut.n;
-    for (size_t i = 0; p->trace && i < cut.n; i++)
-        mp_trace_locked(p, MP_TRACE_SEGMENT_MAP, m->ptr + cut_off(&cut, i),
-                        cut_off(&cut, i + 1) - cut_off(&cut, i), s->handle);
+    for (size_t i = 0; mp_segment_events_wanted(p) && i < cut.n; i++)
+        mp_trace_segment_locked(p, MP_TRACE_SEGMENT_MAP, m->ptr + cut_off(&cut, i),
+                                cut_off(&cut, i + 1) - cut_off(&cut, i), s->handle);
     mp_insert_free_merged_locked(p, m);   /* m absorbs its free neighbours of s */
     if (m->nbytes >= size) {
         mp_remove_free_locked(p, m);

@@ -301,6 +301,19 @@ static inline void mp_trace_locked(mp_pool *p, int action, uintptr_t ptr, size_t
     if (p->trace) mp_trace_record_locked(p, action, ptr, nbytes, stream);
 }
 
+/* Note [Segment observer] (mp_core.h): segment events go to the trace and the observer. */
+extern mp_segment_observer mp_observer_fn;   /* atomic */
+extern void *mp_observer_ctx;
+static inline int mp_segment_events_wanted(const mp_pool *p) {
+    return p->trace || __atomic_load_n(&mp_observer_fn, __ATOMIC_ACQUIRE);
+}
+static inline void mp_trace_segment_locked(mp_pool *p, int action, uintptr_t ptr,
+                                           size_t nbytes, uintptr_t stream) {
+    mp_trace_locked(p, action, ptr, nbytes, stream);
+    mp_segment_observer fn = __atomic_load_n(&mp_observer_fn, __ATOMIC_ACQUIRE);
+    if (fn) fn(mp_observer_ctx, p, action, ptr, nbytes, stream);
+}
+
 /* Note [Derived totals]
  * PyTorch's statistics come in families (allocation, active, allocated_bytes, ...), each
  * with an `all`, a `small_pool` and a `large_pool` column of current, peak, allocated and

@@ -34,6 +34,15 @@ void mp_trace_record_locked(mp_pool *p, int action, uintptr_t ptr, size_t nbytes
     e->time_ns = now_ns();
 }
 
+mp_segment_observer mp_observer_fn;
+void *mp_observer_ctx;
+
+void mp_set_segment_observer(mp_segment_observer fn, void *ctx) {
+    /* The context first: a reader that sees the new function sees its context. */
+    mp_observer_ctx = ctx;
+    __atomic_store_n(&mp_observer_fn, fn, __ATOMIC_RELEASE);
+}
+
 int mp_trace_enable(mp_pool *p, size_t max_entries) {
     mp_trace_entry *ring = NULL;
     /* A count whose ring would not fit in size_t must not wrap into a small buffer. */

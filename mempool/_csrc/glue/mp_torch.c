@@ -580,6 +580,19 @@ static int api_device_reset_peak_stats(int device, mp_pool *const *privates, siz
     return MP_OK;
 }
 
+/* The device a pool is routed from. Entries are never freed (Note [Torch table lifetime]),
+ * so a stale one read here is still memory of ours; called for segment events, which the
+ * glue records only while history is on. */
+static int api_pool_device(const mp_pool *p) {
+    if (!p) return -1;
+    int top = LOAD(max_device);
+    for (int d = 0; d <= top && d < MP_TORCH_MAX_DEVICES; d++) {
+        mp_torch_entry *e = LOAD(slots[d].entry);
+        if (e && e->pool == p) return d;
+    }
+    return -1;
+}
+
 static const mp_torch_api api = {
     .version = MP_TORCH_API_VERSION,
     .max_devices = MP_TORCH_MAX_DEVICES,
@@ -619,6 +632,8 @@ static const mp_torch_api api = {
     .private_event = api_private_event,
     .device_stats = api_device_stats,
     .device_reset_peak_stats = api_device_reset_peak_stats,
+    .set_segment_observer = mp_set_segment_observer,
+    .pool_device = api_pool_device,
 };
 
 const mp_torch_api *mp_torch_api_table(void) { return &api; }

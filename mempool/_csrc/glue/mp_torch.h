@@ -116,12 +116,14 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
  *   - History (_record_memory_history, _snapshot) is recorded in the glue, in PyTorch's own
  *     structures, and a snapshot is built from mp_layout_take, an expandable segment
  *     reported as one segment per run of mapped pages because PyTorch's viewer lays blocks
- *     end to end from a segment's address.
+ *     end to end from a segment's address. The trace's segment entries come from the
+ *     core's segment observer (Note [Segment observer], mp_core.h), set at install.
  *   - Refused with a message naming the feature: exporting a tensor to another process
  *     (pool memory has no legacy IPC handle; receiving works), MemPool(no_split=True), and
  *     disabling the allocator. */
-#define MP_TORCH_API_VERSION 3   /* 2: mp_layout lists each segment's physical allocations;
-                                    3: the device's peaks with its private pools */
+#define MP_TORCH_API_VERSION 4   /* 2: mp_layout lists each segment's physical allocations;
+                                    3: the device's peaks with its private pools;
+                                    4: the segment observer */
 #define MP_TORCH_FIGURES 7
 
 typedef struct mp_torch_api {
@@ -178,6 +180,10 @@ typedef struct mp_torch_api {
     int (*private_event)(int device, mp_pool *const *privates, size_t n);
     int (*device_stats)(int device, mp_pool *const *privates, size_t n, mp_stats *out);
     int (*device_reset_peak_stats)(int device, mp_pool *const *privates, size_t n);
+    /* Note [Segment observer] (mp_core.h): the function told of every pool's segment
+     * events, and the device whose table routes to a pool (-1: none does). */
+    void (*set_segment_observer)(mp_segment_observer fn, void *ctx);
+    int (*pool_device)(const mp_pool *p);
 } mp_torch_api;
 
 /* The table (static storage, never freed). */

@@ -360,6 +360,7 @@ class MempoolAllocator final : public CUDAAllocator {
                                                          bool include_traces) override {
     c10::cuda::CUDACachingAllocator::SnapshotInfo info;
     std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> contexts;
+    flush_segments();
     {
       std::lock_guard<std::mutex> lock(history_mu_);
       contexts = live_contexts_;
@@ -404,6 +405,10 @@ class MempoolAllocator final : public CUDAAllocator {
     if (clearHistory) {
       trace_.clear();
       live_contexts_.clear();
+    }
+    if (clearHistory || !enabled) {
+      std::lock_guard<std::mutex> segments(segment_mu_);   // history_mu_, then segment_mu_
+      pending_segments_.clear();
     }
     record_when_ = enabled ? when : RecordContext::NEVER;
     context_recorder_ = enabled ? context_recorder : nullptr;
@@ -853,6 +858,7 @@ class MempoolAllocator final : public CUDAAllocator {
     size_t free_bytes = 0, total = 0;
     (void)api->mem_info(device, &free_bytes, &total);
     std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> observers;
+    flush_segments();   // what the OOM chain released comes before the oom entry
     {
       std::lock_guard<std::mutex> lock(history_mu_);
       observers = oom_observers_;
@@ -978,6 +984,7 @@ class MempoolAllocator final : public CUDAAllocator {
 
   void record_alloc(int device, uintptr_t ptr, size_t nbytes, cudaStream_t stream,
                     MempoolId_t pool) {
+    flush_segments();   // the segment this allocation made comes before it
     RecordContext when;
     std::shared_ptr<c10::GatheredContext> ctx = gather_context(RecordContext::STATE, &when);
     std::lock_guard<std::mutex> lock(history_mu_);
@@ -991,6 +998,7 @@ class MempoolAllocator final : public CUDAAllocator {
   }
 
   void record_free(int device, uintptr_t ptr, size_t nbytes, MempoolId_t pool) {
+    flush_segments();
     if (nbytes == 0) nbytes = block_size(device, ptr, pool);
     RecordContext when;
     std::shared_ptr<c10::GatheredContext> ctx = gather_context(RecordContext::ALL, &when);
@@ -1007,6 +1015,100 @@ class MempoolAllocator final : public CUDAAllocator {
       push_trace_locked(TraceEntry(TraceEntry::FREE_COMPLETED,
                                    static_cast<c10::DeviceIndex>(device), ptr, nbytes, nullptr,
                                    pool, time, ctx));
+  }
+
+  // ---- segment events (Note [Segment observer] in mp_core.h) -----------------------------
+  // The core tells the observer of every segment it allocates, frees, maps or unmaps, under
+  // the pool's lock; the event waits in pending_segments_ (segment_mu_ is taken last and
+  // nothing is called while it is held) until the next record or snapshot moves it into the
+  // trace with its device and pool, as PyTorch records its own segment_alloc, segment_free,
+  // segment_map and segment_unmap.
+  struct SegmentEvent {
+    const mp_pool* pool;
+    int action;
+    uintptr_t ptr;
+    size_t nbytes;
+    uintptr_t stream;
+    c10::approx_time_t time;
+  };
+  static constexpr size_t kMaxPendingSegments = 1 << 16;
+
+ public:
+  static void observe_segment(void* ctx, mp_pool* p, int action, uintptr_t ptr, size_t nbytes,
+                              uintptr_t stream) {
+    static_cast<MempoolAllocator*>(ctx)->on_segment(p, action, ptr, nbytes, stream);
+  }
+
+ private:
+  void on_segment(const mp_pool* p, int action, uintptr_t ptr, size_t nbytes,
+                  uintptr_t stream) noexcept {
+    if (!history_on_.load(std::memory_order_relaxed)) return;
+    try {
+      std::lock_guard<std::mutex> lock(segment_mu_);
+      if (pending_segments_.size() < kMaxPendingSegments)
+        pending_segments_.push_back({p, action, ptr, nbytes, stream, c10::getApproximateTime()});
+    } catch (...) {
+      // No host memory for the event: the trace misses it, the allocation goes on.
+    }
+  }
+
+  static const char* segment_action_name(int action) {
+    switch (action) {
+      case MP_TRACE_SEGMENT_ALLOC: return "segment_alloc";
+      case MP_TRACE_SEGMENT_FREE: return "segment_free";
+      case MP_TRACE_SEGMENT_MAP: return "segment_map";
+      case MP_TRACE_SEGMENT_UNMAP: return "segment_unmap";
+      default: return nullptr;
+    }
+  }
+
+  static TraceEntry::Action segment_action(int action) {
+    switch (action) {
+      case MP_TRACE_SEGMENT_ALLOC: return TraceEntry::SEGMENT_ALLOC;
+      case MP_TRACE_SEGMENT_FREE: return TraceEntry::SEGMENT_FREE;
+      case MP_TRACE_SEGMENT_MAP: return TraceEntry::SEGMENT_MAP;
+      default: return TraceEntry::SEGMENT_UNMAP;
+    }
+  }
+
+  // Move the waiting segment events into the trace. Called with no lock held. Events of a
+  // pool PyTorch does not use (a CuPy pool of the same process, say) are dropped.
+  void flush_segments() {
+    std::vector<SegmentEvent> events;
+    {
+      std::lock_guard<std::mutex> lock(segment_mu_);
+      if (pending_segments_.empty()) return;
+      events.swap(pending_segments_);
+    }
+    std::vector<int> devices(events.size(), -1);
+    std::vector<MempoolId_t> owners(events.size(), MempoolId_t{0, 0});
+    bool unresolved = false;
+    for (size_t i = 0; i < events.size(); i++) {
+      devices[i] = api->pool_device(events[i].pool);   // reads the table; calls no pool
+      unresolved |= devices[i] < 0;
+    }
+    if (unresolved) {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      for (size_t i = 0; i < events.size(); i++) {
+        if (devices[i] >= 0) continue;
+        for (auto& [key, pp] : private_) {
+          if (pp->pool && pp->pool == events[i].pool) {
+            devices[i] = pp->device;
+            owners[i] = pp->id;
+            break;
+          }
+        }
+      }
+    }
+    std::lock_guard<std::mutex> lock(history_mu_);
+    for (size_t i = 0; i < events.size(); i++) {
+      const SegmentEvent& e = events[i];
+      const char* name = segment_action_name(e.action);
+      if (devices[i] < 0 || !name || skip_.count(name)) continue;
+      push_trace_locked(TraceEntry(segment_action(e.action),
+                                   static_cast<c10::DeviceIndex>(devices[i]), e.ptr, e.nbytes,
+                                   reinterpret_cast<void*>(e.stream), owners[i], e.time));
+    }
   }
 
   size_t block_size(int device, uintptr_t ptr, MempoolId_t pool) {
@@ -1116,6 +1218,9 @@ class MempoolAllocator final : public CUDAAllocator {
   std::string user_metadata_;
   std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> oom_observers_;
   std::vector<c10::CachingDeviceAllocator::AllocatorTraceTracker> trackers_;
+  // Segment events waiting for the trace: guarded by segment_mu_, taken last.
+  std::mutex segment_mu_;
+  std::vector<SegmentEvent> pending_segments_;
 };
 
 MempoolAllocator* the_allocator = nullptr;
@@ -1152,6 +1257,7 @@ extern "C" __attribute__((visibility("default"))) int mempool_torch_glue_install
     api = table;
     if (!the_allocator) the_allocator = new MempoolAllocator();   // lives for the process
     the_allocator->init(device_count);
+    api->set_segment_observer(&MempoolAllocator::observe_segment, the_allocator);
     c10::cuda::CUDACachingAllocator::allocator.store(the_allocator);
     return 0;
   } catch (const std::exception& e) {
