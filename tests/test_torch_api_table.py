@@ -349,6 +349,9 @@ def test_device_peaks_without_private_pools_are_the_pools(api, routed):
     assert api.device_stats(DEVICE + 1, none, 0, ctypes.byref(Stats())) == MP_EINVAL
 
 
+CALLBACKS = []
+
+
 @pytest.fixture
 def observed(api):
     """The segment observer set to a recorder (as the glue sets its own at install), and
@@ -358,7 +361,10 @@ def observed(api):
     def record(ctx, pool, action, ptr, nbytes, stream):
         events.append((pool, action, ptr, nbytes))
 
-    callback = Observer(record)   # kept alive until the observer is unset
+    callback = Observer(record)
+    # Kept for the life of the process: a pool's thread that read the observer just before
+    # it was unset may still call it.
+    CALLBACKS.append(callback)
     api.set_segment_observer(callback, None)
     yield events
     api.set_segment_observer(Observer(), None)
