@@ -1052,22 +1052,22 @@ class MempoolAllocator final : public CUDAAllocator {
     }
   }
 
-  static const char* segment_action_name(int action) {
+  // The core's segment actions as PyTorch names them (skip_actions) and records them.
+  struct SegmentAction {
+    const char* name;
+    TraceEntry::Action action;
+  };
+  static const SegmentAction* segment_action(int action) {
+    static const SegmentAction alloc{"segment_alloc", TraceEntry::SEGMENT_ALLOC},
+        free{"segment_free", TraceEntry::SEGMENT_FREE},
+        map{"segment_map", TraceEntry::SEGMENT_MAP},
+        unmap{"segment_unmap", TraceEntry::SEGMENT_UNMAP};
     switch (action) {
-      case MP_TRACE_SEGMENT_ALLOC: return "segment_alloc";
-      case MP_TRACE_SEGMENT_FREE: return "segment_free";
-      case MP_TRACE_SEGMENT_MAP: return "segment_map";
-      case MP_TRACE_SEGMENT_UNMAP: return "segment_unmap";
+      case MP_TRACE_SEGMENT_ALLOC: return &alloc;
+      case MP_TRACE_SEGMENT_FREE: return &free;
+      case MP_TRACE_SEGMENT_MAP: return &map;
+      case MP_TRACE_SEGMENT_UNMAP: return &unmap;
       default: return nullptr;
-    }
-  }
-
-  static TraceEntry::Action segment_action(int action) {
-    switch (action) {
-      case MP_TRACE_SEGMENT_ALLOC: return TraceEntry::SEGMENT_ALLOC;
-      case MP_TRACE_SEGMENT_FREE: return TraceEntry::SEGMENT_FREE;
-      case MP_TRACE_SEGMENT_MAP: return TraceEntry::SEGMENT_MAP;
-      default: return TraceEntry::SEGMENT_UNMAP;
     }
   }
 
@@ -1103,9 +1103,9 @@ class MempoolAllocator final : public CUDAAllocator {
     std::lock_guard<std::mutex> lock(history_mu_);
     for (size_t i = 0; i < events.size(); i++) {
       const SegmentEvent& e = events[i];
-      const char* name = segment_action_name(e.action);
-      if (devices[i] < 0 || !name || skip_.count(name)) continue;
-      push_trace_locked(TraceEntry(segment_action(e.action),
+      const SegmentAction* a = segment_action(e.action);
+      if (devices[i] < 0 || !a || skip_.count(a->name)) continue;
+      push_trace_locked(TraceEntry(a->action,
                                    static_cast<c10::DeviceIndex>(devices[i]), e.ptr, e.nbytes,
                                    reinterpret_cast<void*>(e.stream), owners[i], e.time));
     }
