@@ -26,14 +26,14 @@ export PYTHONUNBUFFERED=1
 # file by default: on an H200 each took under 60 s but the PyTorch drop-in's, 176 s); the
 # memcheck stage alone takes about 9 minutes, so a 10-minute call runs it on its own.
 T_BUILD=${T_BUILD:-100}
-T_TESTS=${T_TESTS:-450}   # for each of the two pytest processes of the stage
+T_TESTS=${T_TESTS:-540}   # for each of the two pytest processes (tests/gpu took 371 s, then over 420)
 T_SANITIZER=${T_SANITIZER:-200}   # for each group of SANITIZER_GROUPS (the PyTorch drop-in: 176 s)
 T_BENCH=${T_BENCH:-240}
 T_FRAG=${T_FRAG:-120}
 T_TORCH=${T_TORCH:-480}
 T_CHURN=${T_CHURN:-120}
 T_VMM=${T_VMM:-60}
-T_SNAPSHOT=${T_SNAPSHOT:-150}
+T_SNAPSHOT=${T_SNAPSHOT:-240}   # six processes of 14-28 s each, and start-up
 STAGES=" ${STAGES:-build tests sanitizer bench churn vmm fragmentation torch snapshot} "
 # SANITIZER_GROUPS: a file with one line of pytest arguments per memcheck process (default:
 # one process per file of tests/gpu, and one for the upstream contract's cuda cases; not
@@ -211,9 +211,10 @@ stage torch "$OUT/torch-workloads.log" timeout "$T_TORCH" "$PY" bench/torch_work
 # steps of each workload, so that what the device holds can be worked out on a machine with
 # no GPU (`python -m mempool replay FILE`; `bench/driver_model.py --predict --trace FILE`, the
 # cudaMemPool under the default path). Their times are not comparable (history is on).
+# SNAPSHOT_WORKLOADS and SNAPSHOT_ALLOCATORS narrow or change them.
 stage snapshot "$OUT/snapshot.log" timeout "$T_SNAPSHOT" "$PY" bench/torch_workloads.py \
     "$OUT/snapshots" --workloads "${SNAPSHOT_WORKLOADS:-gpt,resnet}" --reps 1 --steps 5 \
-    --allocators torch-expandable,mempool,mempool-expandable --snapshot
+    --allocators "${SNAPSHOT_ALLOCATORS:-torch-expandable,mempool,mempool-expandable}" --snapshot
 
 # ---- summary
 {

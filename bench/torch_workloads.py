@@ -55,11 +55,15 @@ def counters(torch):
 # mempool's allocators: the Pool options of each. Besides ALLOCATORS, --allocators takes
 # "mempool-expandable-2mib": expandable segments with PyTorch's page size instead of the
 # default 8 MiB on cuda, to see what the page costs in peak reserved on a real workload;
+# "mempool-expandable-page": expandable segments with one physical allocation per page
+# (max_map_size = the page), which can give back every free page (Note [Growth extents]);
 # "mempool-seg32": the default path with segment_rounding 32 MiB (Note [Segment rounding]).
 MEMPOOL_OPTIONS = {"mempool": {},
                    "mempool-expandable": {"expandable_segments": True},
                    "mempool-expandable-2mib": {"expandable_segments": True,
                                                "granularity": "2MiB"},
+                   "mempool-expandable-page": {"expandable_segments": True,
+                                               "max_map_size": "8MiB"},
                    "mempool-seg32": {"segment_rounding": "32MiB"}}
 
 
