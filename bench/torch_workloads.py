@@ -57,6 +57,7 @@ def counters(torch):
 # default 8 MiB on cuda, to see what the page costs in peak reserved on a real workload;
 # "mempool-expandable-page": expandable segments with one physical allocation per page
 # (max_map_size = the page), which can give back every free page (Note [Growth extents]);
+# "mempool-expandable-map32": physical allocations of at most 32 MiB, between the two;
 # "mempool-seg32": the default path with segment_rounding 32 MiB (Note [Segment rounding]).
 MEMPOOL_OPTIONS = {"mempool": {},
                    "mempool-expandable": {"expandable_segments": True},
@@ -64,6 +65,8 @@ MEMPOOL_OPTIONS = {"mempool": {},
                                                "granularity": "2MiB"},
                    "mempool-expandable-page": {"expandable_segments": True,
                                                "max_map_size": "8MiB"},
+                   "mempool-expandable-map32": {"expandable_segments": True,
+                                                "max_map_size": "32MiB"},
                    "mempool-seg32": {"segment_rounding": "32MiB"}}
 
 
