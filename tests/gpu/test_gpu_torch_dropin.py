@@ -267,6 +267,100 @@ def test_the_snapshot_trace_has_the_pools_segment_events(expandable):
     """, prelude=prelude if expandable else PRELUDE)
 
 
+TRACKER_SOURCE = r"""
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <cstring>
+#include <mutex>
+#include <string>
+namespace {
+std::mutex mu;
+std::string seen;   // one line per entry: action address size
+const char* name(c10::CachingDeviceAllocator::TraceEntry::Action a) {
+  using E = c10::CachingDeviceAllocator::TraceEntry;
+  switch (a) {
+    case E::ALLOC: return "alloc";
+    case E::FREE_REQUESTED: return "free_requested";
+    case E::FREE_COMPLETED: return "free_completed";
+    case E::SEGMENT_ALLOC: return "segment_alloc";
+    case E::SEGMENT_FREE: return "segment_free";
+    case E::SEGMENT_MAP: return "segment_map";
+    case E::SEGMENT_UNMAP: return "segment_unmap";
+    default: return "other";
+  }
+}
+}  // namespace
+extern "C" void tracker_attach() {
+  c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker(
+      [](const c10::CachingDeviceAllocator::TraceEntry& te) {
+        std::lock_guard<std::mutex> lock(mu);
+        seen += std::string(name(te.action_)) + " " + std::to_string(te.addr_) + " " +
+                std::to_string(te.size_) + "\n";
+      });
+}
+extern "C" size_t tracker_entries(char* out, size_t n) {   // the length; copied when it fits
+  std::lock_guard<std::mutex> lock(mu);
+  if (seen.size() < n) std::memcpy(out, seen.c_str(), seen.size() + 1);
+  return seen.size();
+}
+"""
+
+TRACKER_BUILD = """
+import ctypes, os, subprocess, tempfile
+from mempool import torch_build as tb
+src = os.path.join(tempfile.mkdtemp(), "tracker.cpp")
+with open(src, "w") as f:
+    f.write(SOURCE)
+includes, libdir = tb._torch_paths(torch)
+lib = src[:-4] + ".so"
+subprocess.run([tb._compiler(), "-std=c++17", "-O1", "-shared", "-fPIC",
+                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                *(f"-I{d}" for d in includes + tb._cuda_include_dirs(torch)), src,
+                f"-L{libdir}", "-lc10", "-lc10_cuda", "-o", lib], check=True)
+tracker = ctypes.CDLL(lib)
+tracker.tracker_entries.restype = ctypes.c_size_t
+
+def tracked():
+    n = tracker.tracker_entries(None, 0)
+    buf = ctypes.create_string_buffer(n + 1)
+    tracker.tracker_entries(buf, n + 1)
+    return [(a, int(p), int(z)) for a, p, z in
+            (line.split() for line in buf.value.decode().splitlines())]
+"""
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_trace_tracker_sees_segments_with_history_off(expandable):
+    # PyTorch hands every trace entry to attachAllocatorTraceTracker's trackers whether or
+    # not history is recorded: ProcessGroupNCCL registers each new segment with NCCL that way
+    # (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK). The tracker here is C++ built against
+    # the installed PyTorch with the glue's own toolchain, as NCCL's hook is C++.
+    prelude = PRELUDE.replace('device=0)', 'device=0, expandable_segments=True)')
+    assert prelude != PRELUDE
+    build = f"SOURCE = {TRACKER_SOURCE!r}\n" + TRACKER_BUILD
+    run("""
+        torch.cuda.init()
+        tracker.tracker_attach()
+        assert not torch.cuda.memory._snapshot()["device_traces"][0]   # history is off
+        a = torch.empty(300 << 20, dtype=torch.uint8, device="cuda")   # a segment of its own
+        ptr = a.data_ptr()
+        del a
+        torch.cuda.empty_cache()
+        seen = tracked()
+        actions = [e[0] for e in seen]
+        grow, give = (("segment_map", "segment_unmap") if pool.options["expandable_segments"]
+                      else ("segment_alloc", "segment_free"))
+        grown = [e for e in seen if e[0] == grow and e[1] <= ptr < e[1] + e[2]]
+        assert grown and grown[0][2] >= 300 << 20, seen
+        alloc_at = actions.index("alloc")
+        assert seen[alloc_at][1] == ptr and seen.index(grown[0]) < alloc_at, seen
+        given = [e for e in seen if e[0] == give]
+        assert sum(e[2] for e in given) >= 300 << 20, seen
+        assert actions.index(give) > actions.index("free_completed"), seen
+        assert not torch.cuda.memory._snapshot()["device_traces"][0]   # and kept nothing
+        print("tracker ok", len(seen))
+    """, prelude=(prelude if expandable else PRELUDE) + build)
+
+
 def test_empty_cache_fraction_record_stream_and_mem_pool():
     run("""
         x = torch.randn(1 << 22, device="cuda")

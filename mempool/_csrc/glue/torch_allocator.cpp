@@ -210,7 +210,7 @@ class MempoolAllocator final : public CUDAAllocator {
       tag = static_cast<uintptr_t>(device) + 1;
     }
     int device = static_cast<int>(tag) - 1;
-    if (history_on_.load(std::memory_order_relaxed)) record_free(device, ptr, 0, {0, 0});
+    if (tracing_.load(std::memory_order_relaxed)) record_free(device, ptr, 0, {0, 0});
     api->free(device, ptr);
   }
 
@@ -244,6 +244,7 @@ class MempoolAllocator final : public CUDAAllocator {
     if (mempool_id == MempoolId_t{0, 0}) {
       for (int d = 0; d < api->max_devices && d < device_limit(); d++) api->empty_cache(d);
     }
+    flush_segments();   // trackers (NCCL's registration hook) learn of the freed segments now
   }
 
   void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
@@ -406,7 +407,7 @@ class MempoolAllocator final : public CUDAAllocator {
       trace_.clear();
       live_contexts_.clear();
     }
-    if (clearHistory || !enabled) {
+    if ((clearHistory || !enabled) && trackers_.empty()) {
       std::lock_guard<std::mutex> segments(segment_mu_);   // history_mu_, then segment_mu_
       pending_segments_.clear();
     }
@@ -417,6 +418,7 @@ class MempoolAllocator final : public CUDAAllocator {
     for (const std::string& a : skip_actions) skip_.insert(a);
     while (trace_.size() > max_entries_) trace_.pop_front();
     history_on_.store(enabled);
+    tracing_.store(enabled || !trackers_.empty());
   }
 
   void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& /*md*/) override {}
@@ -447,6 +449,7 @@ class MempoolAllocator final : public CUDAAllocator {
       c10::CachingDeviceAllocator::AllocatorTraceTracker tracker) override {
     std::lock_guard<std::mutex> lock(history_mu_);
     trackers_.push_back(std::move(tracker));
+    tracing_.store(true);   // trackers see every entry, history or not, as PyTorch's do
   }
 
   // ---- CUDA graphs and MemPools ------------------------------------------------------------
@@ -684,7 +687,7 @@ class MempoolAllocator final : public CUDAAllocator {
     int rc = api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
     if (rc == MP_OK) {
       *tag = static_cast<uintptr_t>(device) + 1;
-      if (history_on_.load(std::memory_order_relaxed))
+      if (tracing_.load(std::memory_order_relaxed))
         record_alloc(device, out, nbytes, stream, {0, 0});
       return reinterpret_cast<void*>(out);
     }
@@ -745,7 +748,7 @@ class MempoolAllocator final : public CUDAAllocator {
     }
     n_private_blocks_.fetch_add(1, std::memory_order_release);
     if (!pp->custom) note_private_change(pp->device);
-    if (history_on_.load(std::memory_order_relaxed))
+    if (tracing_.load(std::memory_order_relaxed))
       record_alloc(pp->device, out, nbytes, stream, pp->id);
     return reinterpret_cast<void*>(out);
   }
@@ -777,7 +780,7 @@ class MempoolAllocator final : public CUDAAllocator {
       private_blocks_.erase(it);   // still counted in live_blocks: pp stays until the free
     }
     n_private_blocks_.fetch_sub(1, std::memory_order_release);
-    if (history_on_.load(std::memory_order_relaxed)) record_free(pp->device, ptr, 0, pp->id);
+    if (tracing_.load(std::memory_order_relaxed)) record_free(pp->device, ptr, 0, pp->id);
     if (pp->custom) {
       pp->custom->raw_delete(reinterpret_cast<void*>(ptr));
     } else {
@@ -862,7 +865,7 @@ class MempoolAllocator final : public CUDAAllocator {
     {
       std::lock_guard<std::mutex> lock(history_mu_);
       observers = oom_observers_;
-      if (history_on_.load())
+      if (tracing_.load())
         push_trace_locked(TraceEntry(TraceEntry::OOM, static_cast<c10::DeviceIndex>(device),
                                      free_bytes, nbytes, stream,
                                      private_id ? *private_id : MempoolId_t{0, 0},
@@ -1042,7 +1045,7 @@ class MempoolAllocator final : public CUDAAllocator {
  private:
   void on_segment(const mp_pool* p, int action, uintptr_t ptr, size_t nbytes,
                   uintptr_t stream) noexcept {
-    if (!history_on_.load(std::memory_order_relaxed)) return;
+    if (!tracing_.load(std::memory_order_relaxed)) return;
     try {
       std::lock_guard<std::mutex> lock(segment_mu_);
       if (pending_segments_.size() < kMaxPendingSegments)
@@ -1126,6 +1129,7 @@ class MempoolAllocator final : public CUDAAllocator {
 
   void push_trace_locked(TraceEntry entry) {
     for (auto& tracker : trackers_) tracker(entry);
+    if (!history_on_.load(std::memory_order_relaxed)) return;
     trace_.push_back(std::move(entry));
     while (trace_.size() > max_entries_) trace_.pop_front();
   }
@@ -1206,8 +1210,12 @@ class MempoolAllocator final : public CUDAAllocator {
   std::atomic<int64_t> n_private_blocks_{0};
   std::atomic<int> captures_{0};
   // History: guarded by history_mu_ (history_on_ is read without it on the hot path).
+  // tracing_: history is on or a trace tracker is attached, so allocations, frees and segment
+  // events are recorded; the trace keeps them only while history is on, the trackers
+  // (attachAllocatorTraceTracker) get them either way, as from PyTorch's own allocator.
   std::mutex history_mu_;
   std::atomic<bool> history_on_{false};
+  std::atomic<bool> tracing_{false};
   RecordContext record_when_ = RecordContext::NEVER;
   CreateContextFn context_recorder_ = nullptr;
   size_t max_entries_ = 1;
