@@ -748,8 +748,12 @@ def normalize(options: Mapping[str, Any]) -> dict[str, Any]:
     for name, why in _overridden(out).items():
         _warn_once(("overridden", name), why)
         out[name] = _default(name)
-    rounding, limit = out["segment_rounding"], out["limit"]
-    whole_device = isinstance(limit, float) and limit == 1.0
+    rounding, limit, capacity = out["segment_rounding"], out["limit"], out.get("capacity")
+    # A limit of the whole device limits nothing, and the core rounds under it: a fraction of
+    # 1.0, or bytes at least the capacity where the options give it (on cuda the device's
+    # capacity is known only once the pool is made, and a byte limit still warns).
+    whole_device = (isinstance(limit, float) and limit == 1.0) or (
+        isinstance(limit, int) and isinstance(capacity, int) and limit >= capacity)
     if rounding is not None and rounding > 2 << 20 and limit is not None and not whole_device:
         # Kept, not overridden: it applies again once set_limit(None) lifts the limit.
         _warn_once(("rounding under a limit",),

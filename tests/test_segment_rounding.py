@@ -2,6 +2,7 @@
 mempool/_csrc/core/mp_core.c), on the simulated device with exact figures; see
 tests/test_retention.py for the layout helpers' conventions."""
 import os
+import warnings
 
 import pytest
 
@@ -84,6 +85,20 @@ def test_under_a_limit_every_segment_is_plain_so_what_fits_is_served(sim):
     for b in (first, small, tiny):
         pool.free(b)
     pool.check_invariants()
+
+
+def test_a_limit_of_the_whole_device_keeps_the_rounding_and_does_not_warn(sim):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mempool.ConfigWarning)
+        pool = sim(segment_rounding="32MiB", capacity="1GiB", limit="1GiB")
+        whole = sim(segment_rounding="32MiB", limit=1.0)
+    for p in (pool, whole):
+        p.free(p.alloc(12 * MiB))
+        assert segment_sizes(p) == [32 * MiB]
+    with pytest.warns(mempool.ConfigWarning, match="no effect while 'limit' is set"):
+        below = sim(segment_rounding="32MiB", capacity="1GiB", limit=(1 << 30) - (2 << 20))
+    below.free(below.alloc(12 * MiB))
+    assert segment_sizes(below) == [12 * MiB]
 
 
 def test_rounding_follows_set_limit(sim):
