@@ -195,3 +195,37 @@ def test_a_setting_ranked_down_by_a_rule_is_listed_with_the_rule(transformer_tun
     refused = [r for r in results if r.result is None]
     assert refused and f"not replayed: {len(refused)} settings, by reason:" in text
     assert "do not combine" in text
+
+
+def test_segment_rounding_replays_fixed_segments_as_the_device_rounds_them(transformer):
+    # On cuda the default pool rounds fixed segments to the cudaMemPool's unit (32 MiB on an
+    # H200): tuned with that rounding, the default and the fixed-segment points are what the
+    # device would hold, and the recommendation's conf still leaves the rounding out.
+    from mempool.tools import replay as rp
+
+    grid = {"expandable_segments": [None, True], "max_split_size": [None, 256 * MiB]}
+    plain = {r.conf: r for r in tn.tune(transformer, grid=grid, progress=False) if r.result}
+    rounded = {r.conf: r for r in tn.tune(transformer, grid=grid, progress=False,
+                                          segment_rounding="32MiB") if r.result}
+    assert plain.keys() == rounded.keys()
+    assert not any("segment_rounding" in conf for conf in rounded)
+    on_device = rp.replay(transformer, conf="segment_rounding:32MiB")
+    assert rounded[""].result.peak_reserved_bytes == on_device.peak_reserved_bytes
+    assert rounded[""].result.num_device_alloc == on_device.num_device_alloc
+    assert rounded[""].result.peak_reserved_bytes > plain[""].result.peak_reserved_bytes
+    # Expandable segments have no fixed segments: the same replay either way.
+    exp = "expandable_segments:True"
+    assert rounded[exp].result.peak_reserved_bytes == plain[exp].result.peak_reserved_bytes
+    # Under a limit every fixed segment is plain (Note [Segment rounding]): the same ranking.
+    capped = tn.tune(transformer, grid=grid, progress=False, limit=0.12,
+                     segment_rounding="32MiB")
+    capped_plain = tn.tune(transformer, grid=grid, progress=False, limit=0.12)
+    assert [(r.conf, r.result.peak_reserved_bytes, r.result.num_ooms)
+            for r in capped if r.result] == \
+        [(r.conf, r.result.peak_reserved_bytes, r.result.num_ooms)
+         for r in capped_plain if r.result]
+
+
+def test_a_bad_segment_rounding_is_refused_naming_it(small):
+    with pytest.raises(ValueError, match="tune: option 'segment_rounding'.*multiple of 2 MiB"):
+        tn.tune(small, progress=False, segment_rounding="3MiB")

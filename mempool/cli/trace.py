@@ -2,7 +2,7 @@
 
     python -m mempool replay [TRACE] [--conf CONF] [--backend sim|cuda|host] [--limit N]
                              [--plot FILE] [--json] [--compare]
-    python -m mempool tune   [TRACE] [--limit N] [--top N] [--quiet]
+    python -m mempool tune   [TRACE] [--limit N] [--top N] [--quiet] [--segment-rounding SIZE]
     python -m mempool plot   [SNAPSHOT_OR_TRACE] [--out FILE.png] [--conf CONF] [--segments]
 
 TRACE is a mempool trace (JSON lines, .gz allowed), a torch memory snapshot pickle, or an
@@ -272,13 +272,23 @@ def _tune(argv) -> int:
                     help="replay under this cap on reserved bytes (bytes, 40GB, or 0.5)")
     ap.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--segment-rounding", default=None, metavar="SIZE",
+                    help="replay fixed segments rounded as on the device tuned for: on cuda "
+                         "the cudaMemPool's unit, 32MiB on an H200; not under --limit, where "
+                         "fixed segments are plain (default: sim's plain segments)")
     args = ap.parse_args(argv)
     path = args.trace or default_trace()
     events = _load(path)
-    results = tn.tune(events, limit=args.limit, progress=not args.quiet)
+    try:
+        results = tn.tune(events, limit=args.limit, progress=not args.quiet,
+                          segment_rounding=args.segment_rounding)
+    except ValueError as e:
+        ap.error(str(e))
     replayed = sum(r.result is not None for r in results)
     print(f"trace {path}: {len(events):,} events, {replayed} settings replayed on sim"
           + (f" under a limit of {args.limit}" if args.limit is not None else "")
+          + (f", fixed segments rounded to {args.segment_rounding}"
+             if args.segment_rounding is not None and args.limit is None else "")
           + f" ({len(results) - replayed} refused, listed below)" * (replayed < len(results)))
     print(tn.report(results, top=args.top))
     return 0

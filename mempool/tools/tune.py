@@ -169,7 +169,7 @@ class _Progress:
 
 
 def tune(events, limit=None, grid=None, progress: bool = True, capacity=None,
-         stream=None) -> list:
+         stream=None, segment_rounding=None) -> list:
     """Replay `events` on sim under every point of `grid`; return the points ranked, best first.
 
     Parameters
@@ -189,6 +189,13 @@ def tune(events, limit=None, grid=None, progress: bool = True, capacity=None,
         Draw a progress bar on stderr.
     capacity : int or str, optional
         The simulated device's size (the pool's default when None).
+    segment_rounding : int or str, optional
+        The rounding of fixed segments on the device tuned for, so that the default and every
+        fixed-segment point replay as they would there: on ``backend="cuda"`` the pool rounds
+        them to its ``cudaMemPool``'s unit (32 MiB on an H200, Note [Segment rounding]). None:
+        sim's plain segments. It is the device's, not a setting: it never appears in a
+        result's conf, applies to no expandable point, and not under a `limit` (where every
+        fixed segment is plain).
 
     Returns
     -------
@@ -205,9 +212,18 @@ def tune(events, limit=None, grid=None, progress: bool = True, capacity=None,
     if limit is None and grid.get("garbage_collection_threshold") == \
             DEFAULT_GRID["garbage_collection_threshold"]:
         grid["garbage_collection_threshold"] = [None]
+    if segment_rounding is not None:
+        try:
+            segment_rounding = normalize({"segment_rounding": segment_rounding})[
+                "segment_rounding"]
+        except ValueError as e:
+            raise ValueError(f"tune: {e}") from None
     prep = _replay.prepare(events)
     points, left_out = _candidates(grid)
     extra = {} if capacity is None else {"capacity": capacity}
+    fixed = dict(extra)
+    if segment_rounding is not None and limit is None:
+        fixed["segment_rounding"] = segment_rounding
     bar = _Progress(len(points), progress, stream)
     done = []                    # (item, grid order), every replayed point
     # Spelled key by key: to_conf validates the whole point, which these fail.
@@ -223,7 +239,7 @@ def tune(events, limit=None, grid=None, progress: bool = True, capacity=None,
         if reason is None:
             try:
                 result = _replay.replay(prep, conf=dict(point), backend="sim", limit=limit,
-                                        **extra)
+                                        **(extra if point.get("expandable_segments") else fixed))
             except (NotImplementedError, ValueError) as e:
                 if not point:
                     raise              # the default configuration must replay
