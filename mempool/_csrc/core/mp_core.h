@@ -296,7 +296,8 @@ int mp_trace_enable(mp_pool *p, size_t max_entries);   /* 0 turns recording off 
  * the MP_TRACE_SEGMENT_* actions (a segment allocated or freed, pages of an expandable
  * segment mapped or unmapped), whether or not the pool records a trace. The PyTorch glue
  * puts them in _snapshot()'s trace, where PyTorch's allocator records its own, so that
- * memory_viz shows the pool's segments over time. It runs under the pool's lock, on the
+ * memory_viz shows the pool's segments over time, and hands them to PyTorch's trace
+ * trackers (NCCL's segment registration). It runs under the pool's lock, on the
  * thread that caused the event: it must return at once and call no pool. Set it once (or
  * to NULL, when no pool is in use); NULL, the default, costs one load per segment event. */
 typedef void (*mp_segment_observer)(void *ctx, mp_pool *p, int action, uintptr_t ptr,

@@ -582,7 +582,7 @@ static int api_device_reset_peak_stats(int device, mp_pool *const *privates, siz
 
 /* The device a pool is routed from. Entries are never freed (Note [Torch table lifetime]),
  * so a stale one read here is still memory of ours; called for segment events, which the
- * glue records only while history is on. */
+ * glue records only while history is on or a trace tracker is attached. */
 static int api_pool_device(const mp_pool *p) {
     if (!p) return -1;
     int top = LOAD(max_device);

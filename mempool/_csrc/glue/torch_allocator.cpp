@@ -1023,9 +1023,9 @@ class MempoolAllocator final : public CUDAAllocator {
   // ---- segment events (Note [Segment observer] in mp_core.h) -----------------------------
   // The core tells the observer of every segment it allocates, frees, maps or unmaps, under
   // the pool's lock; the event waits in pending_segments_ (segment_mu_ is taken last and
-  // nothing is called while it is held) until the next record or snapshot moves it into the
-  // trace with its device and pool, as PyTorch records its own segment_alloc, segment_free,
-  // segment_map and segment_unmap.
+  // nothing is called while it is held) until the next record, snapshot or empty_cache moves
+  // it into the trace and to the trackers with its device and pool, as PyTorch records its
+  // own segment_alloc, segment_free, segment_map and segment_unmap.
   struct SegmentEvent {
     const mp_pool* pool;
     int action;
