@@ -18,7 +18,8 @@ allocating real device memory (no kernels), through:
 - CuPy's ``MemoryPool`` (reserved bytes sampled after every allocation).
 
 and reports peak reserved / peak live, ns per event (the median of ``--repeat`` processes per
-row, 3 by default) and the upstream calls per training step. With ``--snapshot`` it also records
+row, 3 by default, run in rounds of one process per row) and each row's time over the
+default path's round by round, and the upstream calls per training step. With ``--snapshot`` it also records
 a small PyTorch training loop with ``torch.cuda.memory._record_memory_history`` and saves the
 snapshot pickle (no stack frames, to keep it small), the fixture for the importer's tests.
 """
@@ -150,21 +151,49 @@ def _guard(fn, *args):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def _median_of(repeat: int, worker_args, env) -> dict:
-    """Run a worker `repeat` times, one process each: the first run's row, with ns_per_event
-    the median over the runs (all kept in ns_per_event_runs)."""
-    rows = []
+def _one_process(worker_args, env) -> dict:
+    p = subprocess.run([sys.executable, __file__, *worker_args], env=env,
+                       capture_output=True, text=True, timeout=600)
+    try:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": (p.stderr or p.stdout)[-2000:]}
+
+
+def _interleaved(repeat: int, rows) -> list:
+    """Run each row's worker `repeat` times, one process each, in rounds: every row once,
+    then every row again. The host's pace drifts over a run (the same default replay took
+    482-810 ns per event within minutes, bench/results/2026-12-04-h200-evening.md), so rows
+    run one after another in turns, and each round's rows are compared with each other.
+    Returns per row the first process's figures, ns_per_event the median over the rounds
+    and ns_per_event_runs every round's, in round order."""
+    runs = [[] for _ in rows]
     for _ in range(repeat):
-        p = subprocess.run([sys.executable, __file__, *worker_args], env=env,
-                           capture_output=True, text=True, timeout=600)
-        try:
-            rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
-        except (ValueError, IndexError):
-            rows.append({"error": (p.stderr or p.stdout)[-2000:]})
-        if "error" in rows[-1]:
-            return rows[-1]
-    times = sorted(r["ns_per_event"] for r in rows)
-    return {**rows[0], "ns_per_event": times[len(times) // 2], "ns_per_event_runs": times}
+        for i, (_, worker_args, env) in enumerate(rows):
+            if runs[i] and "error" in runs[i][0]:
+                continue
+            got = _one_process(worker_args, env)
+            if "error" in got:
+                runs[i] = [got]
+            else:
+                runs[i].append(got)
+    out = []
+    for runs_of_row in runs:
+        if "error" in runs_of_row[0]:
+            out.append(runs_of_row[0])
+            continue
+        times = [r["ns_per_event"] for r in runs_of_row]
+        ordered = sorted(times)
+        out.append({**runs_of_row[0], "ns_per_event": ordered[len(ordered) // 2],
+                    "ns_per_event_runs": times})
+    return out
+
+
+def round_ratios(row, base) -> list:
+    """Row's ns per event over base's, round by round (the processes run next to each
+    other)."""
+    a, b = row.get("ns_per_event_runs") or [], base.get("ns_per_event_runs") or []
+    return [x / y for x, y in zip(a, b) if y]
 
 
 def main(argv=None) -> int:
@@ -223,16 +252,12 @@ def main(argv=None) -> int:
     torch_confs = TORCH_CONFS if args.torch_confs is None else args.torch_confs.split(";")
     for name in TRACES:
         path = _trace_path(name)
-        for label, conf in mempool_rows:
-            got = _median_of(args.repeat, ["--mempool-worker", path, json.dumps(conf)],
-                             dict(os.environ))
+        rows = [(label, ["--mempool-worker", path, json.dumps(conf)], dict(os.environ))
+                for label, conf in mempool_rows]
+        rows += [(f"torch {conf or 'default'}", ["--torch-worker", path],
+                  dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)) for conf in torch_confs]
+        for (label, _, _), got in zip(rows, _interleaved(args.repeat, rows)):
             row = {"trace": name, "allocator": label, **got}
-            results["rows"].append(row)
-            print(json.dumps(row), flush=True)
-        for conf in torch_confs:
-            env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf)
-            got = _median_of(args.repeat, ["--torch-worker", path], env)
-            row = {"trace": name, "allocator": f"torch {conf or 'default'}", **got}
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
         row = {"trace": name, "allocator": "cupy MemoryPool", **_guard(cupy_replay, path)}
@@ -250,6 +275,17 @@ def main(argv=None) -> int:
                       if r.get("driver_ratio") is not None else "")
             print(f"{r['trace']:<27} {r['allocator']:<40} reserved/live {r['ratio']:.3f}  "
                   f"{r['ns_per_event']:7.0f} ns/event{_calls(r)}{driver}")
+    # Each row's time against the default path's, from the processes of the same round.
+    for name in TRACES:
+        rows = [r for r in results["rows"] if r["trace"] == name and "error" not in r]
+        base = next((r for r in rows if r["allocator"] == "mempool default"), None)
+        for r in rows:
+            ratios = round_ratios(r, base) if base and r is not base else []
+            if ratios:
+                r["ns_vs_default_by_round"] = ratios
+                print(f"{name:<27} {r['allocator']:<40} ns/event over the default's, round "
+                      f"by round: median {sorted(ratios)[len(ratios) // 2]:.2f}x, worst "
+                      f"{max(ratios):.2f}x ({', '.join(f'{x:.2f}' for x in ratios)})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2, default=str)
