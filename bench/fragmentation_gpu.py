@@ -41,6 +41,9 @@ from mempool.tools import trace as mtrace  # noqa: E402
 from mempool.tools.torch_replay import replay as torch_replay  # noqa: E402
 from mempool.cli.trace import TRACES_DIR, calls_per_step_text  # noqa: E402
 
+sys.path.insert(0, HERE)
+from torch_workloads import fastest_cpus  # noqa: E402  (stdlib only at import)
+
 TRACES = ("transformer_train.jsonl.gz", "vision_train.jsonl.gz")
 TORCH_CONFS = ("", "expandable_segments:True", "roundup_power2_divisions:4",
                "max_split_size_mb:64")
@@ -151,9 +154,10 @@ def _guard(fn, *args):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def _one_process(worker_args, env) -> dict:
+def _one_process(worker_args, env, cpu=None) -> dict:
+    pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
     p = subprocess.run([sys.executable, __file__, *worker_args], env=env,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, preexec_fn=pin)
     try:
         return json.loads(p.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -169,10 +173,13 @@ def _interleaved(repeat: int, rows) -> list:
     and ns_per_event_runs every round's, in round order."""
     runs = [[] for _ in rows]
     for _ in range(repeat):
+        # A round's processes share one CPU, the fastest just before the round (as
+        # torch_workloads.py's torch.empty children): cores of this host ran at two paces.
+        (cpu,), _ = fastest_cpus(1)
         for i, (_, worker_args, env) in enumerate(rows):
             if runs[i] and "error" in runs[i][0]:
                 continue
-            got = _one_process(worker_args, env)
+            got = _one_process(worker_args, env, cpu)
             if "error" in got:
                 runs[i] = [got]
             else:
