@@ -52,37 +52,45 @@ def _called_names(log_text):
     return names
 
 
-@pytest.mark.parametrize("target", TARGETS)
-def test_fuzz_surface(target, tmp_path):
-    seconds = max(1.0, TOTAL_SECONDS / len(TARGETS))
+# Seeds that once failed, run again every time (a batch each). 1532525617: with JAX
+# installed, its first call kept an object later calls did not, and hypothesis refused the
+# run when a draw's bounds followed the world's objects (fuzz_surface_driver.INDEX).
+PINNED = [("pool-host", 1532525617)]
+
+
+@pytest.mark.parametrize("target,seed", [(t, SEED) for t in TARGETS] + PINNED,
+                         ids=[*TARGETS, *(f"{t}-seed{s}" for t, s in PINNED)])
+def test_fuzz_surface(target, seed, tmp_path):
+    pinned = (target, seed) in PINNED
+    seconds = 1.0 if pinned else max(1.0, TOTAL_SECONDS / len(TARGETS))
     log = tmp_path / "calls.log"
-    cmd = [sys.executable, DRIVER, "--target", target, "--seed", str(SEED),
+    cmd = [sys.executable, DRIVER, "--target", target, "--seed", str(seed),
            "--seconds", f"{seconds:g}", "--log", str(log), "--tmpdir", str(tmp_path)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [PACKAGE_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    repro = (f"MEMPOOL_FUZZ_SEED={SEED}: reproduce with\n  cd {tmp_path} && "
-             f"PYTHONPATH={PACKAGE_ROOT} python {DRIVER} --target {target} --seed {SEED} "
+    repro = (f"MEMPOOL_FUZZ_SEED={seed}: reproduce with\n  cd {tmp_path} && "
+             f"PYTHONPATH={PACKAGE_ROOT} python {DRIVER} --target {target} --seed {seed} "
              f"--first-batch BATCH --log calls.log")
     try:
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=seconds * 4 + 120)
     except subprocess.TimeoutExpired as exc:
         calls = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
-        pytest.fail(f"fuzz target {target} hung (seed {SEED}); last calls:\n"
+        pytest.fail(f"fuzz target {target} hung (seed {seed}); last calls:\n"
                     + "\n".join(calls) + f"\n{repro}\n{(exc.stdout or '')[-2000:]}")
     calls = log.read_text(errors="replace") if log.exists() else ""
     if proc.returncode != 0:
         batches = [line for line in proc.stdout.splitlines() if line.startswith("fuzz ")]
         pytest.fail(
             f"fuzz target {target}: the child failed ({_signal_name(proc.returncode)}), "
-            f"seed {SEED}, at {batches[-1] if batches else 'start'}\n"
+            f"seed {seed}, at {batches[-1] if batches else 'start'}\n"
             f"last calls (the last one was running):\n"
             + "\n".join(calls.splitlines()[-15:])
             + f"\n{repro}\n--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n"
             f"{proc.stderr[-4000:]}")
     assert "done:" in proc.stdout, proc.stdout[-2000:]
-    if seconds >= 10:
+    if seconds >= 10 and not pinned:
         # Long enough for every public name to come up: a name never called is surface the
         # fuzzer lost track of (renamed, or no longer reachable from its inventory).
         missed = _expected_names(target) - _called_names(calls)
