@@ -18,10 +18,11 @@ allocating real device memory (no kernels), through:
 - CuPy's ``MemoryPool`` (reserved bytes sampled after every allocation).
 
 and reports peak reserved / peak live, ns per event (the median of ``--repeat`` processes per
-row, 3 by default, run in rounds of one process per row) and each row's time over the
-default path's round by round, and the upstream calls per training step. With ``--snapshot`` it also records
-a small PyTorch training loop with ``torch.cuda.memory._record_memory_history`` and saves the
-snapshot pickle (no stack frames, to keep it small), the fixture for the importer's tests.
+row, 3 by default, run in rounds of one process per row), each row's time over the default
+path's round by round, and the upstream calls per training step. With ``--snapshot`` it also
+records a small PyTorch training loop with ``torch.cuda.memory._record_memory_history`` and
+saves the snapshot pickle (no stack frames, to keep it small), the fixture for the
+importer's tests.
 """
 from __future__ import annotations
 

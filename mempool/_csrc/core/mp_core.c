@@ -318,10 +318,10 @@ static size_t rounded_segment(const mp_pool *p, int kind, size_t request, size_t
     if (limit != MP_UNLIMITED && (!p->capacity || limit < p->capacity)) return plain;
     if (kind == KIND_LARGE && request < MP_MIN_LARGE_ALLOC) {
         /* Mid-size requests (1-10 MiB) share segments of MP_ROUNDED_MID_SEGMENT. */
-        size_t mid = MP_ROUNDED_MID_SEGMENT + (unit - MP_ROUNDED_MID_SEGMENT % unit) % unit;
+        size_t mid = mp_round_up(MP_ROUNDED_MID_SEGMENT, unit);
         if (mid < p->cfg.max_split_size) return mid;
     }
-    size_t rounded = kind != KIND_LARGE ? unit : plain + (unit - plain % unit) % unit;
+    size_t rounded = kind != KIND_LARGE ? unit : mp_round_up(plain, unit);
     if (rounded < plain) return plain;
     /* A block of max_split_size or more is never split, and a request below it never takes
      * one: a segment rounded up to it would hold its tail where nothing can reach it, one

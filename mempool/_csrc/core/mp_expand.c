@@ -112,14 +112,12 @@
 #include "mp_capture.h"
 #include "mp_expand.h"
 
-
-static size_t round_up(size_t n, size_t g) { return (n + g - 1) / g * g; }
 static size_t round_down(size_t n, size_t g) { return n / g * g; }
 
 /* The end of a segment's pinned prefix: initial_pool_size pages, never unmapped before the
  * pool is destroyed. */
 static uintptr_t pinned_end(const mp_pool *p, const mp_segment *seg) {
-    return seg->pinned ? seg->ptr + round_up(p->cfg.initial_pool_size, p->up.granularity) : seg->ptr;
+    return seg->pinned ? seg->ptr + mp_round_up(p->cfg.initial_pool_size, p->up.granularity) : seg->ptr;
 }
 
 /* Link new block n into b's segment, just before b (or after it). */
@@ -305,7 +303,7 @@ static mp_segment *segment_of_locked(mp_pool *p, mp_stream *s, int kind, size_t 
     size_t g = p->up.granularity;
     size_t va = p->cfg.expandable_reserve ? p->cfg.expandable_reserve : p->capacity;
     if (!va) va = (size_t)1 << 40;
-    va = round_up(va > size ? va : size, g);
+    va = mp_round_up(va > size ? va : size, g);
     mp_segment *seg = calloc(1, sizeof *seg);
     mp_block *u = seg ? mp_block_new_locked(p) : NULL;
     uintptr_t base = 0;
@@ -798,9 +796,9 @@ static int plan_growth_locked(const mp_pool *p, mp_segment *seg, mp_stream *s, s
         if (left + u->nbytes + right < size) continue;
         size_t n = u->nbytes;   /* the whole hole, joining both neighbours */
         uintptr_t at = u->ptr;
-        if (left + u->nbytes >= size && round_up(size - left, g) < n) n = round_up(size - left, g);
-        if (right + u->nbytes >= size && round_up(size - right, g) < n) {
-            n = round_up(size - right, g);
+        if (left + u->nbytes >= size && mp_round_up(size - left, g) < n) n = mp_round_up(size - left, g);
+        if (right + u->nbytes >= size && mp_round_up(size - right, g) < n) {
+            n = mp_round_up(size - right, g);
             at = u->ptr + u->nbytes - n;
         }
         if (found && n >= out->nbytes) continue;

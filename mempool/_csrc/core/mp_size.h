@@ -27,6 +27,9 @@
 
 /* ---- rounding ----------------------------------------------------------------------------- */
 
+/* n rounded up to a multiple of g (> 0); n itself when it is one already. */
+static inline size_t mp_round_up(size_t n, size_t g) { return n + (g - n % g) % g; }
+
 static inline int mp_log2_floor(size_t n) { return 63 - __builtin_clzll((unsigned long long)n); }
 
 /* PyTorch's roundup_power2_next_division: cut [2^k, 2^(k+1)) into `divisions` steps. */
