@@ -117,8 +117,19 @@ gpu_tests() {
             --junitxml "$OUT/junit-gpu.xml" || rc=$?
         return $rc
     fi
-    timeout "$T_TESTS" "$PY" -m pytest -m gpu tests/gpu "${PYTEST_OPTS[@]}" \
-        --junitxml "$OUT/junit-gpu-1.xml" || rc=$?
+    # tests/gpu in GPU_TEST_WORKERS pytest-xdist workers: most of its time is child
+    # processes importing PyTorch, which the device's CPUs run side by side. Tests marked
+    # gpu_exclusive read or fill the whole device's memory, so they run after, alone.
+    if [[ " ${PYTEST_OPTS[*]} " == *" -n "* ]] && [ "${GPU_TEST_WORKERS:-4}" -gt 1 ]; then
+        timeout "$T_TESTS" "$PY" -m pytest -m "gpu and not gpu_exclusive" tests/gpu \
+            "${PYTEST_OPTS[@]}" -n "${GPU_TEST_WORKERS:-4}" \
+            --junitxml "$OUT/junit-gpu-1.xml" || rc=$?
+        timeout "$T_TESTS" "$PY" -m pytest -m "gpu and gpu_exclusive" tests/gpu \
+            "${PYTEST_OPTS[@]}" --junitxml "$OUT/junit-gpu-1x.xml" || rc=$?
+    else
+        timeout "$T_TESTS" "$PY" -m pytest -m gpu tests/gpu "${PYTEST_OPTS[@]}" \
+            --junitxml "$OUT/junit-gpu-1.xml" || rc=$?
+    fi
     timeout "$T_TESTS" "$PY" -m pytest -m gpu tests/test_*.py "${PYTEST_OPTS[@]}" \
         --junitxml "$OUT/junit-gpu-2.xml" || rc=$?
     return $rc

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.gpu
 KiB, MiB = 1 << 10, 1 << 20
 
 
+@pytest.mark.gpu_exclusive   # reads the device's free memory
 def test_released_pages_go_back_to_the_device(cuda_pool, streams, cupy_device):
     cupy = cupy_device
     free_before, _ = cupy.cuda.runtime.memGetInfo()
@@ -131,6 +132,7 @@ def test_the_granularity_option_sets_the_page(cuda_pool, streams, kernels):
     assert pool.reserved_bytes() == 0
 
 
+@pytest.mark.gpu_exclusive   # reads the device's free memory
 def test_a_growth_is_one_physical_allocation_released_whole(cuda_pool, cupy_device):
     """Note [Growth extents] on the driver: a growth of many pages is one cuMemCreate and one
     cuMemMap (the driver maps it whole), its bytes are usable end to end, a free page of an

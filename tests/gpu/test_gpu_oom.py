@@ -9,7 +9,8 @@ from mempool import _cuda
 if not _cuda.available():
     pytest.skip("needs a CUDA device, CuPy and the CUDA driver", allow_module_level=True)
 
-pytestmark = pytest.mark.gpu
+# The first test fills the device: no other test may run on it meanwhile.
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_exclusive]
 
 MiB, GiB = 1 << 20, 1 << 30
 
