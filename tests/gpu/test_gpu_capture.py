@@ -103,3 +103,62 @@ def test_capture_after_warm_up_needs_no_segment(cuda_pool, cupy_device, mode):
         del g, out, x
     gc.collect()
     pool.check_invariants()
+
+
+# A fresh process, so that the Pool below is the first to measure the cudaMemPool's unit
+# (mempool/_cuda.py allocation_unit, once per device and process).
+_POOL_DURING_CAPTURE = """
+import json, sys, threading
+import cupy
+import mempool
+from mempool import _cuda
+
+mode, where = int(sys.argv[1]), sys.argv[2]
+assert 0 not in _cuda._units, "the unit was measured before the capture"
+s = cupy.cuda.Stream(non_blocking=True)
+with s:
+    x = cupy.arange(1 << 20, dtype=cupy.float32)
+    y = cupy.empty_like(x)
+    cupy.multiply(x, 2, out=y)                # compiled outside the capture
+    s.synchronize()
+    s.begin_capture(mode=mode)
+    cupy.multiply(x, 3, out=y)                # no allocation in the captured work
+    made = {}
+    def make():
+        made["pool"] = mempool.Pool(backend="cuda")
+    if where == "thread":
+        t = threading.Thread(target=make)
+        t.start()
+        t.join()
+    else:
+        make()
+    g = s.end_capture()                       # raises when a call broke the capture
+    x += 1
+    g.launch(stream=s)
+    s.synchronize()
+    ok = bool((y == (x * 3)).all())
+pool = made["pool"]
+ptr = pool.alloc(1 << 20)
+pool.free(ptr)
+print(json.dumps({"graph_ok": ok, "rounding": pool.options["segment_rounding"],
+                  "unit": _cuda._units.get(0)}))
+"""
+
+
+@pytest.mark.parametrize("where", ["same thread", "thread"])
+@pytest.mark.parametrize("mode", ["relaxed", "global"])
+def test_a_pool_made_during_a_capture_measures_the_unit_and_breaks_nothing(mode, where):
+    """The first cuda Pool of a process measures the cudaMemPool's unit with a probe
+    allocation (a pool and a stream of its own). Made while a stream captures, on the
+    capturing thread or another, in the global mode too, the probe must not break the
+    capture: the graph replays right, and the Pool rounds to the unit it measured."""
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _POOL_DURING_CAPTURE, str(MODES[mode]),
+                          where.split()[0]], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr}"
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["graph_ok"]
+    assert isinstance(result["unit"], int) and result["unit"] > 0
+    assert result["rounding"] == _cuda.segment_rounding_for(result["unit"])
