@@ -306,6 +306,8 @@ cdef extern from "mp_cuda.h" nogil:
     int mp_cuda_upstream(void *up, int device, uintptr_t mempool_handle, char *err,
                          size_t errlen)
     int mp_cuda_available()
+    int mp_cuda_relax_capture_mode()
+    void mp_cuda_restore_capture_mode(int mode)
     int mp_cuda_last_error(const void *up)
     void mp_cuda_bind_errors(void *up)
     void mp_cuda_own_pool(void *up)

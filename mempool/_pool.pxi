@@ -171,6 +171,20 @@ cdef class Pool:
         given = dict(options)
         given.update(backend=backend, device=device, capacity=capacity)
         opts = _config.normalize(given)
+        # Note [Set-up during a capture] (mp_cuda.c): a cuda Pool's driver calls in the
+        # thread's relaxed capture mode, so that a CUDA graph captured meanwhile (the global
+        # mode included) neither refuses them nor is broken by them.
+        cdef int capture_mode = -1
+        if _BACKENDS[opts["backend"]] == _CUDA:
+            capture_mode = mp_cuda_relax_capture_mode()
+        try:
+            self._create(opts)
+        finally:
+            mp_cuda_restore_capture_mode(capture_mode)
+
+    cdef int _create(self, dict opts) except -1:
+        """__init__'s work once the options are normalized (not callable from Python: a
+        Pool is made once)."""
         # Everything below works on locals; the Pool's fields are set only once the C pool
         # exists, so a failed __init__ leaves an uninitialised Pool, not a half-made one.
         backend_name = opts["backend"]
@@ -257,7 +271,7 @@ cdef class Pool:
                 mp_cuda_bind_errors(mp_pool_upstream(pool))
             self.device = _make_device(pool, kind)
             _live_pools[next(_pool_numbers)] = self
-            return
+            return 0
         # mp_pool_create destroys the upstream only when reserving initial_pool_size failed
         # (it has made a pool by then); every earlier failure leaves it to us.
         if not (rc == MP_ENOMEM and cfg.initial_pool_size):

@@ -97,3 +97,26 @@ def test_private_pool_upstream_gives_plain_segments_on_every_stream(fake_driver)
         CFUNCTYPE(None, c_void_p)(plain_up.destroy)(plain_up.ctx)
         c.destroy()
     """))
+
+
+def test_pool_set_up_calls_run_in_the_relaxed_mode_then_the_mode_is_restored(fake_driver):
+    """Note [Set-up during a capture]: Pool() puts the thread in the relaxed capture mode
+    around its driver calls (a capture in the global mode refuses cudaMemPoolCreate) and puts
+    the thread's own mode back after, whatever it was."""
+    run_fake(fake_driver, CAPTURE + textwrap.dedent("""
+        core.mp_cuda_relax_capture_mode.restype = c_int
+        core.mp_cuda_restore_capture_mode.argtypes = [c_int]
+        assert n(MODE) == 0                              # the global mode, CUDA's default
+        mode = core.mp_cuda_relax_capture_mode()
+        assert (mode, n(MODE)) == (0, 2)                 # relaxed now; global to restore
+        core.mp_cuda_restore_capture_mode(mode)
+        assert n(MODE) == 0
+        mode = c_int(1)                                  # a thread in the thread-local mode
+        fake.cuThreadExchangeStreamCaptureMode(byref(mode))
+        mode = core.mp_cuda_relax_capture_mode()
+        assert (mode, n(MODE)) == (1, 2)
+        core.mp_cuda_restore_capture_mode(mode)
+        assert n(MODE) == 1
+        core.mp_cuda_restore_capture_mode(-1)            # nothing was changed: nothing to do
+        assert n(MODE) == 1
+    """))

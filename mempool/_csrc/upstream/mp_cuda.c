@@ -792,6 +792,25 @@ int mp_cuda_available(void) {
     return n > 0;
 }
 
+/* Note [Set-up during a capture]
+ * Making a cuda Pool creates a cudaMemPool, sets its attributes, and the first Pool of a
+ * process measures the cudaMemPool's unit with a probe of its own (a pool, a stream, one
+ * allocation: mempool/_cuda.py allocation_unit). None of these touches a capturing stream,
+ * and in the relaxed capture mode a capture on another stream or thread survives them (the
+ * graph replays right: tests/gpu/test_gpu_capture.py). The global mode, in which CuPy and
+ * PyTorch users often capture, refuses them all the same: cudaMemPoolCreate failed with
+ * cudaErrorStreamCaptureUnsupported and the capture was invalidated, on the capturing thread
+ * and on another. So Pool() makes those calls in the thread's relaxed mode, as the upstream
+ * makes its capture segments (Note [Capture segments]), and restores the mode after. */
+int mp_cuda_relax_capture_mode(void) {
+    if (!mp_cuda_available() || !D.has_capture) return -1;
+    return relaxed_enter();
+}
+
+void mp_cuda_restore_capture_mode(int mode) {
+    if (mode >= 0) relaxed_leave(mode);
+}
+
 int mp_cuda_last_error(const mp_upstream *up) {
     return __atomic_load_n(&((mp_cuda *)up->ctx)->last_error, __ATOMIC_RELAXED);
 }

@@ -35,6 +35,13 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
  * Never fails otherwise; safe to call at any time. */
 int mp_cuda_available(void);
 
+/* Note [Set-up during a capture] (mp_cuda.c): put the calling thread in CUDA's relaxed
+ * capture mode and return the mode to restore with mp_cuda_restore_capture_mode; -1 (nothing
+ * changed) when the driver is not there or lacks capture support. */
+int mp_cuda_relax_capture_mode(void);
+/* Restore the mode mp_cuda_relax_capture_mode returned (-1: nothing to restore). */
+void mp_cuda_restore_capture_mode(int mode);
+
 /* The CUresult of the latest MP_EUPSTREAM failure of this upstream (0 when none), or -1 for
  * a failure the driver did not report (a segment the driver returned misaligned). `up` is
  * any copy of the struct mp_cuda_upstream filled. */
