@@ -23,3 +23,11 @@ def _capture_end(Pool pool not None):
     mp_py_mark(0)
     if rc != MP_OK:
         raise ValueError("_capture_end: no capture was begun on this pool")
+
+
+def _capture_known(Pool pool not None):
+    """Whether ``pool`` knows of a CUDA graph capture under way: it was told of one
+    (:func:`_capture_begin`) or one of the streams it uses captures. A capture on a stream
+    it never used is not known (Note [Graph capture])."""
+    pool._ready()
+    return bool(mp_capture_known(pool._pool))

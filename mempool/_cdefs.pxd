@@ -173,6 +173,7 @@ cdef extern from "mp_core.h" nogil:
     int mp_capture_begin(mp_pool *p)
     int mp_capture_end(mp_pool *p)
     int mp_capture_active(mp_pool *p, uintptr_t stream)
+    int mp_capture_known(mp_pool *p)
     ctypedef struct mp_oom:
         const mp_pool *pool
         int code

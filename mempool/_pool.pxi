@@ -631,12 +631,18 @@ cdef class Pool:
         outstanding events; no other stream is synchronized. Segments whose free blocks
         belong to several streams are freed in stream order after an event wait, without a
         host sync. The ``initial_pool_size`` segment stays: it is kept for the pool's life.
+        On ``cuda`` the cudaMemPool is then trimmed after a device sync, so that the device
+        gets back what the pool gave (skipped while the pool knows of a CUDA graph capture,
+        which a sync would break).
         """
         self._ready()
         mp_py_mark(1)
         mp_empty_cache(self._pool)
         mp_py_mark(0)
-        if self._kind == _CUDA:
+        # The cudaMemPool's trim synchronizes the device first, which a CUDA graph capture
+        # refuses and is broken by: while the pool knows of one, the trim waits for a later
+        # call (the core released nothing meanwhile either, Note [Graph capture]).
+        if self._kind == _CUDA and not mp_capture_known(self._pool):
             _cuda_trim(self._cuda_handle, 0, self.device_id)
 
     def trim(self, keep=0):
@@ -645,15 +651,19 @@ cdef class Pool:
         ``keep``: bytes, an int or a size string (``"512MiB"``). Whole segments go, so
         cached memory may end below ``keep``; it ends above it when the rest is not
         releasable (free blocks of segments that hold live ones, the ``initial_pool_size``
-        segment). Unlike :meth:`empty_cache`, trim never blocks the host: pending frees
-        whose streams have not finished stay cached.
+        segment). Unlike :meth:`empty_cache`, trim waits for no stream of the pool:
+        pending frees whose streams have not finished stay cached. On ``cuda`` the
+        cudaMemPool is then trimmed to ``keep`` after a device sync, so that it gives back
+        what the pool did (skipped while the pool knows of a CUDA graph capture, which a
+        sync would break).
         """
         self._ready()
         cdef size_t k = _as_nbytes(_config.parse_size(keep, "keep"), "keep")
         mp_py_mark(1)
         mp_trim(self._pool, k)
         mp_py_mark(0)
-        if self._kind == _CUDA:
+        # Not during a capture, as in empty_cache.
+        if self._kind == _CUDA and not mp_capture_known(self._pool):
             _cuda_trim(self._cuda_handle, k, self.device_id)
 
     def set_limit(self, limit):

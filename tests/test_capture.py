@@ -330,3 +330,35 @@ def test_forget_stream_drops_a_deferred_free_waiting_on_that_stream(sim):
     assert states(pool)[a] == 0
     assert device(pool, "event_records")["event_records"] == records
     assert pool.alloc(4096, stream=S) == a and dev.capture_violations == 0
+
+
+def test_the_pool_knows_of_captures_on_its_streams_and_of_those_it_is_told(sim):
+    """mp_capture_known, which the Pool asks before trimming a cudaMemPool after
+    empty_cache / trim (a device sync a capture refuses): told of a capture, or one of the
+    pool's streams captures. A stream it never used is beyond its sight."""
+    pool = sim()
+    dev = pool.device
+    a = pool.alloc(4096, stream=S)
+    pool.free(a, stream=S)
+    b = pool.alloc(4096, stream=T)
+    assert not _core._capture_known(pool)
+    dev.begin_capture(X)                   # a stream the pool never used
+    assert not _core._capture_known(pool)
+    dev.end_capture(X)
+    for stream in (S, T):                  # either of its streams, whichever last allocated
+        dev.begin_capture(stream)
+        assert _core._capture_known(pool)
+        dev.end_capture(stream)
+        assert not _core._capture_known(pool)
+    _core._capture_begin(pool)             # told, as PyTorch's glue does
+    assert _core._capture_known(pool)
+    _core._capture_end(pool)
+    assert not _core._capture_known(pool)
+    dev.begin_capture(S)
+    pool.empty_cache()                     # releases nothing meanwhile, breaks nothing
+    assert dev.capture_violations == 0
+    dev.end_capture(S)
+    pool.free(b, stream=T)
+    pool.empty_cache()
+    assert pool.reserved_bytes() == 0
+    pool.check_invariants()

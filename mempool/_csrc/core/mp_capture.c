@@ -84,3 +84,12 @@ int mp_capture_active(mp_pool *p, uintptr_t stream) {
     mp_lock_release(&p->lock);
     return told || mp_capture_handle(p, stream);
 }
+
+int mp_capture_known(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    int found = p->captures > 0;
+    for (size_t i = 0; !found && i < p->nstreams; i++)
+        found = mp_capture_stream_locked(p, p->streams[i]);
+    mp_lock_release(&p->lock);
+    return found;
+}

@@ -30,7 +30,9 @@
  * counted in capture_allocs); expandable segments map pages as usual (PyTorch maps them for
  * its graph pools). Skipped: cross-stream reuse (its event would cross the capture's edge),
  * every release (idle segments, release threshold, garbage collection, beyond need, trim,
- * empty_cache, page unmaps), every sync of pending frees, the OOM retries. Past the limit
+ * empty_cache, page unmaps), every sync of pending frees, the OOM retries; and above the
+ * core, the Pool's trim of its cudaMemPool after empty_cache and trim, which synchronizes
+ * the device (asked through mp_capture_known). Past the limit
  * or out of memory the allocation fails at once, and the error says a capture was under way
  * (mp_oom.capturing). A free with recorded streams stays pending with no events (PyTorch's
  * needs_events_deferred_until_no_capture); check_invariants accepts such blocks.

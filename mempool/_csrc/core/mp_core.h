@@ -170,10 +170,14 @@ int mp_forget_stream(mp_pool *p, uintptr_t stream);
  * They count (captures nest or overlap); while the count is above 0 the pool releases
  * nothing, makes no stream sync, event query or cross-stream reuse, and defers frees with
  * recorded streams. mp_capture_end with no capture begun: MP_EINVAL, nothing changes.
- * mp_capture_active: 1 while the count is above 0 or `stream` captures, else 0. */
+ * mp_capture_active: 1 while the count is above 0 or `stream` captures, else 0.
+ * mp_capture_known: 1 while the count is above 0 or any stream the pool uses captures (asked
+ * of the upstream, stream by stream), else 0: for callers about to make a call of their own
+ * that a capture refuses (the Pool's cudaMemPool trim after empty_cache). */
 int mp_capture_begin(mp_pool *p);
 int mp_capture_end(mp_pool *p);
 int mp_capture_active(mp_pool *p, uintptr_t stream);
+int mp_capture_known(mp_pool *p);
 /* Size and stream of a live block (MP_ENOTFOUND otherwise). */
 int mp_block_info(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested,
                   uintptr_t *stream);
