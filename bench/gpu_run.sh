@@ -63,7 +63,8 @@ stage() {  # stage NAME LOG CMD...: run CMD with its output tee'd to LOG, record
 # ---- versions
 {
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    # MEMPOOL_COMMIT names the commit when the tree was copied without its git history.
+    # MEMPOOL_COMMIT names the commit when the tree was copied without its git history, or
+    # with a stale one (a copy of the working tree whose .git said an older commit: set it).
     echo "commit: ${MEMPOOL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')}"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || echo "nvidia-smi: not available"
     "$PY" -V 2>&1
