@@ -79,10 +79,14 @@ def test_cupy_capture_on_a_cold_pool_replays_correctly(cuda_pool, cupy_device, o
     assert pool.reserved_bytes() == 0
 
 
+@pytest.mark.parametrize("retention", [False, True], ids=["plain", "empty_cache-trim-inside"])
 @pytest.mark.parametrize("mode", ["relaxed", "global"])
-def test_capture_after_warm_up_needs_no_segment(cuda_pool, cupy_device, mode):
+def test_capture_after_warm_up_needs_no_segment(cuda_pool, cupy_device, mode, retention):
     """The usual pattern: one eager run fills the pool's free lists, and the capture is
-    served from them: no segment is allocated while capturing."""
+    served from them: no segment is allocated while capturing. With ``empty_cache()`` and
+    ``trim()`` called inside the capture, the core releases nothing (Note [Graph capture])
+    and the cudaMemPool's trim, which synchronizes the device first, waits for a later call:
+    the capture ends and replays all the same."""
     cupy = cupy_device
     pool = cuda_pool()
     s = cupy.cuda.Stream(non_blocking=True)
@@ -94,7 +98,10 @@ def test_capture_after_warm_up_needs_no_segment(cuda_pool, cupy_device, mode):
         segments = pool.stats()["num_device_alloc"]
         s.begin_capture(mode=MODES[mode])
         out = _work(cupy, x)
-        g = s.end_capture()
+        if retention:
+            pool.empty_cache()
+            pool.trim()
+        g = s.end_capture()                # raises when a call broke the capture
         assert pool.stats()["num_device_alloc"] == segments
         g.launch(stream=s)
         s.synchronize()
@@ -103,37 +110,10 @@ def test_capture_after_warm_up_needs_no_segment(cuda_pool, cupy_device, mode):
         del g, out, x
     gc.collect()
     pool.check_invariants()
-
-
-
-@pytest.mark.parametrize("mode", ["relaxed", "global"])
-def test_empty_cache_and_trim_during_a_capture_leave_it_intact(cuda_pool, cupy_device, mode):
-    """``pool.empty_cache()`` and ``pool.trim()`` called inside a capture: the core releases
-    nothing (Note [Graph capture]) and the cudaMemPool's trim, which synchronizes the device
-    first, waits for a later call, so the capture ends and its graph replays right."""
-    cupy = cupy_device
-    pool = cuda_pool()
-    s = cupy.cuda.Stream(non_blocking=True)
-    h = np.random.default_rng(5).standard_normal(N, dtype=np.float32)
-    with s, cupy.cuda.using_allocator(pool.malloc):
-        x = cupy.asarray(h)
-        _work(cupy, x)                     # warm-up: the pool uses s
-        s.synchronize()
-        s.begin_capture(mode=MODES[mode])
-        out = _work(cupy, x)
-        pool.empty_cache()
-        pool.trim()
-        g = s.end_capture()                # raises when a call broke the capture
-        g.launch(stream=s)
-        s.synchronize()
-        np.testing.assert_allclose(cupy.asnumpy(out, stream=s), _expected(h),
-                                   rtol=1e-5, atol=1e-4)
-        del g, out, x
-    gc.collect()
     pool.empty_cache()                     # no capture now: everything goes back
     assert pool.reserved_bytes() == 0
     assert pool.stats()["cuda_pool.reserved_current"] == 0
-    pool.check_invariants()
+
 
 # A fresh process, so that the Pool below is the first to measure the cudaMemPool's unit
 # (mempool/_cuda.py allocation_unit, once per device and process).
