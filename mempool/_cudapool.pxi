@@ -86,4 +86,10 @@ cdef int _cuda_trim(object handle, object keep, int device) except -1:
 cdef dict _cuda_stats(object handle):
     """The cudaMemPool's own Reserved/Used Current/High attributes."""
     from mempool import _cuda
-    return {f"cuda_pool.{k}": v for k, v in _cuda.attributes(handle).items()}
+    # Note [Set-up during a capture] (mp_cuda.c): read in the thread's relaxed capture mode,
+    # as a metrics thread (mempool.prometheus) may read them while another thread captures.
+    cdef int capture_mode = mp_cuda_relax_capture_mode()
+    try:
+        return {f"cuda_pool.{k}": v for k, v in _cuda.attributes(handle).items()}
+    finally:
+        mp_cuda_restore_capture_mode(capture_mode)

@@ -115,6 +115,39 @@ def test_capture_after_warm_up_needs_no_segment(cuda_pool, cupy_device, mode, re
     assert pool.stats()["cuda_pool.reserved_current"] == 0
 
 
+
+@pytest.mark.parametrize("mode", ["relaxed", "global"])
+def test_stats_read_by_another_thread_during_a_capture(cuda_pool, cupy_device, mode):
+    """A metrics thread (mempool.prometheus) reads ``pool.stats()``, the cudaMemPool's
+    attributes included, while another thread captures: every read succeeds and the capture
+    ends and replays right (Note [Set-up during a capture])."""
+    import threading
+    cupy = cupy_device
+    pool = cuda_pool()
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        x = cupy.arange(1 << 20, dtype=cupy.float32)   # CuPy's memory, made before
+        y = cupy.empty_like(x)
+        cupy.multiply(x, 2, out=y)                      # compiled outside the capture
+        s.synchronize()
+        reads = []
+
+        def scrape():
+            for _ in range(20):
+                reads.append(pool.stats()["cuda_pool.reserved_current"])
+
+        s.begin_capture(mode=MODES[mode])
+        cupy.multiply(x, 3, out=y)
+        t = threading.Thread(target=scrape)
+        t.start()
+        t.join()
+        g = s.end_capture()                # raises when a call broke the capture
+        x += 1
+        g.launch(stream=s)
+        s.synchronize()
+        assert bool((y == x * 3).all())
+    assert reads == [0] * 20
+
 # A fresh process, so that the Pool below is the first to measure the cudaMemPool's unit
 # (mempool/_cuda.py allocation_unit, once per device and process).
 _POOL_DURING_CAPTURE = """

@@ -801,7 +801,9 @@ int mp_cuda_available(void) {
  * PyTorch users often capture, refuses them all the same: cudaMemPoolCreate failed with
  * cudaErrorStreamCaptureUnsupported and the capture was invalidated, on the capturing thread
  * and on another. So Pool() makes those calls in the thread's relaxed mode, as the upstream
- * makes its capture segments (Note [Capture segments]), and restores the mode after. */
+ * makes its capture segments (Note [Capture segments]), and restores the mode after.
+ * Pool.stats() reads the cudaMemPool's attributes in that mode too: a metrics thread
+ * (mempool.prometheus) reads them at any time, a capture on another thread included. */
 int mp_cuda_relax_capture_mode(void) {
     if (!mp_cuda_available() || !D.has_capture) return -1;
     return relaxed_enter();
