@@ -26,7 +26,7 @@ export PYTHONUNBUFFERED=1
 # file by default: on an H200 each took under 60 s but the PyTorch drop-in's, 176 s); the
 # memcheck stage alone takes about 9 minutes, so a 10-minute call runs it on its own.
 T_BUILD=${T_BUILD:-100}
-T_TESTS=${T_TESTS:-540}   # for each of the two pytest processes (tests/gpu took 371 s, then over 420)
+T_TESTS=${T_TESTS:-540}   # for each pytest process (tests/gpu: over 420 s in one process, 123-142 s in four workers on an H100)
 T_SANITIZER=${T_SANITIZER:-200}   # for each group of SANITIZER_GROUPS (the PyTorch drop-in: 176 s)
 T_BENCH=${T_BENCH:-240}
 T_FRAG=${T_FRAG:-120}
@@ -108,9 +108,9 @@ fi
 
 # ---- the GPU tests of every tier
 # TESTS_ARGS narrows it to some files or tests (default: every gpu-marked test of tests/, in
-# two pytest processes, tests/gpu then the gpu-marked tests of tests/test_*.py, each with
-# T_TESTS: a process cut at its limit loses the failure reports it prints at its end, and
-# the whole tier took over 440 s on an H200 in 2026-12).
+# pytest processes of their own, tests/gpu then the gpu-marked tests of tests/test_*.py, each
+# with T_TESTS: a process cut at its limit loses the failure reports it prints at its end;
+# in one process the whole tier took over 440 s on an H200 in 2026-12).
 gpu_tests() {
     local rc=0
     if [ -n "${TESTS_ARGS:-}" ]; then
