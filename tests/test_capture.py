@@ -345,7 +345,7 @@ def test_the_pool_knows_of_captures_on_its_streams_and_of_those_it_is_told(sim):
     dev.begin_capture(X)                   # a stream the pool never used
     assert not _core._capture_known(pool)
     dev.end_capture(X)
-    for stream in (S, T):                  # either of its streams, whichever last allocated
+    for stream in (S, T):                  # a capture on either of its streams
         dev.begin_capture(stream)
         assert _core._capture_known(pool)
         dev.end_capture(stream)

@@ -357,12 +357,13 @@ static int cu_stream_capturing(void *ctx, uintptr_t stream, int *out) {
  * the virtual-memory calls of a growth during a capture), which the global mode refuses. */
 static int relaxed_enter(void) {
     int mode = CU_STREAM_CAPTURE_MODE_RELAXED;
-    if (D.has_capture) D.ThreadExchangeStreamCaptureMode(&mode);
+    /* -1: nothing changed (no capture support, or the exchange failed), nothing to restore. */
+    if (!D.has_capture || D.ThreadExchangeStreamCaptureMode(&mode) != CUDA_SUCCESS) return -1;
     return mode;
 }
 
 static void relaxed_leave(int mode) {
-    if (D.has_capture) D.ThreadExchangeStreamCaptureMode(&mode);
+    if (mode >= 0) D.ThreadExchangeStreamCaptureMode(&mode);
 }
 
 /* Note [Capture segments]: a segment outside the capture's graph, remembered as plain. */
@@ -804,14 +805,9 @@ int mp_cuda_available(void) {
  * makes its capture segments (Note [Capture segments]), and restores the mode after.
  * Pool.stats() reads the cudaMemPool's attributes in that mode too: a metrics thread
  * (mempool.prometheus) reads them at any time, a capture on another thread included. */
-int mp_cuda_relax_capture_mode(void) {
-    if (!mp_cuda_available() || !D.has_capture) return -1;
-    return relaxed_enter();
-}
+int mp_cuda_relax_capture_mode(void) { return mp_cuda_available() ? relaxed_enter() : -1; }
 
-void mp_cuda_restore_capture_mode(int mode) {
-    if (mode >= 0) relaxed_leave(mode);
-}
+void mp_cuda_restore_capture_mode(int mode) { relaxed_leave(mode); }
 
 int mp_cuda_last_error(const mp_upstream *up) {
     return __atomic_load_n(&((mp_cuda *)up->ctx)->last_error, __ATOMIC_RELAXED);

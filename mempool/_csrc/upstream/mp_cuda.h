@@ -37,7 +37,7 @@ int mp_cuda_available(void);
 
 /* Note [Set-up during a capture] (mp_cuda.c): put the calling thread in CUDA's relaxed
  * capture mode and return the mode to restore with mp_cuda_restore_capture_mode; -1 (nothing
- * changed) when the driver is not there or lacks capture support. */
+ * changed) when the driver is not there, lacks capture support or refuses the exchange. */
 int mp_cuda_relax_capture_mode(void);
 /* Restore the mode mp_cuda_relax_capture_mode returned (-1: nothing to restore). */
 void mp_cuda_restore_capture_mode(int mode);
