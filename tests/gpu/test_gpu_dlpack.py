@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -63,24 +64,28 @@ def test_one_buffer_to_two_frameworks_on_two_streams(pool, producer):
         cupy.asarray(buf).fill(2.0)
     s1 = torch.cuda.Stream()
     s2 = cupy.cuda.Stream(non_blocking=True)
-    # CuPy's consumer first: the first reduction compiles a kernel, which can outlast a sleep
-    # queued before it; the torch consumer's sleep is queued last, just before the check.
-    with s2:
-        c = cupy.from_dlpack(buf)
-        total_c = c.sum()
-    with torch.cuda.stream(s1):
-        t = torch.from_dlpack(buf)
-        torch.cuda._sleep(2_000_000_000)        # keeps s1 busy for about a second
-        total_t = t.sum()
-    assert t.data_ptr() == c.data.ptr == buf.ptr
-    ptr = buf.ptr
-    del buf, t, c
-    gc.collect()
-    other = pool.alloc(4 * n, stream=producer.ptr)
-    # Only conclusive while s1 still works: its sleep must outlast everything above.
-    assert not s1.query(), "the torch consumer's stream finished before the check"
-    assert other != ptr, "reused while the torch consumer's stream may still read it"
-    pool.free(other)
+    # The torch consumer's stream is held busy by a host function until the gate opens, not
+    # by a timed sleep: a sleep could end early while four test workers share the device (it
+    # did once, before the check below), and a gate holds s1 exactly as long as the test needs.
+    gate = threading.Event()
+    try:
+        with s2:
+            c = cupy.from_dlpack(buf)
+            total_c = c.sum()
+        cupy.cuda.ExternalStream(s1.cuda_stream).launch_host_func(lambda _: gate.wait(30), None)
+        with torch.cuda.stream(s1):
+            t = torch.from_dlpack(buf)
+            total_t = t.sum()
+        assert t.data_ptr() == c.data.ptr == buf.ptr
+        ptr = buf.ptr
+        del buf, t, c
+        gc.collect()
+        other = pool.alloc(4 * n, stream=producer.ptr)
+        assert not s1.query(), "the torch consumer's stream finished before the gate opened"
+        assert other != ptr, "reused while the torch consumer's stream may still read it"
+        pool.free(other)
+    finally:
+        gate.set()
     s1.synchronize()
     s2.synchronize()
     assert float(total_t) == float(total_c) == 2.0 * n
