@@ -282,6 +282,8 @@ cdef extern from "mp_sim.h" nogil:
     size_t mp_sim_live_maps(mp_sim *sim)
     uint64_t mp_sim_num_split_unmaps(mp_sim *sim)
     uint64_t mp_sim_num_syncs(mp_sim *sim)
+    size_t mp_sim_held_bytes(mp_sim *sim)
+    size_t mp_sim_held_peak(mp_sim *sim)
     uint64_t mp_sim_num_queries(mp_sim *sim)
     uint64_t mp_sim_num_event_records(mp_sim *sim)
     uint64_t mp_sim_num_event_creates(mp_sim *sim)

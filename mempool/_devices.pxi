@@ -240,6 +240,20 @@ cdef class SimDevice(_DeviceBase):
             raise ValueError(f"fail_events: n must be at most 2**32-1; got {n!r}")
         mp_sim_fail_events(self._sim, <unsigned>k)
 
+    @property
+    def held_bytes(self):
+        """Bytes the device holds now: ``used_bytes`` plus segments freed behind work of
+        their stream not yet complete, which a cudaMemPool keeps until that work has run
+        (Note [Frees the driver keeps] in mp_sim.c)."""
+        self._ready()
+        return mp_sim_held_bytes(self._sim)
+
+    @property
+    def held_peak_bytes(self):
+        """The most ``held_bytes`` reached at any segment allocation or page map."""
+        self._ready()
+        return mp_sim_held_peak(self._sim)
+
     def stream_info(self, stream=0):
         self._ready()
         cdef uint64_t submitted = 0, completed = 0

@@ -445,3 +445,73 @@ def test_trim_refuses_a_bad_keep_and_changes_nothing(sim, keep, error, fragment)
     with pytest.raises(error, match=fragment):
         pool.trim(keep)
     assert pool.reserved_bytes() == 42 * MiB and pool.device.counters()["frees"] == 0
+
+
+# --------------------------------------------------------------------------- releases before a growth
+
+
+def busy_release_then_grow(pool, stream):
+    """Idle segments of 12, 14 and 16 MiB made on `stream`, then a 20 MiB request none holds,
+    while `stream` still has work queued: the 12 and 14 MiB segments are released first
+    (idle segments worth a new one, oldest first). Returns the new block."""
+    for p in [pool.alloc(n * MiB, stream=stream) for n in (12, 14, 16)]:
+        pool.free(p, stream=stream)
+    pool.device.launch(stream)                       # work queued before the release's frees
+    return pool.alloc(20 * MiB, stream=stream)
+
+
+def test_a_growth_that_releases_waits_for_the_frees_before_allocating(sim):
+    # Note [Released before a growth]: a stream-ordered free behind queued work is the
+    # driver's until that work has run (Note [Frees the driver keeps], the sim's held_bytes).
+    # Allocating the new segment only after the release's stream is synchronized keeps the
+    # device's own count at the Pool's: never the released segments and the new one at once.
+    pool = sim()
+    syncs = pool.device.counters()["syncs"]
+    c = busy_release_then_grow(pool, S1)
+    assert device(pool, "allocs", "frees") == {"allocs": 4, "frees": 2}
+    assert pool.device.counters()["syncs"] == syncs + 1       # the release's stream, once
+    info = pool.device.stream_info(S1)
+    assert info["completed"] == info["submitted"]
+    assert pool.stats()["reserved_bytes.all.peak"] == 42 * MiB
+    assert pool.device.held_peak_bytes == 42 * MiB              # not 16 + 20 + the 26 freed
+    assert pool.device.held_bytes == pool.reserved_bytes() == 36 * MiB
+    pool.free(c, stream=S1)
+
+
+def test_a_release_on_another_stream_syncs_that_stream_not_the_growing_one(sim):
+    pool = sim()
+    for p in [pool.alloc(n * MiB, stream=S2) for n in (12, 14, 16)]:
+        pool.free(p, stream=S2)
+    pool.device.launch(S2)
+    pool.device.launch(S1)                            # the growing stream is busy too
+    c = pool.alloc(20 * MiB, stream=S1)
+    assert device(pool, "frees") == {"frees": 2}
+    assert pool.device.stream_info(S2)["completed"] == pool.device.stream_info(S2)["submitted"]
+    assert pool.device.stream_info(S1)["completed"] < pool.device.stream_info(S1)["submitted"]
+    assert pool.device.held_peak_bytes == 42 * MiB
+    pool.free(c, stream=S1)
+
+
+def test_a_growth_that_releases_nothing_synchronizes_nothing(sim):
+    pool = sim()
+    pool.device.launch(S1)
+    syncs = pool.device.counters()["syncs"]
+    ptrs = [pool.alloc(n * MiB, stream=S1) for n in (12, 40, 64)]   # each one a new segment
+    assert device(pool, "allocs", "frees") == {"allocs": 3, "frees": 0}
+    assert pool.device.counters()["syncs"] == syncs
+    assert pool.device.stream_info(S1)["completed"] < pool.device.stream_info(S1)["submitted"]
+    for p in ptrs:
+        pool.free(p, stream=S1)
+
+
+def test_the_sim_keeps_a_segment_freed_behind_queued_work_until_that_work_runs(sim):
+    # Note [Frees the driver keeps] on its own: empty_cache's frees are stream-ordered and
+    # need no sync; the device holds their bytes until the stream's work completes.
+    pool = sim()
+    pool.free(pool.alloc(12 * MiB, stream=S1), stream=S1)
+    pool.device.launch(S1)
+    pool.empty_cache()
+    assert pool.reserved_bytes() == 0 and pool.device.used_bytes == 0
+    assert pool.device.held_bytes == 12 * MiB
+    pool.device.complete(S1)
+    assert pool.device.held_bytes == 0

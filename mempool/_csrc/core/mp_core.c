@@ -141,13 +141,57 @@ void mp_pool_release(mp_pool *p) {
 
 /* Drop the lock, free what `rel` detached, ask the upstream for a segment, take the lock
  * again. The bytes in flight count against the limit meanwhile. */
+/* Note [Released before a growth]
+ * A fixed segment goes upstream in stream order (cudaFreeAsync): the cudaMemPool holds its
+ * memory until the work queued before the free has run, and gives it back to the device at
+ * a synchronization (the Pool sets its release threshold to 0). A growth that first
+ * releases idle segments (garbage collection, the limit, release beyond need, Note [Reserved
+ * high water], an OOM's retry) asks for a segment none of them could hold, so the driver
+ * cannot reuse their memory for it: while their streams still had work queued, the device
+ * held the released segments and the new one at once, more than the Pool counted (training
+ * loops, whose streams are busy, showed it; replays, whose streams are idle, did not:
+ * bench/results/history.md). So once the frees are queued, the streams they were queued on
+ * are synchronized (not while capturing, Note [Graph capture]) and the segment is allocated
+ * after: the device holds what the Pool counts. One sync per growth that releases; such
+ * growths set records or follow a change of sizes, never a steady loop (PyTorch's allocator
+ * synchronizes the device at every cudaFree). The sim keeps such frees as the driver does
+ * (Note [Frees the driver keeps], mp_sim.c), so tests see the difference. */
+/* The distinct streams the fixed segments of `rel` are freed on, in a malloc'd array (NULL
+ * with *n = 0 when there are none or no host memory: then nothing is synchronized, as before
+ * this rule). */
+static uintptr_t *release_streams(const mp_release_list *rel, size_t *n) {
+    uintptr_t *out = NULL;
+    size_t cap = 0;
+    *n = 0;
+    for (const mp_segment *seg = rel->head; seg; seg = seg->inext) {
+        if (seg->expandable) continue;   /* its pages are unmapped after their streams' syncs */
+        size_t j = 0;
+        while (j < *n && out[j] != seg->release_stream) j++;
+        if (j < *n) continue;
+        if (*n == cap) {
+            uintptr_t *grown = realloc(out, (cap = cap ? 2 * cap : 4) * sizeof *grown);
+            if (!grown) break;
+            out = grown;
+        }
+        out[(*n)++] = seg->release_stream;
+    }
+    return out;
+}
+
 static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
                                      mp_release_list *rel, uintptr_t *ptr) {
     p->inflight_bytes += nbytes;
     uintptr_t handle = s->handle;
     mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
-    mp_release_finish(p, rel);
+    if (rel->head) {   /* Note [Released before a growth] */
+        size_t n;
+        uintptr_t *streams = release_streams(rel, &n);   /* before the segments are gone */
+        mp_release_finish(p, rel);
+        for (size_t j = 0; j < n; j++)
+            if (!mp_capture_handle(p, streams[j])) mp_up_sync(p, streams[j]);
+        free(streams);
+    }
     int rc = p->up.segment_alloc(p->up.ctx, nbytes, handle, ptr);
     mp_blocking_end(blocking);
     mp_lock_retake(p);

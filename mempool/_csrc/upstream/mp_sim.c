@@ -30,6 +30,13 @@ typedef struct sim_dep {
     uint64_t seq;    /* work of `other` up to here */
 } sim_dep;
 
+/* Note [Frees the driver keeps]: a segment freed behind work not yet complete. */
+typedef struct sim_kept {
+    size_t stream;   /* index into streams */
+    uint64_t seq;    /* its work up to here must complete first */
+    size_t nbytes;
+} sim_kept;
+
 typedef struct sim_event {
     size_t stream;   /* index into streams, SIZE_MAX until recorded */
     uint64_t target;
@@ -76,7 +83,38 @@ struct mp_sim {
      * graph for a capturing stream. */
     size_t ncapturing;
     uint64_t capture_violations, capture_allocs;
+    /* Note [Frees the driver keeps]: segments freed behind incomplete work, their bytes, and
+     * the most the device held (handed out plus kept) at any allocation. */
+    sim_kept *kept;
+    size_t nkept, cap_kept, kept_bytes, held_peak;
 };
+
+/* Note [Frees the driver keeps]
+ * A cudaMemPool frees a segment in stream order (cuMemFreeAsync): until the work queued
+ * before the free has run, the memory is the driver's, neither the Pool's nor free for a new
+ * allocation of another size. The sim keeps such a segment's bytes as "held" until its
+ * stream's work up to the free completes (complete, complete_all, a sync): held_bytes is the
+ * device's own count, used_bytes the segments and pages handed out. The budget (capacity,
+ * OOM) follows used_bytes as before, so only tests of held_bytes see the difference. The
+ * core's answer is Note [Released before a growth] in core/mp_core.c. */
+static void drop_completed_kept_locked(mp_sim *s) {
+    size_t i = 0;
+    while (i < s->nkept) {
+        const sim_kept *k = &s->kept[i];
+        if (s->streams[k->stream].completed >= k->seq) {
+            s->kept_bytes -= k->nbytes;
+            s->kept[i] = s->kept[--s->nkept];
+        } else {
+            i++;
+        }
+    }
+}
+
+static void note_held_locked(mp_sim *s) {
+    drop_completed_kept_locked(s);
+    size_t held = s->budget.used + s->kept_bytes;
+    if (held > s->held_peak) s->held_peak = held;
+}
 
 /* The access a page gets when mapped: the device itself and every peer granted so far. */
 static uint64_t own_access(const mp_sim *s) { return s->peers | (uint64_t)1 << s->device; }
@@ -218,6 +256,7 @@ static int sim_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr
             s->budget.num_allocs++;
             s->capture_allocs += plain;
             *out = p;
+            note_held_locked(s);
         }
     }
     pthread_mutex_unlock(&s->mu);
@@ -228,7 +267,6 @@ static int sim_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr
  * elsewhere (cuMemFree) an unsafe call. */
 static int sim_segment_free(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t stream) {
     mp_sim *s = ctx;
-    (void)stream;
     pthread_mutex_lock(&s->mu);
     if (s->ncapturing) {
         int rc = capture_violation(s);
@@ -243,6 +281,22 @@ static int sim_segment_free(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t s
     } else {
         mp_budget_give(&s->budget, nbytes);
         s->budget.num_frees++;
+        /* Note [Frees the driver keeps] (best effort without host memory: not kept) */
+        size_t si = stream_index(s, stream);
+        if (si != SIZE_MAX && s->streams[si].completed < s->streams[si].submitted) {
+            if (s->nkept == s->cap_kept) {
+                size_t cap = s->cap_kept ? 2 * s->cap_kept : 8;
+                sim_kept *grown = realloc(s->kept, cap * sizeof *grown);
+                if (grown) {
+                    s->kept = grown;
+                    s->cap_kept = cap;
+                }
+            }
+            if (s->nkept < s->cap_kept) {
+                s->kept[s->nkept++] = (sim_kept){si, s->streams[si].submitted, nbytes};
+                s->kept_bytes += nbytes;
+            }
+        }
     }
     pthread_mutex_unlock(&s->mu);
     return rc;
@@ -548,7 +602,10 @@ static int sim_map(void *ctx, uintptr_t va, size_t nbytes) {
     if (rc == MP_OK && mp_ptrmap_insert(&s->mappings, va, (void *)(uintptr_t)nbytes) != MP_OK)
         rc = MP_ENOMEM;
     if (rc != MP_OK) unmap_pages(s, va, done);
-    else s->budget.num_maps++;
+    else {
+        s->budget.num_maps++;
+        note_held_locked(s);
+    }
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
@@ -613,6 +670,7 @@ static void sim_destroy(void *ctx) {
     free(s->free_slots);
     for (size_t i = 0; i < s->nevents; i++) free(s->events[i].deps);
     free(s->events);
+    free(s->kept);
     pthread_cond_destroy(&s->hold_cv);
     pthread_mutex_destroy(&s->mu);
     free(s);
@@ -805,6 +863,21 @@ size_t mp_sim_mapped_bytes(mp_sim *s) { return s->pages.count * s->granularity; 
 size_t mp_sim_live_maps(mp_sim *s) { return s->mappings.count; }
 uint64_t mp_sim_num_split_unmaps(mp_sim *s) { return s->num_split_unmaps; }
 uint64_t mp_sim_num_syncs(mp_sim *s) { return s->num_syncs; }
+
+size_t mp_sim_held_bytes(mp_sim *s) {
+    pthread_mutex_lock(&s->mu);
+    drop_completed_kept_locked(s);
+    size_t held = s->budget.used + s->kept_bytes;
+    pthread_mutex_unlock(&s->mu);
+    return held;
+}
+
+size_t mp_sim_held_peak(mp_sim *s) {
+    pthread_mutex_lock(&s->mu);
+    size_t peak = s->held_peak;
+    pthread_mutex_unlock(&s->mu);
+    return peak;
+}
 uint64_t mp_sim_num_queries(mp_sim *s) { return s->num_queries; }
 uint64_t mp_sim_num_event_records(mp_sim *s) { return s->num_records; }
 uint64_t mp_sim_num_event_creates(mp_sim *s) { return s->num_creates; }

@@ -53,6 +53,10 @@ size_t mp_sim_mapped_bytes(mp_sim *sim);
 size_t mp_sim_live_maps(mp_sim *sim);          /* physical allocations mapped now: one per map */
 uint64_t mp_sim_num_split_unmaps(mp_sim *sim); /* unmaps refused for cutting one (also errors) */
 uint64_t mp_sim_num_syncs(mp_sim *sim);
+/* Note [Frees the driver keeps] (mp_sim.c): the bytes the device holds, its segments and
+ * pages plus segments freed behind work not yet complete, now and at most (at allocations). */
+size_t mp_sim_held_bytes(mp_sim *sim);
+size_t mp_sim_held_peak(mp_sim *sim);
 uint64_t mp_sim_num_queries(mp_sim *sim);   /* stream_query calls */
 uint64_t mp_sim_num_event_records(mp_sim *sim);
 uint64_t mp_sim_num_event_creates(mp_sim *sim);
