@@ -81,16 +81,16 @@ def replay_steps(name, conf):
 # Calls per step (segment allocs or page maps, frees or unmaps, syncs, events, queries) and
 # syncs per step on sim: docs/expandable.md's table. A change here changes what a GPU pays.
 PINNED = {
-    # the default path synchronizes the streams of segments it releases before a growth
-    # (Note [Released before a growth]): 10 and 14 syncs, all in the first steps
-    ("transformer_train.jsonl.gz", False): ([128, 79, 32] + [0] * 11, [1, 5, 4] + [0] * 11,
-                                            1.036),
+    # the default path asks the streams of segments it releases before a growth whether they
+    # are idle (Note [Released before a growth]): 10 and 14 queries in the first steps, and no
+    # sync, as a replay's streams never have work queued
+    ("transformer_train.jsonl.gz", False): ([128, 79, 32] + [0] * 11, [0] * 14, 1.036),
     # one physical allocation per growth (Note [Growth extents]): 281 maps where the
     # page-per-allocation pools made 4,145 physical allocations, and no idle allocation
     # whole for the high-water rule (1.012 and 10 syncs before)
     ("transformer_train.jsonl.gz", True): ([178, 42, 10] + [0] * 11, [0] * 14, 1.019),
     ("vision_train.jsonl.gz", False): ([86, 16, 190, 0, 15] + [0] * 8 + [1] + [0] * 6,
-                                       [2, 1, 10, 0, 1] + [0] * 15, 1.041),
+                                       [0] * 20, 1.041),
     ("vision_train.jsonl.gz", True): ([172, 64, 169, 0, 29] + [0] * 15,
                                       [1, 0, 3] + [0] * 17, 1.006),
 }

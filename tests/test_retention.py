@@ -478,6 +478,24 @@ def test_a_growth_that_releases_waits_for_the_frees_before_allocating(sim):
     pool.free(c, stream=S1)
 
 
+def test_a_growth_that_releases_on_an_idle_stream_asks_and_does_not_sync(sim):
+    # Note [Released before a growth]: an idle stream's frees have run, and the driver reuses
+    # their memory at once; a sync would only make it give that memory back and map more.
+    pool = sim()
+    for p in [pool.alloc(n * MiB, stream=S1) for n in (12, 14, 16)]:
+        pool.free(p, stream=S1)
+    before = pool.device.counters()
+    queries = pool.stats()["num_stream_queries"]
+    c = pool.alloc(20 * MiB, stream=S1)
+    after = pool.device.counters()
+    assert after["frees"] - before["frees"] == 2
+    assert after["syncs"] == before["syncs"]
+    assert after["stream_queries"] - before["stream_queries"] == 1
+    assert pool.stats()["num_stream_queries"] == queries + 1
+    assert pool.device.held_peak_bytes == 42 * MiB
+    pool.free(c, stream=S1)
+
+
 def test_a_release_on_another_stream_syncs_that_stream_not_the_growing_one(sim):
     pool = sim()
     for p in [pool.alloc(n * MiB, stream=S2) for n in (12, 14, 16)]:

@@ -150,12 +150,16 @@ void mp_pool_release(mp_pool *p) {
  * cannot reuse their memory for it: while their streams still had work queued, the device
  * held the released segments and the new one at once, more than the Pool counted (training
  * loops, whose streams are busy, showed it; replays, whose streams are idle, did not:
- * bench/results/history.md). So once the frees are queued, the streams they were queued on
- * are synchronized (not while capturing, Note [Graph capture]) and the segment is allocated
- * after: the device holds what the Pool counts. One sync per growth that releases; such
- * growths set records or follow a change of sizes, never a steady loop (PyTorch's allocator
- * synchronizes the device at every cudaFree). The sim keeps such frees as the driver does
- * (Note [Frees the driver keeps], mp_sim.c), so tests see the difference. */
+ * bench/results/history.md). So once the frees are queued, each stream they were queued on
+ * that still has work (cuStreamQuery) is synchronized (not while capturing, Note [Graph
+ * capture]) and the segment is allocated after: the device holds what the Pool counts. An
+ * idle stream is not: its frees have run, and the driver reuses their memory for the new
+ * segment without giving it back first, which a sync (with threshold 0) would make it do,
+ * only to map new memory again. At most one sync per stream and growth that releases; such
+ * growths set records or follow a change of sizes, never a steady loop (PyTorch's
+ * allocator synchronizes the device at every cudaFree). The sim keeps frees behind queued
+ * work as the driver does (Note [Frees the driver keeps], mp_sim.c), so tests see the
+ * difference. */
 /* The distinct streams the fixed segments of `rel` are freed on, in a malloc'd array (NULL
  * with *n = 0 when there are none or no host memory: then nothing is synchronized, as before
  * this rule). */
@@ -188,8 +192,14 @@ static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
         size_t n;
         uintptr_t *streams = release_streams(rel, &n);   /* before the segments are gone */
         mp_release_finish(p, rel);
-        for (size_t j = 0; j < n; j++)
-            if (!mp_capture_handle(p, streams[j])) mp_up_sync(p, streams[j]);
+        for (size_t j = 0; j < n; j++) {
+            if (mp_capture_handle(p, streams[j])) continue;   /* Note [Graph capture] */
+            if (p->up.stream_query) {   /* idle: the frees have run, nothing to wait for */
+                mp_count_call(&p->stats.num_stream_queries);
+                if (p->up.stream_query(p->up.ctx, streams[j]) == MP_OK) continue;
+            }
+            mp_up_sync(p, streams[j]);
+        }
         free(streams);
     }
     int rc = p->up.segment_alloc(p->up.ctx, nbytes, handle, ptr);
