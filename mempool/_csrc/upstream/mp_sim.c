@@ -863,7 +863,15 @@ size_t mp_sim_mapped_bytes(mp_sim *s) { return s->pages.count * s->granularity; 
 size_t mp_sim_live_maps(mp_sim *s) { return s->mappings.count; }
 uint64_t mp_sim_num_split_unmaps(mp_sim *s) { return s->num_split_unmaps; }
 uint64_t mp_sim_num_syncs(mp_sim *s) { return s->num_syncs; }
+uint64_t mp_sim_num_queries(mp_sim *s) { return s->num_queries; }
+uint64_t mp_sim_num_event_records(mp_sim *s) { return s->num_records; }
+uint64_t mp_sim_num_event_creates(mp_sim *s) { return s->num_creates; }
+uint64_t mp_sim_num_waits(mp_sim *s) { return s->num_waits; }
+uint64_t mp_sim_num_errors(mp_sim *s) { return s->num_errors; }
+size_t mp_sim_live_events(mp_sim *s) { return s->live_events; }
+size_t mp_sim_held_peak(mp_sim *s) { return s->held_peak; }
 
+/* Note [Frees the driver keeps]: the kept frees whose work has run are dropped first. */
 size_t mp_sim_held_bytes(mp_sim *s) {
     pthread_mutex_lock(&s->mu);
     drop_completed_kept_locked(s);
@@ -871,19 +879,6 @@ size_t mp_sim_held_bytes(mp_sim *s) {
     pthread_mutex_unlock(&s->mu);
     return held;
 }
-
-size_t mp_sim_held_peak(mp_sim *s) {
-    pthread_mutex_lock(&s->mu);
-    size_t peak = s->held_peak;
-    pthread_mutex_unlock(&s->mu);
-    return peak;
-}
-uint64_t mp_sim_num_queries(mp_sim *s) { return s->num_queries; }
-uint64_t mp_sim_num_event_records(mp_sim *s) { return s->num_records; }
-uint64_t mp_sim_num_event_creates(mp_sim *s) { return s->num_creates; }
-uint64_t mp_sim_num_waits(mp_sim *s) { return s->num_waits; }
-uint64_t mp_sim_num_errors(mp_sim *s) { return s->num_errors; }
-size_t mp_sim_live_events(mp_sim *s) { return s->live_events; }
 
 /* ---------------------------------------------------------------- several devices */
 
