@@ -244,7 +244,8 @@ cdef class SimDevice(_DeviceBase):
     def held_bytes(self):
         """Bytes the device holds now: ``used_bytes`` plus segments freed behind work of
         their stream not yet complete, which a cudaMemPool keeps until that work has run
-        (Note [Frees the driver keeps] in mp_sim.c)."""
+        (Note [Frees the driver keeps] in mp_sim.c). They count against the capacity: an
+        allocation that fits only in them fails as out of memory."""
         self._ready()
         return mp_sim_held_bytes(self._sim)
 

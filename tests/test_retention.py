@@ -533,3 +533,32 @@ def test_the_sim_keeps_a_segment_freed_behind_queued_work_until_that_work_runs(s
     assert pool.device.held_bytes == 12 * MiB
     pool.device.complete(S1)
     assert pool.device.held_bytes == 0
+
+
+def test_a_growth_that_fits_only_once_the_released_segments_are_back_succeeds(sim):
+    # The device's kept bytes count against its capacity (Note [Frees the driver keeps]): 42
+    # MiB released behind queued work and a 40 MiB segment do not fit in 64 MiB together. The
+    # sync before the allocation gives the 42 MiB back first, so the request is served.
+    pool = sim(capacity="64MiB")
+    for p in [pool.alloc(n * MiB, stream=S1) for n in (12, 14, 16)]:
+        pool.free(p, stream=S1)
+    pool.device.launch(S1)
+    c = pool.alloc(40 * MiB, stream=S1)            # all three idle segments go for it
+    assert device(pool, "frees") == {"frees": 3}
+    assert counters(pool, "num_alloc_retries", "num_ooms") == \
+        {"num_alloc_retries": 0, "num_ooms": 0}
+    assert pool.device.held_peak_bytes == 42 * MiB
+    pool.free(c, stream=S1)
+
+
+def test_the_sim_refuses_what_fits_only_in_bytes_it_keeps(sim):
+    pool = sim(capacity="64MiB")
+    pool.free(pool.alloc(40 * MiB, stream=S1), stream=S1)
+    pool.device.launch(S1)
+    pool.empty_cache()                              # stream-ordered: kept until S1's work runs
+    assert pool.device.held_bytes == 40 * MiB
+    with pytest.raises(mempool.OutOfMemoryError):
+        pool.alloc(30 * MiB, stream=S2)             # 40 kept + 30 > 64, and S2 syncs nothing
+    assert pool.device.counters()["failed"] >= 1
+    pool.device.complete(S1)
+    pool.free(pool.alloc(30 * MiB, stream=S2), stream=S2)

@@ -94,9 +94,10 @@ struct mp_sim {
  * before the free has run, the memory is the driver's, neither the Pool's nor free for a new
  * allocation of another size. The sim keeps such a segment's bytes as "held" until its
  * stream's work up to the free completes (complete, complete_all, a sync): held_bytes is the
- * device's own count, used_bytes the segments and pages handed out. The budget (capacity,
- * OOM) follows used_bytes as before, so only tests of held_bytes see the difference. The
- * core's answer is Note [Released before a growth] in core/mp_core.c. */
+ * device's own count, used_bytes the segments and pages handed out. Kept bytes count
+ * against the capacity too: a segment allocation or page map that fits only in them fails
+ * as out of memory, as the driver's would. The core's answer is Note [Released before a
+ * growth] in core/mp_core.c. */
 static void drop_completed_kept_locked(mp_sim *s) {
     size_t i = 0;
     while (i < s->nkept) {
@@ -108,6 +109,14 @@ static void drop_completed_kept_locked(mp_sim *s) {
             i++;
         }
     }
+}
+
+/* Note [Frees the driver keeps]: kept bytes are not the device's to hand out, so a request
+ * that fits only in them is out of memory (the caller counts the failure). */
+static int kept_refuses_locked(mp_sim *s, size_t nbytes) {
+    if (!s->nkept) return 0;
+    drop_completed_kept_locked(s);
+    return s->kept_bytes && s->budget.used + s->kept_bytes + nbytes > s->budget.capacity;
 }
 
 static void note_held_locked(mp_sim *s) {
@@ -246,7 +255,13 @@ static int sim_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr
     pthread_mutex_lock(&s->mu);
     int plain = s->ncapturing && is_capturing(s, stream);
     if (s->hold_next) hold_locked(s, &s->hold_next);
-    int rc = mp_budget_take(&s->budget, nbytes);
+    int rc;
+    if (kept_refuses_locked(s, nbytes)) {
+        s->budget.num_failed++;
+        rc = MP_ENOMEM;
+    } else {
+        rc = mp_budget_take(&s->budget, nbytes);
+    }
     if (rc == MP_OK) {
         uintptr_t p = bump(s, nbytes, 512);
         if (mp_ptrmap_insert(&s->segments, p, (void *)(uintptr_t)nbytes) != MP_OK) {
@@ -586,7 +601,7 @@ static int sim_map(void *ctx, uintptr_t va, size_t nbytes) {
             rc = MP_EINVAL;
             break;
         }
-        if (s->budget.used + g > s->budget.capacity) {
+        if (s->budget.used + g > s->budget.capacity || kept_refuses_locked(s, g)) {
             s->budget.num_failed++;
             rc = MP_ENOMEM;
             break;
