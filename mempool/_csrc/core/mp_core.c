@@ -139,27 +139,25 @@ void mp_pool_release(mp_pool *p) {
 
 /* ---------------------------------------------------------------- allocation */
 
-/* Drop the lock, free what `rel` detached, ask the upstream for a segment, take the lock
- * again. The bytes in flight count against the limit meanwhile. */
 /* Note [Released before a growth]
  * A fixed segment goes upstream in stream order (cudaFreeAsync): the cudaMemPool holds its
  * memory until the work queued before the free has run, and gives it back to the device at
  * a synchronization (the Pool sets its release threshold to 0). A growth that first
- * releases idle segments (garbage collection, the limit, release beyond need, Note [Reserved
- * high water], an OOM's retry) asks for a segment none of them could hold, so the driver
- * cannot reuse their memory for it: while their streams still had work queued, the device
- * held the released segments and the new one at once, more than the Pool counted (training
- * loops, whose streams are busy, showed it; replays, whose streams are idle, did not:
- * bench/results/history.md). So once the frees are queued, each stream they were queued on
- * that still has work (cuStreamQuery) is synchronized (not while capturing, Note [Graph
- * capture]) and the segment is allocated after: the device holds what the Pool counts. An
- * idle stream is not: its frees have run, and the driver reuses their memory for the new
- * segment without giving it back first, which a sync (with threshold 0) would make it do,
- * only to map new memory again. At most one sync per stream and growth that releases; such
- * growths set records or follow a change of sizes, never a steady loop (PyTorch's
- * allocator synchronizes the device at every cudaFree). The sim keeps frees behind queued
- * work as the driver does (Note [Frees the driver keeps], mp_sim.c), so tests see the
- * difference. */
+ * releases idle segments (garbage collection, the limit, release beyond need,
+ * Note [Reserved high water], an OOM's retry) asks for a segment none of them could hold,
+ * so the driver cannot reuse their memory for it: while their streams still had work
+ * queued, the device held the released segments and the new one at once, more than the
+ * Pool counted (training loops, whose streams are busy, showed it; replays, whose streams
+ * are idle, did not: bench/results/history.md). So once the frees are queued, each stream
+ * they were queued on that still has work (cuStreamQuery) is synchronized, not while
+ * capturing (Note [Graph capture]), and the segment is allocated after: the device holds
+ * what the Pool counts. An idle stream is not: its frees have run, and the driver reuses
+ * their memory for the new segment without giving it back first, which a sync (with
+ * threshold 0) would make it do, only to map new memory again. At most one sync per stream
+ * and growth that releases; such growths set records or follow a change of sizes, never a
+ * steady loop (PyTorch's allocator synchronizes the device at every cudaFree). The sim
+ * keeps frees behind queued work as the driver does (Note [Frees the driver keeps],
+ * mp_sim.c), so tests see the difference. */
 /* The distinct streams the fixed segments of `rel` are freed on, in a malloc'd array (NULL
  * with *n = 0 when there are none or no host memory: then nothing is synchronized, as before
  * this rule). */
@@ -182,6 +180,8 @@ static uintptr_t *release_streams(const mp_release_list *rel, size_t *n) {
     return out;
 }
 
+/* Drop the lock, free what `rel` detached, ask the upstream for a segment, take the lock
+ * again. The bytes in flight count against the limit meanwhile. */
 static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
                                      mp_release_list *rel, uintptr_t *ptr) {
     p->inflight_bytes += nbytes;

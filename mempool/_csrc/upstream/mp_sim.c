@@ -96,8 +96,8 @@ struct mp_sim {
  * stream's work up to the free completes (complete, complete_all, a sync): held_bytes is the
  * device's own count, used_bytes the segments and pages handed out. Kept bytes count
  * against the capacity too: a segment allocation or page map that fits only in them fails
- * as out of memory, as the driver's would. The core's answer is Note [Released before a
- * growth] in core/mp_core.c. */
+ * as out of memory, as the driver's would. The core's answer is
+ * Note [Released before a growth] in core/mp_core.c. */
 static void drop_completed_kept_locked(mp_sim *s) {
     size_t i = 0;
     while (i < s->nkept) {
