@@ -3,6 +3,7 @@
     python bench/driver_model.py                 # every candidate on both shipped traces
     python bench/driver_model.py --predict       # this build's segments under the fitting models
     python bench/driver_model.py --sequence transformer_train:32MiB   # the upstream calls
+    python bench/driver_model.py --predict --kept  # releases kept behind busy streams
 
 On backend="cuda" each fixed segment is a ``cuMemAllocFromPoolAsync`` and a
 ``cuMemFreeAsync`` on a driver cudaMemPool; the device memory that cudaMemPool holds at most
@@ -269,14 +270,27 @@ class DriverModel:
                     self.mapped.discard(ck)
 
 
-def peak_held(seq, **model):
-    """The most bytes the modelled cudaMemPool holds over an upstream sequence."""
+def peak_held(seq, kept=False, **model):
+    """The most bytes the modelled cudaMemPool holds over an upstream sequence.
+
+    With `kept`, the chunks that the frees just before an allocation give up still count
+    during it: what the driver holds when those frees wait behind work still running on
+    their stream and nothing synchronizes it, the pool before Note [Released before a
+    growth] (mp_core.c) in a training loop. The address ranges are free for the allocation
+    all the same (same-stream reuse)."""
     m = DriverModel(**model)
+    freed = set()   # chunks given up since the last allocation
     for op, seg, nbytes, stream in seq:
         if op == "alloc":
             m.alloc(seg, nbytes, stream)
+            if kept:
+                m.peak = max(m.peak, len(m.mapped | freed) * m.chunk)
+                freed = set()
         else:
+            before = set(m.mapped) if kept else None
             m.free(seg)
+            if kept:
+                freed |= before - m.mapped
     return m.peak
 
 
@@ -432,11 +446,12 @@ PREDICT_SETTINGS = (None, "16MiB", "32MiB", "48MiB", "64MiB", "96MiB", "128MiB")
 
 
 def predictions_table(models=FITTING + ("first fit, unmap",), settings=PREDICT_SETTINGS,
-                      traces=TRACES):
+                      traces=TRACES, kept=False):
     """This build's segments on each trace (a shipped trace's name, or a path of any trace
     `python -m mempool replay` reads, e.g. a PyTorch snapshot from bench/torch_workloads.py
     --snapshot) under each segment_rounding: the pool's own peak / live, then the device's
-    under each of `models`, and the segment allocations."""
+    under each of `models`, and the segment allocations. With `kept`, the device's as
+    :func:`peak_held` with ``kept=True`` gives it."""
     head = " / ".join(["pool"] + [f"model {i + 1}" for i in range(len(models))])
     names = [os.path.basename(t).split(".")[0].split("_")[0] for t in traces]
     lines = ["| segment_rounding | " + " | ".join(f"{n}: {head} (segment allocs)" for n in names)
@@ -446,11 +461,14 @@ def predictions_table(models=FITTING + ("first fit, unmap",), settings=PREDICT_S
         for name in traces:
             seq, info = sequence(name, rounding)
             live = info["peak_live"]
-            devs = [peak_held(seq, **CANDIDATES[m]) / live for m in models]
+            devs = [peak_held(seq, kept=kept, **CANDIDATES[m]) / live for m in models]
             cells.append(" / ".join(f"{x:.3f}" for x in [info["peak_reserved"] / live] + devs)
                          + f" ({info['num_device_alloc']})")
         lines.append(f"| {_label(rounding)} | " + " | ".join(cells) + " |")
     models_line = "; ".join(f"model {i + 1}: {m}" for i, m in enumerate(models))
+    if kept:
+        models_line += ("; each keeping the chunks freed just before an allocation during it "
+                        "(busy streams, no sync)")
     return "\n".join(lines + ["", models_line])
 
 
@@ -464,6 +482,11 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", action="append", default=None, metavar="PATH",
                     help="with --predict: a trace to use instead of the shipped ones (any "
                          "format `python -m mempool replay` reads; repeatable)")
+    ap.add_argument("--kept", action="store_true",
+                    help="with --predict: the device when the segments released before a "
+                         "growth are freed behind work still running and nothing "
+                         "synchronizes their stream (the pool before Note [Released before "
+                         "a growth])")
     args = ap.parse_args(argv)
     if args.sequence:
         name, _, rounding = args.sequence.partition(":")
@@ -473,7 +496,8 @@ def main(argv=None) -> int:
             print(f"{ev:>6} {op:<5} seg {seg:>4} {n / MiB:>7g} MiB stream {s}")
         return 0
     if args.predict:
-        print(predictions_table(traces=tuple(args.trace) if args.trace else TRACES))
+        print(predictions_table(traces=tuple(args.trace) if args.trace else TRACES,
+                                kept=args.kept))
         return 0
     print(candidates_table())
     return 0
