@@ -158,25 +158,31 @@ void mp_pool_release(mp_pool *p) {
  * steady loop (PyTorch's allocator synchronizes the device at every cudaFree). The sim
  * keeps frees behind queued work as the driver does (Note [Frees the driver keeps],
  * mp_sim.c), so tests see the difference. */
-/* The distinct streams the fixed segments of `rel` are freed on, in a malloc'd array (NULL
- * with *n = 0 when there are none or no host memory: then nothing is synchronized, as before
- * this rule). */
+/* Add h to the distinct handles (*v)[0 .. *n), growing the array; 0 when there was no host
+ * memory for it (the array stays as it was). */
+static int add_distinct_handle(uintptr_t **v, size_t *n, size_t *cap, uintptr_t h) {
+    for (size_t j = 0; j < *n; j++)
+        if ((*v)[j] == h) return 1;
+    if (*n == *cap) {
+        size_t grown_cap = *cap ? 2 * *cap : 4;
+        uintptr_t *grown = realloc(*v, grown_cap * sizeof *grown);
+        if (!grown) return 0;
+        *v = grown;
+        *cap = grown_cap;
+    }
+    (*v)[(*n)++] = h;
+    return 1;
+}
+
+/* The distinct streams the fixed segments of `rel` are freed on, in a malloc'd array (best
+ * effort: without host memory fewer, or none, are synchronized, as before this rule). */
 static uintptr_t *release_streams(const mp_release_list *rel, size_t *n) {
     uintptr_t *out = NULL;
     size_t cap = 0;
     *n = 0;
-    for (const mp_segment *seg = rel->head; seg; seg = seg->inext) {
-        if (seg->expandable) continue;   /* its pages are unmapped after their streams' syncs */
-        size_t j = 0;
-        while (j < *n && out[j] != seg->release_stream) j++;
-        if (j < *n) continue;
-        if (*n == cap) {
-            uintptr_t *grown = realloc(out, (cap = cap ? 2 * cap : 4) * sizeof *grown);
-            if (!grown) break;
-            out = grown;
-        }
-        out[(*n)++] = seg->release_stream;
-    }
+    for (const mp_segment *seg = rel->head; seg; seg = seg->inext)
+        if (!seg->expandable)   /* expandable pages are unmapped after their streams' syncs */
+            (void)add_distinct_handle(&out, n, &cap, seg->release_stream);
     return out;
 }
 
@@ -194,10 +200,8 @@ static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
         mp_release_finish(p, rel);
         for (size_t j = 0; j < n; j++) {
             if (mp_capture_handle(p, streams[j])) continue;   /* Note [Graph capture] */
-            if (p->up.stream_query) {   /* idle: the frees have run, nothing to wait for */
-                mp_count_call(&p->stats.num_stream_queries);
-                if (p->up.stream_query(p->up.ctx, streams[j]) == MP_OK) continue;
-            }
+            /* idle: the frees have run, nothing to wait for */
+            if (p->up.stream_query && mp_up_query(p, streams[j]) == MP_OK) continue;
             mp_up_sync(p, streams[j]);
         }
         free(streams);
@@ -213,22 +217,11 @@ static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
  * The last resort before an OOM: it syncs only the streams that hold memory back. */
 void mp_sync_pending_unlocked(mp_pool *p) {
     if (!p->npending || mp_capture_stream_locked(p, NULL)) return;   /* Note [Graph capture] */
-    size_t n = 0, cap = 16;
-    uintptr_t *handles = malloc(cap * sizeof *handles);
-    for (mp_block *b = p->pending_head; b && handles; b = b->fnext) {
-        for (uint16_t i = 0; i < b->nuses; i++) {
-            uintptr_t h = b->uses[i]->handle;
-            size_t j = 0;
-            while (j < n && handles[j] != h) j++;
-            if (j < n) continue;
-            if (n == cap) {
-                uintptr_t *grown = realloc(handles, (cap *= 2) * sizeof *grown);
-                if (!grown) break;
-                handles = grown;
-            }
-            handles[n++] = h;
-        }
-    }
+    size_t n = 0, cap = 0;
+    uintptr_t *handles = NULL;   /* best effort without host memory: fewer streams synced */
+    for (mp_block *b = p->pending_head; b; b = b->fnext)
+        for (uint16_t i = 0; i < b->nuses; i++)
+            (void)add_distinct_handle(&handles, &n, &cap, b->uses[i]->handle);
     p->stats.num_sync_all_streams++;
     mp_lock_drop(p);
     void *blocking = mp_blocking_begin();

@@ -619,9 +619,7 @@ static int stream_idle_locked(mp_pool *p, mp_stream *s, mp_stream **asked, int *
         if (asked[j] == s) return idle[j];
     /* Note [Graph capture]: a capturing stream is never idle (and must not be queried). */
     int capturing = mp_capture_handle(p, s->handle);
-    if (p->up.stream_query && !capturing) mp_count_call(&p->stats.num_stream_queries);
-    int ok = p->up.stream_query && !capturing &&
-             p->up.stream_query(p->up.ctx, s->handle) == MP_OK;
+    int ok = p->up.stream_query && !capturing && mp_up_query(p, s->handle) == MP_OK;
     asked[*nasked] = s;
     idle[(*nasked)++] = ok;
     return ok;

@@ -239,6 +239,11 @@ static inline int mp_up_sync(mp_pool *p, uintptr_t stream) {
     mp_count_call(&p->stats.num_stream_syncs);
     return p->up.stream_synchronize(p->up.ctx, stream);
 }
+/* The caller checks that the upstream has stream_query. */
+static inline int mp_up_query(mp_pool *p, uintptr_t stream) {
+    mp_count_call(&p->stats.num_stream_queries);
+    return p->up.stream_query(p->up.ctx, stream);
+}
 static inline int mp_up_record(mp_pool *p, uintptr_t ev, uintptr_t stream) {
     mp_count_call(&p->stats.num_event_records);
     return p->up.event_record(p->up.ctx, ev, stream);
