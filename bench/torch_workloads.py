@@ -1,12 +1,14 @@
 """Real PyTorch workloads under four allocators, side by side, each run in a process of its own.
 
-    python bench/torch_workloads.py OUTDIR [--steps 30] [--reps 2] [--workloads gpt,resnet,infer,batch,empty]
+    python bench/torch_workloads.py OUTDIR [--steps 30] [--reps 2] [--workloads gpt,gpt-bucketed,resnet,infer,batch,empty]
     python bench/torch_workloads.py OUTDIR --workloads resnet --allocators torch --reps 1 --snapshot
 
 Workloads (model code from Hugging Face ``transformers`` and ``torchvision``, random
 weights, built from a config; nothing here defines a model):
   gpt     a GPT-2 style decoder (8 layers, hidden 1024, 16 heads) trained with AdamW under
           bf16 autocast on batches of 8 sequences whose length changes every step (64-512);
+  gpt-bucketed  the same with lengths padded to multiples of 64, every bucket seen in the
+          warm-up: the steady state, where step times can tell allocators apart;
   resnet  torchvision's ResNet-50 trained with SGD, ``torch.backends.cudnn.benchmark = True``;
   infer   the GPT model's forward under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs);
   batch   the largest batch of the GPT step (length 512) that fits under a fixed cap;
@@ -115,12 +117,31 @@ def timed(torch, steps, warmup, body):
     return statistics.median(times), values
 
 
-def run_gpt(torch, steps):
+# The bucketed variant's lengths: multiples of 64, as a loader that pads each batch to a
+# bucket (Hugging Face's pad_to_multiple_of, length-grouped samplers) produces them.
+GPT_BUCKETS = tuple(range(64, 513, 64))
+
+
+def gpt_lengths(steps, warmup, bucketed):
+    """Sequence lengths of the GPT steps. Any length in 64-512 makes nearly every step a
+    shape the process has not run before, so its time is largely first-time work for that
+    shape (kernel selection, caches), which varies from process to process by more than
+    the allocators differ (bench/results/2026-12-05-h100-evening.md: 14 %). Bucketed, the
+    warm-up runs every bucket twice and the timed steps draw from the same buckets: the
+    steady state of a training run, where the allocator's own cost can show."""
     import random
+    rng = random.Random(1)
+    if not bucketed:
+        return [rng.randrange(64, 513) for _ in range(steps + warmup)]
+    head = [GPT_BUCKETS[i % len(GPT_BUCKETS)] for i in range(warmup)]
+    return head + [rng.choice(GPT_BUCKETS) for _ in range(steps)]
+
+
+def run_gpt(torch, steps, bucketed=False):
     model = gpt_model(torch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    rng = random.Random(1)
-    lengths = [rng.randrange(64, 513) for _ in range(steps + 10)]
+    warmup = 2 * len(GPT_BUCKETS) if bucketed else 10
+    lengths = gpt_lengths(steps, warmup, bucketed)
     g = torch.Generator(device="cuda").manual_seed(2)
 
     def step(i):
@@ -132,8 +153,12 @@ def run_gpt(torch, steps):
         opt.step()
         return loss.item()
 
-    ms, losses = timed(torch, steps, 10, step)
+    ms, losses = timed(torch, steps, warmup, step)
     return {"ms_per_step": ms, "values": losses}
+
+
+def run_gpt_bucketed(torch, steps):
+    return run_gpt(torch, steps, bucketed=True)
 
 
 def run_resnet(torch, steps):
@@ -204,7 +229,8 @@ def run_batch(torch, steps, cap_gib=24):
     return {"largest_batch": lo, "cap_gib": cap_gib, "ms_per_step": None, "values": []}
 
 
-WORKLOADS = {"gpt": run_gpt, "resnet": run_resnet, "infer": run_infer, "batch": run_batch}
+WORKLOADS = {"gpt": run_gpt, "gpt-bucketed": run_gpt_bucketed, "resnet": run_resnet,
+             "infer": run_infer, "batch": run_batch}
 
 
 def child(workload, allocator, steps, snapshot=None):
@@ -300,7 +326,7 @@ def cpu_paces(loops=1_000_000, probes=3):
 # matters little) and its compilation would get two CPUs' worth of worker processes, and
 # the largest batch is not timed.
 WORKLOAD_CPUS = 2
-PINNED_WORKLOADS = ("gpt", "resnet")
+PINNED_WORKLOADS = ("gpt", "gpt-bucketed", "resnet")
 
 
 def fastest_cpus(n):
@@ -372,7 +398,7 @@ def main(argv=None):
     ap.add_argument("outdir", nargs="?")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--workloads", default="gpt,resnet,infer,batch,empty")
+    ap.add_argument("--workloads", default="gpt,gpt-bucketed,resnet,infer,batch,empty")
     ap.add_argument("--allocators", default=",".join(ALLOCATORS))
     ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "ALLOCATOR"))
     ap.add_argument("--snapshot", action="store_true",
