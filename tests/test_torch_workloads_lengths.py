@@ -19,6 +19,6 @@ def test_bucketed_warmup_runs_every_bucket_twice_before_the_timed_steps():
 
 def test_unbucketed_lengths_are_those_of_the_recorded_runs():
     # The first lengths of `random.Random(1).randrange(64, 513)`, which the GPT runs in
-    # bench/results/ (2026-12-04 on) trained on: a change would make them incomparable.
+    # bench/results/ (2026-12-03 on) trained on: a change would make them incomparable.
     assert tw.gpt_lengths(30, 10, bucketed=False)[:5] == [132, 355, 497, 474, 455]
     assert all(64 <= n <= 512 for n in tw.gpt_lengths(30, 10, bucketed=False))
