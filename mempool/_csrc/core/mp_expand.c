@@ -52,7 +52,10 @@
  * the footprint set a new record (docs/expandable.md), measured with one allocation per
  * page; it acts on whole allocations only (Note [Growth extents]). The floor keeps the syncs
  * few: with none, 1.007 for 17 to 37. The mark is the pool's own: reset_peak_stats() does
- * not move it.
+ * not move it. The rule also fires after a warm-up whose steps recur in random order (each
+ * lays its blocks out anew, and a growth passes the mark now and then): a few syncs and
+ * re-maps every few steps, for less memory than any rule tried that stops them
+ * (bench/results/history.md, Note [Expandable segments]).
  *
  * Failures: map is all or nothing (the upstream undoes a partial map), so a failed growth
  * leaves its range unmapped as before; out of device memory, free pages elsewhere are
