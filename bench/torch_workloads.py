@@ -127,8 +127,9 @@ def gpt_lengths(steps, warmup, bucketed):
     shape the process has not run before, so its time is largely first-time work for that
     shape (kernel selection, caches), which varies from process to process by more than
     the allocators differ (bench/results/2026-12-05-h100-evening.md: 14 %). Bucketed, the
-    warm-up runs every bucket twice and the timed steps draw from the same buckets: the
-    steady state of a training run, where the allocator's own cost can show."""
+    warm-up cycles through the buckets (each twice in run_gpt's 16 steps) and the timed
+    steps draw from the same buckets: the steady state of a training run, where the
+    allocator's own cost can show."""
     import random
     rng = random.Random(1)
     if not bucketed:
