@@ -1,9 +1,10 @@
 """Upstream calls per training step of a recorded GPT run, replayed on sim under any setting.
 
-    python bench/steady_steps.py SNAPSHOT [--conf C ...] [--steps 30] [--warmup 16]
+    python bench/steady_steps.py SNAPSHOT [--conf C ...] [--steps 30] [--warmup 16] [--order-seed 1]
 
-SNAPSHOT is what `bench/torch_workloads.py --workloads gpt-bucketed --snapshot` recorded on
-a GPU (PyTorch's snapshot format). A snapshot carries no step marks, so the steps are found
+SNAPSHOT is what `bench/torch_workloads.py --workloads gpt-bucketed --snapshot` (or
+llama-bucketed, with the same --steps and --order-seed) recorded on a GPU (PyTorch's
+snapshot format). A snapshot carries no step marks, so the steps are found
 by the first tensor of each: its input ids, 8 x L int64, L as `gpt_lengths` planned them.
 Each --conf is replayed on the simulated device, and the script prints peak reserved / peak
 live, the physical allocations and unmaps of the whole run, and those of the timed steps
@@ -45,7 +46,8 @@ def step_starts(events, lengths):
             starts.append(i)
     if len(starts) != len(lengths):
         raise ValueError(f"found {len(starts)} of {len(lengths)} steps: is this a gpt-bucketed "
-                         f"snapshot with these --steps and --warmup?")
+                         f"or llama-bucketed snapshot with these --steps, --warmup and "
+                         f"--order-seed?")
     return starts
 
 
@@ -71,10 +73,12 @@ def main(argv=None):
                          "segments with cuda's 8 MiB pages, and cuda's default path)")
     ap.add_argument("--steps", type=int, default=30, help="timed steps of the run (30)")
     ap.add_argument("--warmup", type=int, default=16, help="warm-up steps of the run (16)")
+    ap.add_argument("--order-seed", type=int, default=1,
+                    help="the run's --order-seed (1)")
     ap.add_argument("--per-step", action="store_true", help="also print each step's calls")
     args = ap.parse_args(argv)
     events = mtrace.load_any(args.snapshot)
-    lengths = gpt_lengths(args.steps, args.warmup, bucketed=True)
+    lengths = gpt_lengths(args.steps, args.warmup, bucketed=True, seed=args.order_seed)
     events.meta["step_starts"] = step_starts(events, lengths)
     confs = args.conf or ["expandable_segments:True,granularity:8MiB", "segment_rounding:32MiB"]
     print(f"{len(events)} events, {len(lengths)} steps ({args.warmup} warm-up)")

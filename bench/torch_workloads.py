@@ -9,6 +9,8 @@ weights, built from a config; nothing here defines a model):
           bf16 autocast on batches of 8 sequences whose length changes every step (64-512);
   gpt-bucketed  the same with lengths padded to multiples of 64, every bucket seen in the
           warm-up: the steady state, where step times can tell allocators apart;
+  llama-bucketed  a Llama-style decoder (``LlamaForCausalLM``: rotary positions, SwiGLU,
+          RMSNorm; 8 layers, hidden 1024) trained as gpt-bucketed;
   resnet  torchvision's ResNet-50 trained with SGD, ``torch.backends.cudnn.benchmark = True``;
   infer   the GPT model's forward under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs);
   batch   the largest batch of the GPT step (length 512) that fits under a fixed cap;
@@ -122,27 +124,39 @@ def timed(torch, steps, warmup, body):
 GPT_BUCKETS = tuple(range(64, 513, 64))
 
 
-def gpt_lengths(steps, warmup, bucketed):
+def gpt_lengths(steps, warmup, bucketed, seed=1):
     """Sequence lengths of the GPT steps. Any length in 64-512 makes nearly every step a
     shape the process has not run before, so its time is largely first-time work for that
     shape (kernel selection, caches), which varies from process to process by more than
     the allocators differ (bench/results/2026-12-05-h100-evening.md: 14 %). Bucketed, the
     warm-up cycles through the buckets (each twice in run_gpt's 16 steps) and the timed
     steps draw from the same buckets: the steady state of a training run, where the
-    allocator's own cost can show."""
+    allocator's own cost can show. `seed` draws another order (--order-seed)."""
     import random
-    rng = random.Random(1)
+    rng = random.Random(seed)
     if not bucketed:
         return [rng.randrange(64, 513) for _ in range(steps + warmup)]
     head = [GPT_BUCKETS[i % len(GPT_BUCKETS)] for i in range(warmup)]
     return head + [rng.choice(GPT_BUCKETS) for _ in range(steps)]
 
 
-def run_gpt(torch, steps, bucketed=False):
-    model = gpt_model(torch)
+def llama_model(torch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=8, hidden_size=1024, num_attention_heads=16,
+                      num_key_value_heads=16, intermediate_size=2816, vocab_size=32000,
+                      max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).cuda()
+
+
+ORDER_SEED = 1   # --order-seed: the bucketed steps' order (gpt_lengths)
+
+
+def run_gpt(torch, steps, bucketed=False, make_model=gpt_model):
+    model = make_model(torch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     warmup = 2 * len(GPT_BUCKETS) if bucketed else 10
-    lengths = gpt_lengths(steps, warmup, bucketed)
+    lengths = gpt_lengths(steps, warmup, bucketed, seed=ORDER_SEED)
     g = torch.Generator(device="cuda").manual_seed(2)
 
     def step(i):
@@ -160,6 +174,10 @@ def run_gpt(torch, steps, bucketed=False):
 
 def run_gpt_bucketed(torch, steps):
     return run_gpt(torch, steps, bucketed=True)
+
+
+def run_llama_bucketed(torch, steps):
+    return run_gpt(torch, steps, bucketed=True, make_model=llama_model)
 
 
 def run_resnet(torch, steps):
@@ -230,7 +248,8 @@ def run_batch(torch, steps, cap_gib=24):
     return {"largest_batch": lo, "cap_gib": cap_gib, "ms_per_step": None, "values": []}
 
 
-WORKLOADS = {"gpt": run_gpt, "gpt-bucketed": run_gpt_bucketed, "resnet": run_resnet,
+WORKLOADS = {"gpt": run_gpt, "gpt-bucketed": run_gpt_bucketed,
+             "llama-bucketed": run_llama_bucketed, "resnet": run_resnet,
              "infer": run_infer, "batch": run_batch}
 
 
@@ -327,7 +346,7 @@ def cpu_paces(loops=1_000_000, probes=3):
 # matters little) and its compilation would get two CPUs' worth of worker processes, and
 # the largest batch is not timed.
 WORKLOAD_CPUS = 2
-PINNED_WORKLOADS = ("gpt", "gpt-bucketed", "resnet")
+PINNED_WORKLOADS = ("gpt", "gpt-bucketed", "llama-bucketed", "resnet")
 
 
 def fastest_cpus(n):
@@ -407,7 +426,11 @@ def main(argv=None):
                          "history) into OUTDIR/snapshot-WORKLOAD-ALLOCATOR-N.pickle.gz, for "
                          "`python -m mempool replay`; its times are not comparable")
     ap.add_argument("--snapshot-path", help=argparse.SUPPRESS)   # the child's file
+    ap.add_argument("--order-seed", type=int, default=1,
+                    help="seed of the bucketed workloads' order of timed steps (1)")
     args = ap.parse_args(argv)
+    global ORDER_SEED
+    ORDER_SEED = args.order_seed
     if args.child:
         return child(args.child[0], args.child[1], args.steps, args.snapshot_path)
     os.makedirs(args.outdir, exist_ok=True)
@@ -435,9 +458,11 @@ def main(argv=None):
             for a in allocators:     # alternating: rep 1 of each, then rep 2 of each
                 cpus, paces = (fastest_cpus(WORKLOAD_CPUS) if w in PINNED_WORKLOADS
                                else (None, {}))
+                seed = f"-seed{args.order_seed}" if args.order_seed != 1 else ""
                 snap = ["--snapshot-path", os.path.join(
-                    args.outdir, f"snapshot-{w}-{a}-{rep + 1}.pickle.gz")] if args.snapshot else []
-                r = spawn([__file__, "--child", w, a, "--steps", str(args.steps), *snap],
+                    args.outdir, f"snapshot-{w}{seed}-{a}-{rep + 1}.pickle.gz")] if args.snapshot else []
+                r = spawn([__file__, "--child", w, a, "--steps", str(args.steps),
+                           "--order-seed", str(args.order_seed), *snap],
                           allocator_env(a), cpus=cpus)
                 if cpus:
                     r["cpus"] = sorted(cpus)

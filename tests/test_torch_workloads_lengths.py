@@ -22,3 +22,15 @@ def test_unbucketed_lengths_are_those_of_the_recorded_runs():
     # bench/results/ (2026-12-03 on) trained on: a change would make them incomparable.
     assert tw.gpt_lengths(30, 10, bucketed=False)[:5] == [132, 355, 497, 474, 455]
     assert all(64 <= n <= 512 for n in tw.gpt_lengths(30, 10, bucketed=False))
+
+
+def test_order_seed_draws_another_order_of_the_same_buckets_after_the_same_warmup():
+    warmup = 2 * len(tw.GPT_BUCKETS)
+    one, two = (tw.gpt_lengths(30, warmup, bucketed=True, seed=s) for s in (1, 2))
+    assert one == tw.gpt_lengths(30, warmup, bucketed=True)   # seed 1: the recorded runs
+    assert one[:warmup] == two[:warmup]
+    assert one[warmup:] != two[warmup:] and set(two[warmup:]) <= set(tw.GPT_BUCKETS)
+
+
+def test_the_llama_workload_is_registered_pinned_and_bucketed():
+    assert "llama-bucketed" in tw.WORKLOADS and "llama-bucketed" in tw.PINNED_WORKLOADS
