@@ -52,10 +52,8 @@
  * the footprint set a new record (docs/expandable.md), measured with one allocation per
  * page; it acts on whole allocations only (Note [Growth extents]). The floor keeps the syncs
  * few: with none, 1.007 for 17 to 37. The mark is the pool's own: reset_peak_stats() does
- * not move it. The rule also fires after a warm-up whose steps recur in random order (each
- * lays its blocks out anew, and a growth passes the mark now and then): a few syncs and
- * re-maps every few steps, for less memory than any rule tried that stops them
- * (bench/results/history.md, Note [Expandable segments]).
+ * not move it. A growth past the mark while live bytes set no record of their own is held
+ * to stricter terms (Note [Layout records]).
  *
  * Failures: map is all or nothing (the upstream undoes a partial map), so a failed growth
  * leaves its range unmapped as before; out of device memory, free pages elsewhere are
@@ -73,6 +71,38 @@
  * crossed at every free expensive. A stream sync or query inside a CUDA graph capture would
  * break it: no page is unmapped while a capture is under way (Note [Graph capture] in
  * mp_capture.h), growth maps pages as usual.
+ */
+
+/* Note [Layout records]
+ *
+ * Why: a training loop whose steps recur in random order (lengths padded to buckets, say)
+ * lays its blocks out anew each step, so once in a while a growth passes the mapped mark
+ * with no more live bytes than before. Releasing every idle allocation then gives back the
+ * previous step's pages, which the next steps map again: Hugging Face GPT-2 and Llama loops
+ * of 30 and 60 bucketed steps made 24 to 289 physical allocations, 11 to 64 unmaps and 3 to
+ * 8 stream syncs after their warm-up, where PyTorch's expandable segments made one
+ * allocation and the default path none (bench/results/2026-12-05-h100-late.md).
+ *
+ * Approach: the pool keeps its own live mark (the most bytes ever allocated at once;
+ * reset_peak_stats() does not move it). A growth past the mapped mark that also takes live
+ * bytes past their mark releases as before. One that does not (a layout's record) releases
+ * only with 1/MP_LAYOUT_IDLE_DIV of the mapped mark idle, and at most
+ * MP_LAYOUT_RELEASES_MAX times until live bytes set a new record: one large release, such
+ * as the previous step's activations between two warm-up steps, lays the later steps out
+ * compactly; more restart the cycle of releases and maps. A smaller share (1/96, 1/128)
+ * spends that one release on a small compaction early in the warm-up, and the GPT runs then
+ * drift to 1.12-1.15 of their live peak. So that a loop whose layouts never settle cannot
+ * ratchet its footprint up unchecked, a growth that would map more than
+ * 1/MP_LAYOUT_SLACK_DIV past the live mark releases as before, whatever the budget.
+ *
+ * Measured on sim, replaying the recorded runs with cuda's 8 MiB pages: the timed steps of
+ * eight bucketed runs made 0 to 2 physical allocations, no unmap and no sync, for peak
+ * reserved / peak live 1.095-1.107 (1.078-1.121 before); the shipped traces and ResNet-50
+ * are unchanged; GPT with a new length every step holds 1.069 (1.062 before; PyTorch's
+ * expandable segments 1.103). With 2 MiB pages the GPT runs map 18-19 allocations in their
+ * timed steps, still growing, and unmap nothing. A random alloc/free loop whose layouts
+ * never settle holds at most 1.125 of its live mark for 7 to 17 syncs (17 to 40 before, at
+ * 1.03-1.08; with no slack, 1.25-1.40 for one). tests/test_expandable_layout_records.py.
  */
 
 /* Note [Growth extents]
@@ -884,6 +914,24 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
     return MP_OK;
 }
 
+/* The high-water rule's share of the mapped mark that must be idle for a growth of `size`
+ * to `need` mapped bytes, past that mark, to release it; 0 for no release. *layout: the
+ * release would be for a layout's record, and counts against the live mark's budget. Note
+ * [Layout records]. */
+static size_t high_water_div_locked(mp_pool *p, size_t size, size_t need, int *layout) {
+    size_t live_mark = mp_live_mark_locked(p);
+    if ((size_t)mp_stat3_current(p->stats.allocated_bytes) + size > live_mark)
+        return MP_HIGH_WATER_IDLE_DIV;                          /* a live record */
+    if (need > live_mark + live_mark / MP_LAYOUT_SLACK_DIV)
+        return MP_HIGH_WATER_IDLE_DIV;                          /* drifted too far past it */
+    if (live_mark > p->layout_release_mark) {   /* a live record since the last release */
+        p->layout_release_mark = live_mark;
+        p->layout_releases = 0;
+    }
+    *layout = 1;
+    return p->layout_releases < MP_LAYOUT_RELEASES_MAX ? MP_LAYOUT_IDLE_DIV : 0;
+}
+
 /* Make a free block of at least `size` in s's range by mapping pages, and hand it out
  * (*out; NULL when the pool changed meanwhile: search again). MP_ENOMEM / MP_ELIMIT when it
  * cannot grow. */
@@ -924,14 +972,20 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_block
         size_t threshold = (size_t)(p->cfg.gc_threshold * (double)base);
         if (base && need > threshold && need - threshold > excess) excess = need - threshold;
     }
+    int layout = 0;   /* a release of the high-water rule for a layout's record */
     if (need > p->mapped_high_water) {
-        size_t idle = idle_bytes_locked(p, plan.lo, plan.hi);
-        if (idle >= MP_HIGH_WATER_MIN_IDLE && idle >= p->mapped_high_water / MP_HIGH_WATER_IDLE_DIV)
+        size_t div = high_water_div_locked(p, size, need, &layout);
+        size_t idle = div ? idle_bytes_locked(p, plan.lo, plan.hi) : 0;
+        if (div && idle >= MP_HIGH_WATER_MIN_IDLE && idle >= p->mapped_high_water / div)
             excess = idle > excess ? idle : excess;
+        else
+            layout = 0;
     }
     if (excess && !mp_capture_stream_locked(p, s) &&   /* Note [Graph capture] */
-        release_pages_locked(p, excess, plan.lo, plan.hi, 1, NULL))
+        release_pages_locked(p, excess, plan.lo, plan.hi, 1, NULL)) {
+        if (layout) p->layout_releases++;
         return MP_OK;   /* re-plan */
+    }
     if (limit != MP_UNLIMITED && need > limit) return MP_ELIMIT;
     return map_locked(p, seg, s, &plan, size, out);
 }

@@ -55,6 +55,7 @@ void mp_get_stats(mp_pool *p, mp_stats *out) {
 /* Every peak from its current value; an `all` column holds only its peak (Note [Derived
  * totals]), which starts again from the current total of its two pools. */
 static void restart_peaks_locked(mp_pool *p) {
+    p->live_high_water = mp_live_mark_locked(p);   /* the pool's own mark outlives resets */
     mp_stat *s = (mp_stat *)&p->stats;
     for (size_t i = 0; i < MP_NSTATS; i++) s[i].peak = s[i].current;
     mp_stat *f = (mp_stat *)&p->stats;

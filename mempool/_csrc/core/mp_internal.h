@@ -134,6 +134,11 @@ struct mp_pool {
                                     (Note [Reserved high water]; never reset) */
     size_t mapped_high_water;    /* expandable segments: the most bytes ever mapped at once
                                     (mp_expand.c; unlike the stats' peak, never reset) */
+    size_t live_high_water;      /* the most bytes ever allocated at once, as of the last
+                                    restart of the stats' peaks (mp_live_mark_locked) */
+    size_t layout_releases;      /* Note [Layout records]: high-water releases for a layout
+                                    since the live mark stood at layout_release_mark */
+    size_t layout_release_mark;
     uint64_t tick;               /* advances on every alloc and free */
     int captures;                /* Note [Graph capture]: mp_capture_begin less mp_capture_end */
     mp_stream *capture_seen;     /* Note [Graph capture]: the stream last found capturing */
@@ -258,6 +263,19 @@ static inline int mp_up_event_create(mp_pool *p, uintptr_t *ev) {
  * on this much idle memory, and 1/MP_HIGH_WATER_IDLE_DIV of the mark: few releases. */
 #define MP_HIGH_WATER_MIN_IDLE ((size_t)32 << 20)
 #define MP_HIGH_WATER_IDLE_DIV 128
+/* Note [Layout records] in mp_expand.c: a growth past the mapped mark while live bytes set
+ * no record releases only with 1/MP_LAYOUT_IDLE_DIV of the mark idle, at most
+ * MP_LAYOUT_RELEASES_MAX times for each live mark, unless it would map more than
+ * 1/MP_LAYOUT_SLACK_DIV beyond the live mark. */
+#define MP_LAYOUT_IDLE_DIV 64
+#define MP_LAYOUT_RELEASES_MAX 1
+#define MP_LAYOUT_SLACK_DIV 8
+
+/* The most bytes ever allocated at once: unlike the stats' peak, never reset. */
+static inline size_t mp_live_mark_locked(const mp_pool *p) {
+    size_t peak = (size_t)p->stats.allocated_bytes[MP_STAT_ALL].peak;
+    return peak > p->live_high_water ? peak : p->live_high_water;
+}
 
 /* Note [Threshold releases without a sync]: the most threshold checks skipped in a row. */
 #define MP_THRESHOLD_BACKOFF_MAX 64
