@@ -81,7 +81,7 @@
  * previous step's pages, which the next steps map again: Hugging Face GPT-2 and Llama loops
  * of 30 and 60 bucketed steps made 24 to 289 physical allocations, 11 to 64 unmaps and 3 to
  * 8 stream syncs after their warm-up, where PyTorch's expandable segments made one
- * allocation and the default path none (bench/results/2026-12-05-h100-late.md).
+ * allocation and the default path none (bench/results/2026-12-05-late.md).
  *
  * Approach: the pool keeps its own live mark (the most bytes ever allocated at once;
  * reset_peak_stats() does not move it). A growth past the mapped mark that also takes live
