@@ -31,18 +31,13 @@ typedef struct mp_config {
     int expandable_segments;
     size_t expandable_reserve;   /* address space per expandable segment; 0 = from capacity */
     size_t max_map_size;         /* expandable: most bytes one physical allocation of a growth
-                                    holds (rounded down to pages); 0 = MP_DEFAULT_MAX_MAP
-                                    (MP_LARGE_GROWTH_PIECE for a large growth), or one page
-                                    under a limit */
+                                    holds (rounded down to pages); 0 = MP_DEFAULT_MAX_MAP, or
+                                    one page under a limit */
 } mp_config;
 
 /* Expandable segments: the most bytes one physical allocation of a growth holds unless
  * max_map_size says (Note [Growth extents] in mp_expand.c). */
 #define MP_DEFAULT_MAX_MAP ((size_t)1 << 30)
-/* Unless max_map_size says, a growth of MP_LARGE_GROWTH bytes or more is cut into physical
- * allocations of MP_LARGE_GROWTH_PIECE (Note [Growth extents], "Large growths"). */
-#define MP_LARGE_GROWTH ((size_t)512 << 20)
-#define MP_LARGE_GROWTH_PIECE ((size_t)32 << 20)
 
 void mp_config_default(mp_config *cfg);
 

@@ -127,15 +127,6 @@
  * which checks the tiling, holds while the lock is dropped. sim and host keep the driver's
  * rule (mp_mappings_whole in mp_budget.h): an unmap that cuts an allocation is refused.
  *
- * Large growths: a growth of MP_LARGE_GROWTH or more (a workspace of gigabytes, such as
- * cuDNN's benchmark tries) is cut into allocations of MP_LARGE_GROWTH_PIECE unless
- * max_map_size is set. Later blocks settle into the region it leaves free, and in 1 GiB
- * allocations a few of them pin most of it: ResNet-50 trained with cudnn.benchmark held 8
- * to 40 MiB more than PyTorch's expandable segments on the device, and its recorded run
- * replayed on sim 1.0166 of peak live for 42 allocations; cut so, 1.0074 for 360, all in
- * the warm-up, and its steady footprint fell from 6,960 to 6,648 MiB. No growth of the shipped traces, the GPT runs or the
- * bucketed ones is that large: their figures are unchanged (bench/results/history.md).
- *
  * Limits: a free page of an allocation that still holds a block cannot be released; that is
  * the price of fewer driver calls. Best fit reuses the start of large free blocks, so free
  * tails sit in allocations in use, and the high-water rule finds few idle allocations whole:
@@ -260,10 +251,6 @@ typedef struct growth_cut {
 
 static growth_cut cut_growth(const mp_pool *p, size_t nbytes) {
     size_t max = max_map_bytes(p);
-    if (!p->cfg.max_map_size && nbytes >= MP_LARGE_GROWTH) {   /* "Large growths" */
-        size_t piece = round_down(MP_LARGE_GROWTH_PIECE, p->up.granularity);
-        if (piece && piece < max) max = piece;
-    }
     growth_cut c = {nbytes, max, (nbytes + max - 1) / max};
     return c;
 }
