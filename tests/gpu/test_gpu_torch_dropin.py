@@ -236,6 +236,23 @@ def test_memory_history_and_snapshot_in_pytorch_format():
 
 
 @pytest.mark.parametrize("expandable", [False, True])
+def test_the_snapshots_allocator_settings_are_defined(expandable):
+    # They were read from uninitialized members: a garbage collection threshold of
+    # 2.8e-317 and expandable segments on a pool without them, in recorded snapshots.
+    prelude = PRELUDE.replace('device=0)', 'device=0, expandable_segments=True)')
+    run("""
+        a = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        settings = torch.cuda.memory._snapshot()["allocator_settings"]
+        assert settings["PYTORCH_CUDA_ALLOC_CONF"] == "mempool", settings
+        assert settings["garbage_collection_threshold"] == 0.0, settings
+        assert settings["expandable_segments"] == pool.options["expandable_segments"], settings
+        for key in ("release_lock_on_cudamalloc", "pinned_use_cuda_host_register"):
+            assert not settings[key], settings
+        print("settings ok", settings)
+    """, prelude=prelude if expandable else PRELUDE)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
 def test_the_snapshot_trace_has_the_pools_segment_events(expandable):
     # Note [Segment observer]: memory_viz's allocator state history replays these.
     prelude = PRELUDE.replace('device=0)', 'device=0, expandable_segments=True)')

@@ -359,7 +359,10 @@ class MempoolAllocator final : public CUDAAllocator {
   // ---- snapshots and history -----------------------------------------------------------
   c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(MempoolId_t mempool_id,
                                                          bool include_traces) override {
-    c10::cuda::CUDACachingAllocator::SnapshotInfo info;
+    // Value-initialized: the settings PyTorch pickles as allocator_settings (its own config's
+    // fields: the garbage collection threshold, the pinned-memory options...) are plain
+    // members with no initializer, and those this allocator does not set were garbage.
+    c10::cuda::CUDACachingAllocator::SnapshotInfo info{};
     std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> contexts;
     flush_segments();
     {
@@ -394,6 +397,8 @@ class MempoolAllocator final : public CUDAAllocator {
       info.config_metadata.max_split_size = f[6];
     }
     info.config_metadata.last_allocator_settings = "mempool";
+    for (const SegmentInfo& seg : info.segments)   // a pool with nothing mapped shows none
+      if (seg.is_expandable) info.config_metadata.expandable_segments = true;
     return info;
   }
 
