@@ -67,24 +67,16 @@ def test_with_small_pages_the_footprint_may_still_grow_but_nothing_is_given_back
 
 def replay_resetting_peaks(events, conf):
     """The run replayed as a script that logs each step's peak would: reset_peak_stats() at
-    every step's start. The stream syncs of the timed steps (16 warm-up)."""
+    every step's start (the replay's own stepped loop). The stream syncs of the timed steps
+    (16 warm-up)."""
     prep = mreplay.prepare(events)
-    assert prep.streams == [0]
     pool = mempool.Pool.from_conf(conf, backend="sim")
-    ptrs = [0] * prep.nslots
-    bounds = [0] + list(prep.step_ops) + [len(prep.ops)]
-    syncs = []
-    for lo, hi in zip(bounds, bounds[1:]):
-        pool.reset_peak_stats()
-        before = pool.stats()["num_stream_syncs"]
-        for slot, nbytes, _ in prep.ops[lo:hi]:
-            if nbytes:
-                ptrs[slot] = pool.alloc(nbytes)
-            elif ptrs[slot]:
-                pool.free(ptrs[slot])
-                ptrs[slot] = 0
-        syncs.append(pool.stats()["num_stream_syncs"] - before)
-    return syncs[1 + 16:]   # bounds[0:1] is the set-up before the first step
+    handles, _ = mreplay._device_streams(prep, "sim")
+    counts, _ = mreplay._stepped_run(pool, prep, handles, [0] * prep.nslots,
+                                     mempool.OutOfMemoryError, [], pool.reset_peak_stats)
+    counts.append(mreplay._upstream(pool.stats()))
+    syncs = [b["stream_syncs"] - a["stream_syncs"] for a, b in zip(counts, counts[1:])]
+    return syncs[1 + 16:]   # the first is the set-up before the first step
 
 
 def test_the_live_mark_is_the_pools_own_so_per_step_peak_resets_change_nothing():

@@ -86,10 +86,10 @@
  * Approach: the pool keeps its own live mark (the most bytes ever allocated at once;
  * reset_peak_stats() does not move it). A growth past the mapped mark that also takes live
  * bytes past their mark releases as before. One that does not (a layout's record) releases
- * only with 1/MP_LAYOUT_IDLE_DIV of the mapped mark idle, and at most
- * MP_LAYOUT_RELEASES_MAX times until live bytes set a new record: one large release, such
- * as the previous step's activations between two warm-up steps, lays the later steps out
- * compactly; more restart the cycle of releases and maps. A smaller share (1/96, 1/128)
+ * only with 1/MP_LAYOUT_IDLE_DIV of the mapped mark idle, and once until live bytes set a
+ * new record (layout_release_mark: the live mark of the last such release). One large
+ * release, such as the previous step's activations between two warm-up steps, lays the
+ * later steps out compactly; more restart the cycle of releases and maps. A smaller share (1/96, 1/128)
  * spends that one release on a small compaction early in the warm-up, and the GPT runs then
  * drift to 1.12-1.15 of their live peak. So that a loop whose layouts never settle cannot
  * ratchet its footprint up unchecked, a growth that would map more than
@@ -915,21 +915,19 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
 }
 
 /* The high-water rule's share of the mapped mark that must be idle for a growth of `size`
- * to `need` mapped bytes, past that mark, to release it; 0 for no release. *layout: the
- * release would be for a layout's record, and counts against the live mark's budget. Note
- * [Layout records]. */
-static size_t high_water_div_locked(mp_pool *p, size_t size, size_t need, int *layout) {
+ * to `need` mapped bytes, past that mark, to release it; 0 for no release. *layout_mark:
+ * the live mark a release for a layout's record would spend (Note [Layout records]), else 0. */
+static size_t high_water_div_locked(const mp_pool *p, size_t size, size_t need,
+                                    size_t *layout_mark) {
+    *layout_mark = 0;
     size_t live_mark = mp_live_mark_locked(p);
     if ((size_t)mp_stat3_current(p->stats.allocated_bytes) + size > live_mark)
         return MP_HIGH_WATER_IDLE_DIV;                          /* a live record */
     if (need > live_mark + live_mark / MP_LAYOUT_SLACK_DIV)
         return MP_HIGH_WATER_IDLE_DIV;                          /* drifted too far past it */
-    if (live_mark > p->layout_release_mark) {   /* a live record since the last release */
-        p->layout_release_mark = live_mark;
-        p->layout_releases = 0;
-    }
-    *layout = 1;
-    return p->layout_releases < MP_LAYOUT_RELEASES_MAX ? MP_LAYOUT_IDLE_DIV : 0;
+    if (live_mark <= p->layout_release_mark) return 0;          /* spent at this live mark */
+    *layout_mark = live_mark;
+    return MP_LAYOUT_IDLE_DIV;
 }
 
 /* Make a free block of at least `size` in s's range by mapping pages, and hand it out
@@ -972,18 +970,18 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_block
         size_t threshold = (size_t)(p->cfg.gc_threshold * (double)base);
         if (base && need > threshold && need - threshold > excess) excess = need - threshold;
     }
-    int layout = 0;   /* a release of the high-water rule for a layout's record */
+    size_t layout_mark = 0;   /* a release of the high-water rule for a layout's record */
     if (need > p->mapped_high_water) {
-        size_t div = high_water_div_locked(p, size, need, &layout);
+        size_t div = high_water_div_locked(p, size, need, &layout_mark);
         size_t idle = div ? idle_bytes_locked(p, plan.lo, plan.hi) : 0;
         if (div && idle >= MP_HIGH_WATER_MIN_IDLE && idle >= p->mapped_high_water / div)
             excess = idle > excess ? idle : excess;
         else
-            layout = 0;
+            layout_mark = 0;
     }
     if (excess && !mp_capture_stream_locked(p, s) &&   /* Note [Graph capture] */
         release_pages_locked(p, excess, plan.lo, plan.hi, 1, NULL)) {
-        if (layout) p->layout_releases++;
+        if (layout_mark) p->layout_release_mark = layout_mark;
         return MP_OK;   /* re-plan */
     }
     if (limit != MP_UNLIMITED && need > limit) return MP_ELIMIT;

@@ -136,9 +136,8 @@ struct mp_pool {
                                     (mp_expand.c; unlike the stats' peak, never reset) */
     size_t live_high_water;      /* the most bytes ever allocated at once, as of the last
                                     restart of the stats' peaks (mp_live_mark_locked) */
-    size_t layout_releases;      /* Note [Layout records]: high-water releases for a layout
-                                    since the live mark stood at layout_release_mark */
-    size_t layout_release_mark;
+    size_t layout_release_mark;  /* Note [Layout records]: the live mark at the last release
+                                    for a layout's record (one per live mark) */
     uint64_t tick;               /* advances on every alloc and free */
     int captures;                /* Note [Graph capture]: mp_capture_begin less mp_capture_end */
     mp_stream *capture_seen;     /* Note [Graph capture]: the stream last found capturing */
@@ -264,11 +263,9 @@ static inline int mp_up_event_create(mp_pool *p, uintptr_t *ev) {
 #define MP_HIGH_WATER_MIN_IDLE ((size_t)32 << 20)
 #define MP_HIGH_WATER_IDLE_DIV 128
 /* Note [Layout records] in mp_expand.c: a growth past the mapped mark while live bytes set
- * no record releases only with 1/MP_LAYOUT_IDLE_DIV of the mark idle, at most
- * MP_LAYOUT_RELEASES_MAX times for each live mark, unless it would map more than
- * 1/MP_LAYOUT_SLACK_DIV beyond the live mark. */
+ * no record releases only with 1/MP_LAYOUT_IDLE_DIV of the mark idle, once for each live
+ * mark, unless it would map more than 1/MP_LAYOUT_SLACK_DIV beyond the live mark. */
 #define MP_LAYOUT_IDLE_DIV 64
-#define MP_LAYOUT_RELEASES_MAX 1
 #define MP_LAYOUT_SLACK_DIV 8
 
 /* The most bytes ever allocated at once: unlike the stats' peak, never reset. */
