@@ -165,7 +165,7 @@ def test_conf_as_string_or_dict_and_bad_input(small):
         rp.replay(small, conf=3)
     with pytest.raises(ValueError):
         rp.replay(small, conf="no_such_option:1")
-    with pytest.raises(ValueError, match="action must be 'alloc' or 'free'"):
+    with pytest.raises(ValueError, match="action must be 'alloc', 'free' or 'empty_cache'"):
         rp.replay([("realloc", 1, 5, 0, 0)])
 
 

@@ -116,8 +116,10 @@ def _replay(argv) -> int:
         if args.limit is not None:
             where += f", limit {args.limit}"
         del probe
+        empties = (f", {result.empty_cache_calls:,} empty_cache calls"
+                   if result.empty_cache_calls else "")
         print(f"trace          {path} ({result.events:,} events, {result.allocs:,} allocs, "
-              f"{result.frees:,} frees)")
+              f"{result.frees:,} frees{empties})")
         print(f"settings       {args.conf or '(default)'} on {where}")
         print(f"peak live      {fb(result.peak_live_bytes, exact=True)}: the most the trace "
               "held at once (requested sizes)")

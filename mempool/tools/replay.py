@@ -12,12 +12,13 @@ per event; :func:`mempool.tools.tune.tune` reuses one preparation for every sett
 """
 from __future__ import annotations
 
+import bisect
 import os
 import time
 from dataclasses import dataclass, field
 import numpy as np
 
-__all__ = ["Prepared", "ReplayResult", "prepare", "replay", "pool_at", "BACKENDS"]
+__all__ = ["Prepared", "ReplayResult", "prepare", "replay", "pool_at", "stretches", "BACKENDS"]
 
 BACKENDS = ("sim", "host", "cuda")
 TIMESERIES_POINTS = 2000
@@ -50,6 +51,8 @@ class Prepared:
     duplicate_allocs: int     # allocs of an id already live: its earlier buffer is freed first
     step_ops: list | None = None   # op index where each training step begins (from the
                                    # trace's meta "step_starts"), None when unknown
+    empty_cache_ops: list = field(default_factory=list)   # op indices before which the
+                                   # program emptied the cache ("empty_cache" events), sorted
 
     @property
     def peak_live_bytes(self) -> int:
@@ -76,6 +79,7 @@ class ReplayResult:
     ns_per_event: float               # wall time of the replay loop per event (with a time
                                       # series, its sampling included)
     first_oom: str | None = None      # the message of the first OutOfMemoryError
+    empty_cache_calls: int = 0        # the trace's empty_cache events, replayed as the calls
     timeseries: dict | None = None    # see replay(timeseries=True)
     stats: dict = field(default_factory=dict, repr=False)
     # Upstream calls the pool made, in all (``upstream``) and per training step (``steps``,
@@ -124,6 +128,8 @@ def prepare(events) -> Prepared:
     Ids map to dense slots, reused once freed. A free of an id that is not live is counted
     in ``unknown_frees`` and dropped; an alloc of an id that is already live (a trace that
     lost a free) frees the earlier buffer first and is counted in ``duplicate_allocs``.
+    An ``empty_cache`` event becomes an entry of ``empty_cache_ops``: the pool's
+    ``empty_cache()`` runs there, between the ops around it.
     """
     if isinstance(events, Prepared):
         return events
@@ -142,6 +148,7 @@ def prepare(events) -> Prepared:
     stream_index = {0: 0}
     streams = [0]
     n_events = allocs = frees = unknown = dups = 0
+    empties = []
     starts = (getattr(events, "meta", None) or {}).get("step_starts")
     step_events = set(starts) if isinstance(starts, list) and starts else None
     step_ops = [] if step_events else None
@@ -191,15 +198,18 @@ def prepare(events) -> Prepared:
             append_d(-pn); append_t(t); append_p(-1)
             spare.append(slot)
             frees += 1
+        elif action == "empty_cache":
+            if not empties or empties[-1] != len(ops):   # two in a row: the second is a no-op
+                empties.append(len(ops))
         else:
-            raise ValueError(f"prepare: event {n_events - 1}: action must be 'alloc' or "
-                             f"'free'; got {action!r}")
+            raise ValueError(f"prepare: event {n_events - 1}: action must be 'alloc', 'free' "
+                             f"or 'empty_cache'; got {action!r}")
     return Prepared(ops=ops, nslots=nslots, streams=streams,
                     deltas=np.asarray(deltas, dtype=np.int64),
                     partner=np.asarray(partner, dtype=np.int64),
                     times_ns=np.asarray(times, dtype=np.int64),
                     events=n_events, allocs=allocs, frees=frees, unknown_frees=unknown,
-                    duplicate_allocs=dups, step_ops=step_ops)
+                    duplicate_allocs=dups, step_ops=step_ops, empty_cache_ops=empties)
 
 
 def _make_pool(conf, backend, limit, options):
@@ -234,13 +244,33 @@ def _device_streams(prep: Prepared, backend: str):
     return [0] + [s.ptr for s in keep], keep
 
 
-def _run(pool, ops, handles, ptrs, oom_error, ooms, start=0):
+def _run(pool, ops, handles, ptrs, oom_error, ooms, start=0, empties=()):
     """The replay loop, the one every replay runs: `ops` are the events from index `start` on.
 
     One tuple unpack and one Pool call per event (this is the hot path). A refused allocation
     is recorded in `ooms` as (event index, message) and the replay goes on without it; its
-    free is skipped.
+    free is skipped. `empties` are the op indices before which the program emptied the cache
+    (Prepared.empty_cache_ops); those in this stretch call the pool's ``empty_cache()``
+    between the ops, outside the hot loop.
     """
+    if empties:
+        end = start + len(ops)
+        for at in empties[bisect.bisect_left(empties, start):bisect.bisect_left(empties, end)]:
+            _run_ops(pool, ops[:at - start], handles, ptrs, oom_error, ooms, start)
+            pool.empty_cache()
+            ops, start = ops[at - start:], at
+    _run_ops(pool, ops, handles, ptrs, oom_error, ooms, start)
+
+
+def stretches(prep: Prepared) -> list:
+    """The ops' index ranges ``(start, stop)`` between the program's empty_cache calls: a
+    replay loop that is not :func:`_run` empties its allocator's cache before every stretch
+    but the first, and keeps its own hot loop free of the check."""
+    cuts = [0] + list(prep.empty_cache_ops) + [len(prep.ops)]
+    return list(zip(cuts, cuts[1:]))
+
+
+def _run_ops(pool, ops, handles, ptrs, oom_error, ooms, start):
     alloc = pool.alloc
     free = pool.free
     for i, (slot, nbytes, s) in enumerate(ops, start):
@@ -278,7 +308,8 @@ def _stepped_run(pool, prep, handles, ptrs, oom_error, ooms, between=None):
             between()
         counts.append(_upstream(pool.stats()))
         spent += time.perf_counter_ns() - t
-        _run(pool, ops[bounds[i]:bounds[i + 1]], handles, ptrs, oom_error, ooms, bounds[i])
+        _run(pool, ops[bounds[i]:bounds[i + 1]], handles, ptrs, oom_error, ooms, bounds[i],
+             prep.empty_cache_ops)
     return counts, spent
 
 
@@ -353,7 +384,7 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
             counts, spent = _stepped_run(pool, prep, handles, ptrs, oom_error, ooms, between)
             t0 += spent
         else:
-            _run(pool, ops, handles, ptrs, oom_error, ooms)
+            _run(pool, ops, handles, ptrs, oom_error, ooms, 0, prep.empty_cache_ops)
         peak_reserved = peak_allocated = None
     else:
         n = len(ops)
@@ -364,7 +395,8 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
             stop = min(n, start + stride)
             # Peaks are reset per stretch, to plot each stretch's highest point.
             pool.reset_peak_stats()
-            _run(pool, ops[start:stop], handles, ptrs, oom_error, ooms, start)
+            _run(pool, ops[start:stop], handles, ptrs, oom_error, ooms, start,
+                 prep.empty_cache_ops)
             st = pool.stats()
             reserved.append(_stat(st, "reserved_bytes.all.peak"))
             peak_allocated = max(peak_allocated, _stat(st, "allocated_bytes.all.peak"))
@@ -412,6 +444,7 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
         num_device_alloc=_stat(stats, "num_device_alloc"),
         num_device_free=_stat(stats, "num_device_free"),
         ns_per_event=elapsed / max(1, len(ops)), first_oom=ooms[0][1] if ooms else None,
+        empty_cache_calls=len(prep.empty_cache_ops),
         timeseries=series, stats=stats, upstream=total, setup=setup, steps=steps,
         driver_reserved_peak_bytes=_driver_peak(backend, options_used, stats))
 
@@ -474,7 +507,7 @@ def pool_at(events, stop="peak_reserved", conf=None, backend: str = "sim", limit
         pool = _make_pool(conf, backend, limit, options)
         reserved = pool.reserved_bytes
         for i in range(len(ops)):
-            _run(pool, ops[i:i + 1], handles, ptrs, oom_error, [], i)
+            _run(pool, ops[i:i + 1], handles, ptrs, oom_error, [], i, prep.empty_cache_ops)
             if ops[i][1] and reserved() >= target:
                 break
         return pool, [p for p in ptrs if p]
@@ -482,5 +515,5 @@ def pool_at(events, stop="peak_reserved", conf=None, backend: str = "sim", limit
         raise ValueError(f"pool_at: stop must be an int in [0, {len(ops)}], 'peak_reserved' "
                          f"or 'peak_live'; got {stop!r}")
     pool = _make_pool(conf, backend, limit, options)
-    _run(pool, ops[:stop], handles, ptrs, oom_error, [])
+    _run(pool, ops[:stop], handles, ptrs, oom_error, [], 0, prep.empty_cache_ops)
     return pool, [p for p in ptrs if p]

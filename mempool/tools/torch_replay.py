@@ -43,15 +43,22 @@ def replay(trace) -> dict:
     # Upstream calls per training step: the allocator's device allocs and frees (with
     # expandable segments, its page maps and unmaps), read between steps, outside the timing.
     starts = set(prep.step_ops or ())
+    # The program's empty_cache calls come before these ops: checked with the step starts,
+    # one lookup per op for both.
+    empties = set(prep.empty_cache_ops)
+    marks_at = starts | empties
     marks = []
     elapsed = 0
     t0 = time.perf_counter_ns()
     for i, (slot, n, s) in enumerate(prep.ops):
-        if i in starts:
-            elapsed += time.perf_counter_ns() - t0
-            st = torch.cuda.memory_stats()
-            marks.append(st.get("num_device_alloc", 0) + st.get("num_device_free", 0))
-            t0 = time.perf_counter_ns()
+        if i in marks_at:
+            if i in starts:
+                elapsed += time.perf_counter_ns() - t0
+                st = torch.cuda.memory_stats()
+                marks.append(st.get("num_device_alloc", 0) + st.get("num_device_free", 0))
+                t0 = time.perf_counter_ns()
+            if i in empties:       # in the step it begins, as the replay on the pool counts it
+                torch.cuda.empty_cache()
         if n:
             try:
                 ptrs[slot] = alloc(n, 0, streams[s])

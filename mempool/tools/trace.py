@@ -5,7 +5,10 @@ A trace is a sequence of :class:`Event` s, each an allocation or a free of one b
 ``id`` names the buffer (a small integer, or the address it had when it was recorded); a free
 refers to the id of an earlier alloc. ``nbytes`` is the requested size, ``stream`` the stream
 the event happened on (0 = the default stream) and ``time_ns`` when it happened, in
-nanoseconds from an arbitrary origin.
+nanoseconds from an arbitrary origin. A third action, ``"empty_cache"`` (``id`` and
+``nbytes`` 0), is the program asking for the allocator's cached memory back
+(``torch.cuda.empty_cache()``, which PyTorch's cuDNN benchmark also calls after each
+algorithm search): a replay empties the pool's cache there, as the program did.
 
 File format (``save`` / ``load``): JSON lines, UTF-8, optionally gzip-compressed. The first
 line is a header object::
@@ -42,7 +45,8 @@ __all__ = [
 FORMAT = "mempool-trace"
 VERSION = 1
 FIELDS = ["action", "id", "nbytes", "stream", "time_ns"]
-ACTIONS = ("alloc", "free")
+ACTIONS = ("alloc", "free", "empty_cache")
+_BUFFER_ACTIONS = ("alloc", "free")    # load's fast path; empty_cache rows take the checked one
 
 # The pool's recorded entry actions (the extension's TRACE_ACTIONS), by code or by name, that
 # become events; only allocs and free requests are replayable: the others are the pool's own
@@ -56,9 +60,9 @@ del _name, _kind
 class Event(NamedTuple):
     """One allocation or free in a trace."""
 
-    action: str     #: "alloc" or "free"
-    id: int         #: names the buffer; a free names an earlier alloc's id
-    nbytes: int     #: requested bytes (0 when a free's size is unknown)
+    action: str     #: "alloc", "free" or "empty_cache"
+    id: int         #: names the buffer; a free names an earlier alloc's id (empty_cache: 0)
+    nbytes: int     #: requested bytes (0 when a free's size is unknown; empty_cache: 0)
     stream: int     #: stream handle the event ran on; 0 = the default stream
     time_ns: int    #: when, in ns from an arbitrary origin
 
@@ -89,7 +93,8 @@ def _check_event(ev, where: str) -> Event:
                              f" (5 fields); got {ev!r}")
         action, ident, nbytes, stream, time_ns = ev
     if action not in ACTIONS:
-        raise ValueError(f"{where}: action must be 'alloc' or 'free'; got {action!r}")
+        raise ValueError(f"{where}: action must be 'alloc', 'free' or 'empty_cache'; "
+                         f"got {action!r}")
     if isinstance(ident, bool) or not isinstance(ident, (int, str)):
         raise ValueError(f"{where}: id must be an int or a str; got {ident!r}")
     for name, value in (("nbytes", nbytes), ("stream", stream), ("time_ns", time_ns)):
@@ -97,6 +102,9 @@ def _check_event(ev, where: str) -> Event:
             raise ValueError(f"{where}: {name} must be an int >= 0; got {value!r}")
     if action == "alloc" and nbytes == 0:
         raise ValueError(f"{where}: an alloc needs nbytes > 0; got 0")
+    if action == "empty_cache" and (ident != 0 or nbytes != 0):
+        raise ValueError(f"{where}: an empty_cache event names no buffer: its id and nbytes "
+                         f"are 0; got id {ident!r}, nbytes {nbytes!r}")
     return Event(action, ident, nbytes, stream, time_ns)
 
 
@@ -226,7 +234,7 @@ def load(path) -> Trace:
     append = events.append
     for i, row in enumerate(rows, start=2):
         # Inline the common case; _check_event gives the precise message otherwise.
-        if (type(row) is list and len(row) == 5 and row[0] in ACTIONS
+        if (type(row) is list and len(row) == 5 and row[0] in _BUFFER_ACTIONS
                 and type(row[2]) is int and type(row[3]) is int and type(row[4]) is int
                 and row[2] >= 0 and row[3] >= 0 and row[4] >= 0
                 and type(row[1]) in (int, str) and (row[2] > 0 or row[0] == "free")):
@@ -330,7 +338,8 @@ def _read_snapshot(path_or_dict):
     return snap, path
 
 
-def from_torch_snapshot(path_or_dict, device: int | None = None, complete: bool = True) -> Trace:
+def from_torch_snapshot(path_or_dict, device: int | None = None, complete: bool = True,
+                        empty_cache: bool = True) -> Trace:
     """Events from a PyTorch memory snapshot (``torch.cuda.memory._snapshot()``, or the
     pickle that ``_dump_snapshot`` writes).
 
@@ -347,6 +356,9 @@ def from_torch_snapshot(path_or_dict, device: int | None = None, complete: bool 
         are synthesized at the start for the buffers the trace frees without allocating,
         and for those still allocated in the snapshot's ``segments`` that the trace never
         mentions, so the replay's live bytes match the program's.
+    empty_cache : bool
+        When true (the default), the program's calls for the cache back become
+        ``empty_cache`` events (see Notes); their number is ``meta["empty_cache_events"]``.
 
     Notes
     -----
@@ -354,6 +366,13 @@ def from_torch_snapshot(path_or_dict, device: int | None = None, complete: bool 
     as PyTorch records them; ``time_us`` becomes ``time_ns``). ``free_completed``,
     ``segment_*`` and ``snapshot`` entries are the allocator's own reactions and are
     dropped; ``oom`` entries are counted in ``meta["source_ooms"]``.
+
+    A snapshot does not record ``empty_cache()`` calls, only what they released:
+    ``segment_free`` or ``segment_unmap`` entries. PyTorch's cuDNN benchmark calls it after
+    every algorithm search (``cudnn.benchmark=True``), dozens of times in a ResNet-50's first
+    step, and a replay without them holds a different layout from the device's
+    (docs/expandable.md, "Replays of recorded runs"). :func:`_empty_cache_entries` says
+    which releases were such calls; one that released nothing left no entry and is not seen.
     """
     snap, where = _read_snapshot(path_or_dict)
     traces = snap.get("device_traces")
@@ -376,8 +395,15 @@ def from_torch_snapshot(path_or_dict, device: int | None = None, complete: bool 
     seen = set()              # every address the trace mentions
     prelude = {}              # addr -> (nbytes, stream) of buffers live before the trace
     ooms = 0
+    settings = snap.get("allocator_settings")
+    empty_at = _empty_cache_entries(entries, where, device, settings) if empty_cache else set()
     t0 = None
     for n, e in enumerate(entries):
+        if n in empty_at:
+            # At the time of the free before it: the release's own time is the allocator's,
+            # and a trace's times only order its events.
+            events.append(Event("empty_cache", 0, 0, 0, events[-1].time_ns if events else 0))
+            continue
         try:
             action = e["action"]
             if action == "oom":
@@ -431,11 +457,70 @@ def from_torch_snapshot(path_or_dict, device: int | None = None, complete: bool 
         synthesized = len(start)
         events = start + events
     meta = {"source": "torch-snapshot", "device": device, "source_ooms": ooms,
-            "synthesized_allocs": synthesized}
-    settings = snap.get("allocator_settings")
+            "synthesized_allocs": synthesized, "empty_cache_events": len(empty_at)}
     if isinstance(settings, dict) and settings.get("PYTORCH_CUDA_ALLOC_CONF"):
         meta["pytorch_cuda_alloc_conf"] = str(settings["PYTORCH_CUDA_ALLOC_CONF"])
     return Trace(events, meta)
+
+
+_RELEASES = ("segment_free", "segment_unmap")
+_GROWTHS = ("segment_alloc", "segment_map")
+
+
+def _empty_cache_entries(entries, where, device, settings) -> set:
+    """The indices of the trace entries where the program called ``empty_cache()``: the first
+    release entry of each call.
+
+    An allocator releases by itself only while it serves an allocation, and records that
+    release just before the allocation; so a release whose last request before it is a free
+    is an ``empty_cache`` call, unless the allocation after it maps memory apart from what
+    was released: mempool's high-water rule releases idle memory elsewhere before a growth
+    (never the pages the growth joins), and so do PyTorch's garbage collection
+    (``garbage_collection_threshold``) and its retry after a failed device allocation. Such
+    a release counts as a call only in a snapshot of PyTorch's own allocator without
+    garbage collection, whose retry shows an ``oom`` only when it fails: with a device far
+    from full that is the program's call too. On recorded ResNet-50 runs under cuDNN
+    benchmark this finds 67-68 calls per run, and a replay with them reproduces the
+    device's peak reserved bytes to the byte (tests/test_replay_empty_cache.py).
+    """
+    def region(e):
+        a, n = int(e["addr"]), int(e["size"])
+        return a, a + n
+
+    settings = settings if isinstance(settings, dict) else {}
+    by_mempool = settings.get("PYTORCH_CUDA_ALLOC_CONF") == "mempool"
+    collects = (settings.get("garbage_collection_threshold") or 0) > 0
+    apart_counts = not by_mempool and not collects
+    found = set()
+    last = None               # the last request entry: "alloc" or "free_requested"
+    n = 0
+    try:
+        while n < len(entries):
+            action = entries[n]["action"]
+            if action not in _RELEASES or last != "free_requested":
+                if action in ("alloc", "free_requested"):
+                    last = action
+                n += 1
+                continue
+            first, released = n, []
+            while n < len(entries) and entries[n]["action"] in _RELEASES + ("free_completed",):
+                if entries[n]["action"] in _RELEASES:
+                    released.append(region(entries[n]))
+                n += 1
+            mapped = []
+            while n < len(entries) and entries[n]["action"] in _GROWTHS + ("free_completed",):
+                if entries[n]["action"] in _GROWTHS:
+                    mapped.append(region(entries[n]))
+                n += 1
+            # Touching counts as joined: a growth maps next to the free block it extends.
+            joined = any(r0 <= m1 and m0 <= r1 for r0, r1 in released for m0, m1 in mapped)
+            if not mapped or joined or apart_counts:
+                found.add(first)
+            last = None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: device_traces[{device}][{n}]: a segment entry needs "
+                         f"'action', 'addr' and 'size'; got {entries[n]!r} ({exc})") from None
+    return found
 
 
 # ----------------------------------------------------------------------------------------

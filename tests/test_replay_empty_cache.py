@@ -1,0 +1,167 @@
+"""The program's empty_cache calls in traces: the event, its replay, and how a PyTorch snapshot
+shows them.
+
+PyTorch's cuDNN benchmark calls empty_cache after every algorithm search. A snapshot records
+only what those calls released, and a replay without them held 40 MiB more than the device
+did on a recorded ResNet-50 run; with them it holds what the device held, to the byte.
+"""
+import os
+
+import pytest
+
+from mempool.tools import replay as rp
+from mempool.tools import trace as mt
+from mempool.tools.trace import Event
+from _trace_data import trace_entry
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "bench", "results")
+MiB = 1 << 20
+CUDA_PAGES = "expandable_segments:True,granularity:8MiB"   # the pool's settings on cuda
+
+
+# ---------------------------------------------------------------- the event
+
+def test_an_empty_cache_event_saves_and_loads(tmp_path):
+    events = [Event("alloc", 1, 64 * MiB, 0, 0), Event("free", 1, 0, 0, 1),
+              Event("empty_cache", 0, 0, 0, 2), Event("alloc", 2, 8 * MiB, 0, 3)]
+    path = tmp_path / "t.jsonl"
+    assert mt.save(events, path) == 4
+    assert list(mt.load(path)) == events
+
+
+@pytest.mark.parametrize("bad", [("empty_cache", 7, 0, 0, 0), ("empty_cache", 0, 512, 0, 0)])
+def test_an_empty_cache_event_names_no_buffer(tmp_path, bad):
+    with pytest.raises(ValueError, match=r"event 0: an empty_cache event names no buffer"):
+        mt.save([bad], tmp_path / "t.jsonl")
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_prepare_places_the_calls_between_ops():
+    events = [Event("alloc", 1, MiB, 0, 0), Event("empty_cache", 0, 0, 0, 1),
+              Event("empty_cache", 0, 0, 0, 2), Event("free", 1, 0, 0, 3),
+              Event("empty_cache", 0, 0, 0, 4)]
+    prep = rp.prepare(events)
+    assert len(prep.ops) == 2
+    assert prep.empty_cache_ops == [1, 2]       # two in a row are one call
+    assert rp.stretches(prep) == [(0, 1), (1, 2), (2, 2)]
+
+
+# ---------------------------------------------------------------- replayed as the call
+
+def _big_then_small(with_call):
+    events = [Event("alloc", 1, 512 * MiB, 0, 0), Event("free", 1, 0, 0, 1)]
+    if with_call:
+        events.append(Event("empty_cache", 0, 0, 0, 2))
+    return events + [Event("alloc", 2, 64 * MiB, 0, 3), Event("free", 2, 0, 0, 4)]
+
+
+@pytest.mark.parametrize("conf", [None, CUDA_PAGES])
+def test_a_replay_empties_the_cache_where_the_program_did(conf):
+    kept = rp.replay(_big_then_small(False), conf=conf)
+    emptied = rp.replay(_big_then_small(True), conf=conf)
+    assert kept.empty_cache_calls == 0 and emptied.empty_cache_calls == 1
+    # Without the call the 64 MiB block reuses the cached 512 MiB; with it, the 512 MiB went
+    # back and the block took memory of its own.
+    assert (kept.num_device_alloc, kept.num_device_free) == (1, 0)
+    assert emptied.num_device_free == 1 and emptied.num_device_alloc == 2
+    assert emptied.peak_live_bytes == kept.peak_live_bytes
+
+
+def test_every_replay_path_honours_the_calls():
+    events = _big_then_small(True)
+    prep = rp.prepare(events)
+    # Stepped: the call (event 2) begins the second step, whose counters see its release.
+    stepped = mt.Trace(events, {"step_starts": [0, 2]})
+    r = rp.replay(stepped, conf=CUDA_PAGES)
+    assert [step["device_free"] for step in r.steps] == [0, 1]
+    # With a time series, and part way (pool_at) after the call.
+    assert rp.replay(events, conf=CUDA_PAGES, timeseries=True).num_device_free == 1
+    pool, live = rp.pool_at(prep, stop=3, conf=CUDA_PAGES)
+    assert live and pool.stats()["num_device_free"] == 1
+    for p in live:
+        pool.free(p)
+
+
+# ---------------------------------------------------------------- seen in a PyTorch snapshot
+
+def _snapshot(entries, conf="expandable_segments:True", gc=0.0):
+    return {"segments": [], "device_traces": [entries],
+            "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": conf,
+                                   "garbage_collection_threshold": gc}}
+
+
+A, B = 0x7F0000000000, 0x7F0080000000      # two ranges of address space, apart
+
+
+def _release_after_free(then):
+    """Buffer 1 allocated and freed, a release of its 32 MiB, then `then` (a list of
+    entries), then buffer 2."""
+    return ([trace_entry("segment_map", A, 32 * MiB), trace_entry("alloc", A, 32 * MiB),
+             trace_entry("free_requested", A, 32 * MiB), trace_entry("free_completed", A, 32 * MiB),
+             trace_entry("segment_unmap", A, 32 * MiB)] + then
+            + [trace_entry("alloc", B, 16 * MiB)])
+
+
+def _empties(snap, **kw):
+    return [e for e in mt.from_torch_snapshot(snap, **kw) if e.action == "empty_cache"]
+
+
+def test_a_release_after_a_free_is_the_programs_call():
+    alone = _release_after_free([])
+    joined = _release_after_free([trace_entry("segment_map", A, 16 * MiB)])
+    for entries in (alone, joined):
+        for conf in ("mempool", "expandable_segments:True"):
+            t = mt.from_torch_snapshot(_snapshot(entries, conf))
+            assert [e.action for e in t] == ["alloc", "free", "empty_cache", "alloc"]
+            assert t.meta["empty_cache_events"] == 1
+    assert _empties(_snapshot(alone), empty_cache=False) == []
+
+
+def test_a_release_for_a_growth_elsewhere_is_the_allocators_own():
+    # mempool's high-water rule: idle memory released before a growth apart from it.
+    apart = _release_after_free([trace_entry("segment_map", B, 16 * MiB)])
+    assert _empties(_snapshot(apart, "mempool")) == []
+    # PyTorch's garbage collection does the same.
+    assert _empties(_snapshot(apart, "garbage_collection_threshold:0.6", gc=0.6)) == []
+    # PyTorch's own allocator without it releases for an allocation only after a failed
+    # device allocation, on a device far from full: the program's call.
+    assert len(_empties(_snapshot(apart, "expandable_segments:True"))) == 1
+
+
+def test_a_release_during_an_allocation_is_not_a_call():
+    entries = [trace_entry("segment_map", A, 32 * MiB), trace_entry("alloc", A, 32 * MiB),
+               trace_entry("segment_unmap", B, 32 * MiB), trace_entry("alloc", B, 16 * MiB)]
+    assert _empties(_snapshot(entries)) == []
+
+
+def test_a_damaged_segment_entry_is_named():
+    entries = _release_after_free([])
+    del entries[4]["size"]
+    with pytest.raises(ValueError, match=r"device_traces\[0\]\[4\]: a segment entry needs"):
+        mt.from_torch_snapshot(_snapshot(entries))
+
+
+# ---------------------------------------------------------------- recorded ResNet-50 runs
+
+# Recorded on an H200 at b16338f (bench/results/2026-12-04-h200-evening): ResNet-50 training
+# with cudnn.benchmark=True under mempool.torch.install, expandable segments with cuda's
+# defaults and with one physical allocation per page. torch.cuda.max_memory_reserved() of
+# each process, from snapshot-resnet-b16338f.log.
+RESNET_RUNS = [
+    ("snapshot-resnet-mempool-expandable-b16338f.pickle.gz", CUDA_PAGES, 11_031_019_520),
+    ("snapshot-resnet-mempool-expandable-page-b16338f.pickle.gz",
+     CUDA_PAGES + ",max_map_size:8MiB", 10_980_687_872),
+]
+
+
+@pytest.mark.parametrize("name,conf,device_peak", RESNET_RUNS)
+def test_a_recorded_resnet_run_replays_to_the_devices_peak(name, conf, device_peak):
+    path = os.path.join(RESULTS, "2026-12-04-h200-evening", name)
+    events = mt.from_torch_snapshot(path)
+    assert events.meta["empty_cache_events"] >= 60          # cuDNN benchmark's calls
+    r = rp.replay(events, conf=conf)
+    assert r.peak_reserved_bytes == device_peak
+    # Without the calls the replay is not the device's run.
+    assert rp.replay(mt.from_torch_snapshot(path, empty_cache=False),
+                     conf=conf).peak_reserved_bytes != device_peak
