@@ -228,6 +228,7 @@ cdef extern from "mp_core.h" nogil:
         MP_TRACE_OOM
         MP_TRACE_SEGMENT_MAP
         MP_TRACE_SEGMENT_UNMAP
+        MP_TRACE_EMPTY_CACHE
 
     ctypedef struct mp_trace_entry:
         int action

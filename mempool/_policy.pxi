@@ -33,6 +33,7 @@ _TRACE_ACTION_NAMES = {
     MP_TRACE_OOM: "oom",
     MP_TRACE_SEGMENT_MAP: "segment_map",
     MP_TRACE_SEGMENT_UNMAP: "segment_unmap",
+    MP_TRACE_EMPTY_CACHE: "empty_cache",
 }
 #: ``TRACE_ACTIONS[code]`` is the name of trace action ``code`` (Pool.history's first field).
 TRACE_ACTIONS = tuple(_TRACE_ACTION_NAMES[code] for code in range(len(_TRACE_ACTION_NAMES)))

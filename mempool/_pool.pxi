@@ -848,7 +848,8 @@ cdef class Pool:
         ``action`` is one of ``alloc``, ``free_requested`` (the free call),
         ``free_completed`` (the block is reusable: at once, or once the streams it was
         recorded on pass the free), ``segment_alloc``, ``segment_free``, ``oom``,
-        ``segment_map``, ``segment_unmap`` (expandable segments). As in PyTorch's trace,
+        ``segment_map``, ``segment_unmap`` (expandable segments), ``empty_cache`` (a call
+        of :meth:`empty_cache`, before what it released; no PyTorch action). As in PyTorch's trace,
         ``nbytes`` is the requested size for alloc and free entries (the block's rounded
         size is in :meth:`layout`), the segment's or range's size for segment entries, and
         the refused request for ``oom``, whose ``ptr`` holds the bytes the device reported

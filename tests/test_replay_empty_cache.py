@@ -5,9 +5,13 @@ PyTorch's cuDNN benchmark calls empty_cache after every algorithm search. A snap
 only what those calls released, and a replay without them held 40 MiB more than the device
 did on a recorded ResNet-50 run; with them it holds what the device held, to the byte.
 """
+import json
 import os
+import sys
 
 import pytest
+
+import mempool
 
 from mempool.tools import replay as rp
 from mempool.tools import trace as mt
@@ -16,6 +20,8 @@ from _trace_data import trace_entry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "bench", "results")
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import replay_check  # noqa: E402
 MiB = 1 << 20
 CUDA_PAGES = "expandable_segments:True,granularity:8MiB"   # the pool's settings on cuda
 
@@ -165,3 +171,55 @@ def test_a_recorded_resnet_run_replays_to_the_devices_peak(name, conf, device_pe
     # Without the calls the replay is not the device's run.
     assert rp.replay(mt.from_torch_snapshot(path, empty_cache=False),
                      conf=conf).peak_reserved_bytes != device_peak
+
+
+# ---------------------------------------------------------------- in the pool's own history
+
+def _recorded_pool():
+    pool = mempool.Pool(backend="sim", expandable_segments=True)
+    pool.record_history(True)
+    a = pool.alloc(512 * MiB)
+    pool.free(a)
+    pool.empty_cache()
+    b = pool.alloc(64 * MiB)
+    pool.free(b)
+    return pool
+
+
+def test_the_pools_history_records_the_call_before_what_it_released(tmp_path):
+    pool = _recorded_pool()
+    actions = [entry[0] for entry in pool.history()]
+    at = actions.index("empty_cache")
+    assert actions[at - 1:at + 2] == ["free_completed", "empty_cache", "segment_unmap"]
+    # A saved trace keeps it, and its replay gives back what the pool gave back.
+    path = tmp_path / "t.jsonl"
+    pool.save_trace(path)
+    events = mt.load(path)
+    assert [e.action for e in events] == ["alloc", "free", "empty_cache", "alloc", "free"]
+    r = rp.replay(events, conf="expandable_segments:True")
+    assert (r.num_device_alloc, r.num_device_free) == (2, 1)
+
+
+def test_a_snapshot_for_memory_viz_leaves_the_call_out_and_its_reader_finds_it():
+    pool = _recorded_pool()
+    snap = pool.snapshot()
+    assert "empty_cache" not in {e["action"] for e in snap["device_traces"][0]}
+    events = mt.from_torch_snapshot(snap)
+    assert [e.action for e in events] == ["alloc", "free", "empty_cache", "alloc", "free"]
+
+
+def test_the_replay_check_finds_the_device_run(tmp_path, capsys):
+    # bench/replay_check.py, as the GPU run's snapshot stage calls it on what it recorded.
+    rows = [{"workload": "resnet", "allocator": "mempool-expandable",
+             "snapshot": RESNET_RUNS[0][0], "peak_reserved": RESNET_RUNS[0][2]},
+            {"workload": "resnet", "allocator": "mempool-expandable-page",
+             "snapshot": RESNET_RUNS[1][0], "peak_reserved": RESNET_RUNS[1][2] + 8 * MiB},
+            {"workload": "resnet", "allocator": "mempool", "snapshot": RESNET_RUNS[0][0],
+             "peak_reserved": 1}]           # the default path: left out
+    path = tmp_path / "workloads.json"
+    path.write_text(json.dumps({"rows": rows}))
+    assert replay_check.main([str(path), os.path.join(RESULTS, "2026-12-04-h200-evening")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2
+    assert out[0].endswith(": equal") and "mempool-expandable:" in out[0]
+    assert out[1].endswith("NOT the device run") and "(-8,388,608;" in out[1]

@@ -51,22 +51,28 @@ def _string_constants(path):
 # ---- trace actions and block states --------------------------------------------------------
 
 def test_trace_action_names_are_the_extensions():
-    assert len(_core.TRACE_ACTIONS) == 8 and len(set(_core.TRACE_ACTIONS)) == 8
+    assert len(_core.TRACE_ACTIONS) == 9 and len(set(_core.TRACE_ACTIONS)) == 9
     assert report.TRACE_ACTIONS == dict(enumerate(_core.TRACE_ACTIONS))
     assert report.TRACE_ACTIONS[report.TRACE_OOM] == "oom"
+    assert report.TRACE_ACTIONS[report.TRACE_EMPTY_CACHE] == "empty_cache"
     alloc, free = _core.TRACE_ACTIONS.index("alloc"), _core.TRACE_ACTIONS.index("free_requested")
+    empty = _core.TRACE_ACTIONS.index("empty_cache")
     assert trace._HISTORY_ACTIONS == {alloc: "alloc", "alloc": "alloc",
-                                      free: "free", "free_requested": "free"}
+                                      free: "free", "free_requested": "free",
+                                      empty: "empty_cache", "empty_cache": "empty_cache"}
 
 
 def test_no_python_module_spells_the_core_only_trace_actions():
-    # The actions only the core records (PyTorch's snapshot import reads "alloc",
-    # "free_requested" and "oom" of PyTorch's own traces, so those are left out here).
+    # The actions only the core records ("alloc", "free_requested" and "oom" are read from
+    # PyTorch's own traces too, so those are left out here). The import of PyTorch snapshots
+    # (mempool/tools/trace.py) reads PyTorch's segment entries, spelled as PyTorch spells
+    # them, to find the program's empty_cache calls: it alone may.
     core_only = {"free_completed", "segment_alloc", "segment_free", "segment_map",
                  "segment_unmap"}
     holders = {os.path.relpath(path, REPO) for path in _python_sources()
                if core_only & _string_constants(path)}
-    assert holders == set(), f"trace action names copied into {sorted(holders)}"
+    assert holders <= {os.path.join("mempool", "tools", "trace.py")}, \
+        f"trace action names copied into {sorted(holders)}"
 
 
 def test_history_names_each_action_by_its_c_code():

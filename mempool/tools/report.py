@@ -32,6 +32,7 @@ BLOCK_STATES = {
 TRACE_ACTIONS = dict(enumerate(_core.TRACE_ACTIONS))
 TRACE_OOM = _core.TRACE_ACTIONS.index("oom")
 _ACTION_CODES = {name: code for code, name in TRACE_ACTIONS.items()}
+TRACE_EMPTY_CACHE = _ACTION_CODES["empty_cache"]
 
 # --------------------------------------------------------------------------- summary
 
@@ -260,7 +261,9 @@ def _segment_runs(seg: Mapping[str, Any], device: int) -> list[dict]:
     return out
 
 
-def _trace_entry(t: Sequence[int]) -> dict:
+def _trace_entry(t: Sequence[int]) -> dict | None:
+    """PyTorch's form of one recorded entry; None for an empty_cache call, which has no
+    PyTorch action (what it released follows it in the trace)."""
     if len(t) != 5:
         raise ValueError(f"trace entry {t!r}: expected (action, ptr, nbytes, stream, time_ns)")
     action, ptr, nbytes, stream, time_ns = t
@@ -271,6 +274,8 @@ def _trace_entry(t: Sequence[int]) -> dict:
         raise ValueError(f"trace entry {t!r}: unknown action {action!r}; accepted: "
                          + ", ".join(f"{k} {v}" for k, v in TRACE_ACTIONS.items())
                          + " (the code or the name)")
+    if action == TRACE_EMPTY_CACHE:
+        return None
     entry = {"action": TRACE_ACTIONS[action]}
     # PyTorch's OOM entries carry the device's free bytes where others carry an address.
     entry["device_free" if action == TRACE_OOM else "addr"] = ptr
@@ -328,6 +333,6 @@ def snapshot(segments: Iterable[Mapping[str, Any]],
     for seg in segments:
         out_segments.extend(_segment_runs(seg, device))
     out_segments.sort(key=lambda s: s["address"])
-    entries = [_trace_entry(t) for t in (traces or ())]
+    entries = [e for e in map(_trace_entry, traces or ()) if e is not None]
     device_traces: list[list[dict]] = [[] for _ in range(device)] + [entries]
     return {"segments": out_segments, "device_traces": device_traces}

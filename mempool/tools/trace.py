@@ -49,10 +49,11 @@ ACTIONS = ("alloc", "free", "empty_cache")
 _BUFFER_ACTIONS = ("alloc", "free")    # load's fast path; empty_cache rows take the checked one
 
 # The pool's recorded entry actions (the extension's TRACE_ACTIONS), by code or by name, that
-# become events; only allocs and free requests are replayable: the others are the pool's own
-# reactions (segments, completions, OOMs) to them.
+# become events; only allocs, free requests and empty_cache calls are replayable: the others
+# are the pool's own reactions (segments, completions, OOMs) to them.
 _HISTORY_ACTIONS = {}
-for _name, _kind in (("alloc", "alloc"), ("free_requested", "free")):
+for _name, _kind in (("alloc", "alloc"), ("free_requested", "free"),
+                     ("empty_cache", "empty_cache")):
     _HISTORY_ACTIONS[_core.TRACE_ACTIONS.index(_name)] = _HISTORY_ACTIONS[_name] = _kind
 del _name, _kind
 
@@ -263,9 +264,9 @@ def from_pool_history(entries) -> Trace:
     entries : iterable of tuples
         ``(action, ptr, nbytes, stream, time_ns)`` as ``Pool.history()`` returns them, with
         actions named or numbered as ``mempool._core.TRACE_ACTIONS`` (code to name). Only
-        allocs and free requests are kept: the rest are
-        the pool's reactions, which a replay reproduces under its own configuration.
-        Pointers become the events' ids.
+        allocs, free requests and empty_cache calls are kept: the rest are the pool's
+        reactions, which a replay reproduces under its own configuration. Pointers become
+        the events' ids.
     """
     out = Trace(meta={"source": "mempool"})
     append = out.append
@@ -294,7 +295,8 @@ def _pool_entries(pool):
 def save_trace(pool, path, meta: dict | None = None) -> int:
     """Save what `pool` has recorded (see ``Pool.record_history``) as a trace file.
 
-    Returns the number of events written. Only allocations and free requests are saved;
+    Returns the number of events written. Only allocations, free requests and empty_cache
+    calls are saved;
     ``meta`` adds header keys (the pool's backend and options are always included).
     """
     events = from_pool_history(_pool_entries(pool))
@@ -370,7 +372,7 @@ def from_torch_snapshot(path_or_dict, device: int | None = None, complete: bool 
     A snapshot does not record ``empty_cache()`` calls, only what they released:
     ``segment_free`` or ``segment_unmap`` entries. PyTorch's cuDNN benchmark calls it after
     every algorithm search (``cudnn.benchmark=True``), dozens of times in a ResNet-50's first
-    step, and a replay without them holds a different layout from the device's
+    steps, and a replay without them holds a different layout from the device's
     (docs/expandable.md, "Replays of recorded runs"). :func:`_empty_cache_entries` says
     which releases were such calls; one that released nothing left no entry and is not seen.
     """

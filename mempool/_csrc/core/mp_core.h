@@ -283,6 +283,8 @@ enum {
     MP_TRACE_ALLOC = 0, MP_TRACE_FREE_REQUESTED = 1, MP_TRACE_FREE_COMPLETED = 2,
     MP_TRACE_SEGMENT_ALLOC = 3, MP_TRACE_SEGMENT_FREE = 4, MP_TRACE_OOM = 5,
     MP_TRACE_SEGMENT_MAP = 6, MP_TRACE_SEGMENT_UNMAP = 7,
+    MP_TRACE_EMPTY_CACHE = 8,   /* empty_cache was called (ptr, nbytes, stream 0): what it
+                                   released follows; a replay empties its pool there too */
 };
 
 typedef struct mp_trace_entry {

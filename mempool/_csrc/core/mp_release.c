@@ -248,6 +248,7 @@ int mp_empty_cache(mp_pool *p) {
     mp_release_list rel = {0};
     mp_lock_acquire(&p->lock);
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
+    mp_trace_locked(p, MP_TRACE_EMPTY_CACHE, 0, 0, 0);
     mp_process_pending_locked(p);
     mp_sync_pending_unlocked(p);
     mp_release_idle_locked(p, SIZE_MAX, &rel);
