@@ -135,6 +135,17 @@ def test_a_release_for_a_growth_elsewhere_is_the_allocators_own():
     assert len(_empties(_snapshot(apart, "expandable_segments:True"))) == 1
 
 
+def test_odd_settings_are_read_as_no_garbage_collection():
+    apart = _release_after_free([trace_entry("segment_map", B, 16 * MiB)])
+    for gc in ("0.6", None, [1], True):
+        snap = _snapshot(apart)
+        snap["allocator_settings"]["garbage_collection_threshold"] = gc
+        assert len(_empties(snap)) == 1
+    snap = _snapshot(apart)
+    snap["allocator_settings"] = "not a dict"
+    assert len(_empties(snap)) == 1
+
+
 def test_a_release_during_an_allocation_is_not_a_call():
     entries = [trace_entry("segment_map", A, 32 * MiB), trace_entry("alloc", A, 32 * MiB),
                trace_entry("segment_unmap", B, 32 * MiB), trace_entry("alloc", B, 16 * MiB)]

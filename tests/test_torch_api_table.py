@@ -92,18 +92,29 @@ OBSERVER_FIELDS = [
     ("set_segment_observer", F(None, Observer, vp)),
     ("pool_device", F(i32, vp)),
 ]
+
+
+class Config(ctypes.Structure):   # mp_config (mp_core.h)
+    _fields_ = [("roundup_divisions", sz * _core.ROUNDUP_INTERVALS), ("max_split_size", sz),
+                ("cross_stream_reuse", i32), ("segment_round", sz),
+                ("release_threshold", sz), ("limit", sz), ("initial_pool_size", sz),
+                ("gc_threshold", ctypes.c_double), ("expandable_segments", i32),
+                ("expandable_reserve", sz), ("max_map_size", sz)]
+
+
+CONFIG_FIELDS = [("config", F(i32, i32, ctypes.POINTER(Config)))]
 SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP = 3, 4, 6, 7
 
 
 class Api(ctypes.Structure):
     _fields_ = (FIELDS + [(f"pool_fn_{i}", vp) for i in range(N_POOL_FUNCTIONS)]
-                + DEVICE_PEAK_FIELDS + OBSERVER_FIELDS)
+                + DEVICE_PEAK_FIELDS + OBSERVER_FIELDS + CONFIG_FIELDS)
 
 
 @pytest.fixture
 def api():
     table = Api.from_address(_core._torch_api_address())
-    assert table.version == 4
+    assert table.version == 5
     assert table.struct_size == ctypes.sizeof(Api), "the table's layout changed: update Api"
     yield table
 
@@ -408,3 +419,25 @@ def test_the_observer_sees_expandable_maps_and_unmaps(api, observed):
     finally:
         pool.empty_cache()
         _core._torch_unregister(DEVICE)
+
+
+def test_the_config_is_the_device_pools_options(api):
+    # The snapshot's allocator_settings come from here: PyTorch's keys, the pool's values.
+    pool = mempool.Pool(backend="sim", capacity="1GiB", device=DEVICE,
+                        garbage_collection_threshold=0.6, max_split_size="64MiB",
+                        roundup_power2_divisions={256: 1, ">": 8})
+    _core._torch_register(DEVICE, pool)
+    try:
+        cfg = Config()
+        assert api.config(DEVICE, ctypes.byref(cfg)) == MP_OK
+        assert cfg.gc_threshold == 0.6
+        assert cfg.max_split_size == 64 * MiB
+        assert list(cfg.roundup_divisions) == pool.options["roundup_power2_divisions"]
+        assert cfg.expandable_segments == 0
+    finally:
+        _core._torch_unregister(DEVICE)
+    # A device with no pool: the code, nothing written.
+    cfg = Config()
+    assert api.config(DEVICE, ctypes.byref(cfg)) == MP_EINVAL
+    assert api.config(-1, ctypes.byref(cfg)) == MP_EINVAL
+    assert cfg.gc_threshold == 0.0

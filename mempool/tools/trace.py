@@ -491,7 +491,8 @@ def _empty_cache_entries(entries, where, device, settings) -> set:
 
     settings = settings if isinstance(settings, dict) else {}
     by_mempool = settings.get("PYTORCH_CUDA_ALLOC_CONF") == "mempool"
-    collects = (settings.get("garbage_collection_threshold") or 0) > 0
+    gc = settings.get("garbage_collection_threshold")
+    collects = isinstance(gc, (int, float)) and not isinstance(gc, bool) and gc > 0
     apart_counts = not by_mempool and not collects
     found = set()
     last = None               # the last request entry: "alloc" or "free_requested"

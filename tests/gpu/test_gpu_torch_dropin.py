@@ -252,6 +252,23 @@ def test_the_snapshots_allocator_settings_are_defined(expandable):
     """, prelude=prelude if expandable else PRELUDE)
 
 
+def test_the_snapshots_allocator_settings_are_the_pools():
+    # From the table's config entry: PyTorch's keys (rounding divisions by interval start in
+    # MB, max_split_size -1 for none), the pool's values.
+    prelude = PRELUDE.replace('device=0)', 'device=0, garbage_collection_threshold=0.6, '
+                                           'roundup_power2_divisions={256: 1, ">": 8})')
+    assert prelude != PRELUDE
+    run("""
+        settings = torch.cuda.memory._snapshot()["allocator_settings"]
+        assert settings["garbage_collection_threshold"] == 0.6, settings
+        divisions = settings["roundup_power2_divisions"]
+        assert list(divisions)[:3] == ["1", "2", "4"], settings
+        assert list(divisions.values()) == pool.options["roundup_power2_divisions"], settings
+        assert settings["max_split_size"] == -1, settings
+        print("settings ok", settings)
+    """, prelude=prelude)
+
+
 @pytest.mark.parametrize("expandable", [False, True])
 def test_the_snapshot_trace_has_the_pools_segment_events(expandable):
     # Note [Segment observer]: memory_viz's allocator state history replays these.

@@ -593,6 +593,11 @@ static int api_pool_device(const mp_pool *p) {
     return -1;
 }
 
+static int api_config(int device, mp_config *out) {
+    WITH_SLOT(device, *out = *mp_pool_config(p));
+    return MP_OK;
+}
+
 static const mp_torch_api api = {
     .version = MP_TORCH_API_VERSION,
     .max_devices = MP_TORCH_MAX_DEVICES,
@@ -634,6 +639,7 @@ static const mp_torch_api api = {
     .device_reset_peak_stats = api_device_reset_peak_stats,
     .set_segment_observer = mp_set_segment_observer,
     .pool_device = api_pool_device,
+    .config = api_config,
 };
 
 const mp_torch_api *mp_torch_api_table(void) { return &api; }

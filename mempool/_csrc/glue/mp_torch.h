@@ -121,9 +121,10 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
  *   - Refused with a message naming the feature: exporting a tensor to another process
  *     (pool memory has no legacy IPC handle; receiving works), MemPool(no_split=True), and
  *     disabling the allocator. */
-#define MP_TORCH_API_VERSION 4   /* 2: mp_layout lists each segment's physical allocations;
+#define MP_TORCH_API_VERSION 5   /* 2: mp_layout lists each segment's physical allocations;
                                     3: the device's peaks with its private pools;
-                                    4: the segment observer */
+                                    4: the segment observer;
+                                    5: the device pool's options */
 #define MP_TORCH_FIGURES 7
 
 typedef struct mp_torch_api {
@@ -184,6 +185,9 @@ typedef struct mp_torch_api {
      * events, and the device whose table routes to a pool (-1: none does). */
     void (*set_segment_observer)(mp_segment_observer fn, void *ctx);
     int (*pool_device)(const mp_pool *p);
+    /* The device pool's options, for the snapshot's allocator_settings (its garbage
+     * collection threshold and rounding divisions in PyTorch's keys). */
+    int (*config)(int device, mp_config *out);
 } mp_torch_api;
 
 /* The table (static storage, never freed). */

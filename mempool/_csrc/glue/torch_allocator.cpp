@@ -392,9 +392,12 @@ class MempoolAllocator final : public CUDAAllocator {
       api->layout_free(&l);
     }
     unpin(pinned);
-    size_t f[MP_TORCH_FIGURES];
-    if (api->memory_figures(0, f) == MP_OK) {
-      info.config_metadata.max_split_size = f[6];
+    mp_config cfg;
+    if (api->config(0, &cfg) == MP_OK) {   // PyTorch's keys: MP_UNLIMITED is its SIZE_MAX too
+      info.config_metadata.max_split_size = cfg.max_split_size;
+      info.config_metadata.garbage_collection_threshold = cfg.gc_threshold;
+      info.config_metadata.roundup_power2_divisions.assign(
+          cfg.roundup_divisions, cfg.roundup_divisions + MP_ROUNDUP_INTERVALS);
     }
     info.config_metadata.last_allocator_settings = "mempool";
     for (const SegmentInfo& seg : info.segments)   // a pool with nothing mapped shows none
