@@ -252,6 +252,28 @@ def test_the_snapshots_allocator_settings_are_defined(expandable):
     """, prelude=prelude if expandable else PRELUDE)
 
 
+def test_the_snapshot_has_record_function_annotations_and_times_in_us():
+    # recordAnnotation keeps record_function's marks while history is on; times are µs since
+    # the epoch, as PyTorch's allocator converts its approximate clock (they were TSC reads).
+    run("""
+        import time
+        torch.cuda.memory._record_memory_history(max_entries=1000,
+                                                 global_record_annotations=True)
+        with torch.profiler.record_function("mempool-range"):
+            x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        del x
+        snap = torch.cuda.memory._snapshot()
+        marks = snap["external_annotations"]
+        assert "mempool-range" in [m.get("name") for m in marks], marks
+        now_us = time.time() * 1e6
+        times = [e["time_us"] for e in snap["device_traces"][0]]
+        times += [m.get("time_us") for m in marks]
+        assert times and all(abs(t - now_us) < 600e6 for t in times), (times[:4], now_us)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        print("annotations ok", marks[:2])
+    """)
+
+
 def test_the_snapshots_allocator_settings_are_the_pools():
     # From the table's config entry: PyTorch's keys (rounding divisions by interval start in
     # MB, max_split_size -1 for none), the pool's values.

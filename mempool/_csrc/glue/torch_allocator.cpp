@@ -374,8 +374,14 @@ class MempoolAllocator final : public CUDAAllocator {
           if (e.device_ >= 0 && e.device_ < static_cast<int>(info.device_traces.size()))
             info.device_traces[e.device_].push_back(e);
         }
+        info.external_annotations.assign(annotations_.begin(), annotations_.end());
       }
     }
+    // The copies' times from the approximate clock to µs since the epoch (PyTorch's form).
+    auto tsc_to_ns = clock_converter_.makeConverter();
+    for (auto& trace : info.device_traces)
+      for (TraceEntry& e : trace) e.time_.t_ = tsc_to_ns(e.time_.approx_t_) / 1000;
+    for (auto& a : info.external_annotations) a.time_.t_ = tsc_to_ns(a.time_.approx_t_) / 1000;
     if (mempool_id == MempoolId_t{0, 0}) {
       for (int d = 0; d < device_limit(); d++) {
         mp_layout l;
@@ -413,6 +419,7 @@ class MempoolAllocator final : public CUDAAllocator {
     std::lock_guard<std::mutex> lock(history_mu_);
     if (clearHistory) {
       trace_.clear();
+      annotations_.clear();
       live_contexts_.clear();
     }
     if ((clearHistory || !enabled) && trackers_.empty()) {
@@ -425,11 +432,19 @@ class MempoolAllocator final : public CUDAAllocator {
     skip_.clear();
     for (const std::string& a : skip_actions) skip_.insert(a);
     while (trace_.size() > max_entries_) trace_.pop_front();
+    while (annotations_.size() > max_entries_) annotations_.pop_front();
     history_on_.store(enabled);
     tracing_.store(enabled || !trackers_.empty());
   }
 
-  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& /*md*/) override {}
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
+    if (!history_on_.load()) return;
+    Annotation entry(c10::cuda::current_device(), c10::getApproximateTime());
+    for (const auto& [name, value] : md) entry.recordUserMetadata(name, value);
+    std::lock_guard<std::mutex> lock(history_mu_);
+    annotations_.push_back(std::move(entry));
+    while (annotations_.size() > max_entries_) annotations_.pop_front();
+  }
   void pushCompileContext(std::string& md) override {
     std::lock_guard<std::mutex> lock(history_mu_);
     compile_contexts_.push_back(md);
@@ -1228,6 +1243,14 @@ class MempoolAllocator final : public CUDAAllocator {
   CreateContextFn context_recorder_ = nullptr;
   size_t max_entries_ = 1;
   std::deque<TraceEntry> trace_;
+  // record_function's annotations (recordAnnotation), kept as the trace is, at most
+  // max_entries_; the snapshot's external_annotations.
+  using Annotation =
+      decltype(c10::cuda::CUDACachingAllocator::SnapshotInfo::external_annotations)::value_type;
+  std::deque<Annotation> annotations_;
+  // Trace times are the approximate clock's (a TSC read); a snapshot gives them as µs since
+  // the epoch, as PyTorch's allocator does.
+  c10::ApproximateClockToUnixTimeConverter clock_converter_;
   std::unordered_set<std::string> skip_;
   std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> live_contexts_;
   std::vector<std::string> compile_contexts_;
