@@ -43,6 +43,11 @@ def test_an_empty_cache_event_names_no_buffer(tmp_path, bad):
     assert not (tmp_path / "t.jsonl").exists()
 
 
+def test_a_replay_refuses_an_empty_cache_event_that_names_a_buffer():
+    with pytest.raises(ValueError, match=r"event 1: an empty_cache event names no buffer"):
+        rp.replay([Event("alloc", 1, MiB, 0, 0), Event("empty_cache", 1, 0, 0, 1)])
+
+
 def test_prepare_places_the_calls_between_ops():
     events = [Event("alloc", 1, MiB, 0, 0), Event("empty_cache", 0, 0, 0, 1),
               Event("empty_cache", 0, 0, 0, 2), Event("free", 1, 0, 0, 3),

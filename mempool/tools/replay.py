@@ -199,6 +199,10 @@ def prepare(events) -> Prepared:
             spare.append(slot)
             frees += 1
         elif action == "empty_cache":
+            if ident != 0 or nbytes != 0:
+                raise ValueError(f"prepare: event {n_events - 1}: an empty_cache event names no "
+                                 f"buffer: its id and nbytes are 0; got id {ident!r}, nbytes "
+                                 f"{nbytes!r}")
             if not empties or empties[-1] != len(ops):   # two in a row: the second is a no-op
                 empties.append(len(ops))
         else:
