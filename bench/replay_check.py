@@ -2,14 +2,14 @@
 
     python bench/replay_check.py OUTDIR/workloads.json [SNAPSHOT_DIR]
 
-For every row of `bench/torch_workloads.py --snapshot` run under one of mempool's expandable
-allocators, replays the row's snapshot on the simulated device with that allocator's options
-and cuda's page (8 MiB, unless the options set one) and prints the device's peak reserved
-bytes (`torch.cuda.max_memory_reserved()` of that process) beside the replay's, with the
-program's empty_cache calls the snapshot shows (docs/traces.md). Expandable segments map
-their own pages, so the two should be equal to the byte; a difference means the replay is
-not the device's run, and a study on sim of that run would not hold on the device. Rows of
-the default path are left out: its device figure is the cudaMemPool's below the pool.
+For every row of `bench/torch_workloads.py --snapshot` run under one of mempool's allocators,
+replays the row's snapshot on the simulated device with that allocator's options and cuda's
+defaults where the options say nothing (expandable segments' 8 MiB page, the default path's
+32 MiB segment rounding) and prints the device's peak reserved bytes
+(`torch.cuda.max_memory_reserved()` of that process: the pool's own, not its cudaMemPool's)
+beside the replay's, with the program's empty_cache calls the snapshot shows
+(docs/traces.md). The two should be equal to the byte; a difference means the replay is not
+the device's run, and a study on sim of that run would not hold on the device.
 SNAPSHOT_DIR defaults to the JSON file's directory. Prints; asserts nothing.
 """
 import argparse
@@ -24,24 +24,28 @@ from mempool.tools import replay as mreplay  # noqa: E402
 from mempool.tools import trace as mtrace  # noqa: E402
 from torch_workloads import MEMPOOL_OPTIONS  # noqa: E402  (stdlib only at import)
 
-CUDA_PAGE = "8MiB"      # the page of expandable segments on cuda (mempool/_config.py)
+# cuda's defaults that sim's differ from (mempool/_config.py): the page of expandable
+# segments, and the default path's segment rounding (Note [The cudaMemPool's unit]).
+CUDA_PAGE = "8MiB"
+CUDA_SEGMENT_ROUNDING = "32MiB"
 
 
 def sim_options(allocator: str) -> dict:
-    """The Pool options of `allocator` for a replay on sim that pages as cuda does."""
+    """The Pool options of `allocator` for a replay on sim that behaves as cuda's pool."""
     options = dict(MEMPOOL_OPTIONS[allocator])
-    options.setdefault("granularity", CUDA_PAGE)
+    if options.get("expandable_segments"):
+        options.setdefault("granularity", CUDA_PAGE)
+    else:
+        options.setdefault("segment_rounding", CUDA_SEGMENT_ROUNDING)
     return options
 
 
 def check(rows, snapshot_dir):
-    """One dict per expandable mempool row that has a snapshot."""
+    """One dict per mempool row that has a snapshot."""
     out = []
     for row in rows:
         allocator, snap = row.get("allocator"), row.get("snapshot")
         if not snap or allocator not in MEMPOOL_OPTIONS:
-            continue
-        if not MEMPOOL_OPTIONS[allocator].get("expandable_segments"):
             continue
         events = mtrace.from_torch_snapshot(os.path.join(snapshot_dir, snap))
         r = mreplay.replay(events, conf=sim_options(allocator))
@@ -62,7 +66,7 @@ def main(argv=None) -> int:
         rows = json.load(f)["rows"]
     results = check(rows, args.snapshot_dir or os.path.dirname(args.workloads_json))
     if not results:
-        print("no expandable mempool row with a snapshot")
+        print("no mempool row with a snapshot")
     for c in results:
         diff = c["sim_peak_reserved"] - (c["device_peak_reserved"] or 0)
         print(f"{c['workload']} {c['allocator']}: device {c['device_peak_reserved']:,} bytes, "

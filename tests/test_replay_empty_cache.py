@@ -230,8 +230,8 @@ def test_the_replay_check_finds_the_device_run(tmp_path, capsys):
              "snapshot": RESNET_RUNS[0][0], "peak_reserved": RESNET_RUNS[0][2]},
             {"workload": "resnet", "allocator": "mempool-expandable-page",
              "snapshot": RESNET_RUNS[1][0], "peak_reserved": RESNET_RUNS[1][2] + 8 * MiB},
-            {"workload": "resnet", "allocator": "mempool", "snapshot": RESNET_RUNS[0][0],
-             "peak_reserved": 1}]           # the default path: left out
+            {"workload": "resnet", "allocator": "torch-expandable",
+             "snapshot": RESNET_RUNS[0][0], "peak_reserved": 1}]   # not mempool's: left out
     path = tmp_path / "workloads.json"
     path.write_text(json.dumps({"rows": rows}))
     assert replay_check.main([str(path), os.path.join(RESULTS, "2026-12-04-h200-evening")]) == 0
