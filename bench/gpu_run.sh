@@ -227,7 +227,7 @@ stage torch "$OUT/torch-workloads.log" timeout "$T_TORCH" "$PY" bench/torch_work
 stage snapshot "$OUT/snapshot.log" timeout "$T_SNAPSHOT" "$PY" bench/torch_workloads.py \
     "$OUT/snapshots" --workloads "${SNAPSHOT_WORKLOADS:-gpt,resnet}" --reps 1 --steps 5 \
     --allocators "${SNAPSHOT_ALLOCATORS:-torch-expandable,mempool,mempool-expandable}" --snapshot
-# Whether each expandable run replays on sim to the device's peak (bench/replay_check.py): if
+# Whether each mempool run replays on sim to the device's peak (bench/replay_check.py): if
 # not, studies of it on sim do not carry over. Appended to the stage's log.
 if wants snapshot && [[ -f "$OUT/snapshots/workloads.json" ]]; then
     timeout 300 "$PY" bench/replay_check.py "$OUT/snapshots/workloads.json" \
