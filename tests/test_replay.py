@@ -169,6 +169,16 @@ def test_conf_as_string_or_dict_and_bad_input(small):
         rp.replay([("realloc", 1, 5, 0, 0)])
 
 
+def test_a_size_the_replay_cannot_count_is_refused_by_name():
+    # Live bytes are summed in int64: 2**63 and more, and sizes that are not ints, are refused
+    # before anything is replayed; a NumPy int is an int.
+    for nbytes in (2 ** 63, 2 ** 70, 1.5, "4096", True):
+        with pytest.raises(ValueError, match=r"event 0: an alloc needs nbytes, an int in"):
+            rp.replay([("alloc", 1, nbytes, 0, 0)])
+    r = rp.replay([("alloc", 1, np.int64(4096), 0, 0), ("free", 1, 0, 0, 1)])
+    assert r.peak_live_bytes == 4096
+
+
 def test_a_path_replays_as_its_loaded_trace(small):
     # A user passing the file itself got "not enough values to unpack": each character of
     # the path was taken for an event.

@@ -243,6 +243,18 @@ def test_from_torch_snapshot_errors():
     del bad["device_traces"][0][3]["addr"]
     with pytest.raises(ValueError, match=r"device_traces\[0\]\[3\]: a trace entry needs"):
         mt.from_torch_snapshot(bad)
+    # Values of the wrong kind are named the same way, never an OverflowError or a TypeError.
+    for key, value in (("time_us", "soon"), ("time_us", float("inf")), ("size", float("nan")),
+                       ("addr", [1])):
+        bad = torch_snapshot()
+        bad["device_traces"][0][3][key] = value
+        with pytest.raises(ValueError, match=r"device_traces\[0\]\[3\]: a trace entry needs"):
+            mt.from_torch_snapshot(bad)
+    bad = torch_snapshot()
+    bad["segments"] = [{"stream": 0, "blocks": [{"state": "active_allocated",
+                                                  "address": float("inf"), "size": 512}]}]
+    with pytest.raises(ValueError, match=r"segments\[0\]: a segment is a dict"):
+        mt.from_torch_snapshot(bad)
 
 
 # -- RMM logs ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ per event; :func:`mempool.tools.tune.tune` reuses one preparation for every sett
 from __future__ import annotations
 
 import bisect
+import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ UPSTREAM_COUNTERS = {"device_alloc": "num_device_alloc", "device_free": "num_dev
                      "unmapped_bytes": "mapped_bytes.freed",
                      "stream_syncs": "num_stream_syncs", "event_records": "num_event_records",
                      "stream_waits": "num_event_waits", "stream_queries": "num_stream_queries"}
+_MAX_NBYTES = 1 << 63
 CALL_COUNTERS = ("device_alloc", "device_free", "stream_syncs", "event_records",
                  "stream_waits", "stream_queries")
 
@@ -167,9 +169,15 @@ def prepare(events) -> Prepared:
             s = stream_index[stream] = len(streams)
             streams.append(stream)
         if action == "alloc":
-            if nbytes <= 0:
-                raise ValueError(f"prepare: event {n_events - 1}: an alloc needs nbytes > 0; "
-                                 f"got {nbytes!r}")
+            # Live bytes are summed in int64: a size must be an int in (0, 2**63).
+            try:
+                size = operator.index(nbytes)
+            except TypeError:
+                size = 0
+            if isinstance(nbytes, bool) or not 0 < size < _MAX_NBYTES:
+                raise ValueError(f"prepare: event {n_events - 1}: an alloc needs nbytes, an int "
+                                 f"in (0, 2**63); got {nbytes!r}")
+            nbytes = size
             prev = live.pop(ident, None)
             if prev is not None:
                 # The trace lost this buffer's free (an address cannot be live twice).

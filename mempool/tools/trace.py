@@ -414,15 +414,15 @@ def from_torch_snapshot(path_or_dict, device: int | None = None, complete: bool 
             if action not in ("alloc", "free_requested"):
                 continue
             addr, size, stream = int(e["addr"]), int(e["size"]), int(e.get("stream", 0))
-        except (KeyError, TypeError, ValueError) as exc:
+            t_us = e.get("time_us", 0) or 0
+            t_ns = max(0, int((t_us - (t_us if t0 is None else t0)) * 1000))
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"{where}: device_traces[{device}][{n}]: a trace entry needs "
-                             f"'action', 'addr', 'size' (and 'stream'); got {e!r} ({exc})") \
-                from None
+                             f"'action', 'addr', 'size' (and 'stream', 'time_us'), numbers; "
+                             f"got {e!r} ({exc})") from None
         seen.add(addr)
-        t_us = e.get("time_us", 0) or 0
         if t0 is None:
             t0 = t_us
-        t_ns = max(0, int((t_us - t0) * 1000))
         if action == "alloc":
             if size <= 0:
                 continue          # zero-size allocs hand out no memory
@@ -442,20 +442,26 @@ def from_torch_snapshot(path_or_dict, device: int | None = None, complete: bool 
                  for addr, (nbytes, stream) in prelude.items() if nbytes > 0]
         # Buffers allocated before recording and never freed: the snapshot's segments.
         known = set(seen)
-        for seg in snap.get("segments") or ():
-            if seg.get("device", device) != device:
-                continue
-            stream = int(seg.get("stream", 0))
-            for b in seg.get("blocks") or ():
-                if b.get("state") != "active_allocated":
+        segments = snap.get("segments") or ()
+        for k, seg in enumerate(segments if isinstance(segments, list) else ()):
+            try:
+                if seg.get("device", device) != device:
                     continue
-                addr = int(b.get("address", 0))
-                if addr in known:
-                    continue
-                nbytes = int(b.get("requested_size") or b.get("size") or 0)
-                if nbytes > 0:
-                    start.append(Event("alloc", addr, nbytes, stream, 0))
-                    known.add(addr)
+                stream = int(seg.get("stream", 0))
+                for b in seg.get("blocks") or ():
+                    if b.get("state") != "active_allocated":
+                        continue
+                    addr = int(b.get("address", 0))
+                    if addr in known:
+                        continue
+                    nbytes = int(b.get("requested_size") or b.get("size") or 0)
+                    if nbytes > 0:
+                        start.append(Event("alloc", addr, nbytes, stream, 0))
+                        known.add(addr)
+            except (AttributeError, TypeError, ValueError, OverflowError) as exc:
+                raise ValueError(f"{where}: segments[{k}]: a segment is a dict with 'stream' "
+                                 f"and 'blocks' (dicts with 'state', 'address', 'size'); got "
+                                 f"{seg!r:.200} ({exc})") from None
         synthesized = len(start)
         events = start + events
     meta = {"source": "torch-snapshot", "device": device, "source_ooms": ooms,
@@ -520,7 +526,7 @@ def _empty_cache_entries(entries, where, device, settings) -> set:
             if not mapped or joined or apart_counts:
                 found.add(first)
             last = None
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"{where}: device_traces[{device}][{n}]: a segment entry needs "
                          f"'action', 'addr' and 'size'; got {entries[n]!r} ({exc})") from None
     return found
