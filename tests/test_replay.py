@@ -179,6 +179,19 @@ def test_a_size_the_replay_cannot_count_is_refused_by_name():
     assert r.peak_live_bytes == 4096
 
 
+def test_events_of_the_wrong_kind_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"event 0: an event's id and stream are ints"):
+        rp.replay([("alloc", 1, 4096, [0], 0)])
+    with pytest.raises(ValueError, match=r"event 0: an event's id and stream are ints"):
+        rp.replay([("alloc", {}, 4096, 0, 0)])
+    with pytest.raises(ValueError, match=r"time_ns is an int in \[-2\*\*63, 2\*\*63\); got 9223"):
+        rp.replay([("alloc", 1, 4096, 0, 2 ** 63)])
+    with pytest.raises(ValueError, match=r"from_pool_history: entry 1: .* ints"):
+        mt.from_pool_history([("alloc", 1, 4096, 0, 0), ("alloc", 2, {}, 0, 0)])
+    with pytest.raises(ValueError, match=r"from_pool_history: entry 0: "):
+        mt.from_pool_history([("free_requested", float("inf"), 1, 0, 0)])
+
+
 def test_a_path_replays_as_its_loaded_trace(small):
     # A user passing the file itself got "not enough values to unpack": each character of
     # the path was taken for an event.

@@ -164,7 +164,13 @@ def prepare(events) -> Prepared:
             raise ValueError(f"prepare: event {n_events - 1}: an event is a trace.Event or a "
                              f"5-tuple (action, id, nbytes, stream, time_ns); got "
                              f"{ev!r:.80}") from None
-        s = stream_index.get(stream)
+        try:
+            s = stream_index.get(stream)
+            hash(ident)
+        except TypeError:
+            raise ValueError(f"prepare: event {n_events - 1}: an event's id and stream are ints "
+                             f"(an id may be a str); got id {ident!r:.40}, stream "
+                             f"{stream!r:.40}") from None
         if s is None:
             s = stream_index[stream] = len(streams)
             streams.append(stream)
@@ -216,12 +222,27 @@ def prepare(events) -> Prepared:
         else:
             raise ValueError(f"prepare: event {n_events - 1}: action must be 'alloc', 'free' "
                              f"or 'empty_cache'; got {action!r}")
+    try:
+        times_ns = np.asarray(times, dtype=np.int64)
+    except (OverflowError, TypeError, ValueError):
+        # The slow path of an error: name the first time that is not an int64.
+        bad = next(t for t in times if not _fits_int64(t))
+        raise ValueError(f"prepare: an event's time_ns is an int in [-2**63, 2**63); got "
+                         f"{bad!r:.40}") from None
     return Prepared(ops=ops, nslots=nslots, streams=streams,
                     deltas=np.asarray(deltas, dtype=np.int64),
                     partner=np.asarray(partner, dtype=np.int64),
-                    times_ns=np.asarray(times, dtype=np.int64),
+                    times_ns=times_ns,
                     events=n_events, allocs=allocs, frees=frees, unknown_frees=unknown,
                     duplicate_allocs=dups, step_ops=step_ops, empty_cache_ops=empties)
+
+
+def _fits_int64(t) -> bool:
+    try:
+        np.asarray([t], dtype=np.int64)
+        return True
+    except (OverflowError, TypeError, ValueError):
+        return False
 
 
 def _make_pool(conf, backend, limit, options):

@@ -276,9 +276,14 @@ def from_pool_history(entries) -> Trace:
         except (TypeError, ValueError):
             raise ValueError(f"from_pool_history: entry {n} must be (action, ptr, nbytes, "
                              f"stream, time_ns); got {entry!r}") from None
-        kind = _HISTORY_ACTIONS.get(action)
-        if kind is not None:
-            append(Event(kind, int(ptr), int(nbytes), int(stream), int(time_ns)))
+        try:
+            kind = _HISTORY_ACTIONS.get(action)
+            if kind is not None:
+                append(Event(kind, int(ptr), int(nbytes), int(stream), int(time_ns)))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"from_pool_history: entry {n}: (action, ptr, nbytes, stream, "
+                             f"time_ns) are a name or code and ints; got {entry!r:.120} "
+                             f"({exc})") from None
     return out
 
 
