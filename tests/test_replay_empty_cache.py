@@ -175,11 +175,19 @@ RESNET_RUNS = [
     ("snapshot-resnet-mempool-expandable-page-b16338f.pickle.gz",
      CUDA_PAGES + ",max_map_size:8MiB", 10_980_687_872),
 ]
+# The same workload recorded on an H100 at d80e541 (bench/results/2026-12-05-h100-replays),
+# the default path too, whose segments cuda rounds to 32 MiB (Note [The cudaMemPool's unit]).
+H100_RUNS = [
+    ("snapshot-resnet-mempool-d80e541.pickle.gz", "segment_rounding:32MiB", 11_240_734_720),
+    ("snapshot-resnet-mempool-expandable-d80e541.pickle.gz", CUDA_PAGES, 11_031_019_520),
+]
 
 
-@pytest.mark.parametrize("name,conf,device_peak", RESNET_RUNS)
-def test_a_recorded_resnet_run_replays_to_the_devices_peak(name, conf, device_peak):
-    path = os.path.join(RESULTS, "2026-12-04-h200-evening", name)
+@pytest.mark.parametrize("folder,name,conf,device_peak",
+                         [("2026-12-04-h200-evening",) + run for run in RESNET_RUNS]
+                         + [("2026-12-05-h100-replays",) + run for run in H100_RUNS])
+def test_a_recorded_resnet_run_replays_to_the_devices_peak(folder, name, conf, device_peak):
+    path = os.path.join(RESULTS, folder, name)
     events = mt.from_torch_snapshot(path)
     assert events.meta["empty_cache_events"] >= 60          # cuDNN benchmark's calls
     r = rp.replay(events, conf=conf)
