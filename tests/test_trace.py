@@ -250,6 +250,8 @@ def test_from_torch_snapshot_errors():
         bad["device_traces"][0][3][key] = value
         with pytest.raises(ValueError, match=r"device_traces\[0\]\[3\]: a trace entry needs"):
             mt.from_torch_snapshot(bad)
+    with pytest.raises(ValueError, match=r"device_traces\[0\] must be a list of trace entries"):
+        mt.from_torch_snapshot({"segments": [], "device_traces": [{"a": 1}]})
     bad = torch_snapshot()
     bad["segments"] = [{"stream": 0, "blocks": [{"state": "active_allocated",
                                                   "address": float("inf"), "size": 512}]}]

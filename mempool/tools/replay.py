@@ -31,9 +31,9 @@ UPSTREAM_COUNTERS = {"device_alloc": "num_device_alloc", "device_free": "num_dev
                      "unmapped_bytes": "mapped_bytes.freed",
                      "stream_syncs": "num_stream_syncs", "event_records": "num_event_records",
                      "stream_waits": "num_event_waits", "stream_queries": "num_stream_queries"}
-_MAX_NBYTES = 1 << 63
 CALL_COUNTERS = ("device_alloc", "device_free", "stream_syncs", "event_records",
                  "stream_waits", "stream_queries")
+_MAX_NBYTES = 1 << 63     # live bytes are summed in int64 (Prepared.deltas)
 
 
 @dataclass

@@ -396,6 +396,9 @@ def from_torch_snapshot(path_or_dict, device: int | None = None, complete: bool 
     if not isinstance(device, int) or not 0 <= device < max(len(traces), 1):
         raise ValueError(f"{where}: device must be an int in [0, {len(traces)}); got {device!r}")
     entries = traces[device] if traces else []
+    if not isinstance(entries, (list, tuple)):
+        raise ValueError(f"{where}: device_traces[{device}] must be a list of trace entries; "
+                         f"got {type(entries).__name__}")
 
     events = []
     live = {}                 # addr -> nbytes of buffers allocated in the trace, still live
@@ -493,12 +496,20 @@ def _empty_cache_entries(entries, where, device, settings) -> set:
     a release counts as a call only in a snapshot of PyTorch's own allocator without
     garbage collection, whose retry shows an ``oom`` only when it fails: with a device far
     from full that is the program's call too. On recorded ResNet-50 runs under cuDNN
-    benchmark this finds 67-68 calls per run, and a replay with them reproduces the
+    benchmark this finds 60-70 calls per run, and a replay with them reproduces the
     device's peak reserved bytes to the byte (tests/test_replay_empty_cache.py).
     """
-    def region(e):
-        a, n = int(e["addr"]), int(e["size"])
-        return a, a + n
+    def regions(kinds):
+        """The [start, end] of the entries of `kinds` from n on (completed frees between
+        them skipped), and n moved past them."""
+        nonlocal n
+        out = []
+        while n < len(entries) and entries[n]["action"] in kinds + ("free_completed",):
+            if entries[n]["action"] in kinds:
+                a = int(entries[n]["addr"])
+                out.append((a, a + int(entries[n]["size"])))
+            n += 1
+        return out
 
     settings = settings if isinstance(settings, dict) else {}
     by_mempool = settings.get("PYTORCH_CUDA_ALLOC_CONF") == "mempool"
@@ -516,16 +527,9 @@ def _empty_cache_entries(entries, where, device, settings) -> set:
                     last = action
                 n += 1
                 continue
-            first, released = n, []
-            while n < len(entries) and entries[n]["action"] in _RELEASES + ("free_completed",):
-                if entries[n]["action"] in _RELEASES:
-                    released.append(region(entries[n]))
-                n += 1
-            mapped = []
-            while n < len(entries) and entries[n]["action"] in _GROWTHS + ("free_completed",):
-                if entries[n]["action"] in _GROWTHS:
-                    mapped.append(region(entries[n]))
-                n += 1
+            first = n
+            released = regions(_RELEASES)
+            mapped = regions(_GROWTHS)
             # Touching counts as joined: a growth maps next to the free block it extends.
             joined = any(r0 <= m1 and m0 <= r1 for r0, r1 in released for m0, m1 in mapped)
             if not mapped or joined or apart_counts:
