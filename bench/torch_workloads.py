@@ -14,7 +14,8 @@ weights, built from a config; nothing here defines a model):
   resnet  torchvision's ResNet-50 trained with SGD, ``torch.backends.cudnn.benchmark = True``;
   infer   the GPT model's forward under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs);
   batch   the largest batch of the GPT step (length 512) that fits under a fixed cap;
-  empty   ``torch.empty`` + drop, in six processes per allocator, alternating.
+  empty   ``torch.empty`` + drop, six pairs of processes (one per allocator, side by side
+          on one CPU, their rounds interleaved: empty_pairs.py).
 Allocators: PyTorch's default, PyTorch with ``expandable_segments:True``, mempool's default
 and mempool with expandable segments (``mempool.torch.install``). For each: ms per step
 (median over the timed steps, after warm-up), peak reserved, and the losses or outputs, so
@@ -355,22 +356,43 @@ def fastest_cpus(n):
     return set(sorted(paces, key=paces.get)[:n]), paces
 
 
-def run_empty(outdir, procs=6):
-    """torch.empty + drop: six processes per allocator, alternating (torch_empty_child.py),
-    each child pinned to one CPU, the one whose pace was the fastest just before it started.
-    Unpinned children landed on cores of two paces; pinned to one fixed core, two children
-    of six per allocator ran at 1.7x the interpreter's usual time per loop, on both
-    allocators (bench/results/2026-12-03-h200-night.md): that core was slowed for seconds
-    at a time. Each child's context records its pace at start and after."""
-    results = {"caching": [], "mempool": [], "cpus": []}
+EMPTY_SIZES = (512, 65536, 1048576, 67108864)
+
+
+def run_empty(outdir, procs=6, rounds=15, pairs=2000):
+    """torch.empty + drop: `procs` pairs of processes, one of each allocator, each pair's
+    two children at once on one CPU (the fastest just before they start), their rounds
+    interleaved (bench/empty_pairs.py says why). Before, children ran one after the other,
+    each on the CPU fastest as it started, and the host's pace moved between them: one
+    pair's mempool child ran where an empty loop took 25-29 ns, another pair's PyTorch
+    child where it took 12-15 (bench/results/2026-12-05-h100-replays.md)."""
+    import empty_pairs
+
+    child = os.path.join(ROOT, "mempool", "bench", "torch_empty_child.py")
+    env = dict(os.environ)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    results = {"caching": [], "mempool": [], "cpus": [], "ratios": []}
     for _ in range(procs):
+        (cpu,), paces = fastest_cpus(1)
+        try:
+            pair = empty_pairs.run_pair(
+                {name: [child, name, "--lockstep", str(pairs)] for name in ("caching", "mempool")},
+                cpu, EMPTY_SIZES, rounds, env)
+        except RuntimeError as e:
+            results["caching"].append({"error": str(e)})
+            results["mempool"].append({"error": str(e)})
+            continue
         for name in ("caching", "mempool"):
-            (cpu,), paces = fastest_cpus(1)
-            r = spawn([os.path.join(ROOT, "mempool", "bench", "torch_empty_child.py"), name,
-                       "7", "2000", "512", "65536", "1048576", "67108864"], cpus={cpu})
+            r = dict(pair[name]["result"])
+            for size in EMPTY_SIZES:
+                r[str(size)] = {"ns_per_pair": pair[name]["ns_per_pair"][size],
+                                "rounds": pair[name]["rounds"][size]}
             r["cpu"], r["cpu_pace_ns"] = cpu, paces[cpu]
             results[name].append(r)
-            results["cpus"].append({"child": name, "cpu": cpu, "paces": paces})
+        results["ratios"].append({str(size): empty_pairs.round_ratios(
+            pair["caching"]["rounds"][size], pair["mempool"]["rounds"][size])
+            for size in EMPTY_SIZES})
+        results["cpus"].append({"cpu": cpu, "paces": paces})
     return results
 
 
@@ -483,10 +505,9 @@ def main(argv=None):
             print(f"{r['workload']} {r['allocator']}: steps {r['ms_min']:.2f}-{r['ms_max']:.2f} ms; "
                   f"over the timed steps {r['timed_steps_counters']}")
     if "torch_empty" in extra:
-        for name, rs in extra["torch_empty"].items():
-            if name == "cpus":
-                continue
-            for size in ("512", "65536", "1048576", "67108864"):
+        for name in ("caching", "mempool"):
+            rs = extra["torch_empty"][name]
+            for size in map(str, EMPTY_SIZES):
                 vals = [r[size]["ns_per_pair"] for r in rs if size in r]
                 if vals:
                     print(f"torch.empty {name} {size} B: median {statistics.median(vals):.0f} ns, "
@@ -494,17 +515,25 @@ def main(argv=None):
         te = extra["torch_empty"]
         for name in ("caching", "mempool"):
             for i, r in enumerate(te[name]):
-                sizes = "; ".join(f"{size} B {r[size]['ns_per_pair']:.0f} ns (loop "
-                                  f"{r[size].get('empty_loop_ns', float('nan')):.1f} ns)"
-                                  for size in ("512", "65536", "1048576", "67108864") if size in r)
-                print(f"torch.empty {name} process {i + 1} on CPU {r.get('cpu')}: {sizes}")
-        # Child i of each allocator ran one after the other: their ratio is the fairest pair.
-        for size in ("512", "65536", "1048576", "67108864"):
+                if "error" in r:
+                    print(f"torch.empty {name} process {i + 1}: {r['error']}")
+                    continue
+                sizes = "; ".join(f"{size} B {r[size]['ns_per_pair']:.0f} ns"
+                                  for size in map(str, EMPTY_SIZES) if size in r)
+                print(f"torch.empty {name} process {i + 1} on CPU {r.get('cpu')} (empty loop "
+                      f"{r.get('cpu_pace_ns', float('nan')):.1f} ns): {sizes}")
+        # The two children of a pair ran side by side on one CPU: their ratio is the fair one.
+        for size in map(str, EMPTY_SIZES):
             ratios = [m[size]["ns_per_pair"] / c[size]["ns_per_pair"]
                       for m, c in zip(te["mempool"], te["caching"]) if size in m and size in c]
             if ratios:
                 print(f"torch.empty {size} B, mempool / caching per pair of processes: "
                       + ", ".join(f"{r:.2f}" for r in ratios) + f" (worst {max(ratios):.2f})")
+            per_round = [x for pair in te.get("ratios", []) for x in pair.get(size, [])]
+            if per_round:
+                print(f"torch.empty {size} B, mempool / caching round by round: median "
+                      f"{statistics.median(per_round):.2f}, worst {max(per_round):.2f} "
+                      f"over {len(per_round)} rounds")
     return 0
 
 

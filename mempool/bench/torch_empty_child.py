@@ -1,12 +1,19 @@
 """Time ``torch.empty(n, dtype=uint8, device="cuda")`` + drop in a process of its own.
 
     python mempool/bench/torch_empty_child.py {caching,mempool} ROUNDS PAIRS SIZE [SIZE ...]
+    python mempool/bench/torch_empty_child.py {caching,mempool} --lockstep PAIRS
 
 PyTorch reads its allocator once, before the first CUDA allocation, so the pluggable
 allocator (``mempool.torch.install``) and PyTorch's own caching allocator are each timed in
 a fresh process; test_torch_empty.py runs both and puts them side by side. Prints one JSON
 object: {size: {"ns_per_pair": median, "min_ns_per_pair": min}}, the median of ROUNDS
 rounds of PAIRS pairs in a tight loop (after one warm-up round), as the rest of the suite.
+
+With --lockstep the child times one round at a time when told to, so that a parent can
+interleave the rounds of two children pinned to one CPU (bench/empty_pairs.py): it prints
+READY once set up, then answers each line "ROUND SIZE" read from its standard input with
+"NS <ns per pair>" (after WARM_PAIRS untimed pairs of that size, since the other child ran
+on this CPU in between), and "END" with the JSON object above, without figures per size.
 """
 import json
 import os
@@ -61,10 +68,11 @@ def context():
             "trace": sys.gettrace() is not None or sys.getprofile() is not None}
 
 
-def main(argv):
-    allocator, rounds, pairs = argv[0], int(argv[1]), int(argv[2])
-    sizes = [int(s) for s in argv[3:]]
-    at_start = context()
+WARM_PAIRS = 200
+
+
+def set_up(allocator):
+    """Import PyTorch and, for mempool, install a pool on device 0. Returns (torch, pool)."""
     import torch
 
     pool = None
@@ -76,6 +84,53 @@ def main(argv):
         mempool.torch.install(pool)
     elif allocator != "caching":
         raise SystemExit(f"allocator must be 'caching' or 'mempool', got {allocator!r}")
+    return torch, pool
+
+
+def finish(torch, pool, out):
+    """Add the pool's counters and the closing context to out, and print it."""
+    torch.cuda.synchronize()
+    if pool is not None:
+        stats = pool.stats()
+        assert stats["allocation.all.current"] == 0, "a tensor's block was not returned"
+        out["pool_allocations"] = stats["allocation.all.allocated"]
+        # Upstream traffic: a hot path that serves every pair leaves these at their
+        # warm-up values, whatever the number of pairs.
+        out["pool_counters"] = {key: stats[key] for key in COUNTERS}
+    out["context"]["after"] = context()
+    print(json.dumps(out), flush=True)
+
+
+def lockstep(allocator, pairs):
+    at_start = context()
+    torch, pool = set_up(allocator)
+    empty, uint8 = torch.empty, torch.uint8
+    out = {"context": {"start": at_start, "before": context()}}
+    print("READY", flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if words == ["END"]:
+            break
+        if len(words) != 2 or words[0] != "ROUND":
+            raise SystemExit(f"lockstep: expected 'ROUND SIZE' or 'END', got {line!r}")
+        nbytes = int(words[1])
+        for _ in range(WARM_PAIRS):
+            empty(nbytes, dtype=uint8, device="cuda")
+        t0 = time.perf_counter_ns()
+        for _ in range(pairs):
+            empty(nbytes, dtype=uint8, device="cuda")
+        print(f"NS {(time.perf_counter_ns() - t0) / pairs}", flush=True)
+    finish(torch, pool, out)
+    return 0
+
+
+def main(argv):
+    if len(argv) == 3 and argv[1] == "--lockstep":
+        return lockstep(argv[0], int(argv[2]))
+    allocator, rounds, pairs = argv[0], int(argv[1]), int(argv[2])
+    sizes = [int(s) for s in argv[3:]]
+    at_start = context()
+    torch, pool = set_up(allocator)
     empty, uint8 = torch.empty, torch.uint8
     out = {"context": {"start": at_start, "before": context()}}
     for nbytes in sizes:
@@ -93,16 +148,7 @@ def main(argv):
                 per_round.append((time.perf_counter_ns() - t0) / pairs)
         out[nbytes] = {"ns_per_pair": statistics.median(per_round),
                        "min_ns_per_pair": min(per_round), "empty_loop_ns": pace}
-    torch.cuda.synchronize()
-    if pool is not None:
-        stats = pool.stats()
-        assert stats["allocation.all.current"] == 0, "a tensor's block was not returned"
-        out["pool_allocations"] = stats["allocation.all.allocated"]
-        # Upstream traffic: a hot path that serves every pair leaves these at their
-        # warm-up values, whatever the number of pairs.
-        out["pool_counters"] = {key: stats[key] for key in COUNTERS}
-    out["context"]["after"] = context()
-    print(json.dumps(out))
+    finish(torch, pool, out)
     return 0
 
 

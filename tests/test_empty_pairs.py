@@ -1,0 +1,83 @@
+"""bench/empty_pairs.py: the two children of a pair time their rounds in turn, alternating
+which goes first, and a child that fails is named with its error output (no GPU needed: the
+children here answer the lockstep protocol of mempool/bench/torch_empty_child.py)."""
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import empty_pairs  # noqa: E402
+
+FAKE_CHILD = r'''
+import json, sys
+name, log, ns = sys.argv[1], sys.argv[2], float(sys.argv[3])
+print("a notice before the child is ready", flush=True)
+print("READY", flush=True)
+rounds = 0
+for line in sys.stdin:
+    if line.strip() == "END":
+        break
+    size = int(line.split()[1])
+    with open(log, "a") as f:
+        f.write(f"{name} {size}\n")
+    rounds += 1
+    print(f"NS {ns + rounds}", flush=True)
+print(json.dumps({"rounds_run": rounds}), flush=True)
+'''
+
+
+@pytest.fixture
+def fake_child(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(FAKE_CHILD)
+    return str(script), str(tmp_path / "order.log")
+
+
+def test_rounds_alternate_and_each_childs_figure_is_the_median_of_its_rounds(fake_child):
+    script, log = fake_child
+    out = empty_pairs.run_pair({"a": [script, "a", log, "100"], "b": [script, "b", log, "50"]},
+                               None, (512, 4096), rounds=4)
+    with open(log) as f:
+        calls = f.read().split("\n")[:-1]
+    assert calls == ["a 512", "b 512", "b 512", "a 512", "a 512", "b 512", "b 512", "a 512",
+                     "a 4096", "b 4096", "b 4096", "a 4096", "a 4096", "b 4096", "b 4096",
+                     "a 4096"]
+    assert out["a"]["rounds"][512] == [101, 102, 103, 104]
+    assert out["a"]["rounds"][4096] == [105, 106, 107, 108]
+    assert out["b"]["ns_per_pair"][4096] == 56.5
+    assert out["a"]["result"] == {"rounds_run": 8}
+    assert empty_pairs.round_ratios(out["a"]["rounds"][512], out["b"]["rounds"][512]) == \
+        [51 / 101, 52 / 102, 53 / 103, 54 / 104]
+
+
+def test_a_child_that_fails_is_named_with_its_error(tmp_path, fake_child):
+    script, log = fake_child
+    broken = tmp_path / "broken.py"
+    broken.write_text("import sys\nsys.exit('no CUDA device here')\n")
+    with pytest.raises(RuntimeError, match=r"b ended \(exit status 1\) before printing "
+                                           r"'READY': no CUDA device here"):
+        empty_pairs.run_pair({"a": [script, "a", log, "1"], "b": [str(broken)]}, None, (512,), 2)
+
+
+def test_the_torch_empty_child_speaks_the_protocol(tmp_path):
+    """The real child, with a stand-in for PyTorch (only torch.empty and synchronize)."""
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "uint8 = 'uint8'\n"
+        "calls = []\n"
+        "def empty(n, dtype=None, device=None):\n"
+        "    assert (dtype, device) == ('uint8', 'cuda')\n"
+        "    return bytearray(n)\n"
+        "class cuda:\n"
+        "    synchronize = staticmethod(lambda: None)\n")
+    child = os.path.join(ROOT, "mempool", "bench", "torch_empty_child.py")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    out = empty_pairs.run_pair({name: [child, "caching", "--lockstep", "50"] for name in "xy"},
+                               None, (512, 65536), 3, env)
+    for name in "xy":
+        assert [len(out[name]["rounds"][size]) for size in (512, 65536)] == [3, 3]
+        assert all(ns > 0 for ns in out[name]["rounds"][512] + out[name]["rounds"][65536])
+        assert set(out[name]["result"]["context"]) == {"start", "before", "after"}
