@@ -34,7 +34,8 @@ T_TORCH=${T_TORCH:-480}
 T_CHURN=${T_CHURN:-120}
 T_VMM=${T_VMM:-60}
 T_SNAPSHOT=${T_SNAPSHOT:-240}   # six processes of 14-28 s each, and start-up
-STAGES=" ${STAGES:-build tests sanitizer bench churn vmm fragmentation torch snapshot} "
+T_OWNTESTS=${T_OWNTESTS:-500}   # both runs of PyTorch's own tests together
+STAGES=" ${STAGES:-build tests sanitizer bench churn vmm fragmentation torch snapshot owntests} "
 # SANITIZER_GROUPS: a file with one line of pytest arguments per memcheck process (default:
 # one process per file of tests/gpu, and one for the upstream contract's cuda cases; not
 # the three files of examples and scripts run in child processes, which were never in this
@@ -234,11 +235,25 @@ if wants snapshot && [[ -f "$OUT/snapshots/workloads.json" ]]; then
         >> "$OUT/snapshot.log" 2>&1 || echo "replay check: exit $?" >> "$OUT/snapshot.log"
 fi
 
+# ---- PyTorch's own CUDA tests (test/test_cuda.py of PyTorch's repository, which its wheels
+# do not ship: put it at TORCH_TEST_FILE), under PyTorch's allocator and under `python -m
+# mempool run`, and what passes under one only (bench/torch_own_tests.py). OWNTESTS_SELECT
+# is pytest's -k expression.
+TORCH_TEST_FILE=${TORCH_TEST_FILE:-.external/pytorch/test_cuda.py}
+if wants owntests && [[ ! -f $TORCH_TEST_FILE ]]; then
+    echo "no $TORCH_TEST_FILE: PyTorch's own tests skipped" | tee "$OUT/own-tests.log"
+    STATUS[owntests]=skipped
+else
+    stage owntests "$OUT/own-tests.log" timeout "$T_OWNTESTS" "$PY" bench/torch_own_tests.py \
+        "$TORCH_TEST_FILE" "$OUT/own-tests" --select "${OWNTESTS_SELECT:-}" \
+        --timeout $((T_OWNTESTS / 2 - 5))
+fi
+
 # ---- summary
 {
     cat "$OUT/versions.txt"
     echo
-    for name in build tests sanitizer bench churn vmm fragmentation torch snapshot; do
+    for name in build tests sanitizer bench churn vmm fragmentation torch snapshot owntests; do
         echo "stage $name: ${STATUS[$name]:-not run} (0 = passed; 124 = over its time limit)"
     done
     echo

@@ -1,0 +1,122 @@
+"""PyTorch's own CUDA tests, run under PyTorch's allocator and under mempool, side by side.
+
+    python bench/torch_own_tests.py TEST_FILE OUTDIR [--select EXPR] [--timeout S] [-- PYTEST_ARGS]
+
+TEST_FILE is a test file of PyTorch's repository (test/test_cuda.py; PyTorch's wheels do
+not ship their tests), of the version installed or near it. It runs twice in pytest, each
+time in a process of its own: as it is, and under ``python -m mempool run`` (mempool's pool
+as PyTorch's CUDA allocator, every line of the tests unchanged). Each run writes a JUnit
+file; the script then prints, per test, what differs: passed under PyTorch and not under
+mempool (what a user moving to the pool would meet), and the reverse. A test that fails or
+skips under both says nothing about the pool. Writes OUTDIR/own-tests.json.
+
+--select is pytest's -k expression (default: every test).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS = {"pytorch": [], "mempool": ["-m", "mempool", "run"]}
+
+
+def outcomes(junit_path):
+    """{test id: (outcome, first line of its message)} from a JUnit file."""
+    out = {}
+    try:
+        root = ET.parse(junit_path).getroot()
+    except (ET.ParseError, OSError) as e:
+        return {"<run>": ("unreadable", str(e))}
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome = "skipped" if tag == "skipped" else "failed"
+                text = node.get("message") or node.text or ""
+                message = text.strip().splitlines()[0][:300] if text.strip() else ""
+                break
+        out[name] = (outcome, message)
+    return out
+
+
+def run(name, test_file, outdir, select, timeout, extra):
+    junit = os.path.join(outdir, f"own-tests-{name}.junit.xml")
+    log = os.path.join(outdir, f"own-tests-{name}.log")
+    cmd = [sys.executable, *RUNS[name], "-m", "pytest", test_file, "-p", "no:cacheprovider",
+           "-q", "-rfE", "--junitxml", junit, *(["-k", select] if select else []), *extra]
+    env = dict(os.environ)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.pop("MEMPOOL_CONF", None)
+    # The run starts in another folder (below): relative entries of PYTHONPATH would move.
+    if env.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p
+                                            for p in env["PYTHONPATH"].split(os.pathsep))
+    # PyTorch's test runner looks for its repository around the file; the tests run from
+    # the file's folder, as PyTorch's CI runs them.
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                cwd=os.path.dirname(os.path.abspath(test_file)) or ".",
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    return {"cmd": cmd, "rc": rc, "tests": outcomes(junit)}
+
+
+def compare(runs):
+    base, pool = runs["pytorch"]["tests"], runs["mempool"]["tests"]
+    counts = {name: {k: sum(1 for o, _ in r["tests"].values() if o == k)
+                     for k in ("passed", "failed", "skipped")} for name, r in runs.items()}
+
+    def why(t):
+        outcome, message = pool.get(t, ("not run", ""))
+        return f"{outcome}: {message}" if message else outcome
+
+    only_pytorch = {t: why(t) for t, (o, _) in base.items()
+                    if o == "passed" and pool.get(t, ("",))[0] != "passed"}
+    only_mempool = sorted(t for t, (o, _) in pool.items()
+                          if o == "passed" and base.get(t, ("",))[0] != "passed")
+    return {"counts": counts, "passed_under_pytorch_only": only_pytorch,
+            "passed_under_mempool_only": only_mempool}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    extra = []
+    if "--" in argv:
+        argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("test_file")
+    ap.add_argument("outdir")
+    ap.add_argument("--select", default="")
+    ap.add_argument("--timeout", type=int, default=1200, help="seconds for each of the two runs")
+    args = ap.parse_args(argv)
+    if not os.path.isfile(args.test_file):
+        ap.error(f"test_file: no file {args.test_file!r} (PyTorch's test/test_cuda.py, say)")
+    os.makedirs(args.outdir, exist_ok=True)
+    runs = {name: run(name, os.path.abspath(args.test_file), args.outdir, args.select,
+                      args.timeout, extra) for name in RUNS}
+    result = {"runs": runs, **compare(runs)}
+    with open(os.path.join(args.outdir, "own-tests.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    for name, c in result["counts"].items():
+        print(f"{name}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped "
+              f"(exit status {runs[name]['rc']})")
+    print(f"passed under PyTorch's allocator, not under mempool: "
+          f"{len(result['passed_under_pytorch_only'])}")
+    for t, why in sorted(result["passed_under_pytorch_only"].items()):
+        print(f"  {t}: {why}")
+    print(f"passed under mempool, not under PyTorch's allocator: "
+          f"{len(result['passed_under_mempool_only'])}")
+    for t in result["passed_under_mempool_only"]:
+        print(f"  {t}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
