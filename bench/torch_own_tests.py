@@ -13,6 +13,7 @@ skips under both says nothing about the pool. Writes OUTDIR/own-tests.json.
 --select is pytest's -k expression (default: every test).
 """
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -47,15 +48,22 @@ def outcomes(junit_path):
 def run(name, test_file, outdir, select, timeout, extra):
     junit = os.path.join(outdir, f"own-tests-{name}.junit.xml")
     log = os.path.join(outdir, f"own-tests-{name}.log")
+    # -v: a run that crashes or is cut at its limit writes no JUnit file; its log still
+    # says how far it got. pytest-timeout, where installed, cuts a test that hangs.
+    cut = ["--timeout", "180"] if importlib.util.find_spec("pytest_timeout") else []
     cmd = [sys.executable, *RUNS[name], "-m", "pytest", test_file, "-p", "no:cacheprovider",
-           "-q", "-rfE", "--junitxml", junit, *(["-k", select] if select else []), *extra]
+           "-v", "-rfE", "--junitxml", junit, *cut, *(["-k", select] if select else []), *extra]
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env.pop("MEMPOOL_CONF", None)
-    # The run starts in another folder (below): relative entries of PYTHONPATH would move.
-    if env.get("PYTHONPATH"):
-        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p
-                                            for p in env["PYTHONPATH"].split(os.pathsep))
+    # The run starts in another folder (below): relative entries of PYTHONPATH would move,
+    # and a mempool found through the current folder would be lost. The children import
+    # the mempool this script would.
+    paths = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    spec = importlib.util.find_spec("mempool")
+    if spec is not None and spec.origin:
+        paths.insert(0, os.path.dirname(os.path.dirname(spec.origin)))
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     # PyTorch's test runner looks for its repository around the file; the tests run from
     # the file's folder, as PyTorch's CI runs them.
     with open(log, "w") as f:
