@@ -87,8 +87,21 @@ def test_out_of_memory_is_torch_out_of_memory_error_and_training_goes_on():
         except torch.OutOfMemoryError as exc:
             msg = str(exc)
             assert "mempool" in msg and "Tried to allocate" in msg, msg
+            # PyTorch's own words first: Hugging Face Accelerate's batch-size finder looks
+            # for "CUDA out of memory." in the only argument of a RuntimeError, and PyTorch's
+            # tests for "Tried to allocate X. GPU 0 has a total capacity of".
+            assert isinstance(exc, RuntimeError) and len(exc.args) == 1
+            assert "CUDA out of memory." in exc.args[0], msg
+            assert msg.startswith("CUDA out of memory. Tried to allocate 1048576.00 GiB. GPU 0 "
+                                  "has a total capacity of "), msg
         else:
             raise AssertionError("no OutOfMemoryError")
+        try:
+            torch.empty(1 << 62, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError as exc:
+            assert "CUDA out of memory. Tried to allocate more than 1EB memory." in str(exc)
+        else:
+            raise AssertionError("no OutOfMemoryError at 4 EiB")
         assert pool.used_bytes() == before
         pool.check_invariants()
         assert torch.cuda.memory_stats()["num_ooms"] >= 1

@@ -900,7 +900,7 @@ class MempoolAllocator final : public CUDAAllocator {
       where = "the pool's limit of " + fmt_size(f[4]) + " (set_per_process_memory_fraction "
               "or the pool's 'limit')";
     } else if (rc == MP_ENOMEM) {
-      where = "the device (" + fmt_size(free_bytes) + " free of " + fmt_size(total) + ")";
+      where = "the device";
     } else {
       where = "an upstream error (code " + std::to_string(rc) + ")";
     }
@@ -913,14 +913,33 @@ class MempoolAllocator final : public CUDAAllocator {
       hint = "raise the limit, or free memory";
     else
       hint = "free memory, reduce the batch, or cap other processes on the device";
-    TORCH_CHECK_WITH(OutOfMemoryError, false,
-                     cat("CUDA out of memory (mempool",
-                         private_id ? ", a CUDA-graph/MemPool private pool" : "",
-                         "). Tried to allocate ", fmt_size(nbytes), " on device ", device,
-                         ", refused by ", where, ". The pool has ", fmt_size(f[0]),
-                         " reserved, ", fmt_size(f[1]), " allocated, ", fmt_size(f[2]),
-                         " cached; largest free block ", fmt_size(f[3]), ". Hint: ", hint,
-                         "."));
+    TORCH_CHECK_WITH(OutOfMemoryError, false, oom_message(device, nbytes, free_bytes, total, f,
+                                                          private_id != nullptr, where, hint));
+  }
+
+  // The first sentences are PyTorch's own, in its words and order ("CUDA out of memory.
+  // Tried to allocate 20.00 MiB. GPU 0 has a total capacity of ..."), since scripts and
+  // libraries match them: Hugging Face Accelerate's find_executable_batch_size halves the
+  // batch only for a message holding "CUDA out of memory.", and PyTorch's own tests look for
+  // "Tried to allocate ... GPU 0 has a total capacity of". So is its refusal of a request
+  // of 1 EiB or more. The pool's own explanation follows.
+  static std::string oom_message(int device, size_t nbytes, size_t free_bytes, size_t total,
+                                 const size_t* f, bool is_private, const std::string& where,
+                                 const std::string& hint) {
+    constexpr size_t kOneExaByte = size_t(1) << 60;
+    std::string head = nbytes >= kOneExaByte
+        ? std::string("CUDA out of memory. Tried to allocate more than 1EB memory. ")
+        : cat("CUDA out of memory. Tried to allocate ", fmt_size(nbytes), ". GPU ", device,
+              " has a total capacity of ", fmt_size(total), " of which ", fmt_size(free_bytes),
+              " is free. ", f[4] != SIZE_MAX ? fmt_size(f[4]) + " allowed; " : std::string(),
+              "Of the allocated memory ", fmt_size(f[1]), " is allocated by PyTorch, and ",
+              fmt_size(f[0] > f[1] ? f[0] - f[1] : 0),
+              " is reserved by PyTorch but unallocated. ");
+    return cat(head, "mempool", is_private ? " (a CUDA-graph/MemPool private pool)" : "",
+               ": ", fmt_size(nbytes), " refused by ", where, "; the pool has ",
+               fmt_size(f[0]), " reserved, ", fmt_size(f[1]), " allocated (PyTorch's and any "
+               "other library's on this pool), ", fmt_size(f[2]),
+               " cached; largest free block ", fmt_size(f[3]), ". Hint: ", hint, ".");
   }
 
   // ---- private pools ---------------------------------------------------------------------
