@@ -93,7 +93,7 @@ def upstream_sequence(trace, conf=None):
     ptrs = [0] * prep.nslots
     oom = mempool.OutOfMemoryError
     ooms = []
-    rp._run(pool, prep.ops, handles, ptrs, oom, ooms, 0, prep.empty_cache_ops)
+    rp._run(pool, prep.ops, handles, ptrs, oom, ooms, 0, prep.empty_cache_ops, prep.trim_ops)
     seq, event_of = [], []
     by_addr = {}
     seen = 0

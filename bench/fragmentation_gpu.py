@@ -65,7 +65,7 @@ def cupy_replay(path: str) -> dict:
     t0 = time.perf_counter_ns()
     for k, (a, b) in enumerate(rp.stretches(prep)):
         if k:
-            pool.free_all_blocks()     # the program's empty_cache call
+            pool.free_all_blocks()     # the program's empty_cache call, or trim to 0
         for slot, n, s in prep.ops[a:b]:
             if n:
                 bufs[slot] = pool.malloc(n)
@@ -79,7 +79,8 @@ def cupy_replay(path: str) -> dict:
     pool.free_all_blocks()
     return {"peak_reserved_bytes": peak, "peak_live_bytes": prep.peak_live_bytes,
             "ns_per_event": elapsed / len(prep.ops), "ratio": peak / prep.peak_live_bytes,
-            "note": "streams ignored; reserved sampled after each allocation"}
+            "note": "streams ignored; reserved sampled after each allocation",
+            "trims_skipped": rp.partial_trims(prep)}     # CuPy has no trim to N bytes
 
 
 def mempool_replay(path: str, conf: dict) -> dict:
@@ -284,8 +285,10 @@ def main(argv=None) -> int:
         else:
             driver = (f"  (its cudaMemPool: {r['driver_ratio']:.3f})"
                       if r.get("driver_ratio") is not None else "")
+            skipped = (f"  ({r['trims_skipped']} trims skipped: no trim to N bytes)"
+                       if r.get("trims_skipped") else "")
             print(f"{r['trace']:<27} {r['allocator']:<40} reserved/live {r['ratio']:.3f}  "
-                  f"{r['ns_per_event']:7.0f} ns/event{_calls(r)}{driver}")
+                  f"{r['ns_per_event']:7.0f} ns/event{_calls(r)}{driver}{skipped}")
     # Each row's time against the default path's, from the processes of the same round.
     for name in TRACES:
         rows = [r for r in results["rows"] if r["trace"] == name and "error" not in r]

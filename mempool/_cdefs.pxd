@@ -229,6 +229,7 @@ cdef extern from "mp_core.h" nogil:
         MP_TRACE_SEGMENT_MAP
         MP_TRACE_SEGMENT_UNMAP
         MP_TRACE_EMPTY_CACHE
+        MP_TRACE_TRIM
 
     ctypedef struct mp_trace_entry:
         int action

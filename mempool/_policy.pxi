@@ -34,6 +34,7 @@ _TRACE_ACTION_NAMES = {
     MP_TRACE_SEGMENT_MAP: "segment_map",
     MP_TRACE_SEGMENT_UNMAP: "segment_unmap",
     MP_TRACE_EMPTY_CACHE: "empty_cache",
+    MP_TRACE_TRIM: "trim",
 }
 #: ``TRACE_ACTIONS[code]`` is the name of trace action ``code`` (Pool.history's first field).
 TRACE_ACTIONS = tuple(_TRACE_ACTION_NAMES[code] for code in range(len(_TRACE_ACTION_NAMES)))

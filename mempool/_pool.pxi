@@ -849,7 +849,8 @@ cdef class Pool:
         ``free_completed`` (the block is reusable: at once, or once the streams it was
         recorded on pass the free), ``segment_alloc``, ``segment_free``, ``oom``,
         ``segment_map``, ``segment_unmap`` (expandable segments), ``empty_cache`` (a call
-        of :meth:`empty_cache`, before what it released; no PyTorch action). As in PyTorch's trace,
+        of :meth:`empty_cache`, before what it released; no PyTorch action), ``trim`` (a
+        call of :meth:`trim`, likewise; its ``nbytes`` is ``keep``). As in PyTorch's trace,
         ``nbytes`` is the requested size for alloc and free entries (the block's rounded
         size is in :meth:`layout`), the segment's or range's size for segment entries, and
         the refused request for ``oom``, whose ``ptr`` holds the bytes the device reported

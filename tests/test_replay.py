@@ -165,7 +165,8 @@ def test_conf_as_string_or_dict_and_bad_input(small):
         rp.replay(small, conf=3)
     with pytest.raises(ValueError):
         rp.replay(small, conf="no_such_option:1")
-    with pytest.raises(ValueError, match="action must be 'alloc', 'free' or 'empty_cache'"):
+    with pytest.raises(ValueError,
+                       match="action must be 'alloc', 'free', 'empty_cache' or 'trim'"):
         rp.replay([("realloc", 1, 5, 0, 0)])
 
 

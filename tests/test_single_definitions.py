@@ -51,15 +51,18 @@ def _string_constants(path):
 # ---- trace actions and block states --------------------------------------------------------
 
 def test_trace_action_names_are_the_extensions():
-    assert len(_core.TRACE_ACTIONS) == 9 and len(set(_core.TRACE_ACTIONS)) == 9
+    assert len(_core.TRACE_ACTIONS) == 10 and len(set(_core.TRACE_ACTIONS)) == 10
     assert report.TRACE_ACTIONS == dict(enumerate(_core.TRACE_ACTIONS))
     assert report.TRACE_ACTIONS[report.TRACE_OOM] == "oom"
     assert report.TRACE_ACTIONS[report.TRACE_EMPTY_CACHE] == "empty_cache"
+    assert report.TRACE_ACTIONS[report.TRACE_TRIM] == "trim"
     alloc, free = _core.TRACE_ACTIONS.index("alloc"), _core.TRACE_ACTIONS.index("free_requested")
     empty = _core.TRACE_ACTIONS.index("empty_cache")
+    trim = _core.TRACE_ACTIONS.index("trim")
     assert trace._HISTORY_ACTIONS == {alloc: "alloc", "alloc": "alloc",
                                       free: "free", "free_requested": "free",
-                                      empty: "empty_cache", "empty_cache": "empty_cache"}
+                                      empty: "empty_cache", "empty_cache": "empty_cache",
+                                      trim: "trim", "trim": "trim"}
 
 
 def test_no_python_module_spells_the_core_only_trace_actions():
@@ -78,7 +81,8 @@ def test_no_python_module_spells_the_core_only_trace_actions():
 def test_history_names_each_action_by_its_c_code():
     # Every action the core records, named through the one table: alloc, free_requested,
     # free_completed, segment_alloc and segment_free on a plain pool; segment_map and
-    # segment_unmap with expandable segments; oom when the limit refuses.
+    # segment_unmap with expandable segments; oom when the limit refuses; the empty_cache
+    # and trim calls.
     pool = mempool.Pool(backend="sim", capacity="1GiB", limit=64 * MiB,
                         expandable_segments=True, release_threshold=0)
     pool.record_history(True)
@@ -87,6 +91,7 @@ def test_history_names_each_action_by_its_c_code():
     with pytest.raises(mempool.OutOfMemoryError):
         pool.alloc(128 * MiB)
     pool.empty_cache()
+    pool.trim(0)
     plain = mempool.Pool(backend="sim", capacity="1GiB")
     plain.record_history(True)
     plain.free(plain.alloc(512))

@@ -62,7 +62,8 @@ def test_trace_meta_is_kept_by_save(tmp_path):
 
 def test_save_refuses_bad_events_and_writes_nothing(tmp_path):
     path = tmp_path / "t.jsonl"
-    with pytest.raises(ValueError, match=r"event 1: action must be 'alloc', 'free' or 'empty_cache'"):
+    with pytest.raises(ValueError, match=r"event 1: action must be 'alloc', 'free', "
+                                         r"'empty_cache' or 'trim'"):
         mt.save([EVENTS[0], ("malloc", 1, 10, 0, 0)], path)
     with pytest.raises(ValueError, match=r"event 0: nbytes must be an int >= 0"):
         mt.save([("alloc", 1, -5, 0, 0)], path)

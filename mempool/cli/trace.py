@@ -118,8 +118,9 @@ def _replay(argv) -> int:
         del probe
         empties = (f", {result.empty_cache_calls:,} empty_cache calls"
                    if result.empty_cache_calls else "")
+        trims = f", {result.trim_calls:,} trim calls" if result.trim_calls else ""
         print(f"trace          {path} ({result.events:,} events, {result.allocs:,} allocs, "
-              f"{result.frees:,} frees{empties})")
+              f"{result.frees:,} frees{empties}{trims})")
         print(f"settings       {args.conf or '(default)'} on {where}")
         print(f"peak live      {fb(result.peak_live_bytes, exact=True)}: the most the trace "
               "held at once (requested sizes)")
@@ -251,6 +252,11 @@ def _compare(path: str, events, args, extra: dict) -> int:
         if driver is not None:
             print(f"{row['allocator']}: its cudaMemPool held {driver / row['peak_live_bytes']:.3f}"
                   " of peak live at its peak (the device memory under the pool's segments)")
+    for row in rows:
+        if row.get("trims_skipped"):
+            print(f"{row['allocator']}: {row['trims_skipped']:,} trim calls skipped (they keep "
+                  "some cached bytes, and PyTorch has no trim to N bytes; trims to 0 ran as "
+                  "its empty_cache)")
     if fixed_only:
         print(f"mempool expandable_segments: without {', '.join(fixed_only)} (an option of "
               "fixed segments; expandable segments round each growth to their page)")

@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 import numpy as np
 
-__all__ = ["Prepared", "ReplayResult", "prepare", "replay", "pool_at", "stretches", "BACKENDS"]
+__all__ = ["Prepared", "ReplayResult", "prepare", "replay", "pool_at", "stretches",
+           "emptying_ops", "partial_trims", "BACKENDS"]
 
 BACKENDS = ("sim", "host", "cuda")
 TIMESERIES_POINTS = 2000
@@ -55,6 +56,9 @@ class Prepared:
                                    # trace's meta "step_starts"), None when unknown
     empty_cache_ops: list = field(default_factory=list)   # op indices before which the
                                    # program emptied the cache ("empty_cache" events), sorted
+    trim_ops: list = field(default_factory=list)   # (op index, keep): before that op the
+                                   # program called trim(keep) ("trim" events), in trace
+                                   # order (so sorted)
 
     @property
     def peak_live_bytes(self) -> int:
@@ -82,6 +86,8 @@ class ReplayResult:
                                       # series, its sampling included)
     first_oom: str | None = None      # the message of the first OutOfMemoryError
     empty_cache_calls: int = 0        # the trace's empty_cache events, replayed as the calls
+    trim_calls: int = 0               # the trace's trim events, replayed as the calls (but
+                                      # one right after an empty_cache: see prepare)
     timeseries: dict | None = None    # see replay(timeseries=True)
     stats: dict = field(default_factory=dict, repr=False)
     # Upstream calls the pool made, in all (``upstream``) and per training step (``steps``,
@@ -131,7 +137,11 @@ def prepare(events) -> Prepared:
     in ``unknown_frees`` and dropped; an alloc of an id that is already live (a trace that
     lost a free) frees the earlier buffer first and is counted in ``duplicate_allocs``.
     An ``empty_cache`` event becomes an entry of ``empty_cache_ops``: the pool's
-    ``empty_cache()`` runs there, between the ops around it.
+    ``empty_cache()`` runs there, between the ops around it. A ``trim`` event becomes an
+    entry ``(op index, keep)`` of ``trim_ops``: the pool's ``trim(keep)`` runs there. Calls
+    with no op between run in trace order, except that a call right after an ``empty_cache``
+    is dropped: it would find nothing more to release (a second ``empty_cache`` is dropped
+    alike).
     """
     if isinstance(events, Prepared):
         return events
@@ -151,6 +161,7 @@ def prepare(events) -> Prepared:
     streams = [0]
     n_events = allocs = frees = unknown = dups = 0
     empties = []
+    trims = []
     starts = (getattr(events, "meta", None) or {}).get("step_starts")
     step_events = set(starts) if isinstance(starts, list) and starts else None
     step_ops = [] if step_events else None
@@ -219,9 +230,13 @@ def prepare(events) -> Prepared:
                                  f"{nbytes!r}")
             if not empties or empties[-1] != len(ops):   # two in a row: the second is a no-op
                 empties.append(len(ops))
+        elif action == "trim":
+            keep = _trim_keep(ident, nbytes, n_events - 1)
+            if not empties or empties[-1] != len(ops):   # right after an empty_cache: a no-op
+                trims.append((len(ops), keep))
         else:
-            raise ValueError(f"prepare: event {n_events - 1}: action must be 'alloc', 'free' "
-                             f"or 'empty_cache'; got {action!r}")
+            raise ValueError(f"prepare: event {n_events - 1}: action must be 'alloc', 'free', "
+                             f"'empty_cache' or 'trim'; got {action!r}")
     try:
         times_ns = np.asarray(times, dtype=np.int64)
     except (OverflowError, TypeError, ValueError):
@@ -234,7 +249,23 @@ def prepare(events) -> Prepared:
                     partner=np.asarray(partner, dtype=np.int64),
                     times_ns=times_ns,
                     events=n_events, allocs=allocs, frees=frees, unknown_frees=unknown,
-                    duplicate_allocs=dups, step_ops=step_ops, empty_cache_ops=empties)
+                    duplicate_allocs=dups, step_ops=step_ops, empty_cache_ops=empties,
+                    trim_ops=trims)
+
+
+def _trim_keep(ident, nbytes, n: int) -> int:
+    """The keep of trim event `n`, refused by name as save and load refuse it."""
+    if ident != 0:
+        raise ValueError(f"prepare: event {n}: a trim event names no buffer: its id is 0; "
+                         f"got id {ident!r}")
+    try:
+        keep = operator.index(nbytes)
+    except TypeError:
+        keep = -1
+    if isinstance(nbytes, bool) or keep < 0:
+        raise ValueError(f"prepare: event {n}: a trim event's nbytes is trim's keep, an int "
+                         f">= 0 (0 accepted); got {nbytes!r}")
+    return keep
 
 
 def _fits_int64(t) -> bool:
@@ -277,30 +308,60 @@ def _device_streams(prep: Prepared, backend: str):
     return [0] + [s.ptr for s in keep], keep
 
 
-def _run(pool, ops, handles, ptrs, oom_error, ooms, start=0, empties=()):
+def _run(pool, ops, handles, ptrs, oom_error, ooms, start=0, empties=(), trims=()):
     """The replay loop, the one every replay runs: `ops` are the events from index `start` on.
 
     One tuple unpack and one Pool call per event (this is the hot path). A refused allocation
     is recorded in `ooms` as (event index, message) and the replay goes on without it; its
     free is skipped. `empties` are the op indices before which the program emptied the cache
-    (Prepared.empty_cache_ops); those in this stretch call the pool's ``empty_cache()``
-    between the ops, outside the hot loop.
+    (Prepared.empty_cache_ops), `trims` the (op index, keep) where it trimmed it
+    (Prepared.trim_ops); those in this stretch call the pool's ``empty_cache()`` or
+    ``trim(keep)`` between the ops, outside the hot loop.
     """
-    if empties:
-        end = start + len(ops)
-        for at in empties[bisect.bisect_left(empties, start):bisect.bisect_left(empties, end)]:
+    if empties or trims:
+        for at, keep in _cache_calls(empties, trims, start, start + len(ops)):
             _run_ops(pool, ops[:at - start], handles, ptrs, oom_error, ooms, start)
-            pool.empty_cache()
+            if keep is None:
+                pool.empty_cache()
+            else:
+                pool.trim(keep)
             ops, start = ops[at - start:], at
     _run_ops(pool, ops, handles, ptrs, oom_error, ooms, start)
 
 
+def _cache_calls(empties, trims, start, end) -> list:
+    """The program's calls before the ops in [start, end), in order: ``(op index, keep)``,
+    keep None for an empty_cache. At one op index the trims come first: prepare() keeps only
+    those the trace has before the empty_cache call there."""
+    in_range = empties[bisect.bisect_left(empties, start):bisect.bisect_left(empties, end)]
+    # (start,) sorts before every (start, keep): the first trim at or after start.
+    trims = trims[bisect.bisect_left(trims, (start,)):bisect.bisect_left(trims, (end,))]
+    # sorted() is stable: within one op index the trims keep their trace order.
+    return sorted(list(trims) + [(at, None) for at in in_range],
+                  key=lambda call: (call[0], call[1] is None))
+
+
 def stretches(prep: Prepared) -> list:
-    """The ops' index ranges ``(start, stop)`` between the program's empty_cache calls: a
-    replay loop that is not :func:`_run` empties its allocator's cache before every stretch
-    but the first, and keeps its own hot loop free of the check."""
-    cuts = [0] + list(prep.empty_cache_ops) + [len(prep.ops)]
+    """The ops' index ranges ``(start, stop)`` between the program's calls that gave back its
+    whole cache (:func:`emptying_ops`): a replay loop that is not :func:`_run` empties its
+    allocator's cache before every stretch but the first, and keeps its own hot loop free of
+    the check."""
+    cuts = [0] + emptying_ops(prep) + [len(prep.ops)]
     return list(zip(cuts, cuts[1:]))
+
+
+def emptying_ops(prep: Prepared) -> list:
+    """The op indices, sorted, before which the program gave back every cached byte: its
+    empty_cache calls and its trims to 0. An allocator with no trim to N bytes (PyTorch's,
+    CuPy's) replays these as its own empty_cache; the trims it cannot replay are
+    :func:`partial_trims`."""
+    return sorted(set(prep.empty_cache_ops).union(at for at, keep in prep.trim_ops if not keep))
+
+
+def partial_trims(prep: Prepared) -> int:
+    """The trims that keep some cached bytes (keep > 0): an allocator with no trim to N bytes
+    cannot replay them, and a replay through one skips them and says how many."""
+    return sum(1 for _, keep in prep.trim_ops if keep)
 
 
 def _run_ops(pool, ops, handles, ptrs, oom_error, ooms, start):
@@ -342,7 +403,7 @@ def _stepped_run(pool, prep, handles, ptrs, oom_error, ooms, between=None):
         counts.append(_upstream(pool.stats()))
         spent += time.perf_counter_ns() - t
         _run(pool, ops[bounds[i]:bounds[i + 1]], handles, ptrs, oom_error, ooms, bounds[i],
-             prep.empty_cache_ops)
+             prep.empty_cache_ops, prep.trim_ops)
     return counts, spent
 
 
@@ -417,7 +478,8 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
             counts, spent = _stepped_run(pool, prep, handles, ptrs, oom_error, ooms, between)
             t0 += spent
         else:
-            _run(pool, ops, handles, ptrs, oom_error, ooms, 0, prep.empty_cache_ops)
+            _run(pool, ops, handles, ptrs, oom_error, ooms, 0, prep.empty_cache_ops,
+                 prep.trim_ops)
         peak_reserved = peak_allocated = None
     else:
         n = len(ops)
@@ -429,7 +491,7 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
             # Peaks are reset per stretch, to plot each stretch's highest point.
             pool.reset_peak_stats()
             _run(pool, ops[start:stop], handles, ptrs, oom_error, ooms, start,
-                 prep.empty_cache_ops)
+                 prep.empty_cache_ops, prep.trim_ops)
             st = pool.stats()
             reserved.append(_stat(st, "reserved_bytes.all.peak"))
             peak_allocated = max(peak_allocated, _stat(st, "allocated_bytes.all.peak"))
@@ -477,7 +539,7 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
         num_device_alloc=_stat(stats, "num_device_alloc"),
         num_device_free=_stat(stats, "num_device_free"),
         ns_per_event=elapsed / max(1, len(ops)), first_oom=ooms[0][1] if ooms else None,
-        empty_cache_calls=len(prep.empty_cache_ops),
+        empty_cache_calls=len(prep.empty_cache_ops), trim_calls=len(prep.trim_ops),
         timeseries=series, stats=stats, upstream=total, setup=setup, steps=steps,
         driver_reserved_peak_bytes=_driver_peak(backend, options_used, stats))
 
@@ -540,7 +602,8 @@ def pool_at(events, stop="peak_reserved", conf=None, backend: str = "sim", limit
         pool = _make_pool(conf, backend, limit, options)
         reserved = pool.reserved_bytes
         for i in range(len(ops)):
-            _run(pool, ops[i:i + 1], handles, ptrs, oom_error, [], i, prep.empty_cache_ops)
+            _run(pool, ops[i:i + 1], handles, ptrs, oom_error, [], i, prep.empty_cache_ops,
+                 prep.trim_ops)
             if ops[i][1] and reserved() >= target:
                 break
         return pool, [p for p in ptrs if p]
@@ -548,5 +611,6 @@ def pool_at(events, stop="peak_reserved", conf=None, backend: str = "sim", limit
         raise ValueError(f"pool_at: stop must be an int in [0, {len(ops)}], 'peak_reserved' "
                          f"or 'peak_live'; got {stop!r}")
     pool = _make_pool(conf, backend, limit, options)
-    _run(pool, ops[:stop], handles, ptrs, oom_error, [], 0, prep.empty_cache_ops)
+    _run(pool, ops[:stop], handles, ptrs, oom_error, [], 0, prep.empty_cache_ops,
+         prep.trim_ops)
     return pool, [p for p in ptrs if p]

@@ -33,6 +33,9 @@ TRACE_ACTIONS = dict(enumerate(_core.TRACE_ACTIONS))
 TRACE_OOM = _core.TRACE_ACTIONS.index("oom")
 _ACTION_CODES = {name: code for code, name in TRACE_ACTIONS.items()}
 TRACE_EMPTY_CACHE = _ACTION_CODES["empty_cache"]
+TRACE_TRIM = _ACTION_CODES["trim"]
+# The program's calls for cached memory back: PyTorch's trace has no entry for them.
+_NO_TORCH_ENTRY = (TRACE_EMPTY_CACHE, TRACE_TRIM)
 
 # --------------------------------------------------------------------------- summary
 
@@ -262,8 +265,8 @@ def _segment_runs(seg: Mapping[str, Any], device: int) -> list[dict]:
 
 
 def _trace_entry(t: Sequence[int]) -> dict | None:
-    """PyTorch's form of one recorded entry; None for an empty_cache call, which has no
-    PyTorch action (what it released follows it in the trace)."""
+    """PyTorch's form of one recorded entry; None for an empty_cache or trim call, which has
+    no PyTorch action (what it released follows it in the trace)."""
     if len(t) != 5:
         raise ValueError(f"trace entry {t!r}: expected (action, ptr, nbytes, stream, time_ns)")
     action, ptr, nbytes, stream, time_ns = t
@@ -274,7 +277,7 @@ def _trace_entry(t: Sequence[int]) -> dict | None:
         raise ValueError(f"trace entry {t!r}: unknown action {action!r}; accepted: "
                          + ", ".join(f"{k} {v}" for k, v in TRACE_ACTIONS.items())
                          + " (the code or the name)")
-    if action == TRACE_EMPTY_CACHE:
+    if action in _NO_TORCH_ENTRY:
         return None
     entry = {"action": TRACE_ACTIONS[action]}
     # PyTorch's OOM entries carry the device's free bytes where others carry an address.
@@ -301,7 +304,8 @@ def snapshot(segments: Iterable[Mapping[str, Any]],
         Recorded events, oldest first, each ``(action, ptr, nbytes, stream, time_ns)``
         as :meth:`mempool.Pool.history` gives them, with ``action`` a name or its code
         (:data:`TRACE_ACTIONS`, code to name). For an oom, ``ptr`` holds the bytes the device
-        had free, as in PyTorch's trace.
+        had free, as in PyTorch's trace. ``empty_cache`` and ``trim`` entries are left out:
+        PyTorch's trace has no such action.
     device : int
         The device id: the segments' ``device`` and the index of the trace in
         ``device_traces``.

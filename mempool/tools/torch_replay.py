@@ -10,6 +10,10 @@ memory (no kernels), on one CUDA stream per stream of the trace, and the result 
 figures ``mempool.tools.replay`` reports for mempool's own replays: peak reserved / peak live,
 ns per event, and the upstream calls per training step (PyTorch's ``num_device_alloc`` +
 ``num_device_free``; with expandable segments, its page maps and unmaps).
+
+The trace's empty_cache calls are replayed as ``torch.cuda.empty_cache()``, and so are its
+trims to 0 (they give back every cached byte). PyTorch has no trim to N bytes: a trim that
+keeps some is skipped, and the result counts it in ``trims_skipped``.
 """
 from __future__ import annotations
 
@@ -43,9 +47,9 @@ def replay(trace) -> dict:
     # Upstream calls per training step: the allocator's device allocs and frees (with
     # expandable segments, its page maps and unmaps), read between steps, outside the timing.
     starts = set(prep.step_ops or ())
-    # The program's empty_cache calls come before these ops: checked with the step starts,
-    # one lookup per op for both.
-    empties = set(prep.empty_cache_ops)
+    # The program's empty_cache calls and trims to 0 come before these ops: checked with the
+    # step starts, one lookup per op for both.
+    empties = set(rp.emptying_ops(prep))
     marks_at = starts | empties
     marks = []
     elapsed = 0
@@ -82,7 +86,8 @@ def replay(trace) -> dict:
             "ratio": st["reserved_bytes.all.peak"] / prep.peak_live_bytes,
             "num_device_alloc": st.get("num_device_alloc"),
             "num_device_free": st.get("num_device_free"),
-            "calls_per_step": [b - a for a, b in zip(marks, marks[1:])] if starts else None}
+            "calls_per_step": [b - a for a, b in zip(marks, marks[1:])] if starts else None,
+            "trims_skipped": rp.partial_trims(prep)}
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,9 @@ the event happened on (0 = the default stream) and ``time_ns`` when it happened,
 nanoseconds from an arbitrary origin. A third action, ``"empty_cache"`` (``id`` and
 ``nbytes`` 0), is the program asking for the allocator's cached memory back
 (``torch.cuda.empty_cache()``, which PyTorch's cuDNN benchmark also calls after each
-algorithm search): a replay empties the pool's cache there, as the program did.
+algorithm search): a replay empties the pool's cache there, as the program did. A fourth,
+``"trim"`` (``id`` 0, ``nbytes`` the ``keep`` argument, 0 allowed), is the program's
+``Pool.trim(keep)``: a replay trims the pool's cache to ``keep`` bytes there.
 
 File format (``save`` / ``load``): JSON lines, UTF-8, optionally gzip-compressed. The first
 line is a header object::
@@ -45,25 +47,27 @@ __all__ = [
 FORMAT = "mempool-trace"
 VERSION = 1
 FIELDS = ["action", "id", "nbytes", "stream", "time_ns"]
-ACTIONS = ("alloc", "free", "empty_cache")
-_BUFFER_ACTIONS = ("alloc", "free")    # load's fast path; empty_cache rows take the checked one
+ACTIONS = ("alloc", "free", "empty_cache", "trim")
+_BUFFER_ACTIONS = ("alloc", "free")    # load's fast path; the cache calls take the checked one
+_ACTIONS_TEXT = "'alloc', 'free', 'empty_cache' or 'trim'"   # what an error message accepts
 
 # The pool's recorded entry actions (the extension's TRACE_ACTIONS), by code or by name, that
-# become events; only allocs, free requests and empty_cache calls are replayable: the others
-# are the pool's own reactions (segments, completions, OOMs) to them.
+# become events; only allocs, free requests, empty_cache and trim calls are replayable: the
+# others are the pool's own reactions (segments, completions, OOMs) to them.
 _HISTORY_ACTIONS = {}
 for _name, _kind in (("alloc", "alloc"), ("free_requested", "free"),
-                     ("empty_cache", "empty_cache")):
+                     ("empty_cache", "empty_cache"), ("trim", "trim")):
     _HISTORY_ACTIONS[_core.TRACE_ACTIONS.index(_name)] = _HISTORY_ACTIONS[_name] = _kind
 del _name, _kind
 
 
 class Event(NamedTuple):
-    """One allocation or free in a trace."""
+    """One allocation or free in a trace, or one call for cached memory back."""
 
-    action: str     #: "alloc", "free" or "empty_cache"
-    id: int         #: names the buffer; a free names an earlier alloc's id (empty_cache: 0)
-    nbytes: int     #: requested bytes (0 when a free's size is unknown; empty_cache: 0)
+    action: str     #: "alloc", "free", "empty_cache" or "trim"
+    id: int         #: names the buffer; a free names an earlier alloc's id (else 0)
+    nbytes: int     #: requested bytes (0 when a free's size is unknown; empty_cache: 0;
+                    #: trim: its ``keep``)
     stream: int     #: stream handle the event ran on; 0 = the default stream
     time_ns: int    #: when, in ns from an arbitrary origin
 
@@ -94,10 +98,11 @@ def _check_event(ev, where: str) -> Event:
                              f" (5 fields); got {ev!r}")
         action, ident, nbytes, stream, time_ns = ev
     if action not in ACTIONS:
-        raise ValueError(f"{where}: action must be 'alloc', 'free' or 'empty_cache'; "
-                         f"got {action!r}")
+        raise ValueError(f"{where}: action must be {_ACTIONS_TEXT}; got {action!r}")
     if isinstance(ident, bool) or not isinstance(ident, (int, str)):
         raise ValueError(f"{where}: id must be an int or a str; got {ident!r}")
+    if action == "trim":
+        _check_trim(ident, nbytes, where)
     for name, value in (("nbytes", nbytes), ("stream", stream), ("time_ns", time_ns)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{where}: {name} must be an int >= 0; got {value!r}")
@@ -107,6 +112,17 @@ def _check_event(ev, where: str) -> Event:
         raise ValueError(f"{where}: an empty_cache event names no buffer: its id and nbytes "
                          f"are 0; got id {ident!r}, nbytes {nbytes!r}")
     return Event(action, ident, nbytes, stream, time_ns)
+
+
+def _check_trim(ident, nbytes, where: str) -> None:
+    """A trim event names no buffer, and its nbytes is trim's ``keep``: 0 is a trim to
+    nothing cached, not an empty size as an alloc's 0 would be."""
+    if ident != 0:
+        raise ValueError(f"{where}: a trim event names no buffer: its id is 0; got id "
+                         f"{ident!r}")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"{where}: a trim event's nbytes is trim's keep, an int >= 0 "
+                         f"(0 accepted); got {nbytes!r}")
 
 
 def save(events: Iterable, path, meta: dict | None = None) -> int:
@@ -264,9 +280,9 @@ def from_pool_history(entries) -> Trace:
     entries : iterable of tuples
         ``(action, ptr, nbytes, stream, time_ns)`` as ``Pool.history()`` returns them, with
         actions named or numbered as ``mempool._core.TRACE_ACTIONS`` (code to name). Only
-        allocs, free requests and empty_cache calls are kept: the rest are the pool's
+        allocs, free requests, empty_cache and trim calls are kept: the rest are the pool's
         reactions, which a replay reproduces under its own configuration. Pointers become
-        the events' ids.
+        the events' ids; a trim's ``nbytes`` is its ``keep``.
     """
     out = Trace(meta={"source": "mempool"})
     append = out.append
@@ -300,8 +316,8 @@ def _pool_entries(pool):
 def save_trace(pool, path, meta: dict | None = None) -> int:
     """Save what `pool` has recorded (see ``Pool.record_history``) as a trace file.
 
-    Returns the number of events written. Only allocations, free requests and empty_cache
-    calls are saved;
+    Returns the number of events written. Only allocations, free requests, empty_cache and
+    trim calls are saved;
     ``meta`` adds header keys (the pool's backend and options are always included).
     """
     events = from_pool_history(_pool_entries(pool))

@@ -285,6 +285,8 @@ enum {
     MP_TRACE_SEGMENT_MAP = 6, MP_TRACE_SEGMENT_UNMAP = 7,
     MP_TRACE_EMPTY_CACHE = 8,   /* empty_cache was called (ptr, nbytes, stream 0): what it
                                    released follows; a replay empties its pool there too */
+    MP_TRACE_TRIM = 9,          /* trim was called, nbytes = its keep (ptr, stream 0): what
+                                   it released follows; a replay trims its pool there too */
 };
 
 typedef struct mp_trace_entry {

@@ -231,6 +231,7 @@ int mp_trim(mp_pool *p, size_t keep) {
     mp_release_list rel = {0};
     mp_lock_acquire(&p->lock);
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
+    mp_trace_locked(p, MP_TRACE_TRIM, 0, keep, 0);
     mp_process_pending_locked(p);
     size_t cached = cached_locked(p);
     if (cached > keep) mp_release_idle_locked(p, cached - keep, &rel);
