@@ -238,13 +238,16 @@ fi
 # ---- PyTorch's own CUDA tests (test/test_cuda.py of PyTorch's repository, which its wheels
 # do not ship: put it at TORCH_TEST_FILE), under PyTorch's allocator and under `python -m
 # mempool run`, and what passes under one only (bench/torch_own_tests.py). OWNTESTS_SELECT
-# is pytest's -k expression.
+# is pytest's -k expression. PyTorch's test helpers need `expecttest`, which the machine may
+# lack: a copy in OWNTESTS_SITE (default .external/site) goes on the path.
 TORCH_TEST_FILE=${TORCH_TEST_FILE:-.external/pytorch/test_cuda.py}
+OWNTESTS_SITE=${OWNTESTS_SITE:-.external/site}
 if wants owntests && [[ ! -f $TORCH_TEST_FILE ]]; then
     echo "no $TORCH_TEST_FILE: PyTorch's own tests skipped" | tee "$OUT/own-tests.log"
     STATUS[owntests]=skipped
 else
-    stage owntests "$OUT/own-tests.log" timeout "$T_OWNTESTS" "$PY" bench/torch_own_tests.py \
+    stage owntests "$OUT/own-tests.log" timeout "$T_OWNTESTS" \
+        env PYTHONPATH="$OWNTESTS_SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/torch_own_tests.py \
         "$TORCH_TEST_FILE" "$OUT/own-tests" --select "${OWNTESTS_SELECT:-}" \
         --timeout $((T_OWNTESTS / 2 - 5))
 fi

@@ -54,3 +54,17 @@ def test_a_missing_file_is_named(tmp_path, capsys):
     except SystemExit as e:
         assert e.code == 2
     assert "test_file: no file" in capsys.readouterr().err
+
+
+def test_a_run_without_its_junit_file_is_read_from_its_log(tmp_path):
+    """A run cut at its limit (or crashed) writes no JUnit file: the -v log gives the same
+    outcomes under the same names."""
+    test_file = tmp_path / "test_sample.py"
+    test_file.write_text(TESTS + "\n\nclass TestGroup:\n    def test_in_a_class(self):\n"
+                         "        pass\n")
+    out = tmp_path / "out"
+    torch_own_tests.main([str(test_file), str(out), "--timeout", "120"])
+    from_junit = torch_own_tests.outcomes(str(out / "own-tests-pytorch.junit.xml"))
+    from_log = torch_own_tests.outcomes_from_log(str(out / "own-tests-pytorch.log"))
+    assert "test_sample.TestGroup::test_in_a_class" in from_log
+    assert {t: o for t, (o, _) in from_junit.items()} == {t: o for t, (o, _) in from_log.items()}
