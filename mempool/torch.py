@@ -33,7 +33,7 @@ The entry points PyTorch calls are C functions of the ``mempool._core`` extensio
 shared object at ``mempool._core.__file__``); they never take the GIL. This module imports
 torch only when one of its functions is called.
 """
-from mempool import _core
+from mempool import _core, _torch_settings
 
 _HOOKS = ("record_stream", "reset", "memory_fraction", "base_alloc")
 _SETTERS = {
@@ -344,6 +344,7 @@ def install(pool, *more_pools, allocator="auto"):
             for p in pools:
                 register(p)
             _installed = _load_glue(path)
+            _torch_settings.guard(torch.cuda.memory)
             return _installed
     alloc = _pluggable_allocator(pool, *more_pools)
     try:
@@ -352,6 +353,7 @@ def install(pool, *more_pools, allocator="auto"):
         raise RuntimeError(f"install: PyTorch refused the allocator ({exc}); another "
                            f"allocator is already in use") from None
     _installed = alloc
+    _torch_settings.guard(torch.cuda.memory)
     return alloc
 
 

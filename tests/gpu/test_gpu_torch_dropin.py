@@ -430,6 +430,25 @@ def test_a_trace_tracker_sees_segments_with_history_off(expandable):
     """, prelude=(prelude if expandable else PRELUDE) + build)
 
 
+def test_runtime_allocator_settings_warn_that_the_pool_keeps_its_own():
+    """torch.cuda.memory._set_allocator_settings reaches PyTorch as before (its pinned-memory
+    keys act), and a key of the caching allocator the pool replaced warns once instead of
+    changing nothing in silence; the pool keeps its own options."""
+    run("""
+        import warnings
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+            torch.cuda.memory._set_allocator_settings("pinned_use_background_threads:True")
+        said = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+        assert len(said) == 1 and "'expandable_segments' configures PyTorch's" in said[0], said
+        x = torch.ones(1 << 20, device="cuda")
+        assert torch.cuda.memory_allocated() == pool.stats()["allocated_bytes.all.current"]
+        assert pool.options["expandable_segments"] is False
+    """)
+
+
 def test_empty_cache_fraction_record_stream_and_mem_pool():
     run("""
         x = torch.randn(1 << 22, device="cuda")
