@@ -262,9 +262,9 @@ def _trim_keep(ident, nbytes, n: int) -> int:
         keep = operator.index(nbytes)
     except TypeError:
         keep = -1
-    if isinstance(nbytes, bool) or keep < 0:
+    if isinstance(nbytes, bool) or not 0 <= keep < _MAX_NBYTES:
         raise ValueError(f"prepare: event {n}: a trim event's nbytes is trim's keep, an int "
-                         f">= 0 (0 accepted); got {nbytes!r}")
+                         f"in [0, 2**63) (0 accepted); got {nbytes!r:.40}")
     return keep
 
 

@@ -120,9 +120,10 @@ def _check_trim(ident, nbytes, where: str) -> None:
     if ident != 0:
         raise ValueError(f"{where}: a trim event names no buffer: its id is 0; got id "
                          f"{ident!r}")
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise ValueError(f"{where}: a trim event's nbytes is trim's keep, an int >= 0 "
-                         f"(0 accepted); got {nbytes!r}")
+    # Below 2**63, as every size a replay sums: a larger keep is no pool's cache.
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes < 1 << 63:
+        raise ValueError(f"{where}: a trim event's nbytes is trim's keep, an int in "
+                         f"[0, 2**63) (0 accepted); got {nbytes!r:.40}")
 
 
 def save(events: Iterable, path, meta: dict | None = None) -> int:
