@@ -231,7 +231,8 @@ def prepare(events) -> Prepared:
             if not empties or empties[-1] != len(ops):   # two in a row: the second is a no-op
                 empties.append(len(ops))
         elif action == "trim":
-            keep = _trim_keep(ident, nbytes, n_events - 1)
+            from mempool.tools.trace import _check_trim
+            keep = _check_trim(ident, nbytes, f"prepare: event {n_events - 1}")
             if not empties or empties[-1] != len(ops):   # right after an empty_cache: a no-op
                 trims.append((len(ops), keep))
         else:
@@ -251,21 +252,6 @@ def prepare(events) -> Prepared:
                     events=n_events, allocs=allocs, frees=frees, unknown_frees=unknown,
                     duplicate_allocs=dups, step_ops=step_ops, empty_cache_ops=empties,
                     trim_ops=trims)
-
-
-def _trim_keep(ident, nbytes, n: int) -> int:
-    """The keep of trim event `n`, refused by name as save and load refuse it."""
-    if ident != 0:
-        raise ValueError(f"prepare: event {n}: a trim event names no buffer: its id is 0; "
-                         f"got id {ident!r}")
-    try:
-        keep = operator.index(nbytes)
-    except TypeError:
-        keep = -1
-    if isinstance(nbytes, bool) or not 0 <= keep < _MAX_NBYTES:
-        raise ValueError(f"prepare: event {n}: a trim event's nbytes is trim's keep, an int "
-                         f"in [0, 2**63) (0 accepted); got {nbytes!r:.40}")
-    return keep
 
 
 def _fits_int64(t) -> bool:

@@ -32,6 +32,7 @@ import csv
 import gzip
 import io
 import json
+import operator
 import os
 import pickle
 import zlib
@@ -114,16 +115,23 @@ def _check_event(ev, where: str) -> Event:
     return Event(action, ident, nbytes, stream, time_ns)
 
 
-def _check_trim(ident, nbytes, where: str) -> None:
+def _check_trim(ident, nbytes, where: str) -> int:
     """A trim event names no buffer, and its nbytes is trim's ``keep``: 0 is a trim to
-    nothing cached, not an empty size as an alloc's 0 would be."""
+    nothing cached, not an empty size as an alloc's 0 would be. Returns the keep (an int
+    of any integer type; saving and loading still take only ints). Replays check their
+    trims with it too (mempool/tools/replay.py)."""
     if ident != 0:
         raise ValueError(f"{where}: a trim event names no buffer: its id is 0; got id "
                          f"{ident!r}")
+    try:
+        keep = operator.index(nbytes)
+    except TypeError:
+        keep = -1
     # Below 2**63, as every size a replay sums: a larger keep is no pool's cache.
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes < 1 << 63:
+    if isinstance(nbytes, bool) or not 0 <= keep < 1 << 63:
         raise ValueError(f"{where}: a trim event's nbytes is trim's keep, an int in "
                          f"[0, 2**63) (0 accepted); got {nbytes!r:.40}")
+    return keep
 
 
 def save(events: Iterable, path, meta: dict | None = None) -> int:
