@@ -12,6 +12,8 @@ weights, built from a config; nothing here defines a model):
   llama-bucketed  a Llama-style decoder (``LlamaForCausalLM``: rotary positions, SwiGLU,
           RMSNorm; 8 layers, hidden 1024) trained as gpt-bucketed;
   resnet  torchvision's ResNet-50 trained with SGD, ``torch.backends.cudnn.benchmark = True``;
+  lightning  the same ResNet-50 trained by Lightning's ``Trainer`` (bf16 mixed precision,
+          ``benchmark=True``, ``DeviceStatsMonitor``): a loop nobody here wrote;
   infer   the GPT model's forward under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs);
   batch   the largest batch of the GPT step (length 512) that fits under a fixed cap;
   empty   ``torch.empty`` + drop, six pairs of processes (one per allocator, side by side
@@ -249,9 +251,66 @@ def run_batch(torch, steps, cap_gib=24):
     return {"largest_batch": lo, "cap_gib": cap_gib, "ms_per_step": None, "values": []}
 
 
+def run_lightning(torch, steps, warmup=5):
+    """torchvision's ResNet-50 trained by Lightning's own Trainer loop: bf16 mixed
+    precision, cuDNN benchmark (``benchmark=True``), DeviceStatsMonitor reading
+    ``torch.cuda.memory_stats()`` around every batch. Steps timed from each batch's start to
+    its end (a callback synchronizes at both), the median of those after the warm-up."""
+    import torchvision
+    try:
+        import lightning.pytorch as pl
+        from lightning.pytorch.callbacks import Callback, DeviceStatsMonitor
+    except ImportError:
+        import pytorch_lightning as pl
+        from pytorch_lightning.callbacks import Callback, DeviceStatsMonitor
+
+    class Classifier(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torchvision.models.resnet50(weights=None)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    class StepTimes(Callback):
+        def __init__(self):
+            self.ms, self.losses, self.t0 = [], [], None
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            torch.cuda.synchronize()
+            self.ms.append((time.perf_counter() - self.t0) * 1e3)
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            self.losses.append(float(loss.item()))
+
+    pl.seed_everything(0)
+    g = torch.Generator().manual_seed(2)
+    n = (warmup + steps) * 64
+    data = torch.utils.data.TensorDataset(torch.randn(n, 3, 224, 224, generator=g),
+                                          torch.randint(0, 1000, (n,), generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=64, num_workers=0)
+    times = StepTimes()
+    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=warmup + steps,
+                         precision="bf16-mixed", benchmark=True, logger=False,
+                         callbacks=[DeviceStatsMonitor(), times], log_every_n_steps=1,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(Classifier(), loader)
+    timed_ms = times.ms[warmup:]
+    TIMED.update(ms_min=min(timed_ms), ms_max=max(timed_ms))
+    return {"ms_per_step": statistics.median(timed_ms), "values": times.losses}
+
+
 WORKLOADS = {"gpt": run_gpt, "gpt-bucketed": run_gpt_bucketed,
              "llama-bucketed": run_llama_bucketed, "resnet": run_resnet,
-             "infer": run_infer, "batch": run_batch}
+             "infer": run_infer, "batch": run_batch, "lightning": run_lightning}
 
 
 def child(workload, allocator, steps, snapshot=None):
@@ -347,7 +406,7 @@ def cpu_paces(loops=1_000_000, probes=3):
 # matters little) and its compilation would get two CPUs' worth of worker processes, and
 # the largest batch is not timed.
 WORKLOAD_CPUS = 2
-PINNED_WORKLOADS = ("gpt", "gpt-bucketed", "llama-bucketed", "resnet")
+PINNED_WORKLOADS = ("gpt", "gpt-bucketed", "llama-bucketed", "resnet", "lightning")
 
 
 def fastest_cpus(n):
