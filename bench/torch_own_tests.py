@@ -8,7 +8,12 @@ time in a process of its own: as it is, and under ``python -m mempool run`` (mem
 as PyTorch's CUDA allocator, every line of the tests unchanged). Each run writes a JUnit
 file; the script then prints, per test, what differs: passed under PyTorch and not under
 mempool (what a user moving to the pool would meet), and the reverse. A test that fails or
-skips under both says nothing about the pool. Writes OUTDIR/own-tests.json.
+skips under both says nothing about the pool. Writes OUTDIR/own-tests.json; exits 1 when a
+run collected no test (the file did not import), 0 otherwise.
+
+A file newer than the installed PyTorch may import names the release lacks: both runs load
+own_tests_compat.py, which gives such names the same stand-ins in both (listed in the
+output and in own-tests.json).
 
 --select is pytest's -k expression (default: every test).
 """
@@ -21,7 +26,8 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 RUNS = {"pytorch": [], "mempool": ["-m", "mempool", "run"]}
 
 
@@ -70,15 +76,20 @@ def run(name, test_file, outdir, select, timeout, extra):
     # -v: a run that crashes or is cut at its limit writes no JUnit file; its log still
     # says how far it got. pytest-timeout, where installed, cuts a test that hangs.
     cut = ["--timeout", "90"] if importlib.util.find_spec("pytest_timeout") else []
+    compat = os.path.join(outdir, f"own-tests-{name}.compat.json")
+    # own_tests_compat.py: names a test file newer than the installed PyTorch imports and
+    # the release lacks get the same stand-ins in both runs, so that the file collects.
     cmd = [sys.executable, *RUNS[name], "-m", "pytest", test_file, "-p", "no:cacheprovider",
-           "-v", "-rfE", "--junitxml", junit, *cut, *(["-k", select] if select else []), *extra]
-    env = dict(os.environ)
+           "-p", "own_tests_compat", "-v", "-rfE", "--junitxml", junit, *cut,
+           *(["-k", select] if select else []), *extra]
+    env = dict(os.environ, OWN_TESTS_COMPAT_REPORT=compat)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env.pop("MEMPOOL_CONF", None)
     # The run starts in another folder (below): relative entries of PYTHONPATH would move,
     # and a mempool found through the current folder would be lost. The children import
     # the mempool this script would.
-    paths = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = [HERE] + [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                      if p]
     spec = importlib.util.find_spec("mempool")
     if spec is not None and spec.origin:
         paths.insert(0, os.path.dirname(os.path.dirname(spec.origin)))
@@ -95,7 +106,26 @@ def run(name, test_file, outdir, select, timeout, extra):
     tests = outcomes(junit)
     if "<run>" in tests:     # no JUnit file: cut at its limit, or the process crashed
         tests = outcomes_from_log(log) or tests
-    return {"cmd": cmd, "rc": rc, "tests": tests}
+    try:
+        with open(compat) as f:
+            stand_ins = json.load(f)
+    except (OSError, ValueError):
+        stand_ins = None
+    return {"cmd": cmd, "rc": rc, "tests": tests, "stand_ins": stand_ins,
+            "collected": collected(tests, log)}
+
+
+def collected(tests, log_path):
+    """Whether the file's tests were collected: pytest stops a run whose file does not
+    import with "error during collection", and then no test ran under either allocator."""
+    try:
+        with open(log_path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        text = ""
+    if "error during collection" in text or "errors during collection" in text:
+        return False
+    return any(t != "<run>" for t in tests)
 
 
 def compare(runs):
@@ -137,6 +167,15 @@ def main(argv=None):
     for name, c in result["counts"].items():
         print(f"{name}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped "
               f"(exit status {runs[name]['rc']})")
+    stand_ins = runs["pytorch"]["stand_ins"] or {}
+    for path, entries in stand_ins.items():
+        for e in entries:
+            what = (f"module {e['module']} does not import" if e["name"] is None
+                    else f"{e['module']}.{e['name']}: {e['stand_in']}")
+            print(f"  not in this PyTorch, in both runs: {what}")
+    stopped = [name for name, r in runs.items() if not r["collected"]]
+    for name in stopped:
+        print(f"{name}: the file's tests were not collected (see own-tests-{name}.log)")
     print(f"passed under PyTorch's allocator, not under mempool: "
           f"{len(result['passed_under_pytorch_only'])}")
     for t, why in sorted(result["passed_under_pytorch_only"].items()):
@@ -145,7 +184,7 @@ def main(argv=None):
           f"{len(result['passed_under_mempool_only'])}")
     for t in result["passed_under_mempool_only"]:
         print(f"  {t}")
-    return 0
+    return 1 if stopped else 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """bench/torch_own_tests.py runs a test file twice, as it is and under `python -m mempool
 run`, and names what differs (no GPU needed: a file of tests that tell the two runs apart
 by whether the pool's launcher started them)."""
+import json
 import os
 import sys
 
@@ -68,3 +69,84 @@ def test_a_run_without_its_junit_file_is_read_from_its_log(tmp_path):
     from_log = torch_own_tests.outcomes_from_log(str(out / "own-tests-pytorch.log"))
     assert "test_sample.TestGroup::test_in_a_class" in from_log
     assert {t: o for t, (o, _) in from_junit.items()} == {t: o for t, (o, _) in from_log.items()}
+
+
+# A test file newer than its package: it imports names the installed package lacks.
+NEWER_TESTS = '''
+from fakepkg.testing import (
+    present, TEST_CUDAMALLOCASYNC, TEST_NEW_THING, IS_NEW_HARDWARE, MI999_ARCH,
+    skipIfNewHardwareArch, tf32_on_and_off, new_helper,
+)
+
+def test_flags_say_the_feature_is_absent():
+    assert present == 1
+    assert TEST_NEW_THING is False and IS_NEW_HARDWARE is False and MI999_ARCH is None
+    assert TEST_CUDAMALLOCASYNC is False   # PyTorch is not on the driver's allocator here
+
+@skipIfNewHardwareArch(MI999_ARCH)
+def test_a_skip_decorator_lets_the_test_run():
+    pass
+
+@tf32_on_and_off(0.01)
+def test_a_precision_switch_lets_the_test_run():
+    pass
+
+def test_a_missing_helper_fails_by_name():
+    new_helper()
+'''
+
+
+def fake_package(root):
+    (root / "fakepkg").mkdir()
+    (root / "fakepkg" / "__init__.py").write_text("")
+    (root / "fakepkg" / "testing.py").write_text("present = 1\n")
+
+
+def test_names_a_newer_file_imports_get_the_same_stand_ins_in_both_runs(tmp_path, capsys,
+                                                                         monkeypatch):
+    fake_package(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("OWN_TESTS_COMPAT_PACKAGES", "fakepkg")
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_newer.py").write_text(NEWER_TESTS)
+    out = tmp_path / "out"
+    assert torch_own_tests.main([str(tests / "test_newer.py"), str(out), "--timeout", "120"]) == 0
+    printed = capsys.readouterr().out
+    assert "pytorch: 3 passed, 1 failed, 0 skipped" in printed, printed
+    assert "mempool: 3 passed, 1 failed, 0 skipped" in printed, printed
+    assert "passed under PyTorch's allocator, not under mempool: 0" in printed
+    assert ("not in this PyTorch, in both runs: fakepkg.testing.skipIfNewHardwareArch: "
+            "decorator that changes nothing") in printed
+    result = json.loads((out / "own-tests.json").read_text())
+    for name in ("pytorch", "mempool"):
+        outcome, message = result["runs"][name]["tests"][
+            "test_newer::test_a_missing_helper_fails_by_name"]
+        assert outcome == "failed" and "fakepkg.testing.new_helper is not in the installed" \
+            in message, message
+        filled = {e["name"]: e["stand_in"]
+                  for e in next(iter(result["runs"][name]["stand_ins"].values()))}
+        assert filled == {
+            "TEST_CUDAMALLOCASYNC": "flag, False on this machine",
+            "TEST_NEW_THING": "flag, False (a feature the release lacks)",
+            "IS_NEW_HARDWARE": "flag, False (a feature the release lacks)",
+            "MI999_ARCH": "constant, None",
+            "skipIfNewHardwareArch": "decorator that changes nothing",
+            "tf32_on_and_off": "decorator that changes nothing",
+            "new_helper": "raises NotImplementedError when called"}
+
+
+def test_a_file_that_does_not_collect_is_a_failed_run(tmp_path, capsys, monkeypatch):
+    """Without stand-ins (its package not named), the file stops at collection under both
+    allocators: no test ran, and the script says so and exits 1 instead of reporting two
+    equal runs."""
+    fake_package(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("OWN_TESTS_COMPAT_PACKAGES", "somethingelse")
+    (tmp_path / "test_newer.py").write_text(NEWER_TESTS)
+    out = tmp_path / "out"
+    assert torch_own_tests.main([str(tmp_path / "test_newer.py"), str(out),
+                                 "--timeout", "120"]) == 1
+    printed = capsys.readouterr().out
+    assert "pytorch: the file's tests were not collected (see own-tests-pytorch.log)" in printed
+    assert "mempool: the file's tests were not collected (see own-tests-mempool.log)" in printed
