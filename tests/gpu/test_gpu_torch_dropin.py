@@ -154,6 +154,55 @@ def test_cuda_graph_capture_and_replay():
     """)
 
 
+def test_empty_cache_keeps_a_live_graphs_pool_and_a_live_mempools_cache():
+    """As under PyTorch's allocator (its test_graph_memory_stats_and_use_result_after_
+    destroy_graph): empty_cache() leaves the private pool of a graph that still exists,
+    whose free blocks are the capture's intermediates its replays write, and gives it back
+    once the graph is gone. It emptied every private pool before, and the next replay
+    faulted on freed memory (an illegal address)."""
+    run("""
+        import gc
+        # Requests just over 10 MiB get segments of their own: the five intermediates of
+        # the capture end up in two segments no live tensor holds.
+        numel = (10 * 1024 * 1024 + 512) // 4
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            a = torch.ones(numel, device="cuda")
+            before = torch.cuda.memory_stats()["segment.large_pool.current"]
+            g = torch.cuda.CUDAGraph()
+            g.capture_begin()
+            b = a.clone()
+            for _ in range(5):
+                b = b.clone() + 1
+            g.capture_end()
+        torch.cuda.current_stream().wait_stream(s)
+        captured = torch.cuda.memory_stats()["segment.large_pool.current"] - before
+        assert captured == 3, captured      # PyTorch's own count for this capture
+        for _ in range(2):
+            g.replay()
+            assert b.sum().item() == 6 * numel
+            torch.cuda.empty_cache()
+            kept = torch.cuda.memory_stats()["segment.large_pool.current"] - before
+            assert kept == captured, (kept, captured)
+        del g
+        gc.collect()
+        torch.cuda.empty_cache()
+        assert b.sum().item() == 6 * numel   # the graph's output outlives the graph
+        left = torch.cuda.memory_stats()["segment.large_pool.current"] - before
+        assert left == 1, left               # b's segment; the idle two went back
+
+        # A MemPool that still exists keeps its cache through empty_cache().
+        mp = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(mp):
+            x = torch.randn(4, device="cuda")
+        del x
+        torch.cuda.empty_cache()
+        assert len(mp.snapshot()) == 1, mp.snapshot()
+        print("ok")
+    """)
+
+
 def test_a_graphs_private_pool_takes_plain_segments():
     """A graph's private pool takes its segments from cuMemAlloc, not from the cudaMemPool
     whose chunk the device pool's segments are rounded to (Note [Segment rounding]): there a

@@ -237,7 +237,11 @@ class MempoolAllocator final : public CUDAAllocator {
 
   void emptyCache(MempoolId_t mempool_id) override {
     if (capturing()) return;   // releases wait for the end of every capture
-    std::vector<PrivatePool*> pinned = pin_pools(mempool_id);
+    // As PyTorch's own: a private pool gives its cache back only once nothing uses it (its
+    // graph destroyed, its MemPool gone). The free blocks of a live graph's pool are the
+    // memory its replays write (the capture's intermediates), and a live MemPool keeps its
+    // cache; emptying them made the next replay fault on freed memory.
+    std::vector<PrivatePool*> pinned = pin_pools(mempool_id, /*unused_only=*/true);
     for (PrivatePool* pp : pinned) api->pool_empty_cache(pp->pool);
     unpin(pinned);   // and destroys the pools nobody uses any more
     if (!pinned.empty()) note_private_change_everywhere();
@@ -826,10 +830,13 @@ class MempoolAllocator final : public CUDAAllocator {
   }
 
   // The private pools matching mempool_id ({0, 0}: all) that have a core pool, pinned.
-  std::vector<PrivatePool*> pin_pools(MempoolId_t mempool_id) {
+  // The private pools of mempool_id ({0, 0}: all), pinned; with unused_only, only those
+  // whose use count has dropped to 0 (their graph or MemPool released).
+  std::vector<PrivatePool*> pin_pools(MempoolId_t mempool_id, bool unused_only = false) {
     std::vector<PrivatePool*> pinned;
     std::lock_guard<std::mutex> lock(pools_mu_);
     for (auto& [key, pp] : private_) {
+      if (unused_only && pp->use_count > 0) continue;
       if (pp->pool && (mempool_id == MempoolId_t{0, 0} || pp->id == mempool_id)) {
         pp->pins++;
         pinned.push_back(pp.get());
