@@ -238,7 +238,9 @@ fi
 # ---- PyTorch's own CUDA tests (test/test_cuda.py of PyTorch's repository, which its wheels
 # do not ship: put it at TORCH_TEST_FILE), under PyTorch's allocator and under `python -m
 # mempool run`, and what passes under one only (bench/torch_own_tests.py). OWNTESTS_SELECT
-# is pytest's -k expression. PyTorch's test helpers need `expecttest`, which the machine may
+# is pytest's -k expression; OWNTESTS_BASELINE, an earlier run's own-tests.json (same file,
+# selection and machine), stands for the run under PyTorch's allocator, which does not depend
+# on mempool's code. PyTorch's test helpers need `expecttest`, which the machine may
 # lack: a copy in OWNTESTS_SITE (default .external/site) goes on the path.
 TORCH_TEST_FILE=${TORCH_TEST_FILE:-.external/pytorch/test_cuda.py}
 OWNTESTS_SITE=${OWNTESTS_SITE:-.external/site}
@@ -249,7 +251,7 @@ else
     stage owntests "$OUT/own-tests.log" timeout "$T_OWNTESTS" \
         env PYTHONPATH="$OWNTESTS_SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/torch_own_tests.py \
         "$TORCH_TEST_FILE" "$OUT/own-tests" --select "${OWNTESTS_SELECT:-}" \
-        --timeout $((T_OWNTESTS / 2 - 5))
+        --timeout $((T_OWNTESTS / 2 - 5)) ${OWNTESTS_BASELINE:+--baseline "$OWNTESTS_BASELINE"}
 fi
 
 # ---- summary

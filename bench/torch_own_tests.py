@@ -1,6 +1,6 @@
 """PyTorch's own CUDA tests, run under PyTorch's allocator and under mempool, side by side.
 
-    python bench/torch_own_tests.py TEST_FILE OUTDIR [--select EXPR] [--timeout S] [-- PYTEST_ARGS]
+    python bench/torch_own_tests.py TEST_FILE OUTDIR [--select EXPR] [--timeout S] [--baseline JSON] [-- PYTEST_ARGS]
 
 TEST_FILE is a test file of PyTorch's repository (test/test_cuda.py; PyTorch's wheels do
 not ship their tests), of the version installed or near it. It runs twice in pytest, each
@@ -15,7 +15,9 @@ A file newer than the installed PyTorch may import names the release lacks: both
 own_tests_compat.py, which gives such names the same stand-ins in both (listed in the
 output and in own-tests.json).
 
---select is pytest's -k expression (default: every test).
+--select is pytest's -k expression (default: every test). --baseline FILE takes the run under
+PyTorch's allocator from an earlier own-tests.json of the same file, selection and machine:
+that run does not depend on mempool's code, and skipping it halves the time.
 """
 import argparse
 import importlib.util
@@ -155,18 +157,34 @@ def main(argv=None):
     ap.add_argument("outdir")
     ap.add_argument("--select", default="")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds for each of the two runs")
+    ap.add_argument("--baseline", metavar="OWN_TESTS_JSON",
+                    help="take the run under PyTorch's allocator from this earlier "
+                         "own-tests.json (same file, selection and machine) instead of "
+                         "running it again: it does not depend on mempool's code")
     args = ap.parse_args(argv)
     if not os.path.isfile(args.test_file):
         ap.error(f"test_file: no file {args.test_file!r} (PyTorch's test/test_cuda.py, say)")
+    baseline = None
+    if args.baseline:
+        try:
+            with open(args.baseline) as f:
+                baseline = json.load(f)["runs"]["pytorch"]
+            baseline["tests"] = {t: tuple(v) for t, v in baseline["tests"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            ap.error(f"--baseline: {args.baseline!r} is not an own-tests.json with a "
+                     f"run under PyTorch's allocator ({e})")
+        baseline["from"] = os.path.abspath(args.baseline)
     os.makedirs(args.outdir, exist_ok=True)
-    runs = {name: run(name, os.path.abspath(args.test_file), args.outdir, args.select,
-                      args.timeout, extra) for name in RUNS}
+    runs = {name: baseline if (name == "pytorch" and baseline) else
+            run(name, os.path.abspath(args.test_file), args.outdir, args.select,
+                args.timeout, extra) for name in RUNS}
     result = {"runs": runs, **compare(runs)}
     with open(os.path.join(args.outdir, "own-tests.json"), "w") as f:
         json.dump(result, f, indent=1)
     for name, c in result["counts"].items():
+        origin = f", from {runs[name]['from']}" if runs[name].get("from") else ""
         print(f"{name}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped "
-              f"(exit status {runs[name]['rc']})")
+              f"(exit status {runs[name]['rc']}{origin})")
     stand_ins = runs["pytorch"]["stand_ins"] or {}
     for path, entries in stand_ins.items():
         for e in entries:

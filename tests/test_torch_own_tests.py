@@ -150,3 +150,34 @@ def test_a_file_that_does_not_collect_is_a_failed_run(tmp_path, capsys, monkeypa
     printed = capsys.readouterr().out
     assert "pytorch: the file's tests were not collected (see own-tests-pytorch.log)" in printed
     assert "mempool: the file's tests were not collected (see own-tests-mempool.log)" in printed
+
+
+def test_a_baseline_stands_for_the_run_under_pytorchs_allocator(tmp_path, capsys):
+    test_file = tmp_path / "test_sample.py"
+    test_file.write_text(TESTS)
+    first = tmp_path / "first"
+    assert torch_own_tests.main([str(test_file), str(first), "--timeout", "120"]) == 0
+    capsys.readouterr()
+    again = tmp_path / "again"
+    assert torch_own_tests.main([str(test_file), str(again), "--timeout", "120",
+                                 "--baseline", str(first / "own-tests.json")]) == 0
+    printed = capsys.readouterr().out
+    assert f"(exit status 1, from {first / 'own-tests.json'})" in printed, printed
+    assert not (again / "own-tests-pytorch.log").exists()     # not run again
+    assert (again / "own-tests-mempool.log").exists()
+    assert ("passed under PyTorch's allocator, not under mempool: 1\n"
+            "  test_sample::test_only_without_the_pool") in printed
+
+
+def test_a_baseline_that_is_not_an_own_tests_file_is_refused(tmp_path, capsys):
+    test_file = tmp_path / "test_sample.py"
+    test_file.write_text(TESTS)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"runs": {}}')
+    try:
+        torch_own_tests.main([str(test_file), str(tmp_path / "out"), "--baseline", str(bad)])
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("a baseline without a PyTorch run was taken")
+    assert "--baseline: " in capsys.readouterr().err
