@@ -110,7 +110,9 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
  *     device's own pool is told of the capture too (mp_capture_begin/end, Note [Graph
  *     capture]), so that allocations on other streams make no call a global-mode capture
  *     refuses. A pool is destroyed once PyTorch releases it (releasePool, use count 0) and
- *     it holds no live block; no cache is released while a capture is under way.
+ *     it holds no live block; no cache is released while a capture is under way, and
+ *     empty_cache() empties only the private pools whose use count is 0, as PyTorch's own:
+ *     the free blocks of a live graph's pool are the memory its replays write.
  *     getCheckpointState/setCheckpointPoolState (cudagraph trees) record a pool's allocated
  *     blocks and restore them (Note [Allocation at an address]).
  *   - History (_record_memory_history, _snapshot) is recorded in the glue, in PyTorch's own

@@ -829,9 +829,8 @@ class MempoolAllocator final : public CUDAAllocator {
     release_pools(doomed);
   }
 
-  // The private pools matching mempool_id ({0, 0}: all) that have a core pool, pinned.
-  // The private pools of mempool_id ({0, 0}: all), pinned; with unused_only, only those
-  // whose use count has dropped to 0 (their graph or MemPool released).
+  // The private pools matching mempool_id ({0, 0}: all) that have a core pool, pinned; with
+  // unused_only, only those whose use count has dropped to 0 (graph or MemPool released).
   std::vector<PrivatePool*> pin_pools(MempoolId_t mempool_id, bool unused_only = false) {
     std::vector<PrivatePool*> pinned;
     std::lock_guard<std::mutex> lock(pools_mu_);
