@@ -11,6 +11,7 @@ import pytest
 
 import mempool
 from mempool import _core
+from _core_config import Config
 
 MiB = 1 << 20
 DEVICE = 7            # a slot no other test uses
@@ -92,14 +93,6 @@ OBSERVER_FIELDS = [
     ("set_segment_observer", F(None, Observer, vp)),
     ("pool_device", F(i32, vp)),
 ]
-
-
-class Config(ctypes.Structure):   # mp_config (mp_core.h)
-    _fields_ = [("roundup_divisions", sz * _core.ROUNDUP_INTERVALS), ("max_split_size", sz),
-                ("cross_stream_reuse", i32), ("segment_round", sz),
-                ("release_threshold", sz), ("limit", sz), ("initial_pool_size", sz),
-                ("gc_threshold", ctypes.c_double), ("expandable_segments", i32),
-                ("expandable_reserve", sz), ("max_map_size", sz)]
 
 
 CONFIG_FIELDS = [("config", F(i32, i32, ctypes.POINTER(Config)))]

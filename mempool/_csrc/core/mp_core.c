@@ -327,6 +327,20 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
  * while the footprint sets records, so a steady loop never pays for it. Figures:
  * bench/results/history.md. */
 
+/* Note [Keep idle]
+ * A pool with keep_idle gives no idle segment back on its own: a growth neither releases
+ * beyond need nor at the high-water mark, and garbage collection and the limit release
+ * nothing (over the limit it refuses). mp_empty_cache, mp_trim and a release threshold the
+ * owner sets give memory back, and out of memory outside a capture still releases and
+ * retries, as PyTorch's allocator frees a pool's cached blocks before it reports one
+ * (during a capture nothing is released in any pool, Note [Graph capture]).
+ * The private pools of the torch glue are made so (mp_torch_private_config, mp_torch.c):
+ * the free blocks of a live CUDA graph's pool are the capture's intermediates, which every
+ * replay writes, and a segment of them given back would be memory the graph writes after
+ * it is freed. PyTorch's allocator gives a graph's pool back only once the graph is gone;
+ * the glue empties a private pool only then (emptyCache, releasePool). Fixed segments
+ * only: private pools are never expandable. */
+
 /* Note [Segment rounding]
  * A plain fixed segment of the large pool is the request rounded to 2 MiB (20 MiB under
  * 10 MiB), and of the small pool 2 MiB, as PyTorch's allocator makes them. The
@@ -393,13 +407,16 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
         mp_hot_flush_locked(p);
         if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
     }
-    if (p->cfg.gc_threshold > 0) {
+    /* Note [Keep idle]: such a pool grows or fails; it gives nothing back on its own. */
+    int may_release = !p->cfg.keep_idle;
+    if (may_release && p->cfg.gc_threshold > 0) {
         size_t base = limit != MP_UNLIMITED ? limit : p->capacity;
         size_t threshold = (size_t)(p->cfg.gc_threshold * (double)base);
         if (base && mp_reserved_now_locked(p) + seg_size > threshold)
             mp_release_idle_locked(p, mp_reserved_now_locked(p) + seg_size - threshold, rel);
     }
     if (limit != MP_UNLIMITED && mp_reserved_now_locked(p) + seg_size > limit) {
+        if (!may_release) return MP_ELIMIT;
         mp_release_idle_locked(p, mp_reserved_now_locked(p) + seg_size - limit, rel);
         if (mp_reserved_now_locked(p) + seg_size > limit) {
             if (mp_capture_call_locked(p, rel)) return MP_ELIMIT;
@@ -416,11 +433,12 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
      * search found nothing), so when they hold a new segment's worth, give that much back,
      * oldest first, before growing. Reserved memory then tracks what the work needs instead
      * of piling up segments of sizes it no longer asks for. */
-    if (p->idle_bytes >= seg_size) mp_release_idle_kind_locked(p, kind, seg_size, rel);
+    if (may_release && p->idle_bytes >= seg_size)
+        mp_release_idle_kind_locked(p, kind, seg_size, rel);
     /* Note [Reserved high water]: before reserving more than it ever
      * held, the pool gives back every idle segment of this kind, none of which could serve
      * the request, so a new peak is not set with idle segments beside it. */
-    if (p->idle_bytes >= MP_HIGH_WATER_MIN_IDLE &&
+    if (may_release && p->idle_bytes >= MP_HIGH_WATER_MIN_IDLE &&
         p->idle_bytes >= p->reserved_high_water / MP_HIGH_WATER_IDLE_DIV &&
         mp_reserved_now_locked(p) + seg_size > p->reserved_high_water)
         mp_release_idle_kind_locked(p, kind, 0, rel);
@@ -434,6 +452,8 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
         seg_size = plain;
         rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);
     }
+    /* Out of memory outside a capture releases and retries even with keep_idle, as
+     * PyTorch's allocator frees a pool's cached blocks before it gives up. */
     if (rc == MP_ENOMEM && !mp_capture_call_locked(p, rel)) {
         /* Release just enough cached memory first, then everything, syncing pending frees. */
         for (int attempt = 0; attempt < 2 && rc == MP_ENOMEM; attempt++) {

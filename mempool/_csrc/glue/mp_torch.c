@@ -439,26 +439,33 @@ static int api_capture_end(int device) {
     return rc;
 }
 
+void mp_torch_private_config(const mp_config *device_cfg, mp_config *out) {
+    /* The device pool's size policy; nothing given back on its own (Note [Keep idle]: a
+     * graph's memory must stay where the graph recorded it while the graph lives), and no
+     * stream waits to take another stream's blocks: a private pool serves its graph's
+     * streams. */
+    *out = *device_cfg;
+    out->release_threshold = MP_UNLIMITED;
+    out->limit = MP_UNLIMITED;
+    out->initial_pool_size = 0;
+    out->gc_threshold = 0.0;
+    out->expandable_segments = 0;
+    out->cross_stream_reuse = 0;
+    out->keep_idle = 1;
+    /* Plain segments: theirs come from cuMemAlloc, not the cudaMemPool whose chunk the
+     * device pool's rounding follows (Note [Segment rounding]), so a rounding would only
+     * make a graph's pool hold more. */
+    out->segment_round = 0;
+}
+
 static int api_private_pool_create(int device, mp_pool **out) {
     int rc;
     WITH_SLOT(device, {
         mp_upstream up;
         rc = mp_cuda_plain_upstream(mp_pool_upstream(p), &up);
         if (rc == MP_OK) {
-            /* The device pool's size policy; nothing given back on its own (a graph's
-             * memory must stay where the graph recorded it), and no stream waits to take
-             * another stream's blocks: a private pool serves its graph's streams. */
-            mp_config cfg = *mp_pool_config(p);
-            cfg.release_threshold = MP_UNLIMITED;
-            cfg.limit = MP_UNLIMITED;
-            cfg.initial_pool_size = 0;
-            cfg.gc_threshold = 0.0;
-            cfg.expandable_segments = 0;
-            cfg.cross_stream_reuse = 0;
-            /* Plain segments: theirs come from cuMemAlloc, not the cudaMemPool whose chunk
-             * the device pool's rounding follows (Note [Segment rounding]), so a rounding
-             * would only make a graph's pool hold more. */
-            cfg.segment_round = 0;
+            mp_config cfg;
+            mp_torch_private_config(mp_pool_config(p), &cfg);
             rc = mp_pool_create(&cfg, &up, out);
         }
     });

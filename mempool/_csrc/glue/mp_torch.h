@@ -37,6 +37,10 @@ mp_pool *mp_torch_registered(int device);
  * allocations refused there. */
 int64_t mp_torch_live_blocks(int device);
 uint64_t mp_torch_failed_allocs(int device);
+/* The configuration of a private pool (a CUDA graph's, a MemPool's) made on a device whose
+ * pool has `device_cfg`: its size policy, plain segments, and nothing given back on its own
+ * (Note [Keep idle], mp_core.c). */
+void mp_torch_private_config(const mp_config *device_cfg, mp_config *out);
 
 /* For tests of Note [Torch table lifetime]: the entry points' allocation on `p` as one that
  * read p's newest registration from the table just before a change: counted there, or
