@@ -11,6 +11,10 @@ mempool (what a user moving to the pool would meet), and the reverse. A test tha
 skips under both says nothing about the pool. Writes OUTDIR/own-tests.json; exits 1 when a
 run collected no test (the file did not import), 0 otherwise.
 
+A test that fails with a CUDA error that stays with the process (an illegal address) makes
+every later test fail with it: those later tests run again, each alone in a process, within
+another --timeout, and their outcomes alone are the ones compared (listed in the output).
+
 A file newer than the installed PyTorch may import names the release lacks: both runs load
 own_tests_compat.py, which gives such names the same stand-ins in both (listed in the
 output and in own-tests.json).
@@ -26,6 +30,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -113,8 +118,65 @@ def run(name, test_file, outdir, select, timeout, extra):
             stand_ins = json.load(f)
     except (OSError, ValueError):
         stand_ins = None
-    return {"cmd": cmd, "rc": rc, "tests": tests, "stand_ins": stand_ins,
-            "collected": collected(tests, log)}
+    result = {"cmd": cmd, "rc": rc, "tests": tests, "stand_ins": stand_ins,
+              "collected": collected(tests, log)}
+    rerun_after_sticky_error(result, name, test_file, outdir, env, timeout, cut)
+    return result
+
+
+# A failed kernel launch that leaves the process's CUDA context unusable: every test after
+# it fails with the same error, whatever it does. (In the first run of PyTorch's own tests
+# under the pool, one such failure took the 47 tests after it.)
+STICKY_CUDA_ERRORS = ("illegal memory access", "an illegal instruction",
+                      "unspecified launch failure", "misaligned address",
+                      "device-side assert triggered")
+
+
+def sticky(message):
+    return any(e in message for e in STICKY_CUDA_ERRORS)
+
+
+def node_id(test_file, test):
+    """pytest's id of a test named as outcomes() names it (dotted module path, the class if
+    any, "::", the test)."""
+    owner, name = test.split("::", 1)
+    last = owner.rsplit(".", 1)[-1]
+    module = os.path.splitext(os.path.basename(test_file))[0]
+    return f"{test_file}::{name}" if last == module else f"{test_file}::{last}::{name}"
+
+
+def rerun_after_sticky_error(result, name, test_file, outdir, env, budget, cut):
+    """After the first test that failed with an error that stays with the CUDA context, run
+    each later test that failed with such an error again, alone in a process of its own, so
+    that one failure costs one test. The first stays as it was: it may be the culprit.
+    Marks result["rerun_alone"] {test: outcome alone}; stops when `budget` seconds are up."""
+    failed = [t for t, (o, m) in result["tests"].items() if o == "failed" and sticky(m)]
+    result["rerun_alone"] = {}
+    if len(failed) < 2:
+        return
+    result["first_sticky_error"] = failed[0]
+    deadline = time.monotonic() + budget
+    junit = os.path.join(outdir, f"own-tests-{name}.alone.junit.xml")
+    log = os.path.join(outdir, f"own-tests-{name}.alone.log")
+    with open(log, "w") as f:
+        for test in failed[1:]:
+            left = deadline - time.monotonic()
+            if left < 10:
+                break
+            cmd = [sys.executable, *RUNS[name], "-m", "pytest", node_id(test_file, test),
+                   "-p", "no:cacheprovider", "-p", "own_tests_compat", "-v", "-rfE",
+                   "--junitxml", junit, *cut]
+            f.write(f"=== {test}\n")
+            f.flush()
+            try:
+                subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                               cwd=os.path.dirname(test_file) or ".", timeout=min(left, 300))
+            except subprocess.TimeoutExpired:
+                continue
+            alone = outcomes(junit)
+            if test in alone:
+                result["tests"][test] = alone[test]
+                result["rerun_alone"][test] = alone[test][0]
 
 
 def collected(tests, log_path):
@@ -202,6 +264,13 @@ def main(argv=None):
           f"{len(result['passed_under_mempool_only'])}")
     for t in result["passed_under_mempool_only"]:
         print(f"  {t}")
+    for name, r in runs.items():
+        if r.get("rerun_alone"):
+            alone = list(r["rerun_alone"].values())
+            print(f"{name}: after {r['first_sticky_error']} failed with a CUDA error that "
+                  f"stays with the process, {len(alone)} tests that failed with it ran again "
+                  f"alone: {alone.count('passed')} passed, {alone.count('failed')} failed, "
+                  f"{alone.count('skipped')} skipped (own-tests-{name}.alone.log)")
     return 1 if stopped else 0
 
 

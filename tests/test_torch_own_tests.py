@@ -181,3 +181,55 @@ def test_a_baseline_that_is_not_an_own_tests_file_is_refused(tmp_path, capsys):
     else:
         raise AssertionError("a baseline without a PyTorch run was taken")
     assert "--baseline: " in capsys.readouterr().err
+
+
+# A file where one test breaks the process for every test after it, as a CUDA error that
+# stays with the context does: the later ones fail with it in one process and pass alone.
+POISONING_TESTS = '''
+import builtins
+
+def check():
+    if getattr(builtins, "_poisoned", False):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+def test_a_fine():
+    check()
+
+def test_b_breaks_the_process():
+    builtins._poisoned = True
+    check()
+
+class TestLater:
+    def test_c_fine_alone(self):
+        check()
+
+    def test_d_fails_alone_too(self):
+        check()
+        assert False, "wrong on its own"
+
+def test_e_fails_otherwise():
+    check()
+    raise ValueError("not a CUDA error")
+'''
+
+
+def test_tests_failing_after_a_sticky_cuda_error_run_again_alone(tmp_path, capsys):
+    test_file = tmp_path / "test_poison.py"
+    test_file.write_text(POISONING_TESTS)
+    out = tmp_path / "out"
+    assert torch_own_tests.main([str(test_file), str(out), "--timeout", "120"]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((out / "own-tests.json").read_text())
+    for name in ("pytorch", "mempool"):
+        r = result["runs"][name]
+        assert r["first_sticky_error"] == "test_poison::test_b_breaks_the_process"
+        assert r["rerun_alone"] == {"test_poison.TestLater::test_c_fine_alone": "passed",
+                                    "test_poison.TestLater::test_d_fails_alone_too": "failed",
+                                    "test_poison::test_e_fails_otherwise": "failed"}
+        assert r["tests"]["test_poison.TestLater::test_c_fine_alone"][0] == "passed"
+        assert "wrong on its own" in r["tests"]["test_poison.TestLater::test_d_fails_alone_too"][1]
+        assert r["tests"]["test_poison::test_b_breaks_the_process"][0] == "failed"
+    assert ("mempool: after test_poison::test_b_breaks_the_process failed with a CUDA error "
+            "that stays with the process, 3 tests that failed with it ran again alone: "
+            "1 passed, 2 failed, 0 skipped (own-tests-mempool.alone.log)") in printed
+    assert "pytorch: 2 passed, 3 failed, 0 skipped" in printed, printed
