@@ -33,12 +33,17 @@ def test_failing_everywhere():
 '''
 
 
-def test_the_two_runs_and_what_differs(tmp_path, capsys):
-    test_file = tmp_path / "test_sample.py"
-    test_file.write_text(TESTS)
+def run_both(tmp_path, capsys, source, name="test_sample.py"):
+    """Write `source` as a test file, run the script on it: (OUTDIR, what it printed)."""
+    test_file = tmp_path / name
+    test_file.write_text(source)
     out = tmp_path / "out"
     assert torch_own_tests.main([str(test_file), str(out), "--timeout", "120"]) == 0
-    printed = capsys.readouterr().out
+    return out, capsys.readouterr().out
+
+
+def test_the_two_runs_and_what_differs(tmp_path, capsys):
+    out, printed = run_both(tmp_path, capsys, TESTS)
     assert "pytorch: 2 passed, 2 failed, 1 skipped" in printed
     assert "mempool: 2 passed, 2 failed, 1 skipped" in printed
     assert ("passed under PyTorch's allocator, not under mempool: 1\n"
@@ -214,11 +219,7 @@ def test_e_fails_otherwise():
 
 
 def test_tests_failing_after_a_sticky_cuda_error_run_again_alone(tmp_path, capsys):
-    test_file = tmp_path / "test_poison.py"
-    test_file.write_text(POISONING_TESTS)
-    out = tmp_path / "out"
-    assert torch_own_tests.main([str(test_file), str(out), "--timeout", "120"]) == 0
-    printed = capsys.readouterr().out
+    out, printed = run_both(tmp_path, capsys, POISONING_TESTS, "test_poison.py")
     result = json.loads((out / "own-tests.json").read_text())
     for name in ("pytorch", "mempool"):
         r = result["runs"][name]
