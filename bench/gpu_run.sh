@@ -240,7 +240,9 @@ fi
 # mempool run`, and what passes under one only (bench/torch_own_tests.py). OWNTESTS_SELECT
 # is pytest's -k expression; OWNTESTS_BASELINE, an earlier run's own-tests.json (same file,
 # selection and machine), stands for the run under PyTorch's allocator, which does not depend
-# on mempool's code. PyTorch's test helpers need `expecttest`, which the machine may
+# on mempool's code. --timeout is for each of the runs and for the tests run again alone
+# after a CUDA error that stays with the process: a third (a half with a baseline) of the
+# stage's limit each. PyTorch's test helpers need `expecttest`, which the machine may
 # lack: a copy in OWNTESTS_SITE (default .external/site) goes on the path.
 TORCH_TEST_FILE=${TORCH_TEST_FILE:-.external/pytorch/test_cuda.py}
 OWNTESTS_SITE=${OWNTESTS_SITE:-.external/site}
@@ -248,10 +250,12 @@ if wants owntests && [[ ! -f $TORCH_TEST_FILE ]]; then
     echo "no $TORCH_TEST_FILE: PyTorch's own tests skipped" | tee "$OUT/own-tests.log"
     STATUS[owntests]=skipped
 else
+    OWNTESTS_PHASES=$([[ -n ${OWNTESTS_BASELINE:-} ]] && echo 2 || echo 3)
     stage owntests "$OUT/own-tests.log" timeout "$T_OWNTESTS" \
         env PYTHONPATH="$OWNTESTS_SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/torch_own_tests.py \
         "$TORCH_TEST_FILE" "$OUT/own-tests" --select "${OWNTESTS_SELECT:-}" \
-        --timeout $((T_OWNTESTS / 2 - 5)) ${OWNTESTS_BASELINE:+--baseline "$OWNTESTS_BASELINE"}
+        --timeout $((T_OWNTESTS / OWNTESTS_PHASES - 5)) \
+        ${OWNTESTS_BASELINE:+--baseline "$OWNTESTS_BASELINE"}
 fi
 
 # ---- summary

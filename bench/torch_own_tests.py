@@ -232,6 +232,9 @@ def main(argv=None):
             with open(args.baseline) as f:
                 baseline = json.load(f)["runs"]["pytorch"]
             baseline["tests"] = {t: tuple(v) for t, v in baseline["tests"].items()}
+            # Keys a file from before these were recorded lacks.
+            baseline.setdefault("stand_ins", None)
+            baseline.setdefault("collected", any(t != "<run>" for t in baseline["tests"]))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             ap.error(f"--baseline: {args.baseline!r} is not an own-tests.json with a "
                      f"run under PyTorch's allocator ({e})")

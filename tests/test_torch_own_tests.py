@@ -234,3 +234,19 @@ def test_tests_failing_after_a_sticky_cuda_error_run_again_alone(tmp_path, capsy
             "that stays with the process, 3 tests that failed with it ran again alone: "
             "1 passed, 2 failed, 0 skipped (own-tests-mempool.alone.log)") in printed
     assert "pytorch: 2 passed, 3 failed, 0 skipped" in printed, printed
+
+
+def test_a_baseline_from_before_stand_ins_were_recorded_is_taken(tmp_path, capsys):
+    """An own-tests.json written before the runs recorded `collected` and `stand_ins`."""
+    test_file = tmp_path / "test_sample.py"
+    test_file.write_text(TESTS)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"runs": {"pytorch": {"rc": 1, "tests": {
+        "test_sample::test_everywhere": ["passed", ""],
+        "test_sample::test_only_without_the_pool": ["passed", ""]}}}}))
+    assert torch_own_tests.main([str(test_file), str(tmp_path / "out"), "--timeout", "120",
+                                 "--baseline", str(old)]) == 0
+    printed = capsys.readouterr().out
+    assert "pytorch: 2 passed, 0 failed, 0 skipped (exit status 1, from " in printed
+    assert ("passed under PyTorch's allocator, not under mempool: 1\n"
+            "  test_sample::test_only_without_the_pool") in printed

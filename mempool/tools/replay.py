@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 import numpy as np
 
+from mempool.tools import trace as mtrace
+
 __all__ = ["Prepared", "ReplayResult", "prepare", "replay", "pool_at", "stretches",
            "emptying_ops", "partial_trims", "BACKENDS"]
 
@@ -147,7 +149,6 @@ def prepare(events) -> Prepared:
         return events
     if isinstance(events, (str, os.PathLike)):
         # A file, in any format the trace module reads (as `python -m mempool replay` takes).
-        from mempool.tools import trace as mtrace
         events = mtrace.load_any(events)
     ops = []
     deltas = []
@@ -231,8 +232,7 @@ def prepare(events) -> Prepared:
             if not empties or empties[-1] != len(ops):   # two in a row: the second is a no-op
                 empties.append(len(ops))
         elif action == "trim":
-            from mempool.tools.trace import _check_trim
-            keep = _check_trim(ident, nbytes, f"prepare: event {n_events - 1}")
+            keep = mtrace._check_trim(ident, nbytes, f"prepare: event {n_events - 1}")
             if not empties or empties[-1] != len(ops):   # right after an empty_cache: a no-op
                 trims.append((len(ops), keep))
         else:
