@@ -169,6 +169,8 @@ cdef extern from "mp_core.h" nogil:
     mp_upstream *mp_pool_upstream(mp_pool *p)
     int mp_set_limit(mp_pool *p, size_t limit)
     int mp_set_release_threshold(mp_pool *p, size_t threshold)
+    int mp_set_size_policy(mp_pool *p, const size_t *divisions, size_t max_split_size,
+                           double gc_threshold)
     int mp_check_invariants(mp_pool *p, char *msg, size_t msglen)
     int mp_capture_begin(mp_pool *p)
     int mp_capture_end(mp_pool *p)

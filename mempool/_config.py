@@ -664,6 +664,13 @@ _PYTORCH_IGNORED: dict[str, str] = {
                                "out-of-memory error; there is nothing to switch on",
 }
 
+def pytorch_key_ignored_because(key: str) -> str:
+    """Why PyTorch's allocator key `key` has no meaning for the pool, in words."""
+    if key == "backend":
+        return "it picks one of PyTorch's own allocators, and the pool took their place"
+    return _PYTORCH_IGNORED.get(key, "the pool has no such option")
+
+
 # PyTorch's values of its `backend` key: which of its own allocators serves CUDA tensors.
 # Ours means where the pool's segments come from; see _read_entry.
 _PYTORCH_BACKENDS = ("native", "cudaMallocAsync", "hipMallocAsync")

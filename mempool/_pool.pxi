@@ -31,6 +31,8 @@ _MP_EINVAL = MP_EINVAL
 _STAT_FAMILIES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
                   "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
 _STAT_POOLS = ("all", "small_pool", "large_pool")
+# The options Pool.set_size_policy changes on a live pool.
+_SIZE_POLICY = ("roundup_power2_divisions", "max_split_size", "garbage_collection_threshold")
 
 
 # Every live Pool by its creation number, for exporters that watch all of them
@@ -681,6 +683,39 @@ cdef class Pool:
         self.options["release_threshold"] = value
         if self._kind == _CUDA:
             _cuda_set_release_threshold(self._cuda_handle, self.options["pool_handle"], value)
+
+    def set_size_policy(self, **options):
+        """Change ``roundup_power2_divisions``, ``max_split_size`` and
+        ``garbage_collection_threshold`` on a live pool, as PyTorch's
+        ``torch.cuda.memory._set_allocator_settings`` does for its allocator.
+
+        Each keyword given replaces that option, with the values ``Pool(...)`` accepts; the
+        others stay. A change applies from the next request on: blocks and segments already
+        made keep their sizes (Note [Size policy at run time] in mempool/_csrc/core/mp_core.c).
+        On an expandable pool ``max_split_size`` is ignored with a ``ConfigWarning``, as when
+        the pool is made. Every value is checked before any is applied: a bad one raises
+        ``ValueError`` (an unknown keyword ``TypeError``) and changes nothing.
+        """
+        self._ready()
+        unknown = [k for k in options if k not in _SIZE_POLICY]
+        if unknown:
+            raise TypeError(f"set_size_policy: unknown option {unknown[0]!r}; it changes "
+                            f"{', '.join(_SIZE_POLICY)} (the other options are fixed when "
+                            f"the pool is made, except limit and release_threshold: "
+                            f"set_limit, set_release_threshold)")
+        given = dict(options)
+        if self.options["expandable_segments"] and given.get("max_split_size") is not None:
+            given["expandable_segments"] = True   # normalize warns and drops it, as at creation
+        parsed = _config.normalize(given)
+        new = {k: (parsed[k] if k in options else self.options[k]) for k in _SIZE_POLICY}
+        cdef size_t divisions[16]   # MP_ROUNDUP_INTERVALS, as mp_config.roundup_divisions above
+        for i, d in enumerate(new["roundup_power2_divisions"]):
+            divisions[i] = d
+        rc = mp_set_size_policy(self._pool, divisions, _or_unlimited(new["max_split_size"]),
+                                new["garbage_collection_threshold"])
+        if rc != MP_OK:   # the checks above are the core's; a refusal here is a bug
+            raise RuntimeError(f"set_size_policy: the pool refused {new!r} (code {rc})")
+        self.options.update(new)
 
     # ------------------------------------------------------------------ observability
 

@@ -6,6 +6,13 @@ from libc.stdint cimport int64_t, uint64_t, uintptr_t
 
 
 TORCH_MAX_DEVICES = MP_TORCH_MAX_DEVICES
+# The Pool objects routed to, by device (the C table holds their mp_pool pointers).
+_torch_pools = {}
+
+
+def _torch_registered_pools():
+    """The pools PyTorch's allocations reach, in device order."""
+    return [_torch_pools[d] for d in sorted(_torch_pools)]
 
 
 def _torch_check_device(device):
@@ -36,6 +43,7 @@ def _torch_register(device, Pool pool not None):
                            f"of the pool registered there; free them before replacing it")
     if rc != MP_OK:
         raise RuntimeError(f"device {d}: registering the pool failed (code {rc})")
+    _torch_pools[d] = pool
 
 
 def _torch_unregister(device):
@@ -49,6 +57,7 @@ def _torch_unregister(device):
                            f"of its pool; free them (and torch.cuda.empty_cache()) first")
     if rc != MP_OK:
         raise RuntimeError(f"device {d}: unregistering failed (code {rc})")
+    _torch_pools.pop(d, None)
 
 
 def _torch_is_registered(device, Pool pool=None):

@@ -1,64 +1,140 @@
 """PyTorch's runtime allocator settings under an installed pool.
 
-``torch.cuda.memory._set_allocator_settings("expandable_segments:True")`` reconfigures
-PyTorch's own CUDA caching allocator while a program runs (serving engines switch expandable
-segments around their weight loading this way). Once ``mempool.torch.install`` has replaced
-that allocator, PyTorch still parses the string and keeps it, but nothing reads the device
-allocator's keys any more: the call would change nothing and say nothing. The pool's options
-are set when it is made (``MEMPOOL_CONF``, ``PYTORCH_CUDA_ALLOC_CONF`` before the first CUDA
-call, or ``mempool.Pool(...)``), so :func:`guard` makes each such key warn, once per key and
-process, after PyTorch has taken the call as usual (its errors for a malformed string are
-unchanged). The pinned-memory keys (``pinned_*``) configure PyTorch's host allocator, which
-stays PyTorch's under install: they act as before and warn nothing.
+``torch.cuda.memory._set_allocator_settings("roundup_power2_divisions:4")`` reconfigures
+PyTorch's own CUDA caching allocator while a program runs (serving engines switch
+expandable segments around their weight loading this way, and PyTorch's own tests change
+the rounding between allocations). Once ``mempool.torch.install`` has replaced that
+allocator, PyTorch still parses the string and keeps it, but nothing of PyTorch's reads the
+device allocator's keys any more. :func:`guard` wraps the function so that the call acts on
+the installed pools as it would on PyTorch's allocator:
+
+- ``roundup_power2_divisions``, ``max_split_size_mb`` and ``garbage_collection_threshold``
+  change every installed pool's size policy (``Pool.set_size_policy``) from the next
+  request on. As in PyTorch, each call sets all three: one the string leaves out goes back
+  to its default (no rounding, no split limit, no collection), whatever it was before.
+- ``expandable_segments`` cannot switch a pool made one way to the other: a value other than
+  a pool's warns once (``RuntimeWarning``) and the pool keeps its segments.
+- The pinned-memory keys (``pinned_*``) configure PyTorch's host allocator, which stays
+  PyTorch's: they act as before and say nothing.
+- Every other key of PyTorch's caching allocator has no meaning for the pool and warns once.
+
+The string is read here before PyTorch sees it, so a value either refuses raises and
+changes nothing; PyTorch's errors for a malformed string are its own. Private pools the
+glue makes for CUDA graphs and ``MemPool`` copy the device pool's policy when they are
+made, so those made after the call follow it.
 """
 import warnings
 
+from mempool import _config
+
 HOST_KEY_PREFIX = "pinned_"
-_warned = set()   # keys already warned of in this process
+# The keys applied to the pools, as PyTorch spells them in a settings string.
+POLICY_KEYS = ("roundup_power2_divisions", "max_split_size_mb", "garbage_collection_threshold")
+# What a call sets a policy key back to when its string leaves it out (PyTorch's parseArgs).
+POLICY_RESET = {"roundup_power2_divisions": 0, "max_split_size": None,
+                "garbage_collection_threshold": 0.0}
+_warned = set()   # (key, value) pairs already warned of in this process
 
 
 def device_allocator_keys(settings):
     """The keys of a ``"key:value,key:value"`` string that configure the CUDA device
     allocator (every key but PyTorch's host allocator's ``pinned_*``), in order."""
+    return [key for key, _ in _top_level_entries(settings)
+            if not key.startswith(HOST_KEY_PREFIX)]
+
+
+def _top_level_entries(settings):
+    """``(key, value)`` of each entry, split only at top-level commas: a value may be a
+    bracketed list with commas of its own (``roundup_power2_divisions:[256:1,512:2]``).
+    A key given twice is kept once, with its last value (PyTorch's later one wins)."""
     if not isinstance(settings, str):
         return []
-    keys, depth, start = [], 0, 0
-    # A value may be a bracketed list with commas of its own
-    # (roundup_power2_divisions:[256:1,512:2]): split only at the top level.
+    entries, depth, start = {}, 0, 0
     for i, ch in enumerate(settings + ","):
         if ch == "[":
             depth += 1
         elif ch == "]":
             depth = max(depth - 1, 0)
         elif ch == "," and depth == 0:
-            key = settings[start:i].split(":", 1)[0].strip()
+            key, _, value = settings[start:i].partition(":")
+            key, value = key.strip(), "".join(value.split())
             start = i + 1
-            if key and not key.startswith(HOST_KEY_PREFIX) and key not in keys:
-                keys.append(key)
-    return keys
+            if key:
+                entries.pop(key, None)
+                entries[key] = value
+    return list(entries.items())
 
 
-def guard(memory_module):
-    """Wrap ``memory_module._set_allocator_settings`` (``torch.cuda.memory``'s) so that each
-    device-allocator key it is given warns once. Does nothing where PyTorch has no such
-    function or it is wrapped already."""
+def pool_settings(settings):
+    """What a settings string asks of the pools: ``(policy, expandable)``, where `policy`
+    maps each option of ``Pool.set_size_policy`` to its value (PyTorch's default for one
+    the string leaves out) and `expandable` is the ``expandable_segments`` value asked for,
+    or None. Raises ValueError, naming the entry, for a value the pool does not accept."""
+    policy = dict(POLICY_RESET)
+    expandable = None
+    entries = _top_level_entries(settings)
+    given = ",".join(f"{k}:{v}" for k, v in entries if k in POLICY_KEYS)
+    if given:
+        policy.update(_config.parse_conf(given, "torch.cuda.memory._set_allocator_settings"))
+    for key, value in entries:
+        if key == "expandable_segments":
+            expandable = _config.OPTIONS["expandable_segments"].parse(value, key)
+    return policy, expandable
+
+
+def _warn_once(topic, message):
+    if topic in _warned:
+        return
+    _warned.add(topic)
+    warnings.warn(message, RuntimeWarning, stacklevel=4)   # the caller of the wrapper
+
+
+def apply(settings, pools):
+    """Apply a settings string PyTorch has taken to `pools` (see the module docstring).
+    Raises ValueError, changing nothing, where the pool refuses a value."""
+    policy, expandable = pool_settings(settings)
+    for pool in pools:             # every value was checked above: none of these raises
+        if pool.options["expandable_segments"]:
+            pool_policy = dict(policy, max_split_size=None)   # PyTorch ignores it there too
+        else:
+            pool_policy = policy
+        pool.set_size_policy(**pool_policy)
+    if expandable is not None:
+        for pool in pools:
+            if bool(pool.options["expandable_segments"]) != expandable:
+                made = "expandable" if pool.options["expandable_segments"] else "fixed"
+                _warn_once(("expandable_segments", expandable, made),
+                           f"torch.cuda.memory._set_allocator_settings: "
+                           f"'expandable_segments:{expandable}' cannot switch the pool on "
+                           f"device {pool.device_id}, whose segments are {made} since it was "
+                           f"made; it keeps them (set expandable_segments in MEMPOOL_CONF or "
+                           f"PYTORCH_CUDA_ALLOC_CONF before the first CUDA call, or in "
+                           f"mempool.Pool(...))")
+    for key in device_allocator_keys(settings):
+        if key in POLICY_KEYS or key == "expandable_segments":
+            continue
+        why = _config.pytorch_key_ignored_because(key)
+        _warn_once((key,),
+                   f"torch.cuda.memory._set_allocator_settings: {key!r} configures PyTorch's "
+                   f"CUDA caching allocator, which mempool.torch.install replaced; it has no "
+                   f"meaning for the pool ({why}) and changes nothing. The pool applies "
+                   f"roundup_power2_divisions, max_split_size_mb and "
+                   f"garbage_collection_threshold; the pinned-memory keys (pinned_*) still "
+                   f"configure PyTorch's host allocator.")
+
+
+def guard(memory_module, pools):
+    """Wrap ``memory_module._set_allocator_settings`` (``torch.cuda.memory``'s) so that its
+    settings act on the pools ``pools()`` returns (see the module docstring). Does nothing
+    where PyTorch has no such function or it is wrapped already."""
     original = getattr(memory_module, "_set_allocator_settings", None)
     if original is None or getattr(original, "_mempool_guarded", False):
         return
 
     def _set_allocator_settings(env):
+        pool_settings(env)             # a value the pool refuses raises before PyTorch takes it
         result = original(env)         # PyTorch parses, refuses and keeps it as usual
-        for key in device_allocator_keys(env):
-            if key in _warned:
-                continue
-            _warned.add(key)
-            warnings.warn(
-                f"torch.cuda.memory._set_allocator_settings: {key!r} configures PyTorch's "
-                f"CUDA caching allocator, which mempool.torch.install replaced; it does not "
-                f"change mempool's pool, whose options are set when the pool is made "
-                f"(MEMPOOL_CONF, PYTORCH_CUDA_ALLOC_CONF before the first CUDA call, or "
-                f"mempool.Pool(...)). The pinned-memory keys (pinned_*) still apply.",
-                RuntimeWarning, stacklevel=2)
+        apply(env, pools())
         return result
 
     _set_allocator_settings._mempool_guarded = True

@@ -1,76 +1,177 @@
 """mempool/_torch_settings.py: under an installed pool, PyTorch's runtime allocator settings
-still reach PyTorch, and each key meant for the CUDA caching allocator (which the pool
-replaced) warns once instead of changing nothing in silence. No PyTorch needed: a stand-in
-for torch.cuda.memory."""
+(torch.cuda.memory._set_allocator_settings) act on the pools as on PyTorch's own allocator:
+the rounding, split limit and collection threshold change, each call setting all three as
+PyTorch's does; the rest either cannot apply to a pool (a warning, once) or is PyTorch's
+host allocator's (silent). No PyTorch needed: a stand-in for torch.cuda.memory and sim
+pools."""
 import types
 import warnings
 
 import pytest
 
+import mempool
 from mempool import _torch_settings
+
+MiB = 1 << 20
+
+
+def power2_div(size, div_factor):
+    """PyTorch's own test's model of roundup_power2_divisions (test_allocator_settings)."""
+    pow2 = 1
+    while pow2 < size:
+        pow2 *= 2
+    if pow2 == size:
+        return pow2
+    step = pow2 / 2 / div_factor
+    ret = pow2 / 2
+    while ret < size:
+        ret += step
+    return int(ret)
+
+
+def sim(**options):
+    return mempool.Pool(backend="sim", capacity="8GiB", **options)
 
 
 @pytest.fixture
 def memory(monkeypatch):
+    """A stand-in torch.cuda.memory guarded over the pools in `pools` (a list the test
+    fills), and the strings PyTorch was given."""
     monkeypatch.setattr(_torch_settings, "_warned", set())
-    calls = []
+    calls, pools = [], []
 
     def _set_allocator_settings(env):
         """PyTorch's own."""
-        if env == "bad":
-            raise RuntimeError("Unrecognized key 'bad' in Caching Allocator Config.")
+        if "bad" in env:
+            raise RuntimeError("Unrecognized CachingAllocator option: bad")
         calls.append(env)
-        return None
 
     module = types.SimpleNamespace(_set_allocator_settings=_set_allocator_settings)
-    _torch_settings.guard(module)
-    return module, calls
+    _torch_settings.guard(module, lambda: pools)
+    return module._set_allocator_settings, calls, pools
 
 
-def caught(fn, *args):
+def said(fn, *args):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         fn(*args)
     return [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
 
 
-def test_a_device_allocator_key_reaches_pytorch_and_warns_once(memory):
-    module, calls = memory
-    said = caught(module._set_allocator_settings, "expandable_segments:True")
-    assert calls == ["expandable_segments:True"]
-    assert len(said) == 1 and "'expandable_segments' configures PyTorch's CUDA caching " \
-        "allocator, which mempool.torch.install replaced" in said[0], said
-    assert caught(module._set_allocator_settings, "expandable_segments:False") == []
-    assert calls[-1] == "expandable_segments:False"
-    said = caught(module._set_allocator_settings,
-                  "garbage_collection_threshold:0.5, max_split_size_mb:128")
-    assert [s.split("'")[1] for s in said] == ["garbage_collection_threshold",
-                                              "max_split_size_mb"]
+def block_size(pool, nbytes):
+    """The block a request of `nbytes` gets from an empty pool (PyTorch's test empties the
+    cache between its requests, so none is served from a block cut to another rounding)."""
+    pool.empty_cache()
+    ptr = pool.alloc(nbytes)
+    size = pool.block_info(ptr)[0]
+    pool.free(ptr)
+    return size
 
 
-def test_pinned_memory_keys_stay_pytorchs_and_warn_nothing(memory):
-    module, calls = memory
-    assert caught(module._set_allocator_settings,
-                  "pinned_use_background_threads:True,pinned_num_register_threads:8") == []
-    assert calls == ["pinned_use_background_threads:True,pinned_num_register_threads:8"]
+def test_rounding_follows_each_call_as_pytorchs_own_test_expects(memory):
+    """The sequence of PyTorch's test_allocator_settings, on a pool: each call's rounding
+    applies to the next request, and a call that leaves the rounding out sets it back."""
+    settings, calls, pools = memory
+    pool = sim()
+    pools.append(pool)
+    nbytes, nbytes_big = 4 * 21 * MiB, 4 * 100 * MiB
+    settings("")
+    assert block_size(pool, nbytes) == nbytes
+    assert said(settings, "roundup_power2_divisions:4") == []
+    assert block_size(pool, nbytes) == power2_div(nbytes, 4) == 96 * MiB
+    settings("garbage_collection_threshold:0.5")
+    settings("garbage_collection_threshold:0.5,max_split_size_mb:40")
+    assert block_size(pool, nbytes) == nbytes                 # the rounding went back to none
+    assert pool.options["max_split_size"] == 40 * MiB
+    assert pool.options["garbage_collection_threshold"] == 0.5
+    settings("garbage_collection_threshold:0.5,"
+             "roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]")
+    assert block_size(pool, nbytes) == power2_div(nbytes, 8)
+    assert block_size(pool, nbytes_big) == power2_div(nbytes_big, 2)
+    assert pool.options["max_split_size"] is None             # left out: back to none
+    assert said(settings, "release_lock_on_cudamalloc:True") != []
+    assert block_size(pool, nbytes) == nbytes
+    assert pool.options["garbage_collection_threshold"] == 0.0
+    assert calls[0] == "" and calls[-1] == "release_lock_on_cudamalloc:True"
+    pool.check_invariants()
 
 
-def test_pytorchs_refusal_is_unchanged_and_warns_nothing(memory):
-    module, calls = memory
+def test_every_installed_pool_follows(memory):
+    settings, _, pools = memory
+    pools.extend([sim(), sim(device=1)])
+    settings("roundup_power2_divisions:2")
+    assert [block_size(p, 5 * MiB // 2) for p in pools] == [3 * MiB, 3 * MiB]
+
+
+def test_a_value_the_pool_refuses_changes_nothing_anywhere(memory):
+    settings, calls, pools = memory
+    pool = sim(roundup_power2_divisions=4)
+    pools.append(pool)
+    before = dict(pool.options)
+    for bad in ("garbage_collection_threshold:1.5", "roundup_power2_divisions:3",
+                "max_split_size_mb:1", "expandable_segments:maybe"):
+        with pytest.raises(ValueError):
+            settings(bad)
+    assert calls == [] and pool.options == before
+
+
+def test_pytorchs_refusal_changes_nothing_and_warns_nothing(memory):
+    settings, calls, pools = memory
+    pool = sim(roundup_power2_divisions=4)
+    pools.append(pool)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with pytest.raises(RuntimeError, match="Unrecognized key 'bad'"):
-            module._set_allocator_settings("bad")
-    assert calls == []
+        with pytest.raises(RuntimeError, match="Unrecognized CachingAllocator option: bad"):
+            settings("roundup_power2_divisions:2,bad:1")
+    assert calls == [] and pool.options["roundup_power2_divisions"] == [4] * 16
+
+
+def test_expandable_segments_cannot_switch_a_pool_and_say_so_once(memory):
+    settings, calls, pools = memory
+    fixed, expandable = sim(), sim(expandable_segments=True)
+    pools.extend([fixed, expandable])
+    msgs = said(settings, "expandable_segments:True")
+    assert len(msgs) == 1 and "cannot switch the pool on device 0, whose segments are " \
+        "fixed" in msgs[0], msgs
+    assert said(settings, "expandable_segments:True") == []          # once
+    msgs = said(settings, "expandable_segments:False")
+    assert len(msgs) == 1 and "whose segments are expandable" in msgs[0], msgs
+    assert fixed.options["expandable_segments"] is False
+    assert expandable.options["expandable_segments"] is True
+    assert calls == ["expandable_segments:True"] * 2 + ["expandable_segments:False"]
+
+
+def test_an_expandable_pool_ignores_the_split_limit_as_pytorch_does(memory):
+    settings, _, pools = memory
+    fixed, expandable = sim(), sim(expandable_segments=True)
+    pools.extend([fixed, expandable])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        settings("max_split_size_mb:64,garbage_collection_threshold:0.25")
+    assert fixed.options["max_split_size"] == 64 * MiB
+    assert expandable.options["max_split_size"] is None
+    assert expandable.options["garbage_collection_threshold"] == 0.25
+
+
+def test_keys_without_meaning_warn_once_and_pinned_keys_say_nothing(memory):
+    settings, calls, pools = memory
+    pools.append(sim())
+    msgs = said(settings, "max_non_split_rounding_mb:64,backend:native")
+    assert [m.split("'")[1] for m in msgs] == ["max_non_split_rounding_mb", "backend"], msgs
+    assert "has no meaning for the pool" in msgs[0]
+    assert said(settings, "max_non_split_rounding_mb:64") == []
+    assert said(settings, "pinned_use_background_threads:True,"
+                          "pinned_num_register_threads:8") == []
+    assert calls[-1] == "pinned_use_background_threads:True,pinned_num_register_threads:8"
 
 
 def test_guarding_twice_wraps_once_and_keeps_pytorchs_doc(memory):
-    module, calls = memory
-    wrapped = module._set_allocator_settings
-    _torch_settings.guard(module)
-    assert module._set_allocator_settings is wrapped
-    assert wrapped.__doc__ == "PyTorch's own."
-    _torch_settings.guard(types.SimpleNamespace())        # a PyTorch without it: nothing
+    settings, _, _ = memory
+    module = types.SimpleNamespace(_set_allocator_settings=settings)
+    _torch_settings.guard(module, list)
+    assert module._set_allocator_settings is settings
+    assert settings.__doc__ == "PyTorch's own."
+    _torch_settings.guard(types.SimpleNamespace(), list)   # a PyTorch without it: nothing
 
 
 @pytest.mark.parametrize("settings,keys", [
@@ -78,6 +179,18 @@ def test_guarding_twice_wraps_once_and_keeps_pytorchs_doc(memory):
     ("roundup_power2_divisions:[256:1,512:2],expandable_segments:True",
      ["roundup_power2_divisions", "expandable_segments"]),
     (" backend : cudaMallocAsync ", ["backend"]),
+    ("pinned_use_background_threads:True,max_split_size_mb:64", ["max_split_size_mb"]),
 ])
 def test_device_allocator_keys(settings, keys):
     assert _torch_settings.device_allocator_keys(settings) == keys
+
+
+@pytest.mark.parametrize("settings,policy,expandable", [
+    ("", {"roundup_power2_divisions": 0, "max_split_size": None,
+          "garbage_collection_threshold": 0.0}, None),
+    ("max_split_size_mb:40,max_split_size_mb:64,expandable_segments:False",
+     {"roundup_power2_divisions": 0, "max_split_size": 64 * MiB,
+      "garbage_collection_threshold": 0.0}, False),
+])
+def test_pool_settings_read_pytorchs_keys_with_its_defaults(settings, policy, expandable):
+    assert _torch_settings.pool_settings(settings) == (policy, expandable)

@@ -479,22 +479,37 @@ def test_a_trace_tracker_sees_segments_with_history_off(expandable):
     """, prelude=(prelude if expandable else PRELUDE) + build)
 
 
-def test_runtime_allocator_settings_warn_that_the_pool_keeps_its_own():
+def test_runtime_allocator_settings_act_on_the_pool():
     """torch.cuda.memory._set_allocator_settings reaches PyTorch as before (its pinned-memory
-    keys act), and a key of the caching allocator the pool replaced warns once instead of
-    changing nothing in silence; the pool keeps its own options."""
+    keys act), the rounding and split keys change the pool as they would PyTorch's allocator
+    (memory_stats sees each tensor's block rounded as PyTorch's own test_allocator_settings
+    expects), and expandable_segments, which cannot switch a pool, warns once."""
     run("""
         import warnings
+        key = "active_bytes.all.allocated"
+        nbytes = 4 * 21 * 1024 * 1024
+        def grown_by(settings):
+            torch.cuda.memory._set_allocator_settings(settings)
+            torch.cuda.empty_cache()
+            start = torch.cuda.memory_stats()[key]
+            t = torch.rand(nbytes // 4, device="cuda")
+            return torch.cuda.memory_stats()[key] - start, t
+        assert grown_by("")[0] == nbytes
+        assert grown_by("roundup_power2_divisions:4")[0] == 96 << 20
+        assert grown_by("roundup_power2_divisions:[64:8,>:1]")[0] == 88 << 20
+        assert grown_by("garbage_collection_threshold:0.5,max_split_size_mb:40")[0] == nbytes
+        assert pool.options["max_split_size"] == 40 << 20
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
             torch.cuda.memory._set_allocator_settings("pinned_use_background_threads:True")
         said = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
-        assert len(said) == 1 and "'expandable_segments' configures PyTorch's" in said[0], said
+        assert len(said) == 1 and "cannot switch the pool on device 0" in said[0], said
+        assert pool.options["expandable_segments"] is False
+        assert pool.options["max_split_size"] is None        # each call sets all three
         x = torch.ones(1 << 20, device="cuda")
         assert torch.cuda.memory_allocated() == pool.stats()["allocated_bytes.all.current"]
-        assert pool.options["expandable_segments"] is False
     """)
 
 

@@ -38,7 +38,8 @@ static inline void mp_hand_out_locked(mp_pool *p, mp_block *b, size_t requested)
     mp_stat3_inc(p->stats.requested_bytes, kind, (int64_t)requested);
     mp_stat3_inc(p->stats.active, kind, 1);
     mp_stat3_inc(p->stats.active_bytes, kind, (int64_t)b->nbytes);
-    if (b->nbytes >= p->cfg.max_split_size) mp_stat_inc(&p->stats.oversize_allocations, 1);
+    b->oversize = b->nbytes >= p->cfg.max_split_size;
+    if (b->oversize) mp_stat_inc(&p->stats.oversize_allocations, 1);
 }
 
 static inline int mp_hot_allowed(const mp_pool *p) {

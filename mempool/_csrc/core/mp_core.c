@@ -41,6 +41,32 @@ void mp_config_default(mp_config *cfg) {
     cfg->limit = MP_UNLIMITED;
 }
 
+/* Note [Size policy at run time]
+ * PyTorch lets a program change roundup_power2_divisions, max_split_size and
+ * garbage_collection_threshold while it runs (torch.cuda.memory._set_allocator_settings), and
+ * mp_set_size_policy does the same for a pool. Each is read only under the pool lock (the
+ * rounding of a request too), so a change applies from the next request on, and blocks and
+ * segments already made keep their sizes. max_split_size also decides what the oversize
+ * counters count, and a block counted as oversize when it was handed out must be
+ * uncounted at its free whatever the threshold is by then (PyTorch's allocator compares
+ * with the threshold of the moment, and its counters drift): so each block and segment
+ * remembers whether it was counted. Expandable pools ignore max_split_size, as at
+ * creation: it must stay unlimited there. */
+int mp_set_size_policy(mp_pool *p, const size_t divisions[MP_ROUNDUP_INTERVALS],
+                       size_t max_split_size, double gc_threshold) {
+    if (!(gc_threshold >= 0 && gc_threshold < 1)) return MP_EINVAL;   /* NaN too */
+    if (p->cfg.expandable_segments && max_split_size != MP_UNLIMITED) return MP_EINVAL;
+    mp_lock_acquire(&p->lock);
+    /* A parked block would serve the next request of its size as the old policy left it,
+     * unmerged: folded in, the free lists answer under the new one (Note [Hot blocks]). */
+    mp_hot_flush_locked(p);
+    memcpy(p->cfg.roundup_divisions, divisions, sizeof p->cfg.roundup_divisions);
+    p->cfg.max_split_size = max_split_size;
+    p->cfg.gc_threshold = gc_threshold;
+    mp_lock_release(&p->lock);
+    return MP_OK;
+}
+
 /* ---------------------------------------------------------------- pool lifetime */
 
 int mp_pool_create(const mp_config *cfg, const mp_upstream *up, mp_pool **out) {
@@ -275,7 +301,8 @@ static mp_block *new_segment_locked(mp_pool *p, mp_stream *s, int kind, uintptr_
     mp_stat3_inc(p->stats.reserved_bytes, kind, (int64_t)nbytes);
     if (mp_reserved_now_locked(p) > p->reserved_high_water)
         p->reserved_high_water = mp_reserved_now_locked(p);
-    if (nbytes >= p->cfg.max_split_size) mp_stat_inc(&p->stats.oversize_segments, 1);
+    seg->oversize = nbytes >= p->cfg.max_split_size;
+    if (seg->oversize) mp_stat_inc(&p->stats.oversize_segments, 1);
     mp_trace_segment_locked(p, MP_TRACE_SEGMENT_ALLOC, ptr, nbytes, s->handle);
     return b;
 }
@@ -498,10 +525,12 @@ static void tally_uncount(mp_pool *p, mp_tally *t) {
  * and the block it returns carries it until its free. */
 static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, mp_tally *tally,
                              uintptr_t *out) {
-    size_t size = nbytes > MP_MAX_ALLOC ? nbytes : mp_round_size(&p->cfg, nbytes);
     mp_release_list rel = {0};
     int rc = MP_OK;
     mp_lock_acquire(&p->lock);
+    /* Under the lock: the size policy may change at run time (Note [Size policy at run
+     * time]). */
+    size_t size = nbytes > MP_MAX_ALLOC ? nbytes : mp_round_size(&p->cfg, nbytes);
     if (tally) {
         if (tally->closed) {
             mp_lock_release(&p->lock);
@@ -645,7 +674,8 @@ again:;
     int kind = b->seg->kind;
     mp_stat3_dec(p->stats.allocation, kind, 1);
     mp_stat3_dec(p->stats.allocated_bytes, kind, (int64_t)b->nbytes);
-    if (b->nbytes >= p->cfg.max_split_size) mp_stat_dec(&p->stats.oversize_allocations, 1);
+    if (b->oversize) mp_stat_dec(&p->stats.oversize_allocations, 1);
+    b->oversize = 0;
     mp_trace_locked(p, MP_TRACE_FREE_REQUESTED, b->ptr, b->requested, fs->handle);
     /* The freeing stream owns the block from now on (stream-ordered free, as cudaFreeAsync). */
     b->stream = fs;

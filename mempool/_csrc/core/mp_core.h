@@ -243,6 +243,12 @@ mp_upstream *mp_pool_upstream(mp_pool *p);
 /* Change limit / release_threshold on a live pool (e.g. torch's memory_fraction). */
 int mp_set_limit(mp_pool *p, size_t limit);
 int mp_set_release_threshold(mp_pool *p, size_t threshold);
+/* Change the size policy of a live pool: rounding divisions, max_split_size (MP_UNLIMITED
+ * for none; must be that on an expandable pool) and gc_threshold, from the next request on
+ * (Note [Size policy at run time], mp_core.c). MP_EINVAL for a gc_threshold outside [0, 1)
+ * or a max_split_size on an expandable pool, with nothing changed. */
+int mp_set_size_policy(mp_pool *p, const size_t divisions[MP_ROUNDUP_INTERVALS],
+                       size_t max_split_size, double gc_threshold);
 
 /* Check every structural invariant; on a breach return MP_EINVAL with a message in msg. */
 int mp_check_invariants(mp_pool *p, char *msg, size_t msglen);

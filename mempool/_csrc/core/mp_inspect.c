@@ -179,8 +179,8 @@ int mp_oom_take(mp_oom *out) {
 }
 
 void mp_oom_snapshot(mp_pool *p, int code, size_t nbytes, uintptr_t stream, mp_oom *out) {
-    size_t rounded = nbytes > MP_MAX_ALLOC ? nbytes : mp_round_size(&p->cfg, nbytes);
     mp_lock_acquire(&p->lock);
+    size_t rounded = nbytes > MP_MAX_ALLOC ? nbytes : mp_round_size(&p->cfg, nbytes);
     oom_fill_locked(p, code, nbytes, rounded, stream, out);
     mp_lock_release(&p->lock);
 }

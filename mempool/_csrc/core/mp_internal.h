@@ -32,6 +32,8 @@ struct mp_block {
     uint8_t busy;                /* unmapped: being mapped or unmapped with the lock dropped;
                                     pending: the freeing thread is synchronizing, without the
                                     lock, a stream it had no event for (events[i] == 0) */
+    uint8_t oversize;            /* allocated: counted in oversize_allocations (Note [Size
+                                    policy at run time], mp_core.c) */
     uint16_t nuses;              /* streams recorded by record_stream (never the owner) */
     uint16_t cap_uses;
     mp_stream *inline_uses[MP_INLINE_USES];
@@ -49,6 +51,8 @@ struct mp_segment {
     int pinned;                  /* initial_pool_size: never released automatically */
     int expandable;
     int growing;                 /* expandable: some stream's growing range (expandable[kind]) */
+    int oversize;                /* counted in oversize_segments (Note [Size policy at run
+                                    time], mp_core.c) */
     mp_block *first;
     size_t nbusy;                /* allocated + pending blocks */
     mp_segment *prev, *next;     /* all segments */

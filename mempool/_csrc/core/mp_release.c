@@ -107,7 +107,7 @@ void mp_detach_segment_locked(mp_pool *p, mp_segment *seg, mp_release_list *out)
     p->stats.num_device_free++;
     mp_stat3_dec(p->stats.segment, seg->kind, 1);
     mp_stat3_dec(p->stats.reserved_bytes, seg->kind, (int64_t)seg->nbytes);
-    if (seg->nbytes >= p->cfg.max_split_size) mp_stat_dec(&p->stats.oversize_segments, 1);
+    if (seg->oversize) mp_stat_dec(&p->stats.oversize_segments, 1);
     mp_trace_segment_locked(p, MP_TRACE_SEGMENT_FREE, seg->ptr, seg->nbytes, seg->stream->handle);
     seg->inext = out->head;
     out->head = seg;
