@@ -123,11 +123,29 @@ def apply(settings, pools):
                    f"configure PyTorch's host allocator.")
 
 
-def guard(memory_module, pools):
-    """Wrap ``memory_module._set_allocator_settings`` (``torch.cuda.memory``'s) so that its
-    settings act on the pools ``pools()`` returns (see the module docstring). Does nothing
-    where PyTorch has no such function or it is wrapped already."""
-    original = getattr(memory_module, "_set_allocator_settings", None)
+# Where PyTorch takes runtime allocator settings: torch.cuda.memory's function, and the
+# binding that 2.9 and later point users to instead (torch.cuda's now warns that it is
+# deprecated and calls this one, so a string may pass both wrappers: applying it twice
+# changes nothing more, and each warning is given once).
+ENTRY_POINTS = (("torch.cuda.memory", "_set_allocator_settings"),
+                ("torch._C", "_accelerator_setAllocatorSettings"))
+
+
+def guard_torch(torch, pools):
+    """:func:`guard` every entry point of ENTRY_POINTS that this PyTorch has."""
+    for module_name, attribute in ENTRY_POINTS:
+        module = torch
+        for part in module_name.split(".")[1:]:
+            module = getattr(module, part, None)
+        if module is not None:
+            guard(module, pools, attribute)
+
+
+def guard(memory_module, pools, attribute="_set_allocator_settings"):
+    """Wrap ``memory_module.<attribute>`` (``torch.cuda.memory._set_allocator_settings``
+    by default) so that its settings act on the pools ``pools()`` returns (see the module
+    docstring). Does nothing where PyTorch has no such function or it is wrapped already."""
+    original = getattr(memory_module, attribute, None)
     if original is None or getattr(original, "_mempool_guarded", False):
         return
 
@@ -140,4 +158,5 @@ def guard(memory_module, pools):
     _set_allocator_settings._mempool_guarded = True
     _set_allocator_settings.__wrapped__ = original
     _set_allocator_settings.__doc__ = original.__doc__
-    memory_module._set_allocator_settings = _set_allocator_settings
+    _set_allocator_settings.__name__ = attribute
+    setattr(memory_module, attribute, _set_allocator_settings)

@@ -344,7 +344,7 @@ def install(pool, *more_pools, allocator="auto"):
             for p in pools:
                 register(p)
             _installed = _load_glue(path)
-            _torch_settings.guard(torch.cuda.memory, _core._torch_registered_pools)
+            _torch_settings.guard_torch(torch, _core._torch_registered_pools)
             return _installed
     alloc = _pluggable_allocator(pool, *more_pools)
     try:
@@ -353,7 +353,7 @@ def install(pool, *more_pools, allocator="auto"):
         raise RuntimeError(f"install: PyTorch refused the allocator ({exc}); another "
                            f"allocator is already in use") from None
     _installed = alloc
-    _torch_settings.guard(torch.cuda.memory, _core._torch_registered_pools)
+    _torch_settings.guard_torch(torch, _core._torch_registered_pools)
     return alloc
 
 

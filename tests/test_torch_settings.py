@@ -194,3 +194,30 @@ def test_device_allocator_keys(settings, keys):
 ])
 def test_pool_settings_read_pytorchs_keys_with_its_defaults(settings, policy, expandable):
     assert _torch_settings.pool_settings(settings) == (policy, expandable)
+
+
+def test_every_entry_point_pytorch_has_is_guarded_once(monkeypatch):
+    """torch.cuda.memory._set_allocator_settings and the binding PyTorch 2.9+ points to
+    instead (torch._C._accelerator_setAllocatorSettings) both act on the pools; a PyTorch
+    without the binding gets the one it has."""
+    monkeypatch.setattr(_torch_settings, "_warned", set())
+    seen = []
+    memory = types.SimpleNamespace(_set_allocator_settings=lambda env: seen.append(("cuda", env)))
+    binding = types.SimpleNamespace(
+        _accelerator_setAllocatorSettings=lambda env: seen.append(("acc", env)))
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(memory=memory), _C=binding)
+    pool = sim()
+    _torch_settings.guard_torch(torch, lambda: [pool])
+    _torch_settings.guard_torch(torch, lambda: [pool])              # twice: wrapped once
+    torch._C._accelerator_setAllocatorSettings("roundup_power2_divisions:4")
+    assert pool.options["roundup_power2_divisions"] == [4] * 16
+    torch.cuda.memory._set_allocator_settings("")
+    assert pool.options["roundup_power2_divisions"] == [0] * 16
+    assert seen == [("acc", "roundup_power2_divisions:4"), ("cuda", "")]
+    assert torch._C._accelerator_setAllocatorSettings.__name__ == \
+        "_accelerator_setAllocatorSettings"
+    old = types.SimpleNamespace(cuda=types.SimpleNamespace(memory=types.SimpleNamespace(
+        _set_allocator_settings=lambda env: None)), _C=types.SimpleNamespace())
+    _torch_settings.guard_torch(old, lambda: [pool])                # no binding: the one
+    old.cuda.memory._set_allocator_settings("roundup_power2_divisions:2")
+    assert pool.options["roundup_power2_divisions"] == [2] * 16

@@ -486,6 +486,8 @@ def test_runtime_allocator_settings_act_on_the_pool():
     expects), and expandable_segments, which cannot switch a pool, warns once."""
     run("""
         import warnings
+        warnings.simplefilter("ignore", FutureWarning)   # 2.11 points to the binding below
+        torch.cuda.init()        # memory_stats() is {} until CUDA is initialised
         key = "active_bytes.all.allocated"
         nbytes = 4 * 21 * 1024 * 1024
         def grown_by(settings):
@@ -499,6 +501,10 @@ def test_runtime_allocator_settings_act_on_the_pool():
         assert grown_by("roundup_power2_divisions:[64:8,>:1]")[0] == 88 << 20
         assert grown_by("garbage_collection_threshold:0.5,max_split_size_mb:40")[0] == nbytes
         assert pool.options["max_split_size"] == 40 << 20
+        if hasattr(torch._C, "_accelerator_setAllocatorSettings"):   # the newer entry point
+            torch._C._accelerator_setAllocatorSettings("roundup_power2_divisions:4")
+            assert pool.options["roundup_power2_divisions"] == [4] * 16
+            torch._C._accelerator_setAllocatorSettings("max_split_size_mb:40")
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
@@ -510,6 +516,81 @@ def test_runtime_allocator_settings_act_on_the_pool():
         assert pool.options["max_split_size"] is None        # each call sets all three
         x = torch.ones(1 << 20, device="cuda")
         assert torch.cuda.memory_allocated() == pool.stats()["allocated_bytes.all.current"]
+    """)
+
+
+def test_torch_accelerator_memory_functions_report_the_pool():
+    """torch.accelerator's device-generic memory functions ask c10's allocator registry for
+    the CUDA allocator, where PyTorch registers its own caching allocator: install registers
+    the pool's above it, so they report the pool, as torch.cuda's do."""
+    run("""
+        acc = torch.accelerator
+        if not hasattr(acc, "memory_stats"):
+            print("no torch.accelerator memory functions in", torch.__version__)
+            raise SystemExit(0)
+        x = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+        s = pool.stats()
+        assert acc.memory_allocated() == s["allocated_bytes.all.current"] >= 8 << 20
+        assert acc.memory_reserved() == pool.reserved_bytes()
+        assert acc.memory_stats()["active_bytes.all.current"] == s["active_bytes.all.current"]
+        del x
+        acc.empty_cache()
+        assert pool.reserved_bytes() == 0, pool.reserved_bytes()
+        acc.reset_peak_memory_stats()
+        assert acc.max_memory_allocated() == acc.memory_allocated() == 0
+        print("accelerator ok")
+    """)
+
+
+def test_history_as_pytorchs_own_records_it():
+    """What PyTorch's own test_memory_plots_* ask of history: turning it off drops the trace,
+    every entry carries the user metadata, and a segment given back by empty_cache() carries
+    empty_cache's stack when history records stacks for every action (Note [Segment event
+    stacks])."""
+    run("""
+        import json
+        def the_release():
+            torch.cuda.empty_cache()
+        for context in ("alloc", "all", "state"):
+            torch.cuda.empty_cache()
+            torch.cuda.memory._set_memory_metadata("metadata test")
+            torch.cuda.memory._record_memory_history(context=context)
+            x = torch.rand(3, 4, device="cuda")
+            del x
+            the_release()
+            torch.cuda.memory._set_memory_metadata("")
+            snap = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(None)
+            trace = snap["device_traces"][0]
+            actions = [e["action"] for e in trace]
+            ours = [e for e in trace if e["action"] == "alloc" and e["size"] == 48]
+            assert len(ours) == 1 and "segment_free" in actions, actions   # this round's only
+            assert all(e["user_metadata"] == "metadata test" for e in trace), trace
+            assert ("the_release" in json.dumps(snap)) == (context == "all"), context
+        torch.cuda.memory._record_memory_history(context="all")
+        torch.cuda.memory._record_memory_history(None)
+        assert torch.cuda.memory._snapshot()["device_traces"][0] == []
+        print("history ok")
+    """)
+
+
+def test_the_profiler_sees_the_pools_allocations():
+    """torch.profiler.profile(profile_memory=True) hears of each allocation and free, as from
+    PyTorch's allocator (its memory timeline and _memory_viz's profile_plot read them)."""
+    run("""
+        import json
+        from torch.cuda._memory_viz import _profile_to_snapshot
+        def profiled_allocation():
+            x = torch.rand(128, 128, device="cuda")
+            return (x * x + x * x).sum()
+        with torch.profiler.profile(with_stack=True, profile_memory=True,
+                                    record_shapes=True) as prof:
+            profiled_allocation()
+        text = json.dumps(_profile_to_snapshot(prof))
+        assert "profiled_allocation" in text, text[:2000]
+        cuda_mem = sum(getattr(e, "device_memory_usage", 0) or getattr(e, "cuda_memory_usage", 0)
+                       for e in prof.key_averages())
+        print("profiler ok", len(text), cuda_mem)
     """)
 
 

@@ -58,6 +58,9 @@ const mp_torch_api* api = nullptr;
 
 // Low bits of a DataPtr's context say where the block lives; blocks are 512-byte aligned.
 constexpr uintptr_t kTagMask = 511;
+// c10's allocator registry keeps the allocator of the highest priority given for a device
+// type; PyTorch registers its own CUDA caching allocator with 0.
+constexpr uint8_t kRegistryPriority = 1;
 constexpr uintptr_t kTagPrivate = 256;   // a private pool's block: look it up in the map
 
 std::string fmt_size(size_t n) {
@@ -211,7 +214,28 @@ class MempoolAllocator final : public CUDAAllocator {
     }
     int device = static_cast<int>(tag) - 1;
     if (tracing_.load(std::memory_order_relaxed)) record_free(device, ptr, 0, {0, 0});
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+      int64_t nbytes = static_cast<int64_t>(block_size(device, ptr, {0, 0}));
+      api->free(device, ptr);
+      report_to_profiler(device, ptr, -nbytes);
+      return;
+    }
     api->free(device, ptr);
+  }
+
+  // torch.profiler.profile(profile_memory=True) hears of each allocation and free as from
+  // PyTorch's own allocator: the block's address and signed size, then the device pool's
+  // allocated and reserved bytes after it (c10::reportMemoryUsageToProfiler, which does
+  // nothing outside a profiled region). Called only while memory profiling is on.
+  void report_to_profiler(int device, uintptr_t ptr, int64_t delta) {
+    size_t f[MP_TORCH_FIGURES];
+    if (api->memory_figures(device, f) != MP_OK) return;
+    c10::reportMemoryUsageToProfiler(
+        reinterpret_cast<void*>(ptr), delta, f[1], f[0],
+        c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+  }
+  void report_to_profiler(int device, uintptr_t ptr, MempoolId_t pool, int sign) {
+    report_to_profiler(device, ptr, sign * static_cast<int64_t>(block_size(device, ptr, pool)));
   }
 
   void init(int device_count) override { device_count_ = device_count; }
@@ -248,7 +272,15 @@ class MempoolAllocator final : public CUDAAllocator {
     if (mempool_id == MempoolId_t{0, 0}) {
       for (int d = 0; d < api->max_devices && d < device_limit(); d++) api->empty_cache(d);
     }
-    flush_segments();   // trackers (NCCL's registration hook) learn of the freed segments now
+    // Trackers (NCCL's registration hook) learn of the freed segments now, each with this
+    // call's stacks where history records them for every action (Note [Segment event
+    // stacks]).
+    std::shared_ptr<c10::GatheredContext> ctx;
+    if (tracing_.load(std::memory_order_relaxed)) {
+      RecordContext when;
+      ctx = gather_context(RecordContext::ALL, &when);
+    }
+    flush_segments(nullptr, std::move(ctx));
   }
 
   void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
@@ -426,6 +458,9 @@ class MempoolAllocator final : public CUDAAllocator {
       annotations_.clear();
       live_contexts_.clear();
     }
+    // As PyTorch's own allocator: turning history off drops the trace recorded so far (a
+    // snapshot is taken before), so the next recording starts empty.
+    if (!enabled) trace_.clear();
     if ((clearHistory || !enabled) && trackers_.empty()) {
       std::lock_guard<std::mutex> segments(segment_mu_);   // history_mu_, then segment_mu_
       pending_segments_.clear();
@@ -716,6 +751,7 @@ class MempoolAllocator final : public CUDAAllocator {
       *tag = static_cast<uintptr_t>(device) + 1;
       if (tracing_.load(std::memory_order_relaxed))
         record_alloc(device, out, nbytes, stream, {0, 0});
+      if (C10_UNLIKELY(c10::memoryProfilingEnabled())) report_to_profiler(device, out, {0, 0}, 1);
       return reinterpret_cast<void*>(out);
     }
     if (rc == MP_ENOMEM || rc == MP_ELIMIT) {
@@ -777,6 +813,10 @@ class MempoolAllocator final : public CUDAAllocator {
     if (!pp->custom) note_private_change(pp->device);
     if (tracing_.load(std::memory_order_relaxed))
       record_alloc(pp->device, out, nbytes, stream, pp->id);
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled()))
+      report_to_profiler(pp->device, out,
+                         pp->custom ? static_cast<int64_t>(nbytes)
+                                    : static_cast<int64_t>(block_size(pp->device, out, pp->id)));
     return reinterpret_cast<void*>(out);
   }
 
@@ -808,6 +848,8 @@ class MempoolAllocator final : public CUDAAllocator {
     }
     n_private_blocks_.fetch_sub(1, std::memory_order_release);
     if (tracing_.load(std::memory_order_relaxed)) record_free(pp->device, ptr, 0, pp->id);
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled()))
+      report_to_profiler(pp->device, ptr, -static_cast<int64_t>(block_size(pp->device, ptr, pp->id)));
     if (pp->custom) {
       pp->custom->raw_delete(reinterpret_cast<void*>(ptr));
     } else {
@@ -895,10 +937,9 @@ class MempoolAllocator final : public CUDAAllocator {
       std::lock_guard<std::mutex> lock(history_mu_);
       observers = oom_observers_;
       if (tracing_.load())
-        push_trace_locked(TraceEntry(TraceEntry::OOM, static_cast<c10::DeviceIndex>(device),
-                                     free_bytes, nbytes, stream,
-                                     private_id ? *private_id : MempoolId_t{0, 0},
-                                     c10::getApproximateTime()));
+        push_trace_locked(entry_locked(TraceEntry::OOM, device, free_bytes, nbytes, stream,
+                                       private_id ? *private_id : MempoolId_t{0, 0},
+                                       c10::getApproximateTime(), nullptr));
     }
     for (auto& observer : observers) observer(device, f[1], total, free_bytes);
     std::string where;
@@ -1035,37 +1076,48 @@ class MempoolAllocator final : public CUDAAllocator {
 
   void record_alloc(int device, uintptr_t ptr, size_t nbytes, cudaStream_t stream,
                     MempoolId_t pool) {
-    flush_segments();   // the segment this allocation made comes before it
     RecordContext when;
     std::shared_ptr<c10::GatheredContext> ctx = gather_context(RecordContext::STATE, &when);
+    // The segment this allocation made comes before it, with its stacks (Note [Segment
+    // event stacks]).
+    flush_segments(when >= RecordContext::ALLOC ? ctx : nullptr,
+                   when >= RecordContext::ALL ? ctx : nullptr);
     std::lock_guard<std::mutex> lock(history_mu_);
     if (ctx) live_contexts_[ptr] = ctx;
     if (skip_.count("alloc")) return;
-    push_trace_locked(TraceEntry(TraceEntry::ALLOC, static_cast<c10::DeviceIndex>(device), ptr,
-                                 nbytes, stream, pool, c10::getApproximateTime(),
-                                 when >= RecordContext::ALLOC ? ctx : nullptr,
-                                 compile_contexts_.empty() ? "" : compile_contexts_.back(),
-                                 user_metadata_));
+    push_trace_locked(entry_locked(TraceEntry::ALLOC, device, ptr, nbytes, stream, pool,
+                                   c10::getApproximateTime(),
+                                   when >= RecordContext::ALLOC ? ctx : nullptr));
   }
 
   void record_free(int device, uintptr_t ptr, size_t nbytes, MempoolId_t pool) {
-    flush_segments();
     if (nbytes == 0) nbytes = block_size(device, ptr, pool);
     RecordContext when;
     std::shared_ptr<c10::GatheredContext> ctx = gather_context(RecordContext::ALL, &when);
+    flush_segments(ctx, ctx);
     std::lock_guard<std::mutex> lock(history_mu_);
     live_contexts_.erase(ptr);
     auto time = c10::getApproximateTime();
     // The pool returns the block to its free lists at once (reuse on other streams waits
     // for their events inside the pool), so the free completes when it is requested.
     if (!skip_.count("free_requested"))
-      push_trace_locked(TraceEntry(TraceEntry::FREE_REQUESTED,
-                                   static_cast<c10::DeviceIndex>(device), ptr, nbytes, nullptr,
-                                   pool, time, ctx));
+      push_trace_locked(
+          entry_locked(TraceEntry::FREE_REQUESTED, device, ptr, nbytes, nullptr, pool, time, ctx));
     if (!skip_.count("free_completed"))
-      push_trace_locked(TraceEntry(TraceEntry::FREE_COMPLETED,
-                                   static_cast<c10::DeviceIndex>(device), ptr, nbytes, nullptr,
-                                   pool, time, ctx));
+      push_trace_locked(
+          entry_locked(TraceEntry::FREE_COMPLETED, device, ptr, nbytes, nullptr, pool, time, ctx));
+  }
+
+  // A trace entry as PyTorch's allocator records every one: with the compile context in
+  // effect ("N/A" outside torch.compile's regions) and the user metadata
+  // (torch.cuda.memory._set_memory_metadata), whatever the action. history_mu_ held.
+  TraceEntry entry_locked(TraceEntry::Action action, int device, uintptr_t addr, size_t size,
+                          void* stream, MempoolId_t pool, c10::approx_time_t time,
+                          std::shared_ptr<c10::GatheredContext> ctx) {
+    return TraceEntry(action, static_cast<c10::DeviceIndex>(device), addr, size, stream, pool,
+                      time, std::move(ctx),
+                      compile_contexts_.empty() ? std::string("N/A") : compile_contexts_.back(),
+                      user_metadata_);
   }
 
   // ---- segment events (Note [Segment observer] in mp_core.h) -----------------------------
@@ -1122,9 +1174,23 @@ class MempoolAllocator final : public CUDAAllocator {
     }
   }
 
-  // Move the waiting segment events into the trace. Called with no lock held. Events of a
-  // pool PyTorch does not use (a CuPy pool of the same process, say) are dropped.
-  void flush_segments() {
+  // Note [Segment event stacks]
+  // PyTorch's allocator gives a segment_alloc (or segment_map) the stacks of the allocation
+  // that made it when history records them for allocations, and a segment_free (or
+  // segment_unmap) the stacks of the call that released it (empty_cache, an allocation's
+  // out-of-memory release) when history records them for every action, else the stacks
+  // its segment was allocated with. The pool tells of segment events under its lock, with
+  // no stack; they wait in pending_segments_ until the next record, empty_cache or
+  // snapshot, which passes the stacks of its own call: those of the allocation or free
+  // being recorded, or of empty_cache. A segment's allocation stacks are kept until its
+  // free, as PyTorch keeps them on the block.
+  //
+  // Move the waiting segment events into the trace, with the stacks of the call flushing
+  // them: `grown` for segment_alloc and segment_map, `released` for segment_free and
+  // segment_unmap (nullptr: none). Called with no lock held. Events of a pool PyTorch does
+  // not use (a CuPy pool of the same process, say) are dropped.
+  void flush_segments(std::shared_ptr<c10::GatheredContext> grown = nullptr,
+                      std::shared_ptr<c10::GatheredContext> released = nullptr) {
     std::vector<SegmentEvent> events;
     {
       std::lock_guard<std::mutex> lock(segment_mu_);
@@ -1155,10 +1221,21 @@ class MempoolAllocator final : public CUDAAllocator {
     for (size_t i = 0; i < events.size(); i++) {
       const SegmentEvent& e = events[i];
       const SegmentAction* a = segment_action(e.action);
-      if (devices[i] < 0 || !a || skip_.count(a->name)) continue;
-      push_trace_locked(TraceEntry(a->action,
-                                   static_cast<c10::DeviceIndex>(devices[i]), e.ptr, e.nbytes,
-                                   reinterpret_cast<void*>(e.stream), owners[i], e.time));
+      if (devices[i] < 0 || !a) continue;
+      std::shared_ptr<c10::GatheredContext> ctx;
+      if (a->action == TraceEntry::SEGMENT_ALLOC || a->action == TraceEntry::SEGMENT_MAP) {
+        ctx = grown;
+        if (a->action == TraceEntry::SEGMENT_ALLOC && ctx) segment_contexts_[e.ptr] = ctx;
+      } else {
+        auto it = segment_contexts_.find(e.ptr);
+        ctx = released ? released : (it != segment_contexts_.end() ? it->second : nullptr);
+        if (a->action == TraceEntry::SEGMENT_FREE && it != segment_contexts_.end())
+          segment_contexts_.erase(it);
+      }
+      if (skip_.count(a->name)) continue;
+      push_trace_locked(entry_locked(a->action, devices[i], e.ptr, e.nbytes,
+                                     reinterpret_cast<void*>(e.stream), owners[i], e.time,
+                                     std::move(ctx)));
     }
   }
 
@@ -1280,6 +1357,9 @@ class MempoolAllocator final : public CUDAAllocator {
   std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> live_contexts_;
   std::vector<std::string> compile_contexts_;
   std::string user_metadata_;
+  // Note [Segment event stacks]: the allocation stacks of each segment whose segment_alloc
+  // had some, by address, until its segment_free.
+  std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> segment_contexts_;
   std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> oom_observers_;
   std::vector<c10::CachingDeviceAllocator::AllocatorTraceTracker> trackers_;
   // Segment events waiting for the trace: guarded by segment_mu_, taken last.
@@ -1323,6 +1403,11 @@ extern "C" __attribute__((visibility("default"))) int mempool_torch_glue_install
     the_allocator->init(device_count);
     api->set_segment_observer(&MempoolAllocator::observe_segment, the_allocator);
     c10::cuda::CUDACachingAllocator::allocator.store(the_allocator);
+    // PyTorch registers its own caching allocator for kCUDA as well (priority 0), and
+    // c10::GetAllocator(kCUDA) answers with it: torch.accelerator's memory functions
+    // (memory_stats, memory_allocated, empty_cache, ...) and generic code that allocates
+    // through the device type's allocator. Registered above it, the glue answers them too.
+    c10::SetAllocator(c10::DeviceType::CUDA, the_allocator, kRegistryPriority);
     return 0;
   } catch (const std::exception& e) {
     say(e.what());
