@@ -1179,7 +1179,8 @@ class MempoolAllocator final : public CUDAAllocator {
   // that made it when history records them for allocations, and a segment_free (or
   // segment_unmap) the stacks of the call that released it (empty_cache, an allocation's
   // out-of-memory release) when history records them for every action, else the stacks
-  // its segment was allocated with. The pool tells of segment events under its lock, with
+  // its segment was allocated with; while history records stacks for no action, no entry
+  // carries any (PyTorch's own test_memory_plots checks it). The pool tells of segment events under its lock, with
   // no stack; they wait in pending_segments_ until the next record, empty_cache or
   // snapshot, which passes the stacks of its own call: those of the allocation or free
   // being recorded, or of empty_cache. A segment's allocation stacks are kept until its
@@ -1233,6 +1234,10 @@ class MempoolAllocator final : public CUDAAllocator {
           segment_contexts_.erase(it);
       }
       if (skip_.count(a->name)) continue;
+      // As PyTorch's record_trace: no stacks on any entry while history records them for
+      // no action (a segment allocated under an earlier recording keeps its stacks for the
+      // snapshot's blocks, not for this trace).
+      if (record_when_ < RecordContext::ALLOC) ctx = nullptr;
       push_trace_locked(entry_locked(a->action, devices[i], e.ptr, e.nbytes,
                                      reinterpret_cast<void*>(e.stream), owners[i], e.time,
                                      std::move(ctx)));
