@@ -171,6 +171,7 @@ cdef extern from "mp_core.h" nogil:
     int mp_set_release_threshold(mp_pool *p, size_t threshold)
     int mp_set_size_policy(mp_pool *p, const size_t *divisions, size_t max_split_size,
                            double gc_threshold)
+    int mp_share_limit(mp_pool *member, mp_pool *owner)
     int mp_check_invariants(mp_pool *p, char *msg, size_t msglen)
     int mp_capture_begin(mp_pool *p)
     int mp_capture_end(mp_pool *p)

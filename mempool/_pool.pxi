@@ -1001,3 +1001,19 @@ cdef object _cupy_malloc(Pool pool, object nbytes):
     owner._owner = pool
     owner.ptr = ptr
     return _MemoryPointer(_UnownedMemory(ptr, n, owner, pool.device_id), 0)
+
+
+def _share_limit(Pool member not None, Pool owner not None):
+    """For tests of Note [Shared limit] (mp_release.c): make `member` count its reserved
+    bytes against `owner`'s limit too, as the torch glue does with the private pools of a
+    device (the pool of a CUDA graph or a MemPool, which needs CUDA). Raises ValueError
+    where the core refuses (see mp_share_limit in mp_core.h)."""
+    member._ready()
+    owner._ready()
+    cdef int rc = mp_share_limit(member._pool, owner._pool)
+    if rc == MP_EBUSY:
+        raise ValueError("member: it holds memory already; share a limit before the first "
+                         "segment")
+    if rc != MP_OK:
+        raise ValueError("member: the same pool as owner, a member already, or a pool "
+                         "whose limit others share; owner: not a member itself")

@@ -594,6 +594,32 @@ def test_the_profiler_sees_the_pools_allocations():
     """)
 
 
+def test_the_memory_fraction_caps_mempools_too():
+    """As in PyTorch, set_per_process_memory_fraction caps everything the allocator holds on
+    the device: a MemPool's (private) segments count against it with the device pool's
+    (Note [Shared limit])."""
+    run("""
+        x = torch.empty(1, device="cuda")
+        torch.cuda.empty_cache()
+        total = torch.cuda.mem_get_info()[1]
+        base = torch.cuda.memory_reserved()
+        torch.cuda.set_per_process_memory_fraction((base + (256 << 20)) / total)
+        mp = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(mp):
+            a = torch.empty(200 << 20, dtype=torch.uint8, device="cuda")
+        try:
+            b = torch.empty(200 << 20, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError:
+            pass
+        else:
+            raise AssertionError("the MemPool's 200 MiB did not count against the fraction")
+        c = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")   # what is left fits
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        b = torch.empty(200 << 20, dtype=torch.uint8, device="cuda")
+        print("fraction ok")
+    """)
+
+
 def test_empty_cache_fraction_record_stream_and_mem_pool():
     run("""
         x = torch.randn(1 << 22, device="cuda")

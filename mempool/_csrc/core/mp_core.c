@@ -144,7 +144,15 @@ void mp_pool_destroy(mp_pool *p) {
     mp_ptrmap_destroy(&p->live);
     free(p->trace);
     int kept = p->keep_struct;
+    /* Note [Shared limit]: its segments went upstream without their counters: take its
+     * share of the owner's limit back, and the reference it held. */
+    mp_pool *owner = p->limit_owner;
+    if (owner) {
+        __atomic_sub_fetch(&owner->limit_held, p->limit_published, __ATOMIC_RELAXED);
+        __atomic_sub_fetch(&owner->limit_members, 1, __ATOMIC_RELAXED);
+    }
     mp_lock_release(&p->lock);
+    if (owner) mp_pool_release(owner);
     if (p->up.destroy) p->up.destroy(p->up.ctx);
     /* Note [Block tallies]: a pool that was in a table leaves its struct behind, for a
      * caller that read it from the table just before it left. */
@@ -217,6 +225,7 @@ static uintptr_t *release_streams(const mp_release_list *rel, size_t *n) {
 static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
                                      mp_release_list *rel, uintptr_t *ptr) {
     p->inflight_bytes += nbytes;
+    mp_publish_held_locked(p);
     uintptr_t handle = s->handle;
     mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
@@ -236,6 +245,7 @@ static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
     mp_blocking_end(blocking);
     mp_lock_retake(p);
     p->inflight_bytes -= nbytes;
+    mp_publish_held_locked(p);
     return rc;
 }
 
@@ -299,6 +309,7 @@ static mp_block *new_segment_locked(mp_pool *p, mp_stream *s, int kind, uintptr_
     p->stats.num_device_alloc++;
     mp_stat3_inc(p->stats.segment, kind, 1);
     mp_stat3_inc(p->stats.reserved_bytes, kind, (int64_t)nbytes);
+    mp_publish_held_locked(p);
     if (mp_reserved_now_locked(p) > p->reserved_high_water)
         p->reserved_high_water = mp_reserved_now_locked(p);
     seg->oversize = nbytes >= p->cfg.max_split_size;
@@ -442,17 +453,18 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
         if (base && mp_reserved_now_locked(p) + seg_size > threshold)
             mp_release_idle_locked(p, mp_reserved_now_locked(p) + seg_size - threshold, rel);
     }
-    if (limit != MP_UNLIMITED && mp_reserved_now_locked(p) + seg_size > limit) {
+    size_t excess = mp_limit_excess_locked(p, seg_size);   /* Note [Shared limit] */
+    if (excess) {
         if (!may_release) return MP_ELIMIT;
-        mp_release_idle_locked(p, mp_reserved_now_locked(p) + seg_size - limit, rel);
-        if (mp_reserved_now_locked(p) + seg_size > limit) {
+        mp_release_idle_locked(p, excess, rel);
+        if (mp_limit_excess_locked(p, seg_size)) {
             if (mp_capture_call_locked(p, rel)) return MP_ELIMIT;
             if (p->npending) {
                 mp_sync_pending_unlocked(p);
                 if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
             }
             mp_release_idle_locked(p, SIZE_MAX, rel);
-            if (mp_reserved_now_locked(p) + seg_size > limit) return MP_ELIMIT;
+            if (mp_limit_excess_locked(p, seg_size)) return MP_ELIMIT;
         }
     }
 
@@ -471,7 +483,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
         mp_release_idle_kind_locked(p, kind, 0, rel);
     /* Note [Events outside the lock]: those releases may have dropped the lock to make an
      * event, and other threads grown meanwhile: the limit holds still (it did, else). */
-    if (limit != MP_UNLIMITED && mp_reserved_now_locked(p) + seg_size > limit) return MP_ELIMIT;
+    if (mp_limit_excess_locked(p, seg_size)) return MP_ELIMIT;
 
     uintptr_t ptr = 0;
     int rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);

@@ -249,6 +249,14 @@ int mp_set_release_threshold(mp_pool *p, size_t threshold);
  * or a max_split_size on an expandable pool, with nothing changed. */
 int mp_set_size_policy(mp_pool *p, const size_t divisions[MP_ROUNDUP_INTERVALS],
                        size_t max_split_size, double gc_threshold);
+/* Make `member` count its reserved bytes against `owner`'s limit too, as PyTorch's memory
+ * fraction caps a device's graph and MemPool pools with its own (Note [Shared limit],
+ * mp_release.c). Call before the member holds memory; the member keeps a reference to the
+ * owner until it is destroyed. MP_EINVAL: the same pool, an owner that is a member itself,
+ * a member that already shares or is shared; MP_EBUSY: the member holds memory. Not to be
+ * called on the same pools from two threads at once (the torch glue calls it where it makes
+ * a private pool). */
+int mp_share_limit(mp_pool *member, mp_pool *owner);
 
 /* Check every structural invariant; on a breach return MP_EINVAL with a message in msg. */
 int mp_check_invariants(mp_pool *p, char *msg, size_t msglen);

@@ -193,6 +193,7 @@ static void count_mapped_locked(mp_pool *p, mp_segment *seg, size_t nbytes, int 
     if (mapped) {
         seg->mapped_bytes += nbytes;
         mp_stat3_inc(p->stats.reserved_bytes, seg->kind, (int64_t)nbytes);
+        mp_publish_held_locked(p);
         mp_stat_inc(&p->stats.mapped_bytes, (int64_t)nbytes);
         if ((size_t)p->stats.mapped_bytes.current > p->mapped_high_water)
             p->mapped_high_water = (size_t)p->stats.mapped_bytes.current;
@@ -200,6 +201,7 @@ static void count_mapped_locked(mp_pool *p, mp_segment *seg, size_t nbytes, int 
         mp_check(seg->mapped_bytes >= nbytes);   /* unmapping more than is mapped */
         seg->mapped_bytes -= nbytes;
         mp_stat3_dec(p->stats.reserved_bytes, seg->kind, (int64_t)nbytes);
+        mp_publish_held_locked(p);
         mp_stat_dec(&p->stats.mapped_bytes, (int64_t)nbytes);
     }
 }
@@ -743,6 +745,7 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
         return 0;
     }
     p->inflight_bytes += released;   /* still held until unmapped: count it for the limit */
+    mp_publish_held_locked(p);
     /* !wait: every owner was idle when asked, after the frees of these pages. */
     for (size_t j = 0; j < nowners && !wait; j++) synced[j] = 1;
     /* The handles, read under the lock (forget_stream may change a struct's meanwhile) */
@@ -769,6 +772,7 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
     mp_blocking_end(blocking);
     mp_lock_retake(p);
     p->inflight_bytes -= released;
+    mp_publish_held_locked(p);
     /* One at a time: a later job's block stays busy (so unmerged and valid) until its turn. */
     for (size_t i = 0; i < n; i++) {
         mp_block *u = jobs[i].u;
@@ -868,6 +872,7 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
     m->busy = 1;
     extents_insert(seg, m->ptr, &cut);
     p->inflight_bytes += plan->nbytes;
+    mp_publish_held_locked(p);
     mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
     mp_assert(m->state == MP_BLOCK_UNMAPPED && m->nbytes > 0);
@@ -885,6 +890,7 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
     mp_blocking_end(blocking);
     mp_lock_retake(p);
     p->inflight_bytes -= plan->nbytes;
+    mp_publish_held_locked(p);
     m->busy = 0;
     if (rc != MP_OK) {
         /* The upstream undid any pages it had mapped, so the range is unmapped as before.
@@ -962,9 +968,9 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_block
     /* Room first, from free pages elsewhere: down to the limit (required), below the
      * garbage collection threshold (best effort), and all idle pages before a new high
      * water mark when they are many (Note [Expandable segments]). */
-    size_t need = mp_reserved_now_locked(p) + plan.nbytes, excess = 0;
+    size_t need = mp_reserved_now_locked(p) + plan.nbytes;
     size_t limit = p->cfg.limit;
-    if (limit != MP_UNLIMITED && need > limit) excess = need - limit;
+    size_t excess = mp_limit_excess_locked(p, plan.nbytes);   /* Note [Shared limit] */
     if (p->cfg.gc_threshold > 0) {
         size_t base = limit != MP_UNLIMITED ? limit : p->capacity;
         size_t threshold = (size_t)(p->cfg.gc_threshold * (double)base);
@@ -984,7 +990,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_block
         if (layout_mark) p->layout_release_mark = layout_mark;
         return MP_OK;   /* re-plan */
     }
-    if (limit != MP_UNLIMITED && need > limit) return MP_ELIMIT;
+    if (mp_limit_excess_locked(p, plan.nbytes)) return MP_ELIMIT;
     return map_locked(p, seg, s, &plan, size, out);
 }
 

@@ -412,6 +412,10 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
               "%s.all.peak is %lld, below the current total %lld", rows[i].name,
               (long long)rows[i].stat[0].peak, (long long)mp_stat3_current(rows[i].stat));
     }
+    /* Note [Shared limit]: every change of reserved-now bytes was published. */
+    CHECK(p->limit_published == (int64_t)mp_reserved_now_locked(p),
+          "published %lld reserved-now bytes for the limit, holds %zu",
+          (long long)p->limit_published, mp_reserved_now_locked(p));
     mp_lock_release(&p->lock);
     return r.failed ? MP_EINVAL : MP_OK;
 }

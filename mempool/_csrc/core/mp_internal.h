@@ -134,6 +134,14 @@ struct mp_pool {
     mp_block_slab *slabs;
 
     size_t inflight_bytes;       /* segments being allocated with the lock dropped */
+    /* Note [Shared limit] (mp_release.c): the pool whose limit this one's reserved bytes
+     * count against too (retained), or NULL; on a pool, the reserved-now bytes of it and of
+     * every pool sharing its limit (atomic: members add to it under their own locks); and
+     * what this pool has added to its own or its owner's limit_held so far. */
+    mp_pool *limit_owner;
+    int64_t limit_held;
+    int64_t limit_published;
+    int limit_members;           /* pools sharing this one's limit (atomic) */
     size_t reserved_high_water;  /* fixed segments: the most bytes ever reserved at once
                                     (Note [Reserved high water]; never reset) */
     size_t mapped_high_water;    /* expandable segments: the most bytes ever mapped at once
@@ -194,6 +202,11 @@ mp_block *mp_freelist_find_fit(const mp_pool *p, const mp_freelist *fl, size_t s
 int mp_reserve_initial(mp_pool *p, size_t nbytes);
 mp_block *mp_search_lists_locked(mp_pool *p, mp_stream *s, int kind, size_t size);
 size_t mp_reserved_now_locked(const mp_pool *p);
+/* Note [Shared limit]: publish a change of reserved-now bytes to the pool whose limit
+ * counts them (call after every change of reserved_bytes or inflight_bytes), and the bytes
+ * by which `extra` more would pass this pool's limit or the limit it shares (0: none). */
+void mp_publish_held_locked(mp_pool *p);
+size_t mp_limit_excess_locked(mp_pool *p, size_t extra);
 void mp_sync_pending_unlocked(mp_pool *p);
 /* Note [Blocking upstream calls]: around each upstream call made without the lock that may
  * block. */

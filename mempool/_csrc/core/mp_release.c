@@ -107,6 +107,7 @@ void mp_detach_segment_locked(mp_pool *p, mp_segment *seg, mp_release_list *out)
     p->stats.num_device_free++;
     mp_stat3_dec(p->stats.segment, seg->kind, 1);
     mp_stat3_dec(p->stats.reserved_bytes, seg->kind, (int64_t)seg->nbytes);
+    mp_publish_held_locked(p);
     if (seg->oversize) mp_stat_dec(&p->stats.oversize_segments, 1);
     mp_trace_segment_locked(p, MP_TRACE_SEGMENT_FREE, seg->ptr, seg->nbytes, seg->stream->handle);
     seg->inext = out->head;
@@ -258,10 +259,78 @@ int mp_empty_cache(mp_pool *p) {
     return MP_OK;
 }
 
+/* Note [Shared limit]
+ * PyTorch's set_per_process_memory_fraction caps everything its allocator holds on a
+ * device: the device's blocks and the private pools of CUDA graphs and MemPools together.
+ * Under the torch glue those private pools are core pools of their own, so the device
+ * pool's limit alone let a graph or a MemPool grow past the cap. mp_share_limit makes a
+ * pool (the member) count its reserved bytes against another's (the owner's) limit too.
+ *
+ * Each pool adds every change of its reserved-now bytes (reserved plus in flight, the
+ * figure its own limit is checked against) to limit_held of its owner, or of itself when
+ * it has none (mp_publish_held_locked, under its own lock; limit_held is atomic because
+ * members add to their owner's under theirs). A limit check (mp_limit_excess_locked) takes
+ * the owner's limit_held with this pool's own share replaced by its exact reserved-now:
+ * for a pool that shares nothing that is its reserved-now, as before, whatever the order
+ * of publishing. Other members' shares are as of their last change, so two pools growing
+ * at the same moment can pass the shared limit by a segment between them (the owner's
+ * lock is not taken: a member would otherwise hold two pool locks). A member gives back
+ * only its own idle memory to make room (the torch glue's private pools keep theirs,
+ * Note [Keep idle]): when the others hold the room, the request fails with MP_ELIMIT and
+ * the glue's out-of-memory path takes over, as PyTorch's does. A member keeps its own
+ * limit as well. The member holds a reference to its owner and takes its share back when
+ * it is destroyed. */
+void mp_publish_held_locked(mp_pool *p) {
+    int64_t now = (int64_t)mp_reserved_now_locked(p);
+    int64_t delta = now - p->limit_published;
+    if (!delta) return;
+    p->limit_published = now;
+    mp_pool *target = p->limit_owner ? p->limit_owner : p;
+    __atomic_add_fetch(&target->limit_held, delta, __ATOMIC_RELAXED);
+}
+
+static size_t over_by(size_t held, size_t extra, size_t limit) {
+    if (limit == MP_UNLIMITED) return 0;
+    if (extra > SIZE_MAX - held) return SIZE_MAX;
+    return held + extra > limit ? held + extra - limit : 0;
+}
+
+size_t mp_limit_excess_locked(mp_pool *p, size_t extra) {
+    size_t now = mp_reserved_now_locked(p);
+    mp_pool *owner = p->limit_owner ? p->limit_owner : p;
+    size_t limit = __atomic_load_n(&owner->cfg.limit, __ATOMIC_RELAXED);
+    int64_t held = __atomic_load_n(&owner->limit_held, __ATOMIC_RELAXED) - p->limit_published +
+                   (int64_t)now;
+    size_t excess = over_by(held > 0 ? (size_t)held : 0, extra, limit);
+    if (p->limit_owner) {   /* a member's own limit holds too */
+        size_t own = over_by(now, extra, p->cfg.limit);
+        if (own > excess) excess = own;
+    }
+    return excess;
+}
+
+int mp_share_limit(mp_pool *member, mp_pool *owner) {
+    if (member == owner || owner->limit_owner) return MP_EINVAL;
+    mp_lock_acquire(&member->lock);
+    int rc = MP_OK;
+    if (member->limit_owner || __atomic_load_n(&member->limit_members, __ATOMIC_RELAXED))
+        rc = MP_EINVAL;   /* a member already, or some pool shares this one's limit */
+    else if (member->limit_published)
+        rc = MP_EBUSY;    /* it holds memory: join before the first segment */
+    if (rc == MP_OK) {
+        mp_pool_retain(owner);
+        __atomic_add_fetch(&owner->limit_members, 1, __ATOMIC_RELAXED);
+        member->limit_owner = owner;
+    }
+    mp_lock_release(&member->lock);
+    return rc;
+}
+
 int mp_set_limit(mp_pool *p, size_t limit) {
     mp_lock_acquire(&p->lock);
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
-    p->cfg.limit = limit;
+    /* Pools sharing this limit read it under their own locks (Note [Shared limit]). */
+    __atomic_store_n(&p->cfg.limit, limit, __ATOMIC_RELAXED);
     mp_lock_release(&p->lock);
     return MP_OK;
 }

@@ -467,6 +467,12 @@ static int api_private_pool_create(int device, mp_pool **out) {
             mp_config cfg;
             mp_torch_private_config(mp_pool_config(p), &cfg);
             rc = mp_pool_create(&cfg, &up, out);
+            /* Note [Shared limit]: PyTorch's memory fraction caps a device's graphs and
+             * MemPools together with the rest of its memory. */
+            if (rc == MP_OK && (rc = mp_share_limit(*out, p)) != MP_OK) {
+                mp_pool_release(*out);
+                *out = NULL;
+            }
         }
     });
     return rc;
