@@ -18,8 +18,9 @@ the installed pools as it would on PyTorch's allocator:
   PyTorch's: they act as before and say nothing.
 - Every other key of PyTorch's caching allocator has no meaning for the pool and warns once.
 
-The string is read here before PyTorch sees it, so a value either refuses raises and
-changes nothing; PyTorch's errors for a malformed string are its own. Private pools the
+The string is read here before PyTorch sees it: a value the pool refuses raises and
+changes nothing, in PyTorch or in the pools. PyTorch's errors for a malformed string are
+its own, and the pools change only once PyTorch has taken the string. Private pools the
 glue makes for CUDA graphs and ``MemPool`` copy the device pool's policy when they are
 made, so those made after the call follow it.
 """
@@ -33,12 +34,13 @@ POLICY_KEYS = ("roundup_power2_divisions", "max_split_size_mb", "garbage_collect
 # What a call sets a policy key back to when its string leaves it out (PyTorch's parseArgs).
 POLICY_RESET = {"roundup_power2_divisions": 0, "max_split_size": None,
                 "garbage_collection_threshold": 0.0}
-_warned = set()   # (key, value) pairs already warned of in this process
+_warned = set()   # topics already warned of in this process (one warning each)
 
 
 def device_allocator_keys(settings):
     """The keys of a ``"key:value,key:value"`` string that configure the CUDA device
-    allocator (every key but PyTorch's host allocator's ``pinned_*``), in order."""
+    allocator (every key but PyTorch's host allocator's ``pinned_*``), in order (a key given
+    twice where it last appears)."""
     return [key for key, _ in _top_level_entries(settings)
             if not key.startswith(HOST_KEY_PREFIX)]
 
