@@ -169,3 +169,79 @@ def test_threads_growing_two_pools_at_once_stay_within_a_segment_of_the_limit():
         for ptr in ptrs:
             pool.free(ptr)
         pool.check_invariants()
+
+
+# ---- random programs over an owner and a member ----------------------------------------------
+
+import hypothesis.strategies as st  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,  # noqa: E402
+                                 precondition, rule)
+
+SIZES = st.sampled_from([512, 600 << 10, 3 << 20, 24 << 20, 70 << 20, 130 << 20])
+LIMITS = st.sampled_from([None, 64 << 20, 160 << 20, 300 << 20])
+
+
+class SharedLimitMachine(RuleBasedStateMachine):
+    """Whatever the owner and its member do, a growth of either never takes the two past the
+    owner's limit (on one thread the check is exact), and both pools' books hold."""
+    owner_options = {}
+
+    @initialize(limit=LIMITS)
+    def make_pools(self, limit):
+        # 16 GiB: 40 steps of at most 130 MiB never fill the device without a limit.
+        self.owner = mempool.Pool(backend="sim", capacity="16GiB", limit=limit,
+                                  **self.owner_options)
+        self.member = mempool.Pool(backend="sim", capacity="16GiB")
+        _core._share_limit(self.member, self.owner)
+        self.limit = limit
+        self.live = []        # (pool, ptr)
+
+    def total(self):
+        return self.owner.reserved_bytes() + self.member.reserved_bytes()
+
+    @rule(member=st.booleans(), nbytes=SIZES)
+    def alloc(self, member, nbytes):
+        pool = self.member if member else self.owner
+        before = self.total()
+        try:
+            ptr = pool.alloc(nbytes)
+        except mempool.OutOfMemoryError:
+            assert self.limit is not None, "refused with no limit on a 4 GiB device"
+            return
+        self.live.append((pool, ptr))
+        if self.limit is not None and self.total() > before:
+            assert self.total() <= self.limit, (self.total(), self.limit)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        pool, ptr = self.live.pop(data.draw(st.integers(0, len(self.live) - 1)))
+        pool.free(ptr)
+
+    @rule(member=st.booleans())
+    def empty_cache(self, member):
+        (self.member if member else self.owner).empty_cache()
+
+    @rule(limit=LIMITS)
+    def set_limit(self, limit):
+        self.owner.set_limit(limit)
+        self.limit = limit
+
+    @invariant()
+    def books_hold(self):
+        if hasattr(self, "owner"):
+            self.owner.check_invariants()
+            self.member.check_invariants()
+
+
+class ExpandableOwnerMachine(SharedLimitMachine):
+    owner_options = {"expandable_segments": True}
+
+
+MACHINE_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                            suppress_health_check=[HealthCheck.too_slow])
+TestSharedLimitMachine = SharedLimitMachine.TestCase
+TestSharedLimitMachine.settings = MACHINE_SETTINGS
+TestExpandableOwnerMachine = ExpandableOwnerMachine.TestCase
+TestExpandableOwnerMachine.settings = MACHINE_SETTINGS
