@@ -192,8 +192,21 @@ def collected(tests, log_path):
     return any(t != "<run>" for t in tests)
 
 
-def compare(runs):
-    base, pool = runs["pytorch"]["tests"], runs["mempool"]["tests"]
+def short_id(test, module):
+    """`test` named from its module on (`test_cuda.TestCuda::test_x`): a JUnit file names
+    it from the folder the run started in (`.external.pytorch.test_cuda.TestCuda::...`), a
+    log read after a cut run (outcomes_from_log) from its module, and a baseline may come
+    from a run of either kind."""
+    owner, sep, name = test.partition("::")
+    parts = owner.split(".")
+    if module in parts:
+        parts = parts[len(parts) - 1 - parts[::-1].index(module):]
+    return ".".join(parts) + sep + name
+
+
+def compare(runs, module):
+    base, pool = ({short_id(t, module): v for t, v in runs[name]["tests"].items()}
+                  for name in ("pytorch", "mempool"))
     counts = {name: {k: sum(1 for o, _ in r["tests"].values() if o == k)
                      for k in ("passed", "failed", "skipped")} for name, r in runs.items()}
 
@@ -243,7 +256,8 @@ def main(argv=None):
     runs = {name: baseline if (name == "pytorch" and baseline) else
             run(name, os.path.abspath(args.test_file), args.outdir, args.select,
                 args.timeout, extra) for name in RUNS}
-    result = {"runs": runs, **compare(runs)}
+    module = os.path.splitext(os.path.basename(args.test_file))[0]
+    result = {"runs": runs, **compare(runs, module)}
     with open(os.path.join(args.outdir, "own-tests.json"), "w") as f:
         json.dump(result, f, indent=1)
     for name, c in result["counts"].items():

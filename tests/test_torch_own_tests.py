@@ -250,3 +250,23 @@ def test_a_baseline_from_before_stand_ins_were_recorded_is_taken(tmp_path, capsy
     assert "pytorch: 2 passed, 0 failed, 0 skipped (exit status 1, from " in printed
     assert ("passed under PyTorch's allocator, not under mempool: 1\n"
             "  test_sample::test_only_without_the_pool") in printed
+
+
+def test_a_cut_runs_log_is_compared_with_a_junit_baseline_by_the_same_names():
+    """A run cut at its limit is read from its log, which names tests from their module on;
+    a JUnit file names them from the folder the run started in. Both name one test the
+    same in the comparison (a cut run under the pool was once listed as running nothing)."""
+    runs = {
+        "pytorch": {"tests": {".external.pytorch.test_cuda.TestCuda::test_a": ("passed", ""),
+                              ".external.pytorch.test_cuda.TestCuda::test_b": ("passed", ""),
+                              ".external.pytorch.test_cuda::test_c": ("passed", "")}},
+        "mempool": {"tests": {"test_cuda.TestCuda::test_a": ("passed", ""),
+                              "test_cuda.TestCuda::test_b": ("failed", ""),
+                              "test_cuda::test_c": ("passed", "")}},
+    }
+    result = torch_own_tests.compare(runs, "test_cuda")
+    assert result["passed_under_pytorch_only"] == {"test_cuda.TestCuda::test_b": "failed"}
+    assert result["passed_under_mempool_only"] == []
+    assert torch_own_tests.short_id("a.test_cuda.b.test_cuda.C::t", "test_cuda") == \
+        "test_cuda.C::t"
+    assert torch_own_tests.short_id("other.C::t", "test_cuda") == "other.C::t"
