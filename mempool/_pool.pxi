@@ -703,19 +703,30 @@ cdef class Pool:
                             f"{', '.join(_SIZE_POLICY)} (the other options are fixed when "
                             f"the pool is made, except limit and release_threshold: "
                             f"set_limit, set_release_threshold)")
-        given = dict(options)
-        if self.options["expandable_segments"] and given.get("max_split_size") is not None:
-            given["expandable_segments"] = True   # normalize warns and drops it, as at creation
-        parsed = _config.normalize(given)
-        new = {k: (parsed[k] if k in options else self.options[k]) for k in _SIZE_POLICY}
+        # The options not given stay as the core has them (self.options is the caller's to
+        # read, and may have been changed since).
+        cdef const mp_config *cfg = mp_pool_config(self._pool)
         cdef size_t divisions[16]   # MP_ROUNDUP_INTERVALS, as mp_config.roundup_divisions above
-        for i, d in enumerate(new["roundup_power2_divisions"]):
-            divisions[i] = d
-        rc = mp_set_size_policy(self._pool, divisions, _or_unlimited(new["max_split_size"]),
-                                new["garbage_collection_threshold"])
+        for i in range(16):
+            divisions[i] = cfg.roundup_divisions[i]
+        given = dict(options)
+        if cfg.expandable_segments and given.get("max_split_size") is not None:
+            given["expandable_segments"] = True   # normalize warns and drops it, as at creation
+        parsed = _config.normalize(given)   # a list of 16 division counts, each checked
+        if "roundup_power2_divisions" in options:
+            for i in range(16):
+                divisions[i] = parsed["roundup_power2_divisions"][i]
+        max_split = (_or_unlimited(parsed["max_split_size"]) if "max_split_size" in options
+                     else cfg.max_split_size)
+        gc = (parsed["garbage_collection_threshold"] if "garbage_collection_threshold" in options
+              else cfg.gc_threshold)
+        rc = mp_set_size_policy(self._pool, divisions, max_split, gc)
         if rc != MP_OK:   # the checks above are the core's; a refusal here is a bug
-            raise RuntimeError(f"set_size_policy: the pool refused {new!r} (code {rc})")
-        self.options.update(new)
+            raise RuntimeError(f"set_size_policy: the pool refused the policy (code {rc})")
+        self.options.update(
+            roundup_power2_divisions=[divisions[i] for i in range(16)],
+            max_split_size=None if max_split == MP_UNLIMITED else max_split,
+            garbage_collection_threshold=gc)
 
     # ------------------------------------------------------------------ observability
 

@@ -91,10 +91,11 @@ def _warn_once(topic, message):
     warnings.warn(message, RuntimeWarning, stacklevel=4)   # the caller of the wrapper
 
 
-def apply(settings, pools):
-    """Apply a settings string PyTorch has taken to `pools` (see the module docstring).
-    Raises ValueError, changing nothing, where the pool refuses a value."""
-    policy, expandable = pool_settings(settings)
+def apply(settings, pools, parsed=None):
+    """Apply a settings string PyTorch has taken to `pools` (see the module docstring);
+    `parsed`: what pool_settings(settings) gave, when the caller has it already. Raises
+    ValueError, changing nothing, where the pool refuses a value."""
+    policy, expandable = parsed if parsed is not None else pool_settings(settings)
     for pool in pools:             # every value was checked above: none of these raises
         if pool.options["expandable_segments"]:
             pool_policy = dict(policy, max_split_size=None)   # PyTorch ignores it there too
@@ -152,9 +153,9 @@ def guard(memory_module, pools, attribute="_set_allocator_settings"):
         return
 
     def _set_allocator_settings(env):
-        pool_settings(env)             # a value the pool refuses raises before PyTorch takes it
+        parsed = pool_settings(env)    # a value the pool refuses raises before PyTorch takes it
         result = original(env)         # PyTorch parses, refuses and keeps it as usual
-        apply(env, pools())
+        apply(env, pools(), parsed)
         return result
 
     _set_allocator_settings._mempool_guarded = True

@@ -114,3 +114,18 @@ def test_a_refused_change_names_the_option_and_changes_nothing(options, error, w
             pool.set_size_policy(**options)
     assert pool.options == before
     assert pool.block_info(pool.alloc(84 * MiB))[0] == 96 * MiB   # still the old rounding
+
+
+def test_options_changed_by_the_caller_are_neither_read_nor_trusted():
+    """The options the call leaves out stay as the pool has them: pool.options is the
+    caller's dict, and a list put there once crashed the process (written past a 16-entry
+    array)."""
+    pool = sim(roundup_power2_divisions=4, max_split_size="64MiB")
+    pool.options["roundup_power2_divisions"] = list(range(4000))
+    pool.options["max_split_size"] = "junk"
+    pool.options["expandable_segments"] = True
+    pool.set_size_policy(garbage_collection_threshold=0.25)
+    assert pool.options["roundup_power2_divisions"] == [4] * 16
+    assert pool.options["max_split_size"] == 64 * MiB
+    assert pool.options["garbage_collection_threshold"] == 0.25
+    assert pool.block_info(pool.alloc(84 * MiB))[0] == 96 * MiB

@@ -234,6 +234,7 @@ class MempoolAllocator final : public CUDAAllocator {
         reinterpret_cast<void*>(ptr), delta, f[1], f[0],
         c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
   }
+  // The same with the size of the live block at ptr (taken before its free).
   void report_to_profiler(int device, uintptr_t ptr, MempoolId_t pool, int sign) {
     report_to_profiler(device, ptr, sign * static_cast<int64_t>(block_size(device, ptr, pool)));
   }
@@ -813,10 +814,12 @@ class MempoolAllocator final : public CUDAAllocator {
     if (!pp->custom) note_private_change(pp->device);
     if (tracing_.load(std::memory_order_relaxed))
       record_alloc(pp->device, out, nbytes, stream, pp->id);
-    if (C10_UNLIKELY(c10::memoryProfilingEnabled()))
-      report_to_profiler(pp->device, out,
-                         pp->custom ? static_cast<int64_t>(nbytes)
-                                    : static_cast<int64_t>(block_size(pp->device, out, pp->id)));
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+      if (pp->custom)
+        report_to_profiler(pp->device, out, static_cast<int64_t>(nbytes));
+      else
+        report_to_profiler(pp->device, out, pp->id, 1);
+    }
     return reinterpret_cast<void*>(out);
   }
 
@@ -848,8 +851,7 @@ class MempoolAllocator final : public CUDAAllocator {
     }
     n_private_blocks_.fetch_sub(1, std::memory_order_release);
     if (tracing_.load(std::memory_order_relaxed)) record_free(pp->device, ptr, 0, pp->id);
-    if (C10_UNLIKELY(c10::memoryProfilingEnabled()))
-      report_to_profiler(pp->device, ptr, -static_cast<int64_t>(block_size(pp->device, ptr, pp->id)));
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) report_to_profiler(pp->device, ptr, pp->id, -1);
     if (pp->custom) {
       pp->custom->raw_delete(reinterpret_cast<void*>(ptr));
     } else {
