@@ -197,7 +197,7 @@ cdef extern from "mp_core.h" nogil:
 
     ctypedef struct mp_block_view:
         uintptr_t ptr
-        size_t nbytes, requested
+        size_t nbytes, requested, last_requested
         uintptr_t stream
         int state
 

@@ -825,8 +825,12 @@ cdef class Pool:
         """The segments and their blocks, copied under the pool lock.
 
         A list of dicts ``{address, total_size, mapped_size, maps, stream, is_small,
-        is_expandable, is_pinned, blocks: [{address, size, requested_size, stream, state}]}``
-        with ``state`` one of ``MP_BLOCK_*`` (0 free, 1 allocated, 2 pending, 3 unmapped).
+        is_expandable, is_pinned, blocks: [{address, size, requested_size,
+        last_requested_size, stream, state}]}`` with ``state`` one of ``MP_BLOCK_*`` (0 free,
+        1 allocated, 2 pending, 3 unmapped). ``requested_size`` is 0 for a free block;
+        ``last_requested_size`` is the size last requested of it, kept once it is free (a free
+        block merged from several keeps that of the block freed last), which PyTorch's
+        snapshot shows as a free block's ``requested_size``.
         ``maps`` lists the physical allocations mapped in an expandable segment as
         ``(address, size)`` in address order, each released only whole (empty for others).
         """
@@ -845,7 +849,8 @@ cdef class Pool:
                 for j in range(sv.first_block, sv.first_block + sv.nblocks):
                     bv = &lay.blocks[j]
                     blocks.append({"address": bv.ptr, "size": bv.nbytes,
-                                   "requested_size": bv.requested, "stream": bv.stream,
+                                   "requested_size": bv.requested,
+                                   "last_requested_size": bv.last_requested, "stream": bv.stream,
                                    "state": bv.state})
                 maps = [(lay.maps[2 * j], lay.maps[2 * j + 1])
                         for j in range(sv.first_map, sv.first_map + sv.nmaps)]

@@ -469,6 +469,36 @@ def test_layout_tiles_every_segment_and_the_snapshot_agrees(up):
         pool.free(p, stream=s)
 
 
+def test_a_free_block_shows_the_size_last_requested_of_it(up):
+    """As PyTorch's snapshot: a free block's requested_size is the size last asked of it,
+    that of the block freed last when free neighbours merged (PyTorch's test_memory_plots
+    finds an allocation's size there once _memory_viz has dropped freed pairs from the
+    trace); the layout keeps requested_size 0 for free blocks and gives the size as
+    last_requested_size."""
+    pool = up.pool()
+    s = up.stream()
+    a, b, c = (pool.alloc(n, stream=s) for n in (1000, 3000, 5000))
+    pool.free(a, stream=s)
+    pool.free(b, stream=s)                            # merges with a's block: b's size stays
+
+    def block_at(blocks, address):
+        for blk in blocks:
+            if blk["address"] <= address < blk["address"] + blk["size"]:
+                return blk
+        raise AssertionError(f"no block covers {address:#x}")
+
+    layout_blocks = [blk for seg in pool.layout() for blk in seg["blocks"]]
+    freed = block_at(layout_blocks, b)
+    assert freed["state"] == FREE and freed["requested_size"] == 0
+    assert freed["last_requested_size"] == 3000
+    live = block_at(layout_blocks, c)
+    assert live["requested_size"] == live["last_requested_size"] == 5000
+    snap_blocks = [blk for seg in pool.snapshot()["segments"] for blk in seg["blocks"]]
+    assert block_at(snap_blocks, b)["requested_size"] == 3000
+    assert block_at(snap_blocks, b)["state"] == "inactive"
+    pool.free(c, stream=s)
+
+
 # --------------------------------------------------------------------------- expandable segments
 
 def test_an_expandable_segment_grows_in_place_and_gives_pages_back(up):

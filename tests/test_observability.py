@@ -278,7 +278,7 @@ def test_snapshot_has_pytorchs_segments_and_blocks(sim):
     assert snap["segments"] == [
         dict(common, address=BASE, total_size=2 * MiB, allocated_size=0, active_size=0,
              requested_size=0, stream=0, segment_type="small",
-             blocks=[block(BASE, 2 * MiB, 0, "inactive")]),
+             blocks=[block(BASE, 2 * MiB, 3000, "inactive")]),   # a's size, kept once free
         dict(common, address=BASE + 2 * MiB, total_size=20 * MiB, allocated_size=0,
              active_size=5 * MiB, requested_size=5 * MiB, stream=S1, segment_type="large",
              blocks=[block(BASE + 2 * MiB, 5 * MiB, 5 * MiB, "active_pending_free"),

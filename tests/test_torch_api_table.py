@@ -41,7 +41,8 @@ class Stats(ctypes.Structure):
 
 
 class BlockView(ctypes.Structure):
-    _fields_ = [("ptr", u), ("nbytes", sz), ("requested", sz), ("stream", u), ("state", i32)]
+    _fields_ = [("ptr", u), ("nbytes", sz), ("requested", sz), ("last_requested", sz),
+                ("stream", u), ("state", i32)]
 
 
 class SegmentView(ctypes.Structure):
@@ -107,7 +108,7 @@ class Api(ctypes.Structure):
 @pytest.fixture
 def api():
     table = Api.from_address(_core._torch_api_address())
-    assert table.version == 5
+    assert table.version == 6
     assert table.struct_size == ctypes.sizeof(Api), "the table's layout changed: update Api"
     yield table
 

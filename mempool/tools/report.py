@@ -237,8 +237,10 @@ def _segment_runs(seg: Mapping[str, Any], device: int) -> list[dict]:
         for b in run:
             state = BLOCK_STATES[b["state"]]
             req = int(_field(b, "requested_size", where, 0))
+            # As PyTorch's snapshot: a free block shows the size last requested of it.
+            shown = int(b.get("last_requested_size", req)) if state == "inactive" else req
             torch_blocks.append({"address": b["address"], "size": b["size"],
-                                 "requested_size": req, "state": state, "frames": []})
+                                 "requested_size": shown, "state": state, "frames": []})
             if b["state"] == BLOCK_ALLOCATED:
                 allocated += b["size"]
             if b["state"] in (BLOCK_ALLOCATED, BLOCK_PENDING):
@@ -297,7 +299,8 @@ def snapshot(segments: Iterable[Mapping[str, Any]],
         One dict per segment: ``address``, ``total_size`` (reserved bytes; address space
         for an expandable segment), ``mapped_size`` (optional; checked when given),
         ``stream``, ``is_small``, ``is_expandable`` and ``blocks``, a list of dicts
-        ``{address, size, requested_size, stream, state}`` that tile the segment, with
+        ``{address, size, requested_size, stream, state}`` (and ``last_requested_size``, which
+        a free block shows as its ``requested_size``, as PyTorch's does) that tile the segment, with
         ``state`` 0 free, 1 allocated, 2 pending free (waiting on other streams' events),
         3 unmapped (expandable segments only).
     traces : iterable of tuple, optional

@@ -574,6 +574,106 @@ def test_history_as_pytorchs_own_records_it():
     """)
 
 
+def test_a_blocks_stacks_are_never_shown_for_a_later_block_at_its_address():
+    """A block recorded with stacks and freed after history went off takes its stacks with
+    it: a block later made at the same address, recorded with no stacks, shows none (Note
+    [Kept block stacks]); one still live keeps its stacks after history goes off, as in
+    PyTorch."""
+    run("""
+        import json
+        def recorded_with_stacks():
+            return torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        def frames_of(snap, address):
+            for seg in snap["segments"]:
+                for b in seg["blocks"]:
+                    if b["address"] == address and b["state"] == "active_allocated":
+                        return json.dumps(b.get("frames", []))
+            raise AssertionError(f"no live block at {address:#x}")
+        torch.cuda.memory._record_memory_history("all", context="all", stacks="python")
+        x = recorded_with_stacks()
+        kept = recorded_with_stacks()
+        torch.cuda.memory._record_memory_history(None)
+        address = x.data_ptr()
+        assert "recorded_with_stacks" in frames_of(torch.cuda.memory._snapshot(), kept.data_ptr())
+        del x                                      # freed while history is off
+        torch.cuda.memory._record_memory_history("all", context=None, stacks="python")
+        y = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        assert y.data_ptr() == address, (hex(y.data_ptr()), hex(address))
+        text = frames_of(torch.cuda.memory._snapshot(), address)
+        assert "recorded_with_stacks" not in text, text
+        torch.cuda.memory._record_memory_history(None)
+        print("stacks ok")
+    """)
+
+
+def test_the_fraction_refuses_what_pytorchs_does_after_runtime_settings():
+    """PyTorch's own test_max_split_expandable: the memory fraction leaves room for 120 MiB
+    over what is reserved, settings change between allocations, and a fourth 40 MiB is
+    refused; all of it freed, 120 MiB then fits."""
+    run("""
+        import warnings
+        warnings.simplefilter("ignore")   # expandable_segments differs from the pool's: warned
+        mb = 1 << 20
+        torch.cuda.empty_cache()
+        total = torch.cuda.mem_get_info()[1]
+        pre = torch.cuda.memory_reserved()
+        torch.cuda.set_per_process_memory_fraction((120 * mb + pre) / total)
+        alloc = lambda n: torch.ones(n * mb, dtype=torch.int8, device="cuda")
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False,max_split_size_mb:40")
+        a = alloc(40)
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True,max_split_size_mb:40")
+        b = alloc(40)
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False,max_split_size_mb:40")
+        c = alloc(40)
+        try:
+            alloc(40)
+        except torch.OutOfMemoryError:
+            pass
+        else:
+            raise AssertionError(f"a fourth 40 MiB fitted: reserved {torch.cuda.memory_reserved()}, "
+                                 f"{pre} before, fraction {torch.cuda.get_per_process_memory_fraction()}")
+        del a, b, c
+        alloc(120)
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        print("fraction ok")
+    """)
+
+
+def test_caching_off_allocates_from_the_driver_outside_the_pool():
+    """torch.cuda.caching_allocator_enable(False), as on PyTorch's allocator: each request is
+    the driver's cudaMalloc, outside the pool and its statistics, freed by cudaFree whenever
+    it dies, caching back on or not (Note [Caching off])."""
+    run("""
+        torch.cuda.empty_cache()
+        stats = lambda: torch.cuda.memory_stats()["requested_bytes.all.allocated"]
+        stream = torch.cuda.current_stream().cuda_stream
+        before, reserved = stats(), torch.cuda.memory_reserved()
+        torch.cuda.caching_allocator_enable(False)
+        x = torch.ones(1 << 20, device="cuda")                  # 4 MiB of the driver's
+        raw = torch._C._cuda_cudaCachingAllocator_raw_alloc(1 << 20, stream)
+        assert stats() == before and torch.cuda.memory_reserved() == reserved
+        try:
+            torch.empty(1 << 48, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError as e:
+            assert "caching is off" in str(e), str(e)
+        else:
+            raise AssertionError("256 TiB fitted")
+        torch.cuda.caching_allocator_enable(True)
+        y = torch.ones(1 << 20, device="cuda")                  # the pool's again
+        assert stats() == before + (4 << 20), (stats(), before)
+        torch._C._cuda_cudaCachingAllocator_raw_delete(raw)     # the driver's, caching on
+        assert float(x.sum()) == 1 << 20
+        torch.cuda.synchronize()
+        free_before, counted = torch.cuda.mem_get_info()[0], torch.cuda.memory_stats()
+        del x                                                   # cudaFree
+        assert torch.cuda.mem_get_info()[0] >= free_before + (2 << 20)   # the driver has it back
+        after = torch.cuda.memory_stats()                       # and the pool saw nothing
+        for key in ("requested_bytes.all.freed", "allocated_bytes.all.current", "reserved_bytes.all.current"):
+            assert after[key] == counted[key], (key, after[key], counted[key])
+        print("caching off ok")
+    """)
+
+
 def test_the_profiler_sees_the_pools_allocations():
     """torch.profiler.profile(profile_memory=True) hears of each allocation and free, as from
     PyTorch's allocator (its memory timeline and _memory_viz's profile_plot read them)."""

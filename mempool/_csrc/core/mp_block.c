@@ -26,7 +26,7 @@ mp_block *mp_block_new_locked(mp_pool *p) {
     p->spare_blocks = b->fnext;
     /* Every field set (cheaper than a memset of the struct on the hot path). */
     b->ptr = 0;
-    b->nbytes = b->requested = 0;
+    b->nbytes = b->requested = b->last_requested = 0;
     b->seg = NULL;
     b->prev = b->next = b->fprev = b->fnext = NULL;
     b->stream = NULL;
@@ -149,6 +149,7 @@ static mp_block *absorb_into_neighbour_locked(mp_pool *p, mp_block *b) {
         if (b->next) b->next->prev = n;
     }
     n->nbytes += b->nbytes;
+    n->last_requested = b->last_requested;   /* as a merge into b would keep it */
     n->stream->lists[kind].nbytes += b->nbytes;
     /* n was split (b was its neighbour); it is whole now if it covers the segment */
     if (n->prev || n->next) {

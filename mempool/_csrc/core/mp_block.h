@@ -32,7 +32,7 @@ static inline mp_block *mp_live_block_locked(mp_pool *p, uintptr_t ptr) {
 static inline void mp_hand_out_locked(mp_pool *p, mp_block *b, size_t requested) {
     int kind = b->seg->kind;
     b->state = MP_BLOCK_ALLOCATED;
-    b->requested = requested;
+    b->requested = b->last_requested = requested;
     mp_stat3_inc(p->stats.allocation, kind, 1);
     mp_stat3_inc(p->stats.allocated_bytes, kind, (int64_t)b->nbytes);
     mp_stat3_inc(p->stats.requested_bytes, kind, (int64_t)requested);

@@ -267,6 +267,7 @@ enum { MP_BLOCK_FREE = 0, MP_BLOCK_ALLOCATED = 1, MP_BLOCK_PENDING = 2, MP_BLOCK
 typedef struct mp_block_view {
     uintptr_t ptr;
     size_t nbytes, requested;
+    size_t last_requested;      /* the bytes of the last request it served, free or not */
     uintptr_t stream;
     int state;
 } mp_block_view;

@@ -461,6 +461,7 @@ int mp_layout_take(mp_pool *p, mp_layout *out) {
             bv->ptr = b->ptr;
             bv->nbytes = b->nbytes;
             bv->requested = b->requested;
+            bv->last_requested = b->last_requested;
             bv->stream = b->stream->handle;
             bv->state = b->state;
         }

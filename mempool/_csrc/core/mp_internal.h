@@ -22,6 +22,9 @@ struct mp_block {
     uintptr_t ptr;
     size_t nbytes;
     size_t requested;            /* bytes asked for; 0 unless allocated or pending */
+    size_t last_requested;       /* bytes of the last request it served, kept once free: a
+                                    merge keeps the freed block's (PyTorch's snapshot shows
+                                    it as a free block's requested_size) */
     mp_segment *seg;
     mp_block *prev, *next;       /* neighbours in address order within the segment */
     mp_block *fprev, *fnext;     /* free: bin links; pending: pending-list links */

@@ -124,13 +124,15 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
  *     reported as one segment per run of mapped pages because PyTorch's viewer lays blocks
  *     end to end from a segment's address. The trace's segment entries come from the
  *     core's segment observer (Note [Segment observer], mp_core.h), set at install.
+ *   - torch.cuda.caching_allocator_enable(False) hands out the driver's own memory, outside
+ *     the pool (Note [Caching off], torch_allocator.cpp).
  *   - Refused with a message naming the feature: exporting a tensor to another process
- *     (pool memory has no legacy IPC handle; receiving works), MemPool(no_split=True), and
- *     disabling the allocator. */
-#define MP_TORCH_API_VERSION 5   /* 2: mp_layout lists each segment's physical allocations;
+ *     (pool memory has no legacy IPC handle; receiving works) and MemPool(no_split=True). */
+#define MP_TORCH_API_VERSION 6   /* 2: mp_layout lists each segment's physical allocations;
                                     3: the device's peaks with its private pools;
                                     4: the segment observer;
-                                    5: the device pool's options */
+                                    5: the device pool's options;
+                                    6: a block's last requested size in mp_layout */
 #define MP_TORCH_FIGURES 7
 
 typedef struct mp_torch_api {

@@ -163,6 +163,7 @@ struct IdHash {
 };
 
 void delete_block(void* ctx);
+void uncached_delete(void* ptr);
 
 class MempoolAllocator final : public CUDAAllocator {
  public:
@@ -171,6 +172,10 @@ class MempoolAllocator final : public CUDAAllocator {
     c10::DeviceIndex device = c10::cuda::current_device();
     if (nbytes == 0) {
       return {nullptr, nullptr, &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
+    }
+    if (C10_UNLIKELY(!enabled_.load(std::memory_order_relaxed))) {
+      void* ptr = uncached_alloc(device, nbytes);   // the deleter gets the context: ptr
+      return {ptr, ptr, &uncached_delete, c10::Device(c10::DeviceType::CUDA, device)};
     }
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
     uintptr_t tag = 0;
@@ -188,17 +193,27 @@ class MempoolAllocator final : public CUDAAllocator {
   void* raw_alloc(size_t nbytes) override {
     if (nbytes == 0) return nullptr;
     c10::DeviceIndex device = c10::cuda::current_device();
+    if (C10_UNLIKELY(!enabled_.load(std::memory_order_relaxed))) return uncached_raw_alloc(device, nbytes);
     uintptr_t tag = 0;
     return alloc_on(device, nbytes, c10::cuda::getCurrentCUDAStream(device).stream(), &tag);
   }
 
   void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
     if (nbytes == 0) return nullptr;
+    if (C10_UNLIKELY(!enabled_.load(std::memory_order_relaxed)))
+      return uncached_raw_alloc(c10::cuda::current_device(), nbytes);
     uintptr_t tag = 0;
     return alloc_on(c10::cuda::current_device(), nbytes, stream, &tag);
   }
 
-  void raw_delete(void* ptr) override { free_tagged(reinterpret_cast<uintptr_t>(ptr)); }
+  void raw_delete(void* ptr) override {
+    if (C10_UNLIKELY(n_uncached_raw_.load(std::memory_order_acquire) > 0) &&
+        forget_uncached_raw(ptr)) {
+      uncached_delete(ptr);
+      return;
+    }
+    free_tagged(reinterpret_cast<uintptr_t>(ptr));
+  }
 
   // ctx: the block's address with the tag of allocate() in its low bits.
   void free_tagged(uintptr_t ctx) {
@@ -214,6 +229,7 @@ class MempoolAllocator final : public CUDAAllocator {
     }
     int device = static_cast<int>(tag) - 1;
     if (tracing_.load(std::memory_order_relaxed)) record_free(device, ptr, 0, {0, 0});
+    else if (C10_UNLIKELY(contexts_kept_.load(std::memory_order_relaxed))) forget_context(ptr);
     if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
       int64_t nbytes = static_cast<int64_t>(block_size(device, ptr, {0, 0}));
       api->free(device, ptr);
@@ -387,11 +403,16 @@ class MempoolAllocator final : public CUDAAllocator {
     return {};
   }
 
-  void enable(bool value) override {
-    TORCH_CHECK(value, "mempool: the allocator cannot be disabled while installed "
-                       "(torch.cuda.memory._set_allocator_enabled(False) is not supported)");
-  }
-  bool isEnabled() const override { return true; }
+  // Note [Caching off]: torch.cuda.caching_allocator_enable(False), as PyTorch's own
+  // allocator takes it: from then on every allocation is the driver's own cudaMalloc and
+  // every free its cudaFree, outside the pool and its statistics (what memcheck needs to see
+  // each tensor's bounds, and what PyTorch's raw_alloc test checks). Blocks handed out
+  // before keep their pool; those handed out while caching is off are freed by the driver
+  // whenever they die, caching back on or not: a tensor's carries uncached_delete, and
+  // raw_alloc's pointers are remembered until raw_delete (a set, looked up only while it
+  // holds any). The pool's fast path pays one relaxed load of enabled_.
+  void enable(bool value) override { enabled_.store(value, std::memory_order_relaxed); }
+  bool isEnabled() const override { return enabled_.load(std::memory_order_relaxed); }
 
   // ---- snapshots and history -----------------------------------------------------------
   c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(MempoolId_t mempool_id,
@@ -458,6 +479,7 @@ class MempoolAllocator final : public CUDAAllocator {
       trace_.clear();
       annotations_.clear();
       live_contexts_.clear();
+      contexts_kept_.store(false, std::memory_order_relaxed);
     }
     // As PyTorch's own allocator: turning history off drops the trace recorded so far (a
     // snapshot is taken before), so the next recording starts empty.
@@ -737,6 +759,42 @@ class MempoolAllocator final : public CUDAAllocator {
   std::mutex ipc_mu_;   // guards ipc_open_
   std::unordered_map<std::string, std::weak_ptr<void>> ipc_open_;   // handle -> its mapping
 
+  // ---- caching off (Note [Caching off]) -------------------------------------------------
+  void* uncached_alloc(c10::DeviceIndex device, size_t nbytes) {
+    c10::cuda::CUDAGuard guard(device);
+    void* ptr = nullptr;
+    cudaError_t err = cudaMalloc(&ptr, nbytes);
+    if (err == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();   // clear it, as PyTorch does before raising
+      size_t free_bytes = 0, total = 0;
+      (void)cudaMemGetInfo(&free_bytes, &total);
+      TORCH_CHECK_WITH(OutOfMemoryError, false,
+                       cat("CUDA out of memory. Tried to allocate ", fmt_size(nbytes), ". GPU ",
+                           static_cast<int>(device), " has a total capacity of ",
+                           fmt_size(total), " of which ", fmt_size(free_bytes),
+                           " is free. mempool: caching is off "
+                           "(torch.cuda.caching_allocator_enable(False)), so this was the "
+                           "driver's cudaMalloc, outside the pool."));
+    }
+    C10_CUDA_CHECK(err);
+    return ptr;
+  }
+
+  void* uncached_raw_alloc(c10::DeviceIndex device, size_t nbytes) {
+    void* ptr = uncached_alloc(device, nbytes);
+    std::lock_guard<std::mutex> lock(uncached_mu_);
+    uncached_raw_.insert(reinterpret_cast<uintptr_t>(ptr));
+    n_uncached_raw_.store(static_cast<int64_t>(uncached_raw_.size()), std::memory_order_release);
+    return ptr;
+  }
+
+  bool forget_uncached_raw(void* ptr) {
+    std::lock_guard<std::mutex> lock(uncached_mu_);
+    if (!uncached_raw_.erase(reinterpret_cast<uintptr_t>(ptr))) return false;
+    n_uncached_raw_.store(static_cast<int64_t>(uncached_raw_.size()), std::memory_order_release);
+    return true;
+  }
+
   // ---- allocation ------------------------------------------------------------------------
   void* alloc_on(int device, size_t nbytes, cudaStream_t stream, uintptr_t* tag) {
     if (n_routes_[device_slot(device)].load(std::memory_order_acquire) > 0) {
@@ -851,6 +909,7 @@ class MempoolAllocator final : public CUDAAllocator {
     }
     n_private_blocks_.fetch_sub(1, std::memory_order_release);
     if (tracing_.load(std::memory_order_relaxed)) record_free(pp->device, ptr, 0, pp->id);
+    else if (C10_UNLIKELY(contexts_kept_.load(std::memory_order_relaxed))) forget_context(ptr);
     if (C10_UNLIKELY(c10::memoryProfilingEnabled())) report_to_profiler(pp->device, ptr, pp->id, -1);
     if (pp->custom) {
       pp->custom->raw_delete(reinterpret_cast<void*>(ptr));
@@ -1085,7 +1144,12 @@ class MempoolAllocator final : public CUDAAllocator {
     flush_segments(when >= RecordContext::ALLOC ? ctx : nullptr,
                    when >= RecordContext::ALL ? ctx : nullptr);
     std::lock_guard<std::mutex> lock(history_mu_);
-    if (ctx) live_contexts_[ptr] = ctx;
+    if (ctx) {
+      live_contexts_[ptr] = ctx;
+      contexts_kept_.store(true, std::memory_order_relaxed);
+    } else {
+      erase_context_locked(ptr);
+    }
     if (skip_.count("alloc")) return;
     push_trace_locked(entry_locked(TraceEntry::ALLOC, device, ptr, nbytes, stream, pool,
                                    c10::getApproximateTime(),
@@ -1098,7 +1162,7 @@ class MempoolAllocator final : public CUDAAllocator {
     std::shared_ptr<c10::GatheredContext> ctx = gather_context(RecordContext::ALL, &when);
     flush_segments(ctx, ctx);
     std::lock_guard<std::mutex> lock(history_mu_);
-    live_contexts_.erase(ptr);
+    erase_context_locked(ptr);
     auto time = c10::getApproximateTime();
     // The pool returns the block to its free lists at once (reuse on other streams waits
     // for their events inside the pool), so the free completes when it is requested.
@@ -1108,6 +1172,22 @@ class MempoolAllocator final : public CUDAAllocator {
     if (!skip_.count("free_completed"))
       push_trace_locked(
           entry_locked(TraceEntry::FREE_COMPLETED, device, ptr, nbytes, nullptr, pool, time, ctx));
+  }
+
+  // Note [Kept block stacks]: as PyTorch's allocator keeps a block's allocation stacks on the
+  // block, the snapshot shows them for as long as the block lives, history on or off. Here
+  // they live in live_contexts_ by address, so a block recorded while history was on and
+  // freed after it went off must still leave the map: otherwise a later block at the same
+  // address showed the dead one's stacks (PyTorch's test_memory_plots found a test's name
+  // in a snapshot recorded with no stacks). contexts_kept_ says the map holds something;
+  // frees look it up only then, and only while nothing is traced (record_free erases).
+  void forget_context(uintptr_t ptr) {
+    std::lock_guard<std::mutex> lock(history_mu_);
+    erase_context_locked(ptr);
+  }
+  void erase_context_locked(uintptr_t ptr) {
+    if (live_contexts_.erase(ptr) && live_contexts_.empty())
+      contexts_kept_.store(false, std::memory_order_relaxed);
   }
 
   // A trace entry as PyTorch's allocator records every one: with the compile context in
@@ -1228,7 +1308,12 @@ class MempoolAllocator final : public CUDAAllocator {
       std::shared_ptr<c10::GatheredContext> ctx;
       if (a->action == TraceEntry::SEGMENT_ALLOC || a->action == TraceEntry::SEGMENT_MAP) {
         ctx = grown;
-        if (a->action == TraceEntry::SEGMENT_ALLOC && ctx) segment_contexts_[e.ptr] = ctx;
+        // A segment allocated with no stacks replaces whatever an earlier segment at its
+        // address left (one freed while nothing was traced never had its segment_free).
+        if (a->action == TraceEntry::SEGMENT_ALLOC) {
+          if (ctx) segment_contexts_[e.ptr] = ctx;
+          else segment_contexts_.erase(e.ptr);
+        }
       } else {
         auto it = segment_contexts_.find(e.ptr);
         ctx = released ? released : (it != segment_contexts_.end() ? it->second : nullptr);
@@ -1299,7 +1384,9 @@ class MempoolAllocator final : public CUDAAllocator {
         }
         BlockInfo bi;
         bi.size = bv.nbytes;
-        bi.requested_size = bv.requested;
+        // As PyTorch's: a free block shows the size last requested of it (its own, or that of
+        // the block freed last into it), which _memory_viz's plots read.
+        bi.requested_size = bv.state == MP_BLOCK_FREE ? bv.last_requested : bv.requested;
         bi.allocated = bv.state == MP_BLOCK_ALLOCATED;
         bi.active = bv.state == MP_BLOCK_ALLOCATED || bv.state == MP_BLOCK_PENDING;
         if (bi.allocated) {
@@ -1341,6 +1428,12 @@ class MempoolAllocator final : public CUDAAllocator {
   std::atomic<int> n_routes_[MP_TORCH_MAX_DEVICES] = {};
   std::atomic<int64_t> n_private_blocks_{0};
   std::atomic<int> captures_{0};
+  // Note [Caching off]: whether the pool serves allocations, and raw_alloc's pointers from
+  // the driver while it did not (guarded by uncached_mu_; n_uncached_raw_ is their count).
+  std::atomic<bool> enabled_{true};
+  std::mutex uncached_mu_;
+  std::unordered_set<uintptr_t> uncached_raw_;
+  std::atomic<int64_t> n_uncached_raw_{0};
   // History: guarded by history_mu_ (history_on_ is read without it on the hot path).
   // tracing_: history is on or a trace tracker is attached, so allocations, frees and segment
   // events are recorded; the trace keeps them only while history is on, the trackers
@@ -1362,6 +1455,7 @@ class MempoolAllocator final : public CUDAAllocator {
   c10::ApproximateClockToUnixTimeConverter clock_converter_;
   std::unordered_set<std::string> skip_;
   std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> live_contexts_;
+  std::atomic<bool> contexts_kept_{false};   // live_contexts_ is not empty (Note [Kept block stacks])
   std::vector<std::string> compile_contexts_;
   std::string user_metadata_;
   // Note [Segment event stacks]: the allocation stacks of each segment whose segment_alloc
@@ -1378,6 +1472,11 @@ MempoolAllocator* the_allocator = nullptr;
 
 void delete_block(void* ctx) {
   if (ctx && the_allocator) the_allocator->free_tagged(reinterpret_cast<uintptr_t>(ctx));
+}
+
+// A block of the driver's own, allocated while caching was off (Note [Caching off]).
+void uncached_delete(void* ptr) {
+  if (ptr) C10_CUDA_CHECK_WARN(cudaFree(ptr));
 }
 
 }  // namespace
