@@ -106,6 +106,7 @@ cdef extern from "mp_core.h" nogil:
         int expandable_segments
         size_t expandable_reserve
         size_t max_map_size
+        size_t min_map_size
 
     void mp_config_default(mp_config *cfg)
 

@@ -239,6 +239,13 @@ def _parse_max_map_size(value: Any, key: str) -> int | None:
     return n
 
 
+def _parse_min_map_size(value: Any, key: str) -> int | None:
+    accepted = ("a size: an int (bytes) or a string such as '64MiB'; or None / 'none' / 0 "
+                "(the default: a growth maps what its request needs)")
+    n = _size_or_none(value, key, accepted)
+    return n or None
+
+
 def _parse_max_split_size(value: Any, key: str) -> int | None:
     accepted = (f"a size of at least {_mib(MIN_MAX_SPLIT_SIZE)}, or None / 'none' / "
                 "'unlimited' (split every block)")
@@ -570,6 +577,13 @@ OPTIONS: dict[str, Option] = {
         "only whole (None = 1 GiB, or one page when a limit is set; the page size = one "
         "allocation per page)",
         _parse_max_map_size, "256MiB", sized=True),
+    "min_map_size": Option(
+        None, "size or None",
+        "the least bytes a growth of expandable segments at the end of a range maps (whole "
+        "pages, one physical allocation): fewer, larger driver allocations for a little more "
+        "mapped at the peak; holes are still filled to the page, and a pool with a limit "
+        "ignores it (None = what the request needs)",
+        _parse_min_map_size, "64MiB", sized=True),
     "pool_handle": Option(
         "create", "'create', 'default', 'current' or int",
         "which cudaMemPool supplies segments: a new one, the device's default or current "

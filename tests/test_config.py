@@ -32,6 +32,7 @@ DEFAULTS = {
     "expandable_segments": False,
     "granularity": None,
     "max_map_size": None,
+    "min_map_size": None,
     "pool_handle": "create",
     "reuse_follow_event_dependencies": True,
     "reuse_allow_opportunistic": True,

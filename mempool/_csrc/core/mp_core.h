@@ -33,6 +33,9 @@ typedef struct mp_config {
     size_t max_map_size;         /* expandable: most bytes one physical allocation of a growth
                                     holds (rounded down to pages); 0 = MP_DEFAULT_MAX_MAP, or
                                     one page under a limit */
+    size_t min_map_size;         /* expandable: the least bytes a growth at a range's edge
+                                    maps (rounded up to pages); 0 = what the request needs.
+                                    Not under a limit (Note [Edge growth] in mp_expand.c) */
     int keep_idle;               /* give no idle segment back on its own: only mp_empty_cache,
                                     mp_trim, the release threshold and an out-of-memory retry
                                     release (Note [Keep idle], mp_core.c) */
