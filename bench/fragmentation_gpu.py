@@ -222,6 +222,10 @@ def main(argv=None) -> int:
                     help="also mempool expandable rows with these max_map_size values (the "
                          "most bytes of one physical allocation), e.g. page,64MiB; 'page' = "
                          "one allocation per page, as before growth extents")
+    ap.add_argument("--min-map", default="64MiB",
+                    help="mempool expandable rows with these min_map_size values (the least "
+                         "a growth at a range's end maps, Note [Edge growth]; default 64MiB; "
+                         "'' for none)")
     ap.add_argument("--driver-rows", action="store_true",
                     help="also mempool default rows with the device synchronized at each "
                          "step, as before 2026-12-03 (its cudaMemPool keeping every freed "
@@ -245,6 +249,9 @@ def main(argv=None) -> int:
     results = {"rows": []}
     mempool_rows = [("mempool default", {}),
                     ("mempool expandable_segments:True", {"expandable_segments": True})]
+    for least in filter(None, args.min_map.split(",")):
+        mempool_rows.append((f"mempool expandable, min_map_size {least}",
+                             {"expandable_segments": True, "min_map_size": least}))
     if args.driver_rows:
         mempool_rows[1:1] = [("mempool default, synced steps", {"sync_steps": True}),
                              ("mempool default as before 2026-12-03",
