@@ -48,6 +48,12 @@ class SmallMaps(ExpandableMachine):
     options = {"max_map_size": 4 * MiB, "release_threshold": 8 * MiB}
 
 
+class EdgeGrowth(ExpandableMachine):
+    # growths at a range's end map at least 16 MiB as one allocation (Note [Edge growth]),
+    # with small maps and a threshold so that releases meet those allocations too
+    options = {"min_map_size": 16 * MiB, "max_map_size": 8 * MiB, "release_threshold": 8 * MiB}
+
+
 class Pinned(ExpandableMachine):
     options = {"initial_pool_size": 9 * MiB, "granularity": 1 << 20}
 
@@ -58,7 +64,8 @@ TestLimitedAndCollected = LimitedAndCollected.TestCase
 TestReleaseEagerly = ReleaseEagerly.TestCase
 TestPinned = Pinned.TestCase
 TestSmallMaps = SmallMaps.TestCase
+TestEdgeGrowth = EdgeGrowth.TestCase
 for case in (TestExpandable, TestSmallPages, TestLimitedAndCollected, TestReleaseEagerly,
-             TestPinned, TestSmallMaps):
+             TestPinned, TestSmallMaps, TestEdgeGrowth):
     case.settings = SETTINGS
 del case   # the loop variable: not a test of its own (pytest would run that case twice)
