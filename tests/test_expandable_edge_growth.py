@@ -82,6 +82,23 @@ def test_a_pool_with_a_limit_maps_only_what_its_requests_need(sim):
         pool.free(p)
 
 
+def test_a_request_the_device_holds_is_never_refused_for_the_rounding(sim):
+    """The device may hold the request and not the rounded growth (another range took its
+    memory): the exact growth follows at once, before any release or wait."""
+    pool = sim(expandable_segments=True, capacity=100 * MiB, min_map_size=64 * MiB)
+    a = pool.alloc(50 * MiB)                    # the large range maps 64 MiB
+    assert pool.reserved_bytes() == 64 * MiB
+    retries = pool.stats()["num_alloc_retries"]
+    b = pool.alloc(4096)                        # the small range: 64 MiB do not fit, 2 do
+    assert pool.reserved_bytes() == 66 * MiB
+    assert pool.stats()["num_alloc_retries"] == retries and pool.stats()["num_device_free"] == 0
+    c = pool.alloc(30 * MiB)                    # 14 MiB free at the large edge, 16 more fit
+    assert pool.reserved_bytes() == 82 * MiB
+    for p in (a, b, c):
+        pool.free(p)
+    pool.check_invariants()
+
+
 def test_a_growing_loop_makes_fewer_allocations_for_a_little_more_at_the_peak(sim):
     """What the option trades: a warm-up of many small growths at the edge (the shipped
     traces' pattern) in fewer map calls, the peak at most min_map_size a range higher."""

@@ -810,6 +810,7 @@ typedef struct grow_plan {
     mp_block *u;          /* the unmapped block mapped into */
     uintptr_t at;         /* first byte mapped (page-aligned, inside u) */
     size_t nbytes;        /* bytes mapped */
+    size_t need;          /* bytes the request needs mapped (< nbytes: Note [Edge growth]) */
     uintptr_t lo, hi;     /* u with the free neighbours it joins: kept out of releases */
 } grow_plan;
 
@@ -829,10 +830,15 @@ static int free_of(const mp_block *b, const mp_stream *s) {
  * the transformer trace from 254 allocations to 89 and the vision trace from 280 to 65 (the
  * default path's fixed segments on cuda: 108 and 100), for a peak of 1.0271 against 1.0155
  * and 1.0079 against 1.0079 of peak live (bench/results/2026-12-06-cpu-sim-edge-growth.md).
- * Under a limit every free page must be able to go (max_map_bytes), so there it is ignored. */
-static size_t edge_growth(const mp_pool *p, const mp_block *u, uintptr_t at, size_t n) {
+ * Under a limit every free page must be able to go (max_map_bytes), so there it is ignored.
+ * The device may not hold the rounded growth where it holds the request: a rounded map the
+ * device refuses is not followed by releases or a wait but by the exact growth at once (the
+ * caller's `exact`, mp_expand_alloc_locked), so the option never makes a request fail that
+ * would fit without it. */
+static size_t edge_growth(const mp_pool *p, const mp_block *u, uintptr_t at, size_t n,
+                          int exact) {
     size_t least = p->cfg.min_map_size;
-    if (!least || u->next || at != u->ptr || p->cfg.limit != MP_UNLIMITED) return n;
+    if (exact || !least || u->next || at != u->ptr || p->cfg.limit != MP_UNLIMITED) return n;
     least = mp_round_up(least, p->up.granularity);
     if (least <= n) return n;
     return least < u->nbytes ? least : u->nbytes;
@@ -843,7 +849,7 @@ static size_t edge_growth(const mp_pool *p, const mp_block *u, uintptr_t at, siz
  * at the end of a range at least min_map_size (Note [Edge growth]). 0 when the range has no
  * room left. */
 static int plan_growth_locked(const mp_pool *p, mp_segment *seg, mp_stream *s, size_t size,
-                              grow_plan *out) {
+                              int exact, grow_plan *out) {
     size_t g = p->up.granularity;
     int found = 0;
     size_t best = 0;   /* the fewest new bytes a candidate needs (before Note [Edge growth]) */
@@ -864,7 +870,8 @@ static int plan_growth_locked(const mp_pool *p, mp_segment *seg, mp_stream *s, s
         best = n;
         out->u = u;
         out->at = at;
-        out->nbytes = edge_growth(p, u, at, n);
+        out->need = n;
+        out->nbytes = edge_growth(p, u, at, n, exact);
         out->lo = left ? u->prev->ptr : u->ptr;
         out->hi = u->ptr + u->nbytes + right;
     }
@@ -922,7 +929,8 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
          * back). */
         extents_remove(seg, m->ptr, m->ptr + m->nbytes);
         merge_unmapped_locked(p, m);
-        if (rc == MP_ENOMEM && !mp_capture_stream_locked(p, s) &&   /* Note [Graph capture] */
+        if (rc == MP_ENOMEM && plan->nbytes == plan->need &&   /* Note [Edge growth] */
+            !mp_capture_stream_locked(p, s) &&                  /* Note [Graph capture] */
             release_pages_locked(p, plan->nbytes, plan->lo, plan->hi, 1, NULL)) {
             p->stats.num_alloc_retries++;
             return MP_OK;
@@ -962,9 +970,12 @@ static size_t high_water_div_locked(const mp_pool *p, size_t size, size_t need,
 
 /* Make a free block of at least `size` in s's range by mapping pages, and hand it out
  * (*out; NULL when the pool changed meanwhile: search again). MP_ENOMEM / MP_ELIMIT when it
- * cannot grow. */
-static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_block **out) {
+ * cannot grow. exact: map only what the request needs; *rounded: the device refused a
+ * growth that Note [Edge growth] had made larger than that. */
+static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, int exact,
+                       int *rounded, mp_block **out) {
     *out = NULL;
+    *rounded = 0;
     /* A new range is reserved with the lock dropped: other threads may have freed blocks
      * of s meanwhile, so the caller searches again before planning in it. */
     int reserving = !s->expandable[kind];
@@ -972,7 +983,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_block
     if (!seg) return MP_ENOMEM;
     if (reserving) return MP_OK;
     grow_plan plan = {0};
-    if (!plan_growth_locked(p, seg, s, size, &plan)) {
+    if (!plan_growth_locked(p, seg, s, size, exact, &plan)) {
         /* The range's address space is used up (by blocks, or by holes too small for the
          * request): a new range takes over the growth; the old one keeps its blocks. */
         if (!seg->mapped_bytes || size > seg->nbytes) return MP_ENOMEM;
@@ -1015,13 +1026,16 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_block
         return MP_OK;   /* re-plan */
     }
     if (mp_limit_excess_locked(p, plan.nbytes)) return MP_ELIMIT;
-    return map_locked(p, seg, s, &plan, size, out);
+    int rc = map_locked(p, seg, s, &plan, size, out);
+    *rounded = rc == MP_ENOMEM && plan.nbytes > plan.need;
+    return rc;
 }
 
 int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
                            mp_release_list *rel, mp_block **out) {
     /* rel: expandable pools release pages here, not whole segments; it tells the capture. */
     int rc = MP_ENOMEM, stage = 0;
+    int exact = 0;   /* Note [Edge growth]: the device refused a rounded growth */
     for (int round = 0; round < 32; round++) {
         if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
         if (p->nhot) {
@@ -1030,9 +1044,14 @@ int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
             mp_hot_flush_locked(p);
             if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
         }
-        rc = grow_locked(p, s, kind, size, out);
+        int rounded = 0;
+        rc = grow_locked(p, s, kind, size, exact, &rounded, out);
         if (rc == MP_OK) {
             if (*out) return MP_OK;
+            continue;
+        }
+        if (rounded) {   /* the exact growth, before any release or wait */
+            exact = 1;
             continue;
         }
         if (rc != MP_ENOMEM && rc != MP_ELIMIT) return rc;
@@ -1062,7 +1081,7 @@ int mp_expand_reserve_initial(mp_pool *p, size_t nbytes) {
     mp_block *b = NULL;
     grow_plan plan = {0};
     /* As for plain segments, the initial reservation is not held to the limit. */
-    int rc = seg && plan_growth_locked(p, seg, s, nbytes, &plan)
+    int rc = seg && plan_growth_locked(p, seg, s, nbytes, 1, &plan)
                  ? map_locked(p, seg, s, &plan, nbytes, &b) : MP_ENOMEM;
     if (rc == MP_OK && !b) rc = MP_ENOMEM;
     if (rc == MP_OK) {

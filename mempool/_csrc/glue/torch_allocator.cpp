@@ -193,7 +193,8 @@ class MempoolAllocator final : public CUDAAllocator {
   void* raw_alloc(size_t nbytes) override {
     if (nbytes == 0) return nullptr;
     c10::DeviceIndex device = c10::cuda::current_device();
-    if (C10_UNLIKELY(!enabled_.load(std::memory_order_relaxed))) return uncached_raw_alloc(device, nbytes);
+    if (C10_UNLIKELY(!enabled_.load(std::memory_order_relaxed)))
+      return uncached_raw_alloc(device, nbytes);
     uintptr_t tag = 0;
     return alloc_on(device, nbytes, c10::cuda::getCurrentCUDAStream(device).stream(), &tag);
   }
@@ -403,14 +404,14 @@ class MempoolAllocator final : public CUDAAllocator {
     return {};
   }
 
-  // Note [Caching off]: torch.cuda.caching_allocator_enable(False), as PyTorch's own
-  // allocator takes it: from then on every allocation is the driver's own cudaMalloc and
-  // every free its cudaFree, outside the pool and its statistics (what memcheck needs to see
-  // each tensor's bounds, and what PyTorch's raw_alloc test checks). Blocks handed out
-  // before keep their pool; those handed out while caching is off are freed by the driver
-  // whenever they die, caching back on or not: a tensor's carries uncached_delete, and
-  // raw_alloc's pointers are remembered until raw_delete (a set, looked up only while it
-  // holds any). The pool's fast path pays one relaxed load of enabled_.
+  // Note [Caching off]
+  // torch.cuda.caching_allocator_enable(False), as PyTorch's own allocator takes it: from then on
+  // every allocation is the driver's own cudaMalloc and every free its cudaFree, outside the pool
+  // and its statistics (what memcheck needs to see each tensor's bounds, and what PyTorch's
+  // raw_alloc test checks). Blocks handed out before keep their pool; those handed out while
+  // caching is off are freed by the driver whenever they die, caching back on or not: a tensor's
+  // carries uncached_delete, and raw_alloc's pointers are remembered until raw_delete (a set,
+  // looked up only while it holds any). The pool's fast path pays one relaxed load of enabled_.
   void enable(bool value) override { enabled_.store(value, std::memory_order_relaxed); }
   bool isEnabled() const override { return enabled_.load(std::memory_order_relaxed); }
 
@@ -1174,13 +1175,14 @@ class MempoolAllocator final : public CUDAAllocator {
           entry_locked(TraceEntry::FREE_COMPLETED, device, ptr, nbytes, nullptr, pool, time, ctx));
   }
 
-  // Note [Kept block stacks]: as PyTorch's allocator keeps a block's allocation stacks on the
-  // block, the snapshot shows them for as long as the block lives, history on or off. Here
-  // they live in live_contexts_ by address, so a block recorded while history was on and
-  // freed after it went off must still leave the map: otherwise a later block at the same
-  // address showed the dead one's stacks (PyTorch's test_memory_plots found a test's name
-  // in a snapshot recorded with no stacks). contexts_kept_ says the map holds something;
-  // frees look it up only then, and only while nothing is traced (record_free erases).
+  // Note [Kept block stacks]
+  // As PyTorch's allocator keeps a block's allocation stacks on the block, the snapshot shows them
+  // for as long as the block lives, history on or off. Here they live in live_contexts_ by
+  // address, so a block recorded while history was on and freed after it went off must still leave
+  // the map: otherwise a later block at the same address showed the dead one's stacks (PyTorch's
+  // test_memory_plots found a test's name in a snapshot recorded with no stacks). contexts_kept_
+  // says the map holds something; frees look it up only then, and only while nothing is traced
+  // (record_free erases).
   void forget_context(uintptr_t ptr) {
     std::lock_guard<std::mutex> lock(history_mu_);
     erase_context_locked(ptr);
@@ -1455,7 +1457,8 @@ class MempoolAllocator final : public CUDAAllocator {
   c10::ApproximateClockToUnixTimeConverter clock_converter_;
   std::unordered_set<std::string> skip_;
   std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> live_contexts_;
-  std::atomic<bool> contexts_kept_{false};   // live_contexts_ is not empty (Note [Kept block stacks])
+  // live_contexts_ is not empty (Note [Kept block stacks])
+  std::atomic<bool> contexts_kept_{false};
   std::vector<std::string> compile_contexts_;
   std::string user_metadata_;
   // Note [Segment event stacks]: the allocation stacks of each segment whose segment_alloc
