@@ -99,6 +99,17 @@ def test_a_request_the_device_holds_is_never_refused_for_the_rounding(sim):
     pool.check_invariants()
 
 
+def test_a_minimum_past_the_range_maps_the_whole_tail_and_never_wraps(sim):
+    """A minimum as large as the range, or past any size (2**64 - 2 bytes rounded up to a
+    page would wrap to a few pages), maps the whole unmapped tail when the device holds it."""
+    for least in (GiB, 1 << 62, (1 << 64) - 2):
+        pool = sim(expandable_segments=True, capacity=GiB, min_map_size=least)
+        a = pool.alloc(3 * MiB)
+        assert pool.reserved_bytes() == GiB == pool.layout()[0]["total_size"], least
+        pool.free(a)
+        pool.check_invariants()
+
+
 def test_a_growing_loop_makes_fewer_allocations_for_a_little_more_at_the_peak(sim):
     """What the option trades: a warm-up of many small growths at the edge (the shipped
     traces' pattern) in fewer map calls, the peak at most min_map_size a range higher."""

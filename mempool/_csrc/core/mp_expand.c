@@ -839,9 +839,9 @@ static size_t edge_growth(const mp_pool *p, const mp_block *u, uintptr_t at, siz
                           int exact) {
     size_t least = p->cfg.min_map_size;
     if (exact || !least || u->next || at != u->ptr || p->cfg.limit != MP_UNLIMITED) return n;
-    least = mp_round_up(least, p->up.granularity);
-    if (least <= n) return n;
-    return least < u->nbytes ? least : u->nbytes;
+    if (least >= u->nbytes) return u->nbytes;   /* the whole tail (no rounding past it) */
+    least = mp_round_up(least, p->up.granularity);   /* <= u->nbytes: a whole number of pages */
+    return least > n ? least : n;
 }
 
 /* Where to map so that a free block of s holds `size`: the unmapped block that, joined with
