@@ -796,8 +796,10 @@ cdef class Pool:
         out["num_stream_syncs"] = st.num_stream_syncs
         out["num_event_records"] = st.num_event_records
         out["num_stream_queries"] = st.num_stream_queries
-        mss = self.options["max_split_size"]
-        out["max_split_size"] = -1 if mss is None else mss
+        # The core's own: a policy set from C (a private pool following its device's, Note
+        # [Private pools follow the size policy]) reaches it and not self.options.
+        cdef size_t mss = mp_pool_config(self._pool).max_split_size
+        out["max_split_size"] = -1 if mss == MP_UNLIMITED else <int64_t>mss
         if self._kind == _CUDA:
             out.update(_cuda_stats(self._cuda_handle))
         return out

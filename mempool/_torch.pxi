@@ -94,6 +94,48 @@ def _torch_entry_points():
 _torch_seen_pools = set()
 
 
+def _torch_follow_size_policy(Pool pool not None):
+    """Note [Private pools follow the size policy] (mp_torch.c): when `pool` is the one
+    routed to its device, give that device's live private pools (CUDA graphs', MemPools')
+    its size policy as it is now. True when it did; False for a pool that is not routed."""
+    cdef int d = pool.device_id
+    if _torch_pools.get(d) is not pool:
+        return False
+    cdef int rc
+    with nogil:
+        rc = mp_torch_follow_size_policy(d)
+    if rc != MP_OK:
+        raise RuntimeError(f"device {d}: the private pools refused the size policy (code {rc})")
+    return True
+
+
+# For tests of Note [Private pools follow the size policy]: pools listed as private pools of
+# a device (a sim pool stands for a graph's, which only the cuda upstream makes), each
+# retained by the list until _torch_release_private.
+_torch_tracked_privates = {}
+
+
+def _torch_track_private(device, Pool pool not None):
+    """List `pool` as a private pool of `device`, as the table's private_pool_create does."""
+    cdef int d = _torch_check_device(device)
+    pool._ready()
+    if id(pool) in _torch_tracked_privates:
+        raise ValueError("the pool is listed already")
+    mp_pool_retain(pool._pool)
+    cdef int rc = mp_torch_private_track(d, pool._pool)
+    if rc != MP_OK:
+        mp_pool_release(pool._pool)
+        raise RuntimeError(f"device {d}: listing the private pool failed (code {rc})")
+    _torch_tracked_privates[id(pool)] = pool
+
+
+def _torch_release_private(Pool pool not None):
+    """Take `pool` off the list, as the table's pool_release does."""
+    if _torch_tracked_privates.pop(id(pool), None) is None:
+        raise ValueError("the pool is not listed")
+    mp_torch_private_release(pool._pool)
+
+
 def _torch_pool_address(device):
     """The address of the pool routed to `device` (0 for none): what an entry point reads
     from the table. For tests of Note [Torch table lifetime]."""

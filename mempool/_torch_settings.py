@@ -20,13 +20,14 @@ the installed pools as it would on PyTorch's allocator:
 
 The string is read here before PyTorch sees it: a value the pool refuses raises and
 changes nothing, in PyTorch or in the pools. PyTorch's errors for a malformed string are
-its own, and the pools change only once PyTorch has taken the string. Private pools the
-glue makes for CUDA graphs and ``MemPool`` copy the device pool's policy when they are
-made, so those made after the call follow it.
+its own, and the pools change only once PyTorch has taken the string. The private pools
+the glue makes for CUDA graphs and ``MemPool`` take the device pool's rounding and split
+limit too, those made before the call included, as PyTorch's private pools read its one
+config (Note [Private pools follow the size policy] in ``mempool/_csrc/glue/mp_torch.c``).
 """
 import warnings
 
-from mempool import _config
+from mempool import _config, _core
 
 HOST_KEY_PREFIX = "pinned_"
 # The keys applied to the pools, as PyTorch spells them in a settings string.
@@ -102,6 +103,8 @@ def apply(settings, pools, parsed=None):
         else:
             pool_policy = policy
         pool.set_size_policy(**pool_policy)
+        # Note [Private pools follow the size policy]: the device's graphs and MemPools too
+        _core._torch_follow_size_policy(pool)
     if expandable is not None:
         for pool in pools:
             if bool(pool.options["expandable_segments"]) != expandable:

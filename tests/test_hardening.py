@@ -64,6 +64,7 @@ def test_short_or_odd_dlpack_tuples_are_a_type_error(kwargs):
 # ---- objects never initialised --------------------------------------------------------------
 
 UNINITIALISED = [
+    "_core._torch_track_private(0, mempool.Pool.__new__(mempool.Pool))",
     "mempool.Pool.__new__(mempool.Pool).alloc(16)",
     "mempool.Pool.__new__(mempool.Pool).free(16)",
     "mempool.Pool.__new__(mempool.Pool).stats()",
@@ -139,6 +140,9 @@ def test_device_and_buffer_constructors_point_to_their_maker(cls):
 
 NONE_ARGS = [
     "_core._torch_register(0, None)",
+    "_core._torch_track_private(0, None)",
+    "_core._torch_release_private(None)",
+    "_core._torch_follow_size_policy(None)",
     "_core._export_simulated(None)",
 ]
 

@@ -103,6 +103,46 @@ def test_every_installed_pool_follows(memory):
     assert [block_size(p, 5 * MiB // 2) for p in pools] == [3 * MiB, 3 * MiB]
 
 
+def test_the_private_pools_of_a_routed_device_follow_too(memory):
+    """Note [Private pools follow the size policy]: PyTorch's graphs and MemPools read its
+    one config, so a runtime change reaches the private pools the glue made before it (a
+    sim pool listed as one stands for a graph's); the collection threshold stays off there,
+    and a private pool once released follows no more."""
+    from mempool import _core
+    settings, _, pools = memory
+    device = 6
+    routed = sim(device=device)
+    _core._torch_register(device, routed)
+    graph, gone, elsewhere = sim(device=device), sim(device=device), sim(device=device)
+    try:
+        _core._torch_track_private(device, graph)
+        _core._torch_track_private(device, gone)
+        _core._torch_track_private(device + 1, elsewhere)     # another device's: untouched
+        _core._torch_release_private(gone)
+        pools.append(routed)
+        settings("roundup_power2_divisions:2,max_split_size_mb:64,"
+                 "garbage_collection_threshold:0.5")
+        for pool in (routed, graph):
+            assert block_size(pool, 5 * MiB // 2) == 3 * MiB
+            assert pool.stats()["max_split_size"] == 64 * MiB
+        assert routed.options["garbage_collection_threshold"] == 0.5
+        for pool in (gone, elsewhere):
+            assert block_size(pool, 5 * MiB // 2) == 5 * MiB // 2
+            assert pool.stats()["max_split_size"] == -1
+        settings("")                                           # all three back to none
+        assert block_size(graph, 5 * MiB // 2) == 5 * MiB // 2
+        assert graph.stats()["max_split_size"] == -1
+        assert _core._torch_follow_size_policy(gone) is False  # not routed: nothing to do
+    finally:
+        _core._torch_release_private(graph)
+        _core._torch_release_private(elsewhere)
+        _core._torch_unregister(device)
+    for pool in (routed, graph, gone, elsewhere):
+        pool.check_invariants()
+    with pytest.raises(ValueError, match="not listed"):
+        _core._torch_release_private(graph)
+
+
 def test_a_value_the_pool_refuses_changes_nothing_anywhere(memory):
     settings, calls, pools = memory
     pool = sim(roundup_power2_divisions=4)

@@ -458,6 +458,70 @@ void mp_torch_private_config(const mp_config *device_cfg, mp_config *out) {
     out->segment_round = 0;
 }
 
+/* Note [Private pools follow the size policy]
+ * PyTorch's allocator reads roundup_power2_divisions and max_split_size from one config at
+ * every request, its CUDA graphs' and MemPools' private pools included, so a runtime
+ * torch.cuda.memory._set_allocator_settings changes them all at once. A private pool here is
+ * a core pool of its own that takes the device pool's size policy when it is made
+ * (mp_torch_private_config). So the live ones are listed per device, and
+ * mp_torch_follow_size_policy gives them the device pool's policy again once it changed (the
+ * Python side calls it after Pool.set_size_policy on a registered pool). Their collection
+ * threshold stays 0: a private pool gives nothing back on its own (Note [Keep idle]).
+ * privates_lock guards the list and is taken before any pool's lock; a pool leaves the list
+ * before the table's pool_release drops the glue's reference. */
+typedef struct private_entry {
+    mp_pool *pool;
+    int device;
+    struct private_entry *next;
+} private_entry;
+
+static private_entry *privates;
+static pthread_mutex_t privates_lock = PTHREAD_MUTEX_INITIALIZER;
+
+int mp_torch_private_track(int device, mp_pool *p) {
+    if (!valid_device(device) || !p) return MP_EINVAL;
+    private_entry *e = malloc(sizeof *e);
+    if (!e) return MP_ENOMEM;
+    e->pool = p;
+    e->device = device;
+    pthread_mutex_lock(&privates_lock);
+    e->next = privates;
+    privates = e;
+    pthread_mutex_unlock(&privates_lock);
+    return MP_OK;
+}
+
+/* Untrack p (if it was tracked) and drop a reference: the table's pool_release. */
+void mp_torch_private_release(mp_pool *p) {
+    pthread_mutex_lock(&privates_lock);
+    for (private_entry **at = &privates; *at; at = &(*at)->next) {
+        if ((*at)->pool == p) {
+            private_entry *gone = *at;
+            *at = gone->next;
+            free(gone);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&privates_lock);
+    mp_pool_release(p);
+}
+
+int mp_torch_follow_size_policy(int device) {
+    mp_config cfg;
+    WITH_SLOT(device, cfg = *mp_pool_config(p));
+    int rc = MP_OK;
+    pthread_mutex_lock(&privates_lock);
+    for (private_entry *e = privates; e; e = e->next) {
+        if (e->device != device) continue;
+        /* A private pool's segments are fixed whatever the device pool's are, so a split
+         * limit the device pool ignores (expandable) is PyTorch's unlimited here too. */
+        int r = mp_set_size_policy(e->pool, cfg.roundup_divisions, cfg.max_split_size, 0.0);
+        if (r != MP_OK) rc = r;
+    }
+    pthread_mutex_unlock(&privates_lock);
+    return rc;
+}
+
 static int api_private_pool_create(int device, mp_pool **out) {
     int rc;
     WITH_SLOT(device, {
@@ -468,10 +532,15 @@ static int api_private_pool_create(int device, mp_pool **out) {
             mp_torch_private_config(mp_pool_config(p), &cfg);
             rc = mp_pool_create(&cfg, &up, out);
             /* Note [Shared limit]: PyTorch's memory fraction caps a device's graphs and
-             * MemPools together with the rest of its memory. */
-            if (rc == MP_OK && (rc = mp_share_limit(*out, p)) != MP_OK) {
-                mp_pool_release(*out);
-                *out = NULL;
+             * MemPools together with the rest of its memory; Note [Private pools follow
+             * the size policy]: listed for a runtime change of the device's policy. */
+            if (rc == MP_OK) {
+                if ((rc = mp_share_limit(*out, p)) == MP_OK)
+                    rc = mp_torch_private_track(device, *out);
+                if (rc != MP_OK) {
+                    mp_pool_release(*out);
+                    *out = NULL;
+                }
             }
         }
     });
@@ -646,7 +715,7 @@ static const mp_torch_api api = {
     .pool_largest_free_block = mp_largest_free_block,
     .pool_layout = mp_layout_take,
     .layout_free = mp_layout_free,
-    .pool_release = mp_pool_release,
+    .pool_release = mp_torch_private_release,   /* Note [Private pools follow the size policy] */
     .private_event = api_private_event,
     .device_stats = api_device_stats,
     .device_reset_peak_stats = api_device_reset_peak_stats,

@@ -41,6 +41,14 @@ uint64_t mp_torch_failed_allocs(int device);
  * pool has `device_cfg`: its size policy, plain segments, and nothing given back on its own
  * (Note [Keep idle], mp_core.c). */
 void mp_torch_private_config(const mp_config *device_cfg, mp_config *out);
+/* Note [Private pools follow the size policy] (mp_torch.c): give every live private pool of
+ * `device` the size policy its device pool has now (after Pool.set_size_policy on it).
+ * MP_EINVAL when no pool is registered there. mp_torch_private_track adds a pool to the
+ * list as the table's private_pool_create does (tests give it a sim pool); the table's
+ * pool_release takes it out. */
+int mp_torch_follow_size_policy(int device);
+int mp_torch_private_track(int device, mp_pool *p);
+void mp_torch_private_release(mp_pool *p);
 
 /* For tests of Note [Torch table lifetime]: the entry points' allocation on `p` as one that
  * read p's newest registration from the table just before a change: counted there, or
