@@ -107,3 +107,29 @@ def test_shipped_traces_calls_per_step(name, expandable):
     assert round(r.ratio, 3) == ratio
     assert r.ratio <= 1.05                               # the default path too
 
+
+
+# Note [Edge growth] with cuda's 8 MiB page, against the default path as on cuda (its
+# segments whole 32 MiB chunks): calls per step, and peak reserved / peak live.
+CUDA_EDGE = {"expandable_segments": True, "granularity": "8MiB", "min_map_size": "64MiB"}
+CUDA_DEFAULT = {"segment_rounding": "32MiB"}
+EDGE_PINNED = {
+    "transformer_train.jsonl.gz": (([34, 33, 10] + [0] * 11, 1.027),
+                                   ([52, 48, 13] + [0] * 11, 1.038)),
+    "vision_train.jsonl.gz": (([18, 1, 48] + [0] * 17, 1.008),
+                              ([29, 7, 114, 0, 8] + [0] * 15, 1.044)),
+}
+
+
+@pytest.mark.parametrize("name", list(EDGE_PINNED), ids=lambda n: n.split("_")[0])
+def test_edge_growth_asks_less_of_the_driver_than_the_default_path(name):
+    """With min_map_size 64 MiB, expandable segments make fewer physical allocations than
+    the default path's segment allocations, no unmap and no sync, no call after the third
+    step, and still hold less at the peak (bench/results/2026-12-06-cpu-sim-edge-growth.md)."""
+    (edge_calls, edge_ratio), (default_calls, default_ratio) = EDGE_PINNED[name]
+    edge, default = replay_steps(name, CUDA_EDGE), replay_steps(name, CUDA_DEFAULT)
+    assert edge.calls_per_step == edge_calls and round(edge.ratio, 3) == edge_ratio
+    assert default.calls_per_step == default_calls and round(default.ratio, 3) == default_ratio
+    assert edge.upstream["device_alloc"] < default.upstream["device_alloc"]
+    assert edge.upstream["device_free"] == 0 and edge.upstream["stream_syncs"] == 0
+    assert edge.ratio < default.ratio
