@@ -513,8 +513,8 @@ int mp_torch_follow_size_policy(int device) {
     pthread_mutex_lock(&privates_lock);
     for (private_entry *e = privates; e; e = e->next) {
         if (e->device != device) continue;
-        /* A private pool's segments are fixed whatever the device pool's are, so a split
-         * limit the device pool ignores (expandable) is PyTorch's unlimited here too. */
+        /* The device pool's split limit is unlimited when its segments are expandable (as
+         * PyTorch ignores the limit there), so its private pools get none then either. */
         int r = mp_set_size_policy(e->pool, cfg.roundup_divisions, cfg.max_split_size, 0.0);
         if (r != MP_OK) rc = r;
     }
