@@ -38,7 +38,9 @@ def worker(pool, seed, rounds, errors, streams):
 
 
 @pytest.mark.parametrize("options", [{}, {"release_threshold": 8 * MiB},
-                                     {"expandable_segments": True}], ids=str)
+                                     {"expandable_segments": True},
+                                     {"expandable_segments": True, "min_map_size": 16 * MiB,
+                                      "release_threshold": 8 * MiB}], ids=str)
 def test_threads_fill_and_verify(options):
     pool = mempool.Pool(backend="host", capacity=2 << 30, **options)
     errors = []
