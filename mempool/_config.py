@@ -581,8 +581,9 @@ OPTIONS: dict[str, Option] = {
         None, "size or None",
         "the least bytes a growth of expandable segments at the end of a range maps (whole "
         "pages, one physical allocation): fewer, larger driver allocations for a little more "
-        "mapped at the peak; holes are still filled to the page, and a pool with a limit "
-        "ignores it (None = what the request needs)",
+        "mapped at the peak; holes are still filled to the page, a pool with a limit "
+        "ignores it, and it never takes a pool past garbage_collection_threshold (None = "
+        "what the request needs)",
         _parse_min_map_size, "64MiB", sized=True),
     "pool_handle": Option(
         "create", "'create', 'default', 'current' or int",

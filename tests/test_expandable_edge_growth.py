@@ -99,6 +99,28 @@ def test_a_request_the_device_holds_is_never_refused_for_the_rounding(sim):
     pool.check_invariants()
 
 
+def test_the_rounding_never_passes_the_collection_threshold_nor_releases(sim):
+    """The rounding is opportunistic: where it would take the pool past
+    garbage_collection_threshold the growth maps what the request needs, and it makes no
+    release of its own (before, 64 MiB idle on another stream were unmapped to make room
+    for the rounded growth)."""
+    pool = sim(expandable_segments=True, capacity=GiB, min_map_size=64 * MiB,
+               garbage_collection_threshold=0.5, cross_stream_reuse=False)   # 512 MiB
+    a = pool.alloc(500 * MiB)
+    pool.free(a)
+    pool.empty_cache()                          # the high-water mark stays at 500 MiB
+    b = pool.alloc(64 * MiB, stream=7)
+    pool.free(b, stream=7)                      # 64 MiB idle on stream 7
+    c = pool.alloc(430 * MiB)                   # 494 MiB mapped
+    unmaps = pool.stats()["num_device_free"]
+    d = pool.alloc(4 * MiB)                     # needs 4 (498 in all); 64 would pass 512
+    assert pool.reserved_bytes() == 498 * MiB
+    assert pool.stats()["num_device_free"] == unmaps
+    for p in (c, d):
+        pool.free(p)
+    pool.check_invariants()
+
+
 def test_a_minimum_past_the_range_maps_the_whole_tail_and_never_wraps(sim):
     """A minimum as large as the range, or past any size (2**64 - 2 bytes rounded up to a
     page would wrap to a few pages), maps the whole unmapped tail when the device holds it."""

@@ -299,10 +299,10 @@ def snapshot(segments: Iterable[Mapping[str, Any]],
         One dict per segment: ``address``, ``total_size`` (reserved bytes; address space
         for an expandable segment), ``mapped_size`` (optional; checked when given),
         ``stream``, ``is_small``, ``is_expandable`` and ``blocks``, a list of dicts
-        ``{address, size, requested_size, stream, state}`` (and ``last_requested_size``, which
-        a free block shows as its ``requested_size``, as PyTorch's does) that tile the segment, with
-        ``state`` 0 free, 1 allocated, 2 pending free (waiting on other streams' events),
-        3 unmapped (expandable segments only).
+        ``{address, size, requested_size, stream, state}`` (and ``last_requested_size``,
+        which a free block shows as its ``requested_size``, as PyTorch's does) that tile the
+        segment, with ``state`` 0 free, 1 allocated, 2 pending free (waiting on other
+        streams' events), 3 unmapped (expandable segments only).
     traces : iterable of tuple, optional
         Recorded events, oldest first, each ``(action, ptr, nbytes, stream, time_ns)``
         as :meth:`mempool.Pool.history` gives them, with ``action`` a name or its code

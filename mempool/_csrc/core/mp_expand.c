@@ -830,7 +830,10 @@ static int free_of(const mp_block *b, const mp_stream *s) {
  * the transformer trace from 254 allocations to 89 and the vision trace from 280 to 65 (the
  * default path's fixed segments on cuda: 108 and 100), for a peak of 1.0271 against 1.0155
  * and 1.0079 against 1.0079 of peak live (bench/results/2026-12-06-cpu-sim-edge-growth.md).
- * Under a limit every free page must be able to go (max_map_bytes), so there it is ignored.
+ * Under a limit every free page must be able to go (max_map_bytes), so there it is ignored;
+ * it is opportunistic besides: it never takes the pool past the garbage collection
+ * threshold, and the room a growth makes (that threshold, the high-water rule) is for what
+ * the request needs, so the rounding gives nothing back of its own (grow_locked).
  * The device may not hold the rounded growth where it holds the request: a rounded map the
  * device refuses is not followed by releases or a wait but by the exact growth at once (the
  * caller's `exact`, mp_expand_alloc_locked), so the option never makes a request fail that
@@ -968,6 +971,14 @@ static size_t high_water_div_locked(const mp_pool *p, size_t size, size_t need,
     return MP_LAYOUT_IDLE_DIV;
 }
 
+/* The bytes above which a growth first gives idle pages back (garbage_collection_threshold
+ * of the limit, else of the capacity); 0 when it is off. */
+static size_t gc_threshold_bytes(const mp_pool *p) {
+    if (!(p->cfg.gc_threshold > 0)) return 0;
+    size_t base = p->cfg.limit != MP_UNLIMITED ? p->cfg.limit : p->capacity;
+    return (size_t)(p->cfg.gc_threshold * (double)base);
+}
+
 /* Make a free block of at least `size` in s's range by mapping pages, and hand it out
  * (*out; NULL when the pool changed meanwhile: search again). MP_ENOMEM / MP_ELIMIT when it
  * cannot grow. exact: map only what the request needs; *rounded: the device refused a
@@ -1000,17 +1011,20 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, int exac
      * dropped since the search): nothing to map, search again. */
     if (!plan.nbytes) return MP_OK;
 
+    /* Note [Edge growth]: the rounding is opportunistic. It never takes the pool past the
+     * garbage collection threshold (under a limit there is none), and the room made below
+     * is for what the request needs: the rounding makes no release of its own. */
+    size_t threshold = gc_threshold_bytes(p);
+    if (plan.nbytes > plan.need && threshold &&
+        mp_reserved_now_locked(p) + plan.nbytes > threshold)
+        plan.nbytes = plan.need;
+
     /* Room first, from free pages elsewhere: down to the limit (required), below the
      * garbage collection threshold (best effort), and all idle pages before a new high
      * water mark when they are many (Note [Expandable segments]). */
-    size_t need = mp_reserved_now_locked(p) + plan.nbytes;
-    size_t limit = p->cfg.limit;
+    size_t need = mp_reserved_now_locked(p) + plan.need;
     size_t excess = mp_limit_excess_locked(p, plan.nbytes);   /* Note [Shared limit] */
-    if (p->cfg.gc_threshold > 0) {
-        size_t base = limit != MP_UNLIMITED ? limit : p->capacity;
-        size_t threshold = (size_t)(p->cfg.gc_threshold * (double)base);
-        if (base && need > threshold && need - threshold > excess) excess = need - threshold;
-    }
+    if (threshold && need > threshold && need - threshold > excess) excess = need - threshold;
     size_t layout_mark = 0;   /* a release of the high-water rule for a layout's record */
     if (need > p->mapped_high_water) {
         size_t div = high_water_div_locked(p, size, need, &layout_mark);
