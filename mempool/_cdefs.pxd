@@ -107,6 +107,7 @@ cdef extern from "mp_core.h" nogil:
         size_t expandable_reserve
         size_t max_map_size
         size_t min_map_size
+        int capture_reuse
 
     void mp_config_default(mp_config *cfg)
 
@@ -173,6 +174,7 @@ cdef extern from "mp_core.h" nogil:
     int mp_set_size_policy(mp_pool *p, const size_t *divisions, size_t max_split_size,
                            double gc_threshold)
     int mp_share_limit(mp_pool *member, mp_pool *owner)
+    void mp_set_capture_reuse(mp_pool *p, int on)
     int mp_check_invariants(mp_pool *p, char *msg, size_t msglen)
     int mp_capture_begin(mp_pool *p)
     int mp_capture_end(mp_pool *p)
@@ -299,6 +301,7 @@ cdef extern from "mp_sim.h" nogil:
     int mp_sim_begin_capture(mp_sim *sim, uintptr_t stream)
     int mp_sim_end_capture(mp_sim *sim, uintptr_t stream)
     int mp_sim_is_capturing(mp_sim *sim, uintptr_t stream)
+    int mp_sim_capture_join(mp_sim *sim, uintptr_t stream, uintptr_t other)
     void mp_sim_capture_counts(mp_sim *sim, uint64_t *violations, uint64_t *allocs)
     # Several devices (_peers.pxi, docs/multigpu.md).
     int MP_SIM_MAX_DEVICES

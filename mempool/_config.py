@@ -600,6 +600,12 @@ OPTIONS: dict[str, Option] = {
         "ignores it, and it never takes a pool past garbage_collection_threshold (None = "
         "64 MiB on 'cuda', 0 on 'sim' and 'host'; 0 = what the request needs)",
         _parse_min_map_size, "64MiB", sized=True),
+    "graph_capture_record_stream_reuse": Option(
+        False, "bool",
+        "during a CUDA graph capture, a block freed with recorded streams (record_stream) is "
+        "reused within the capture once the capture's own order puts every use before the "
+        "request, instead of waiting for the capture's end (Note [Capture reuse])",
+        _parse_bool, "True", pytorch="`graph_capture_record_stream_reuse`"),
     "pool_handle": Option(
         "create", "'create', 'default', 'current' or int",
         "which cudaMemPool supplies segments: a new one, the device's default or current "
@@ -688,8 +694,6 @@ _PYTORCH_IGNORED: dict[str, str] = {
     "pinned_max_cached_size_mb": _NO_PINNED,
     "pinned_reserve_segment_size_mb": _NO_PINNED,
     "pinned_free_catch_all": _NO_PINNED,
-    "graph_capture_record_stream_reuse": "it tunes how PyTorch's caching allocator reuses "
-                                         "record_stream blocks during CUDA graph capture",
     "throw_on_cudamalloc_oom": "the pool always reports an allocation it cannot serve as an "
                                "out-of-memory error; there is nothing to switch on",
 }
@@ -712,7 +716,8 @@ _CACHE_OPTIONS = ("max_split_size", "roundup_power2_divisions", "garbage_collect
 # Every key PyTorch's allocator config accepts (torch 2.13).
 PYTORCH_KEYS = frozenset(
     ("backend", "max_split_size_mb", "per_process_memory_fraction", "roundup_power2_divisions",
-     "garbage_collection_threshold", "expandable_segments") + tuple(_PYTORCH_IGNORED))
+     "garbage_collection_threshold", "expandable_segments", "graph_capture_record_stream_reuse")
+    + tuple(_PYTORCH_IGNORED))
 # The keys PyTorch still applies when the pool is its CUDA allocator: those of its pinned
 # host-memory allocator, which stays PyTorch's.
 PYTORCH_HOST_KEYS = frozenset(k for k in _PYTORCH_IGNORED if k.startswith("pinned_"))

@@ -187,10 +187,30 @@ cdef class SimDevice(_DeviceBase):
         if rc != MP_OK:
             raise MemoryError("begin_capture: out of host memory")
 
+    def capture_join(self, stream, other):
+        """``stream`` waits for ``other`` inside other's capture, as an event recorded on
+        ``other`` and waited on by ``stream`` (``stream.wait_stream(other)`` in PyTorch):
+        work ``stream`` captures next depends on what both captured so far, and a stream that
+        did not capture joins other's capture (Note [Sim capture graphs] in mp_sim.c).
+        :meth:`launch` on a capturing stream adds a node to the capture's graph. Raises
+        ``ValueError`` when ``other`` does not capture, the two capture apart, or ``stream``
+        is the legacy stream or ``other``."""
+        self._ready()
+        cdef uintptr_t s = stream_handle(stream), o = stream_handle(other)
+        rc = mp_sim_capture_join(self._sim, s, o)
+        if rc == MP_EINVAL:
+            raise ValueError(f"capture_join: stream {s:#x} cannot wait for stream {o:#x} in "
+                             f"a capture: {o:#x} must capture, {s:#x} must capture in the same "
+                             f"capture or not at all, and neither may be the legacy stream "
+                             f"nor both the same")
+        if rc != MP_OK:
+            raise MemoryError("capture_join: out of host memory")
+
     def end_capture(self, stream):
-        """End the capture on ``stream``. Raises ``RuntimeError`` when an illegal call
-        invalidated it (the capture ends all the same, as ``cuStreamEndCapture`` does), and
-        ``ValueError`` when ``stream`` was not capturing."""
+        """End the capture on ``stream``, and on every stream that joined it
+        (:meth:`capture_join`). Raises ``RuntimeError`` when an illegal call invalidated it
+        (the capture ends all the same, as ``cuStreamEndCapture`` does), and ``ValueError``
+        when ``stream`` was not capturing."""
         self._ready()
         cdef uintptr_t s = stream_handle(stream)
         rc = mp_sim_end_capture(self._sim, s)

@@ -256,6 +256,7 @@ cdef class Pool:
             opts["min_map_size"] = _config.resolved_min_map_size(opts["min_map_size"],
                                                                  backend_name)
             cfg.min_map_size = opts["min_map_size"]
+            cfg.capture_reuse = 1 if opts["graph_capture_record_stream_reuse"] else 0
             if cfg.expandable_segments and up.map == NULL:
                 raise ValueError(f"expandable_segments is not supported by the {backend_name} "
                                  f"upstream")
@@ -730,6 +731,20 @@ cdef class Pool:
             roundup_power2_divisions=[divisions[i] for i in range(16)],
             max_split_size=None if max_split == MP_UNLIMITED else max_split,
             garbage_collection_threshold=gc)
+
+    def set_capture_reuse(self, enabled):
+        """Turn ``graph_capture_record_stream_reuse`` on or off from the next free on (as
+        ``torch.cuda.memory._set_allocator_settings`` does for PyTorch's allocator): during
+        a CUDA graph capture, a block freed with recorded streams is reused within the
+        capture once the capture's own order puts all its uses first (Note [Capture reuse]).
+        ``enabled`` must be a bool; anything else raises ``TypeError`` and changes
+        nothing."""
+        self._ready()
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_capture_reuse: 'enabled' must be True or False, got "
+                            f"{type(enabled).__name__} {enabled!r}")
+        mp_set_capture_reuse(self._pool, 1 if enabled else 0)
+        self.options["graph_capture_record_stream_reuse"] = enabled
 
     # ------------------------------------------------------------------ observability
 

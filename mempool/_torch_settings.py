@@ -14,6 +14,9 @@ the installed pools as it would on PyTorch's allocator:
   to its default (no rounding, no split limit, no collection), whatever it was before.
 - ``expandable_segments`` cannot switch a pool made one way to the other: a value other than
   a pool's warns once (``RuntimeWarning``) and the pool keeps its segments.
+- ``graph_capture_record_stream_reuse`` turns the pools' reuse of ``record_stream`` blocks
+  during a CUDA graph capture on or off (``Pool.set_capture_reuse``, Note [Capture reuse]);
+  a call that leaves it out keeps it as it was, as PyTorch's config does.
 - The pinned-memory keys (``pinned_*``) configure PyTorch's host allocator, which stays
   PyTorch's: they act as before and say nothing.
 - Every other key of PyTorch's caching allocator has no meaning for the pool and warns once.
@@ -68,6 +71,9 @@ def _top_level_entries(settings):
     return list(entries.items())
 
 
+CAPTURE_REUSE_KEY = "graph_capture_record_stream_reuse"
+
+
 def pool_settings(settings):
     """What a settings string asks of the pools: ``(policy, expandable)``, where `policy`
     maps each option of ``Pool.set_size_policy`` to its value (PyTorch's default for one
@@ -82,7 +88,17 @@ def pool_settings(settings):
     for key, value in entries:
         if key == "expandable_segments":
             expandable = _config.OPTIONS["expandable_segments"].parse(value, key)
+        elif key == CAPTURE_REUSE_KEY:
+            _capture_reuse(settings)   # checked here, before anything changes
     return policy, expandable
+
+
+def _capture_reuse(settings):
+    """The ``graph_capture_record_stream_reuse`` value a settings string gives, or None."""
+    for key, value in _top_level_entries(settings):
+        if key == CAPTURE_REUSE_KEY:
+            return _config.OPTIONS[CAPTURE_REUSE_KEY].parse(value, key)
+    return None
 
 
 def _warn_once(topic, message):
@@ -97,12 +113,15 @@ def apply(settings, pools, parsed=None):
     `parsed`: what pool_settings(settings) gave, when the caller has it already. Raises
     ValueError, changing nothing, where the pool refuses a value."""
     policy, expandable = parsed if parsed is not None else pool_settings(settings)
+    reuse = _capture_reuse(settings)
     for pool in pools:             # every value was checked above: none of these raises
         if pool.options["expandable_segments"]:
             pool_policy = dict(policy, max_split_size=None)   # PyTorch ignores it there too
         else:
             pool_policy = policy
         pool.set_size_policy(**pool_policy)
+        if reuse is not None:
+            pool.set_capture_reuse(reuse)
         # Note [Private pools follow the size policy]: the device's graphs and MemPools too
         _core._torch_follow_size_policy(pool)
     if expandable is not None:
@@ -117,15 +136,16 @@ def apply(settings, pools, parsed=None):
                            f"PYTORCH_CUDA_ALLOC_CONF before the first CUDA call, or in "
                            f"mempool.Pool(...))")
     for key in device_allocator_keys(settings):
-        if key in POLICY_KEYS or key == "expandable_segments":
+        if key in POLICY_KEYS or key in ("expandable_segments", CAPTURE_REUSE_KEY):
             continue
         why = _config.pytorch_key_ignored_because(key)
         _warn_once((key,),
                    f"torch.cuda.memory._set_allocator_settings: {key!r} configures PyTorch's "
                    f"CUDA caching allocator, which mempool.torch.install replaced; it has no "
                    f"meaning for the pool ({why}) and changes nothing. The pool applies "
-                   f"roundup_power2_divisions, max_split_size_mb and "
-                   f"garbage_collection_threshold; the pinned-memory keys (pinned_*) still "
+                   f"roundup_power2_divisions, max_split_size_mb, "
+                   f"garbage_collection_threshold and graph_capture_record_stream_reuse; the "
+                   f"pinned-memory keys (pinned_*) still "
                    f"configure PyTorch's host allocator.")
 
 

@@ -120,3 +120,60 @@ def test_pool_set_up_calls_run_in_the_relaxed_mode_then_the_mode_is_restored(fak
         core.mp_cuda_restore_capture_mode(-1)            # nothing was changed: nothing to do
         assert n(MODE) == 1
     """))
+
+
+def test_the_capture_order_is_read_from_the_drivers_graph(fake_driver):
+    """Note [Capture reuse] on the CUDA upstream: capture_frontier reports the capturing
+    stream's dependencies (cuStreamGetCaptureInfo), capture_follows walks
+    cuGraphNodeGetDependencies back from them: counts first, then the nodes with their edge
+    data (which the driver wants), past a first buffer of 16."""
+    run_fake(fake_driver, CAPTURE + textwrap.dedent("""
+        fake.fake_node_new.restype = c_void_p
+        fake.fake_node_depends.argtypes = [c_void_p, c_void_p]
+        fake.fake_frontier_add.argtypes = [c_void_p]
+        c = Cuda(0)
+        frontier = CFUNCTYPE(c_int, c_void_p, c_size_t, POINTER(c_uint64), POINTER(c_size_t),
+                             c_size_t, POINTER(c_size_t))(c.up.capture_frontier)
+        follows = CFUNCTYPE(c_int, c_void_p, c_size_t, POINTER(c_size_t), c_size_t,
+                            POINTER(c_int))(c.up.capture_follows)
+        root = fake.fake_node_new()
+        side = fake.fake_node_new()               # a side stream's read, after root
+        fake.fake_node_depends(side, root)
+        wide = fake.fake_node_new()               # a join of 40 nodes, each after root
+        for _ in range(40):
+            k = fake.fake_node_new()
+            fake.fake_node_depends(k, root)
+            fake.fake_node_depends(wide, k)
+        join = fake.fake_node_new()               # the main stream waits for both
+        fake.fake_node_depends(join, side)
+        fake.fake_node_depends(join, wide)
+        apart = fake.fake_node_new()              # work no frontier waits for
+        fake.fake_frontier_add(join)
+
+        graph, nodes, got = c_uint64(), (c_size_t * 4)(), c_size_t()
+        assert frontier(c.up.ctx, 0x77, byref(graph), nodes, 4, byref(got)) == EINVAL
+        fake.fake_begin_capture(0x77)
+        assert frontier(c.up.ctx, 0x77, byref(graph), nodes, 4, byref(got)) == OK
+        assert (graph.value, got.value, nodes[0]) == (0x1234, 1, join)
+        fake.fake_frontier_add(apart)
+        assert frontier(c.up.ctx, 0x77, byref(graph), nodes, 1, byref(got)) == OK
+        assert got.value == 2                     # more than the room: asked again with more
+
+        fake.fake_frontier_add(None)
+        fake.fake_frontier_add(join)
+        every = c_int(-1)
+        def asks(*marks):
+            arr = (c_size_t * len(marks))(*marks)
+            assert follows(c.up.ctx, 0x77, arr, len(marks), byref(every)) == OK
+            return every.value
+        assert asks(side) == 1 and asks(root, side, wide) == 1 and asks(join) == 1
+        assert asks(side, apart) == 0             # apart is not before the frontier
+        before = fake.fake_graph_calls(1)
+        assert asks(root) == 1
+        # each of the 44 nodes once: its count, then its dependencies where it has any
+        assert fake.fake_graph_calls(1) - before == 44 + 43
+        fake.fake_begin_capture(0)
+        arr = (c_size_t * 1)(side)
+        assert follows(c.up.ctx, 0x77, arr, 1, byref(every)) == EINVAL   # no capture now
+        c.destroy()
+    """))

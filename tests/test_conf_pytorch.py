@@ -54,7 +54,10 @@ GUIDE_STRINGS = [
     ("pinned_use_cuda_host_register:True,pinned_num_register_threads:8", {},
      ["'pinned_use_cuda_host_register'", "'pinned_num_register_threads'"]),
     ("release_lock_on_cudamalloc:True", {}, ["'release_lock_on_cudamalloc'"]),
-    ("graph_capture_record_stream_reuse:True", {}, ["'graph_capture_record_stream_reuse'"]),
+    ("graph_capture_record_stream_reuse:True", {"graph_capture_record_stream_reuse": True}, []),
+    # Megatron-style recipes for CUDA-graph training.
+    ("expandable_segments:True,graph_capture_record_stream_reuse:True",
+     {"expandable_segments": True, "graph_capture_record_stream_reuse": True}, []),
     ("per_process_memory_fraction:0.9", {"limit": 0.9}, []),
     # LLM training guides: expandable segments plus the older advice.
     ("expandable_segments:True,max_split_size_mb:512", {"expandable_segments": True},

@@ -33,6 +33,7 @@ DEFAULTS = {
     "granularity": None,
     "max_map_size": None,
     "min_map_size": None,
+    "graph_capture_record_stream_reuse": False,
     "pool_handle": "create",
     "reuse_follow_event_dependencies": True,
     "reuse_allow_opportunistic": True,

@@ -337,3 +337,61 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
     capture_counts[6] += capturing_stream != 0;
     return OK;
 }
+
+/* ---- the capture's graph (Note [Capture reuse] in core/mp_stream.c) ----
+ * Nodes with their dependencies, and the frontier of the capturing stream, which
+ * cuStreamGetCaptureInfo reports. The dependency query answers as the driver's does: the
+ * count alone without an array, and CUDA_ERROR_LOSSY_QUERY for an array without edge data. */
+typedef struct fake_node {
+    struct fake_node *parents[64];
+    size_t nparents;
+} fake_node;
+static fake_node fake_nodes[256];
+static size_t fake_nnodes;
+static fake_node *fake_frontier[64];
+static size_t fake_nfrontier;
+static int graph_calls[2];   /* 0 cuStreamGetCaptureInfo, 1 cuGraphNodeGetDependencies */
+
+void *fake_node_new(void) { return &fake_nodes[fake_nnodes++]; }
+void fake_node_depends(void *node, void *parent) {
+    fake_node *f = node;
+    f->parents[f->nparents++] = parent;
+}
+/* Add `node` to the capturing stream's frontier; NULL empties it. */
+void fake_frontier_add(void *node) {
+    if (!node) fake_nfrontier = 0;
+    else fake_frontier[fake_nfrontier++] = node;
+}
+int fake_graph_calls(int what) { return graph_calls[what]; }
+
+CUresult cuStreamGetCaptureInfo_v3(void *stream, int *status, unsigned long long *id,
+                                   void **graph, void *const **deps, const void **edges,
+                                   size_t *n) {
+    graph_calls[0]++;
+    if (!stream && capturing_stream) return 906;
+    *status = capturing_stream && (uintptr_t)stream == capturing_stream;
+    if (*status) {
+        if (id) *id = 0x1234;
+        if (graph) *graph = (void *)0x4321;
+        if (deps) *deps = (void *const *)fake_frontier;
+        if (edges) *edges = NULL;
+        if (n) *n = fake_nfrontier;
+    }
+    return OK;
+}
+
+CUresult cuGraphNodeGetDependencies_v2(void *node, void **deps, void *edges, size_t *n) {
+    graph_calls[1]++;
+    fake_node *f = node;
+    if (!deps) {
+        *n = f->nparents;
+        return OK;
+    }
+    if (!edges) return 920;   /* CUDA_ERROR_LOSSY_QUERY */
+    size_t k = *n < f->nparents ? *n : f->nparents;
+    for (size_t i = 0; i < k; i++) deps[i] = f->parents[i];
+    for (size_t i = k; i < *n; i++) deps[i] = NULL;
+    memset(edges, 0, *n * 8);
+    *n = k;
+    return OK;
+}

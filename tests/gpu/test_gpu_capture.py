@@ -205,3 +205,59 @@ def test_a_pool_made_during_a_capture_measures_the_unit_and_breaks_nothing(mode,
     assert result["graph_ok"]
     assert isinstance(result["unit"], int) and result["unit"] > 0
     assert result["rounding"] == _cuda.segment_rounding_for(result["unit"])
+
+
+@pytest.mark.parametrize("mode", ["relaxed", "global"])
+@pytest.mark.parametrize("reuse", [False, True], ids=["default", "record_stream_reuse"])
+def test_a_recorded_block_is_reused_once_the_capture_joins_its_streams(cuda_pool, cupy_device,
+                                                                       mode, reuse):
+    """Note [Capture reuse] on the driver: s1 captures, s2 joins it and reads block a
+    (record_stream), s1 frees a. Before s1 waits for s2 the block is not taken; after, with
+    graph_capture_record_stream_reuse, the next request on s1 gets it, and the graph orders
+    s2's read before the new owner's write, so each replay computes the same result."""
+    cupy = cupy_device
+    pool = cuda_pool(graph_capture_record_stream_reuse=reuse)
+    s1 = cupy.cuda.Stream(non_blocking=True)
+    s2 = cupy.cuda.Stream(non_blocking=True)
+    n = 1 << 16
+    nbytes = 4 * n
+
+    def view(ptr):
+        mem = cupy.cuda.UnownedMemory(ptr, nbytes, pool)
+        return cupy.ndarray((n,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+
+    out = pool.alloc(nbytes, stream=s1.ptr)
+    with s1:                               # compile the kernels before the capture
+        view(out).fill(0.0)
+        view(out)[...] = view(out) * 3.0
+        view(out)[...] += 1.0
+    s1.synchronize()
+    s1.begin_capture(mode=MODES[mode])
+    a = pool.alloc(nbytes, stream=s1.ptr)
+    with s1:
+        view(a).fill(2.0)
+    s2.wait_event(s1.record())             # s2 joins the capture
+    with s2:
+        view(out)[...] = view(a) * 3.0     # s2 reads a
+    pool.record_stream(a, s2.ptr)
+    pool.free(a, stream=s1.ptr)
+    early = pool.alloc(nbytes, stream=s1.ptr)
+    s1.wait_event(s2.record())             # s1 waits for s2
+    with s1:
+        view(out)[...] += 1.0
+    late = pool.alloc(nbytes, stream=s1.ptr)
+    with s1:
+        view(late).fill(5.0)               # a's memory again when reused: after s2's read
+    g = s1.end_capture()                   # raises when a call broke the capture
+    assert early != a
+    assert (late == a) is reuse
+    for _ in range(3):
+        g.launch(stream=s1)
+        s1.synchronize()
+        assert bool((view(out) == 7.0).all())
+    del g
+    for p in (early, late, out):
+        pool.free(p, stream=s1.ptr)
+    pool.check_invariants()
+    pool.empty_cache()
+    assert pool.reserved_bytes() == 0

@@ -794,3 +794,48 @@ def test_receiving_a_cuda_tensor_from_a_process_on_pytorchs_allocator():
         assert "received" in out
     finally:
         producer.communicate("done\n", timeout=60)
+
+
+@pytest.mark.parametrize("streams", [2, 4])
+def test_graph_capture_record_stream_reuse_reclaims_within_the_capture(streams):
+    # Note [Capture reuse]: PyTorch's graph_capture_record_stream_reuse, set at run time as
+    # its own tests and CUDA-graph training recipes do. A block read on side streams is
+    # not reused before they join the capturing stream, and is reused after.
+    out = run(f"""
+        torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:True")
+        assert pool.options["graph_capture_record_stream_reuse"] is True
+        main = torch.cuda.Stream()
+        sides = [torch.cuda.Stream() for _ in range({streams} - 1)]
+        g = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(main):
+            g.capture_begin()
+            sink = torch.empty(1024, device="cuda")
+            data1 = torch.ones(1024, device="cuda")
+            data1_ptr = data1.data_ptr()
+            outs = []
+            for side in sides:
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    outs.append(data1 * 3)
+                    data1.record_stream(side)
+            del data1
+            data2 = torch.empty(1024, device="cuda")        # the sides have not joined
+            for side in sides:
+                main.wait_stream(side)
+            sink.fill_(1.0)
+            data3 = torch.empty(1024, device="cuda")        # they have now
+            data3.fill_(5.0)
+            g.capture_end()
+        torch.cuda.synchronize()
+        assert data2.data_ptr() != data1_ptr, "reused before the streams joined"
+        assert data3.data_ptr() == data1_ptr, (data3.data_ptr(), data1_ptr)
+        for _ in range(3):
+            g.replay()
+            torch.cuda.synchronize()
+            assert all(bool((o == 3).all()) for o in outs)
+        torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:False")
+        assert pool.options["graph_capture_record_stream_reuse"] is False
+        print("reclaimed", data3.data_ptr() == data1_ptr)
+    """)
+    assert "reclaimed True" in out

@@ -37,6 +37,8 @@ mp_block *mp_block_new_locked(mp_pool *p) {
     b->cap_uses = MP_INLINE_USES;
     b->uses = b->inline_uses;
     b->events = NULL;
+    b->markers = NULL;
+    b->nmarkers = 0;
     b->tally = NULL;
     return b;
 }
@@ -44,6 +46,7 @@ mp_block *mp_block_new_locked(mp_pool *p) {
 void mp_block_delete_locked(mp_pool *p, mp_block *b) {
     if (b->uses != b->inline_uses) free(b->uses);
     free(b->events);
+    free(b->markers);
     b->fnext = p->spare_blocks;
     p->spare_blocks = b;
 }

@@ -41,6 +41,12 @@ void mp_config_default(mp_config *cfg) {
     cfg->limit = MP_UNLIMITED;
 }
 
+void mp_set_capture_reuse(mp_pool *p, int on) {
+    mp_lock_acquire(&p->lock);
+    p->cfg.capture_reuse = on != 0;   /* blocks marked before keep their markers */
+    mp_lock_release(&p->lock);
+}
+
 /* Note [Size policy at run time]
  * PyTorch lets a program change roundup_power2_divisions, max_split_size and
  * garbage_collection_threshold while it runs (torch.cuda.memory._set_allocator_settings), and
@@ -119,6 +125,7 @@ void mp_pool_destroy(mp_pool *p) {
             }
             if (b->uses != b->inline_uses) free(b->uses);
             free(b->events);
+            free(b->markers);
             b = bn;
         }
         seg->release_stream = legacy ? 0 : seg->stream->handle;
@@ -566,7 +573,10 @@ static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, mp_tal
         rc = MP_ENOMEM;
         goto oom;
     }
-    if (p->npending && !mp_capture_call_locked(p, &rel)) mp_process_pending_locked(p);
+    if (p->npending) {
+        if (!mp_capture_call_locked(p, &rel)) mp_process_pending_locked(p);
+        else if (p->nmarked) mp_capture_reclaim_locked(p, s);   /* Note [Capture reuse] */
+    }
 
     int kind = size <= MP_SMALL_SIZE ? KIND_SMALL : KIND_LARGE;
     mp_block *b = s->hot ? mp_take_hot_locked(p, s, size) : NULL;

@@ -36,6 +36,10 @@ typedef struct mp_config {
     size_t min_map_size;         /* expandable: the least bytes a growth at a range's edge
                                     maps (rounded up to pages); 0 = what the request needs.
                                     Not under a limit (Note [Edge growth] in mp_expand.c) */
+    int capture_reuse;           /* a free with recorded streams during a graph capture is
+                                    reused within it once the capture orders it (PyTorch's
+                                    graph_capture_record_stream_reuse; Note [Capture reuse]
+                                    in mp_stream.c) */
     int keep_idle;               /* give no idle segment back on its own: only mp_empty_cache,
                                     mp_trim, the release threshold and an out-of-memory retry
                                     release (Note [Keep idle], mp_core.c) */
@@ -250,6 +254,10 @@ int mp_set_release_threshold(mp_pool *p, size_t threshold);
  * for none; must be that on an expandable pool) and gc_threshold, from the next request on
  * (Note [Size policy at run time], mp_core.c). MP_EINVAL for a gc_threshold outside [0, 1)
  * or a max_split_size on an expandable pool, with nothing changed. */
+/* Turn Note [Capture reuse] (mp_stream.c) on or off from the next free on (PyTorch sets it
+ * at run time through _set_allocator_settings). */
+void mp_set_capture_reuse(mp_pool *p, int on);
+
 int mp_set_size_policy(mp_pool *p, const size_t divisions[MP_ROUNDUP_INTERVALS],
                        size_t max_split_size, double gc_threshold);
 /* Make `member` count its reserved bytes against `owner`'s limit too, as PyTorch's memory

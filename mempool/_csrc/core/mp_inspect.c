@@ -386,6 +386,14 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
     CHECK(list_count == nfree && list_bytes == free_bytes,
           "free lists hold %zu blocks / %zu bytes, segments %zu / %zu", list_count, list_bytes, nfree, free_bytes);
     CHECK(npending == p->npending, "pending list %zu, counted %zu", p->npending, npending);
+    size_t nmarked = 0;
+    for (mp_block *b = p->pending_head; b; b = b->fnext) {
+        if (!b->markers) continue;
+        nmarked++;
+        CHECK(!b->events && b->nmarkers > 0, "pending block %#lx: markers with events or none",
+              (unsigned long)b->ptr);
+    }
+    CHECK(nmarked == p->nmarked, "marked pending blocks %zu, counted %zu", p->nmarked, nmarked);
     /* Note [Events outside the lock]: every event made is cached or held by a pending free,
      * and the cache has room for all of them. */
     CHECK(p->nevent_cache + nheld_events == p->nevents && p->nevents <= p->cap_event_cache,

@@ -42,6 +42,10 @@ struct mp_block {
     mp_stream *inline_uses[MP_INLINE_USES];
     mp_stream **uses;            /* inline_uses, or a heap array when more are recorded */
     uintptr_t *events;           /* pending: one event per use, recorded at free */
+    uintptr_t *markers;          /* pending, deferred during a capture: the capture's nodes
+                                    its streams had reached at the free (Note [Capture
+                                    reuse], mp_stream.c), or NULL */
+    size_t nmarkers;
     mp_tally *tally;             /* allocated: counted there (Note [Block tallies]), or NULL */
 };
 
@@ -126,6 +130,7 @@ struct mp_pool {
     size_t nsegments;
     mp_block *pending_head, *pending_tail;
     size_t npending;
+    size_t nmarked;              /* pending blocks with capture markers (Note [Capture reuse]) */
 
     /* Note [Events outside the lock]: created events not in use; room for all `nevents`
      * the pool made, so that a put never grows it. */
@@ -326,6 +331,9 @@ static inline void mp_release_finish(mp_pool *p, mp_release_list *list) {
     if (list->head) mp_release_finish_slow(p, list);
 }
 int mp_process_pending_locked(mp_pool *p);
+/* Note [Capture reuse] (mp_stream.c): complete the pending frees of s that its capture now
+ * orders after every use. */
+void mp_capture_reclaim_locked(mp_pool *p, mp_stream *s);
 void mp_apply_release_threshold_slow_locked(mp_pool *p, mp_release_list *out);
 static inline void mp_apply_release_threshold_locked(mp_pool *p, mp_release_list *out) {
     if (p->cfg.release_threshold != MP_UNLIMITED) mp_apply_release_threshold_slow_locked(p, out);

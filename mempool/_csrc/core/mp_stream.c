@@ -231,6 +231,15 @@ static void pending_push_locked(mp_pool *p, mp_block *b) {
     p->npending++;
 }
 
+/* Note [Capture reuse]: b's markers are over (its free completes, or records events). */
+static void drop_markers_locked(mp_pool *p, mp_block *b) {
+    if (!b->markers) return;
+    free(b->markers);
+    b->markers = NULL;
+    b->nmarkers = 0;
+    p->nmarked--;
+}
+
 static void pending_remove_locked(mp_pool *p, mp_block *b) {
     if (b->fprev) b->fprev->fnext = b->fnext;
     else p->pending_head = b->fnext;
@@ -238,6 +247,84 @@ static void pending_remove_locked(mp_pool *p, mp_block *b) {
     else p->pending_tail = b->fprev;
     b->fprev = b->fnext = NULL;
     p->npending--;
+    drop_markers_locked(p, b);
+}
+
+/* Note [Capture reuse]
+ * A free with recorded streams during a graph capture cannot record events to wait on
+ * (they would be graph nodes, never queried: Note [Graph capture]), so by default it stays
+ * pending until the capture ends, and the capture's later requests cannot reuse the block.
+ * A capture records its own order, though: with capture_reuse on (PyTorch's
+ * graph_capture_record_stream_reuse), the free remembers the nodes that the block's stream
+ * and each recorded stream had reached in the capture's graph (their frontiers, the
+ * "markers"; upstream capture_frontier). Later, when the block's stream asks for memory
+ * during the capture and each marker is its frontier or an ancestor of it (the streams have
+ * joined it since: upstream capture_follows, which walks the graph's dependencies), all work
+ * queued next on it runs after every use of the block, in the graph as in each replay: the
+ * free completes then, with no event, and the request may take the block. Only the block's
+ * own stream asks (its free list is where the block goes). A stream that was not capturing
+ * at the free (its work is outside the graph), or an upstream without the two calls, leaves
+ * the free to wait for the capture's end as before. The walk is made only while such blocks
+ * exist (p->nmarked) and on a request that the capture makes. As PyTorch's allocator:
+ * c10/cuda/CUDACachingAllocator.cpp, free_safe_blocks_in_capture. */
+
+/* The frontier of capturing stream s appended to *nodes (*n of them, room for *cap), the
+ * capture's id checked against *graph (0: not set yet). 0 when s does not capture, the
+ * capture differs or memory ran out: no markers then. */
+static int frontier_append_locked(mp_pool *p, mp_stream *s, uint64_t *graph, uintptr_t **nodes,
+                                  size_t *n, size_t *cap) {
+    for (;;) {
+        size_t got = 0;
+        uint64_t id = 0;
+        if (p->up.capture_frontier(p->up.ctx, s->handle, &id, *nodes + *n, *cap - *n,
+                                   &got) != MP_OK)
+            return 0;
+        if (*graph && id != *graph) return 0;   /* another capture: its order is not ours */
+        *graph = id;
+        if (got <= *cap - *n) {
+            *n += got;
+            return 1;
+        }
+        size_t want = *n + got;
+        uintptr_t *more = realloc(*nodes, want * sizeof *more);
+        if (!more) return 0;
+        *nodes = more;
+        *cap = want;
+    }
+}
+
+/* Give pending block b (deferred during a capture) the markers of Note [Capture reuse],
+ * when its stream and every recorded stream capture in one graph. */
+static void capture_mark_locked(mp_pool *p, mp_block *b) {
+    if (!p->cfg.capture_reuse || !p->up.capture_frontier || !p->up.capture_follows) return;
+    size_t n = 0, cap = 4 + (size_t)b->nuses;
+    uint64_t graph = 0;
+    uintptr_t *nodes = malloc(cap * sizeof *nodes);
+    if (!nodes) return;
+    int ok = frontier_append_locked(p, b->stream, &graph, &nodes, &n, &cap);
+    for (uint16_t i = 0; ok && i < b->nuses; i++)
+        ok = frontier_append_locked(p, b->uses[i], &graph, &nodes, &n, &cap);
+    if (!ok || !n) {   /* n == 0: nothing captured yet to order the uses by (as PyTorch) */
+        free(nodes);
+        return;
+    }
+    b->markers = nodes;
+    b->nmarkers = n;
+    p->nmarked++;
+}
+
+void mp_capture_reclaim_locked(mp_pool *p, mp_stream *s) {
+    for (mp_block *b = p->pending_head, *next; b && p->nmarked; b = next) {
+        next = b->fnext;
+        if (!b->markers || b->stream != s) continue;
+        int all = 0;
+        if (p->up.capture_follows(p->up.ctx, s->handle, b->markers, b->nmarkers, &all) != MP_OK ||
+            !all)
+            continue;
+        pending_remove_locked(p, b);   /* frees the markers */
+        b->nuses = 0;                  /* the graph orders them: no event, no wait */
+        mp_complete_free_locked(p, b);
+    }
 }
 
 /* Note [Stream reuse]: record an event on each stream that used b (events[], one per use),
@@ -348,6 +435,7 @@ static void sync_uses_unlocked(mp_pool *p, mp_block *b, uint16_t nsync) {
  * synchronized, with the lock dropped meanwhile (the caller's list walk starts again). */
 static int record_deferred_locked(mp_pool *p, mp_block *b, int *stocked) {
     if (mp_capture_uses_locked(p, b)) return 0;
+    drop_markers_locked(p, b);   /* the capture is over: events order it now */
     /* Note [Events outside the lock]: made with the lock dropped for every deferred free at
      * once, then the walk starts again; once per walk, so that a creation that fails (or
      * another thread's draw meanwhile) ends in the sync below, not in a loop. */
@@ -383,6 +471,7 @@ void mp_free_pending_locked(mp_pool *p, mp_block *b, uintptr_t *events) {
     if (mp_capture_uses_locked(p, b)) {
         free(events);   /* Note [Graph capture]: recorded once the capture is over */
         pending_push_locked(p, b);
+        capture_mark_locked(p, b);   /* Note [Capture reuse] */
         return;
     }
     uint16_t nsync = record_uses_locked(p, b, events);

@@ -464,7 +464,8 @@ void mp_torch_private_config(const mp_config *device_cfg, mp_config *out) {
  * torch.cuda.memory._set_allocator_settings changes them all at once. A private pool here is
  * a core pool of its own that takes the device pool's size policy when it is made
  * (mp_torch_private_config). So the live ones are listed per device, and
- * mp_torch_follow_size_policy gives them the device pool's policy again once it changed (the
+ * mp_torch_follow_size_policy gives them the device pool's policy, and its capture reuse (Note
+ * [Capture reuse], core/mp_stream.c), again once it changed (the
  * Python side calls it after Pool.set_size_policy on a registered pool). Their collection
  * threshold stays 0: a private pool gives nothing back on its own (Note [Keep idle]).
  * privates_lock guards the list and is taken before any pool's lock; a pool leaves the list
@@ -517,6 +518,7 @@ int mp_torch_follow_size_policy(int device) {
          * PyTorch ignores the limit there), so its private pools get none then either. */
         int r = mp_set_size_policy(e->pool, cfg.roundup_divisions, cfg.max_split_size, 0.0);
         if (r != MP_OK) rc = r;
+        mp_set_capture_reuse(e->pool, cfg.capture_reuse);   /* Note [Capture reuse] */
     }
     pthread_mutex_unlock(&privates_lock);
     return rc;

@@ -70,8 +70,14 @@ typedef struct CUevent_st *CUevent;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef unsigned long long CUdeviceptr;
 typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphNode_st *CUgraphNode;
+typedef struct {   /* CUgraphEdgeData (CUDA 12.3+) */
+    unsigned char from_port, to_port, type, reserved[5];
+} CUgraphEdgeData;
 
 #define CU_STREAM_CAPTURE_STATUS_NONE 0
+#define CU_STREAM_CAPTURE_STATUS_ACTIVE 1
 #define CU_STREAM_CAPTURE_MODE_RELAXED 2
 
 enum {
@@ -167,6 +173,15 @@ static struct {
     CUresult (*MemAlloc)(CUdeviceptr *, size_t);
     CUresult (*MemFree)(CUdeviceptr);
     CUresult (*ThreadExchangeStreamCaptureMode)(int *);
+    /* Note [Capture reuse] (core/mp_stream.c): optional; the edge-data forms of CUDA 12.3+
+     * where the driver has them, else the older ones. */
+    CUresult (*StreamGetCaptureInfo3)(CUstream, int *, unsigned long long *, CUgraph *,
+                                      const CUgraphNode **, const CUgraphEdgeData **, size_t *);
+    CUresult (*StreamGetCaptureInfo2)(CUstream, int *, unsigned long long *, CUgraph *,
+                                      const CUgraphNode **, size_t *);
+    CUresult (*GraphNodeGetDependencies2)(CUgraphNode, CUgraphNode *, CUgraphEdgeData *,
+                                          size_t *);
+    CUresult (*GraphNodeGetDependencies1)(CUgraphNode, CUgraphNode *, size_t *);
     int has_vmm;
     int has_capture;
 } D;
@@ -185,7 +200,7 @@ static void d_resolve(void) {
                  why ? why : "unknown reason");
         return;
     }
-    enum { REQUIRED, VMM, PEER, CAPTURE };   /* what lacks when the symbol does */
+    enum { REQUIRED, VMM, PEER, CAPTURE, OPTIONAL };   /* what lacks when the symbol does */
     struct { void **slot; const char *name; int kind; } table[] = {
         {(void **)&D.Init, "cuInit", REQUIRED},
         {(void **)&D.DeviceGetCount, "cuDeviceGetCount", REQUIRED},
@@ -227,6 +242,10 @@ static void d_resolve(void) {
         {(void **)&D.MemAlloc, "cuMemAlloc_v2", CAPTURE},
         {(void **)&D.MemFree, "cuMemFree_v2", CAPTURE},
         {(void **)&D.ThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode", CAPTURE},
+        {(void **)&D.StreamGetCaptureInfo3, "cuStreamGetCaptureInfo_v3", OPTIONAL},
+        {(void **)&D.StreamGetCaptureInfo2, "cuStreamGetCaptureInfo_v2", OPTIONAL},
+        {(void **)&D.GraphNodeGetDependencies2, "cuGraphNodeGetDependencies_v2", OPTIONAL},
+        {(void **)&D.GraphNodeGetDependencies1, "cuGraphNodeGetDependencies", OPTIONAL},
     };
     int has_vmm = 1, has_capture = 1;
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
@@ -349,6 +368,150 @@ static int cu_stream_capturing(void *ctx, uintptr_t stream, int *out) {
     CU_CALL(c, r, D.StreamIsCapturing((CUstream)stream, &status));
     int rc = check(c, r);
     if (rc == MP_OK) *out = status != CU_STREAM_CAPTURE_STATUS_NONE;
+    return rc;
+}
+
+/* Note [Capture reuse] (core/mp_stream.c) on the driver: a stream's frontier is what
+ * cuStreamGetCaptureInfo calls its dependencies (the nodes its next captured work will
+ * depend on), and capture_follows walks cuGraphNodeGetDependencies back from it. Neither
+ * call is refused during a capture nor breaks it (PyTorch's allocator makes both). */
+static int capture_info(mp_cuda *c, uintptr_t stream, int *status, unsigned long long *id,
+                        const CUgraphNode **deps, size_t *n) {
+    CUgraph graph;
+    CUresult r;
+    if (D.StreamGetCaptureInfo3)
+        CU_CALL(c, r, D.StreamGetCaptureInfo3((CUstream)stream, status, id, &graph, deps, NULL, n));
+    else
+        CU_CALL(c, r, D.StreamGetCaptureInfo2((CUstream)stream, status, id, &graph, deps, n));
+    return check(c, r);
+}
+
+static int cu_capture_frontier(void *ctx, uintptr_t stream, uint64_t *graph, uintptr_t *nodes,
+                               size_t cap, size_t *n) {
+    int status = CU_STREAM_CAPTURE_STATUS_NONE;
+    unsigned long long id = 0;
+    const CUgraphNode *deps = NULL;
+    size_t count = 0;
+    int rc = capture_info(ctx, stream, &status, &id, &deps, &count);
+    if (rc != MP_OK) return rc;
+    if (status != CU_STREAM_CAPTURE_STATUS_ACTIVE) return MP_EINVAL;
+    *graph = id;
+    *n = count;
+    for (size_t i = 0; i < count && i < cap; i++) nodes[i] = (uintptr_t)deps[i];
+    return MP_OK;
+}
+
+/* A set of graph nodes: open addressing over a power-of-two table (host pointers, so the
+ * low bits carry little). */
+typedef struct {
+    uintptr_t *slots;
+    size_t mask, count;
+} node_set;
+
+static size_t node_slot(const node_set *set, uintptr_t v) {
+    size_t i = (size_t)((v >> 4) * 0x9E3779B97F4A7C15ull) & set->mask;
+    while (set->slots[i] && set->slots[i] != v) i = (i + 1) & set->mask;
+    return i;
+}
+
+/* 1 when v was added, 0 when it was there, -1 when out of memory. */
+static int node_set_add(node_set *set, uintptr_t v) {
+    if ((set->count + 1) * 2 > set->mask + 1) {
+        node_set grown = {calloc(2 * (set->mask + 1), sizeof *grown.slots), 2 * set->mask + 1, 0};
+        if (!grown.slots) return -1;
+        for (size_t i = 0; i <= set->mask; i++)
+            if (set->slots[i]) grown.slots[node_slot(&grown, set->slots[i])] = set->slots[i];
+        grown.count = set->count;
+        free(set->slots);
+        *set = grown;
+    }
+    size_t i = node_slot(set, v);
+    if (set->slots[i]) return 0;
+    set->slots[i] = v;
+    set->count++;
+    return 1;
+}
+
+/* The dependencies of `node` into *buf (room for *cap, grown as needed); their count, or
+ * (size_t)-1 on an error. The count first (a call with no array), since a call with too
+ * small an array fills it and does not say that more exist; the edge data too, which the
+ * edge-data form wants when an edge is not a plain one. */
+static size_t node_parents(mp_cuda *c, CUgraphNode node, CUgraphNode **buf, size_t *cap,
+                           CUgraphEdgeData **edges) {
+    size_t n = 0;
+    CUresult r;
+    if (D.GraphNodeGetDependencies2)
+        CU_CALL(c, r, D.GraphNodeGetDependencies2(node, NULL, NULL, &n));
+    else
+        CU_CALL(c, r, D.GraphNodeGetDependencies1(node, NULL, &n));
+    if (check(c, r) != MP_OK) return (size_t)-1;
+    if (!n) return 0;
+    if (n > *cap) {
+        CUgraphNode *more = realloc(*buf, n * sizeof *more);
+        if (more) *buf = more;
+        CUgraphEdgeData *more_edges = more ? realloc(*edges, n * sizeof *more_edges) : NULL;
+        if (!more || !more_edges) return (size_t)-1;
+        *edges = more_edges;
+        *cap = n;
+    }
+    if (D.GraphNodeGetDependencies2)
+        CU_CALL(c, r, D.GraphNodeGetDependencies2(node, *buf, *edges, &n));
+    else
+        CU_CALL(c, r, D.GraphNodeGetDependencies1(node, *buf, &n));
+    return check(c, r) == MP_OK ? n : (size_t)-1;
+}
+
+static int cu_capture_follows(void *ctx, uintptr_t stream, const uintptr_t *nodes, size_t n,
+                              int *all) {
+    mp_cuda *c = ctx;
+    int status = CU_STREAM_CAPTURE_STATUS_NONE;
+    unsigned long long id = 0;
+    const CUgraphNode *deps = NULL;
+    size_t count = 0;
+    int rc = capture_info(c, stream, &status, &id, &deps, &count);
+    if (rc != MP_OK) return rc;
+    if (status != CU_STREAM_CAPTURE_STATUS_ACTIVE) return MP_EINVAL;
+    node_set seen = {calloc(64, sizeof(uintptr_t)), 63, 0};
+    size_t top = 0, room = count + 16, pcap = 16;
+    uintptr_t *stack = malloc(room * sizeof *stack);
+    CUgraphNode *parents = malloc(pcap * sizeof *parents);
+    CUgraphEdgeData *edges = malloc(pcap * sizeof *edges);
+    rc = seen.slots && stack && parents && edges ? MP_OK : MP_ENOMEM;
+    for (size_t i = 0; rc == MP_OK && i < count; i++) {
+        int added = node_set_add(&seen, (uintptr_t)deps[i]);
+        if (added < 0) rc = MP_ENOMEM;
+        else if (added) stack[top++] = (uintptr_t)deps[i];
+    }
+    while (rc == MP_OK && top) {   /* every ancestor of the frontier, each once */
+        size_t np = node_parents(c, (CUgraphNode)stack[--top], &parents, &pcap, &edges);
+        if (np == (size_t)-1) {
+            rc = MP_EUPSTREAM;
+            break;
+        }
+        for (size_t j = 0; rc == MP_OK && j < np; j++) {
+            int added = node_set_add(&seen, (uintptr_t)parents[j]);
+            if (added < 0) rc = MP_ENOMEM;
+            if (added <= 0) continue;
+            if (top == room) {
+                uintptr_t *more = realloc(stack, 2 * room * sizeof *more);
+                if (!more) {
+                    rc = MP_ENOMEM;
+                    break;
+                }
+                stack = more;
+                room *= 2;
+            }
+            stack[top++] = (uintptr_t)parents[j];
+        }
+    }
+    if (rc == MP_OK) {
+        *all = 1;
+        for (size_t i = 0; i < n && *all; i++) *all = seen.slots[node_slot(&seen, nodes[i])] != 0;
+    }
+    free(seen.slots);
+    free(stack);
+    free(parents);
+    free(edges);
     return rc;
 }
 
@@ -920,6 +1083,11 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
     up->stream_query = cu_stream_query;
     up->device_synchronize = cu_device_synchronize;
     if (D.has_capture) up->stream_capturing = cu_stream_capturing;
+    if ((D.StreamGetCaptureInfo3 || D.StreamGetCaptureInfo2) &&
+        (D.GraphNodeGetDependencies2 || D.GraphNodeGetDependencies1)) {
+        up->capture_frontier = cu_capture_frontier;   /* Note [Capture reuse] */
+        up->capture_follows = cu_capture_follows;
+    }
     up->mem_info = cu_mem_info;
     up->granularity = c->granularity;
     if (c->granularity) {

@@ -21,6 +21,11 @@ typedef struct sim_stream {
     uint64_t submitted, completed;
     int capturing;   /* between mp_sim_begin_capture and mp_sim_end_capture */
     int broken;      /* its capture was invalidated by an illegal call */
+    /* Note [Sim capture graphs]: the capture it takes part in, and the nodes its next
+     * captured work depends on. */
+    uint64_t capture_id;
+    uint32_t *frontier;
+    size_t nfrontier, cap_frontier;
     sim_wait *waits;
     size_t nwaits, cap_waits;
 } sim_stream;
@@ -83,6 +88,10 @@ struct mp_sim {
      * graph for a capturing stream. */
     size_t ncapturing;
     uint64_t capture_violations, capture_allocs;
+    /* Note [Sim capture graphs]: node i + 1's dependencies, and the last capture's id. */
+    struct sim_node { uint32_t *parents; uint32_t nparents; } *nodes;
+    size_t nnodes, cap_nodes;
+    uint64_t last_capture;
     /* Note [Frees the driver keeps]: segments freed behind incomplete work, their bytes, and
      * the most the device held (handed out plus kept) at any allocation. */
     sim_kept *kept;
@@ -673,14 +682,120 @@ static int sim_stream_capturing(void *ctx, uintptr_t stream, int *capturing) {
     return MP_OK;
 }
 
+/* Note [Sim capture graphs]
+ * What the driver's graph says of the order of captured work, for Note [Capture reuse]
+ * (core/mp_stream.c): a stream that captures has a frontier, the nodes its next captured
+ * work depends on (cudaStreamGetCaptureInfo's dependencies). mp_sim_launch on it adds a node
+ * that depends on the frontier and becomes it; mp_sim_capture_join(stream, from), the
+ * capture's form of `stream` waiting for `from` (an event recorded on `from`, waited on by
+ * `stream`), adds from's frontier to stream's, and makes a stream that did not capture
+ * join from's capture (as the driver does); ending the capture ends it on every stream
+ * that joined. capture_follows walks the dependencies back from the frontier. */
+
+static int sim_capture_frontier(void *ctx, uintptr_t stream, uint64_t *graph, uintptr_t *nodes,
+                                size_t cap, size_t *n) {
+    mp_sim *s = ctx;
+    pthread_mutex_lock(&s->mu);
+    sim_stream *st = live_stream(s, stream);
+    int rc = st && st->capturing ? MP_OK : MP_EINVAL;
+    if (rc == MP_OK) {
+        *graph = st->capture_id;
+        *n = st->nfrontier;
+        for (size_t i = 0; i < cap && i < st->nfrontier; i++) nodes[i] = st->frontier[i];
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+static int sim_capture_follows(void *ctx, uintptr_t stream, const uintptr_t *nodes, size_t n,
+                               int *all) {
+    mp_sim *s = ctx;
+    pthread_mutex_lock(&s->mu);
+    sim_stream *st = live_stream(s, stream);
+    int rc = st && st->capturing ? MP_OK : MP_EINVAL;
+    unsigned char *seen = rc == MP_OK ? calloc(s->nnodes + 1, 1) : NULL;
+    uint32_t *stack = rc == MP_OK ? malloc((s->nnodes + 1) * sizeof *stack) : NULL;
+    if (rc == MP_OK && (!seen || !stack)) rc = MP_ENOMEM;
+    if (rc == MP_OK) {
+        size_t top = 0;
+        for (size_t i = 0; i < st->nfrontier; i++) {
+            uint32_t v = st->frontier[i];
+            if (!seen[v]) {
+                seen[v] = 1;
+                stack[top++] = v;
+            }
+        }
+        while (top) {
+            struct sim_node *node = &s->nodes[stack[--top] - 1];
+            for (uint32_t j = 0; j < node->nparents; j++) {
+                uint32_t u = node->parents[j];
+                if (!seen[u]) {
+                    seen[u] = 1;
+                    stack[top++] = u;
+                }
+            }
+        }
+        *all = 1;
+        for (size_t i = 0; i < n && *all; i++)
+            *all = nodes[i] >= 1 && nodes[i] <= s->nnodes && seen[nodes[i]];
+    }
+    free(seen);
+    free(stack);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+/* Stream si's frontier := {node} (replace) or ∪= the nodes given (merge). 0 when out of
+ * memory. */
+static int frontier_set(sim_stream *st, const uint32_t *nodes, size_t n, int merge) {
+    if (!merge) st->nfrontier = 0;
+    if (st->nfrontier + n > st->cap_frontier) {
+        size_t cap = (st->nfrontier + n) * 2;
+        uint32_t *grown = realloc(st->frontier, cap * sizeof *grown);
+        if (!grown) return 0;
+        st->frontier = grown;
+        st->cap_frontier = cap;
+    }
+    for (size_t i = 0; i < n; i++) {
+        size_t k = 0;
+        while (k < st->nfrontier && st->frontier[k] != nodes[i]) k++;
+        if (k == st->nfrontier) st->frontier[st->nfrontier++] = nodes[i];
+    }
+    return 1;
+}
+
+/* A captured node on stream si, after its frontier, which it becomes. */
+static void capture_node(mp_sim *s, size_t si) {
+    sim_stream *st = &s->streams[si];
+    if (s->nnodes == s->cap_nodes) {
+        size_t cap = s->cap_nodes ? 2 * s->cap_nodes : 64;
+        struct sim_node *grown = realloc(s->nodes, cap * sizeof *grown);
+        if (!grown) return;
+        s->nodes = grown;
+        s->cap_nodes = cap;
+    }
+    struct sim_node *node = &s->nodes[s->nnodes];
+    node->nparents = 0;
+    node->parents = st->nfrontier ? malloc(st->nfrontier * sizeof *node->parents) : NULL;
+    if (st->nfrontier && !node->parents) return;
+    for (size_t i = 0; i < st->nfrontier; i++) node->parents[node->nparents++] = st->frontier[i];
+    uint32_t id = (uint32_t)++s->nnodes;
+    frontier_set(st, &id, 1, 0);
+}
+
 static void sim_destroy(void *ctx) {
     mp_sim *s = ctx;
     mp_ptrmap_destroy(&s->segments);
     mp_ptrmap_destroy(&s->reservations);
     mp_ptrmap_destroy(&s->pages);
     mp_ptrmap_destroy(&s->mappings);
-    for (size_t i = 0; i < s->nstreams; i++) free(s->streams[i].waits);
+    for (size_t i = 0; i < s->nstreams; i++) {
+        free(s->streams[i].waits);
+        free(s->streams[i].frontier);
+    }
     free(s->streams);
+    for (size_t i = 0; i < s->nnodes; i++) free(s->nodes[i].parents);
+    free(s->nodes);
     free(s->shash);
     free(s->free_slots);
     for (size_t i = 0; i < s->nevents; i++) free(s->events[i].deps);
@@ -722,6 +837,8 @@ int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
     up->stream_query = sim_stream_query;
     up->device_synchronize = sim_device_synchronize;
     up->stream_capturing = sim_stream_capturing;
+    up->capture_frontier = sim_capture_frontier;
+    up->capture_follows = sim_capture_follows;
     up->mem_info = sim_mem_info;
     up->granularity = granularity;
     up->va_reserve = sim_va_reserve;
@@ -746,6 +863,7 @@ uint64_t mp_sim_launch(mp_sim *s, uintptr_t stream) {
     pthread_mutex_lock(&s->mu);
     size_t si = stream_index(s, stream);
     uint64_t seq = si == SIZE_MAX ? 0 : ++s->streams[si].submitted;
+    if (si != SIZE_MAX && s->streams[si].capturing) capture_node(s, si);   /* Note [Sim capture graphs] */
     pthread_mutex_unlock(&s->mu);
     return seq;
 }
@@ -973,6 +1091,8 @@ int mp_sim_begin_capture(mp_sim *s, uintptr_t stream) {
     if (rc == MP_OK) {
         s->streams[si].capturing = 1;
         s->streams[si].broken = 0;
+        s->streams[si].capture_id = ++s->last_capture;
+        s->streams[si].nfrontier = 0;
         s->ncapturing++;
     }
     pthread_mutex_unlock(&s->mu);
@@ -984,10 +1104,40 @@ int mp_sim_end_capture(mp_sim *s, uintptr_t stream) {
     int rc = MP_EINVAL;
     sim_stream *st = live_stream(s, stream);
     if (st && st->capturing) {
-        st->capturing = 0;
-        s->ncapturing--;
+        uint64_t id = st->capture_id;
         rc = st->broken ? MP_EUPSTREAM : MP_OK;
-        st->broken = 0;
+        for (size_t i = 0; i < s->nstreams; i++) {   /* and the streams that joined it */
+            sim_stream *o = &s->streams[i];
+            if (!o->capturing || o->capture_id != id) continue;
+            o->capturing = 0;
+            o->broken = 0;
+            o->nfrontier = 0;
+            s->ncapturing--;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+int mp_sim_capture_join(mp_sim *s, uintptr_t stream, uintptr_t from) {
+    if (stream == 0 || stream == 1 || stream == from) return MP_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    size_t si = stream_index(s, stream), fi = stream_index(s, from);
+    int rc = si == SIZE_MAX || fi == SIZE_MAX ? MP_ENOMEM : MP_OK;
+    if (rc == MP_OK && !s->streams[fi].capturing) rc = MP_EINVAL;
+    if (rc == MP_OK && s->streams[si].capturing &&
+        s->streams[si].capture_id != s->streams[fi].capture_id)
+        rc = MP_EINVAL;   /* two captures cannot be ordered against each other */
+    if (rc == MP_OK) {
+        sim_stream *st = &s->streams[si], *f = &s->streams[fi];
+        if (!st->capturing) {
+            st->capturing = 1;
+            st->broken = f->broken;
+            st->capture_id = f->capture_id;
+            st->nfrontier = 0;
+            s->ncapturing++;
+        }
+        if (!frontier_set(st, f->frontier, f->nfrontier, 1)) rc = MP_ENOMEM;
     }
     pthread_mutex_unlock(&s->mu);
     return rc;

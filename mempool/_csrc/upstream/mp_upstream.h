@@ -73,6 +73,19 @@ typedef struct mp_upstream {
      * must not be stream-ordered; the core makes no other call that a capture refuses
      * (Note [Graph capture], mp_capture.h). */
     int (*stream_capturing)(void *ctx, uintptr_t stream, int *capturing);
+    /* Graph capture reuse (Note [Capture reuse], core/mp_stream.c); both optional, may be
+     * NULL: then a free with recorded streams waits for the capture's end.
+     * capture_frontier: the nodes that work queued next on capturing `stream` would depend
+     * on (its capture's terminal nodes), their count in *n, at most `cap` of them written to
+     * nodes[] (call again with more room when *n > cap), and an id of the capture in *graph.
+     * MP_EINVAL when the stream does not capture. Never breaks the capture.
+     * capture_follows: *all = 1 when each of nodes[0..n) is `stream`'s frontier or one of
+     * its ancestors in the graph, so that work queued next on it runs after all of them;
+     * else 0. Never breaks the capture. */
+    int (*capture_frontier)(void *ctx, uintptr_t stream, uint64_t *graph, uintptr_t *nodes,
+                            size_t cap, size_t *n);
+    int (*capture_follows)(void *ctx, uintptr_t stream, const uintptr_t *nodes, size_t n,
+                           int *all);
 
     /* Device memory: *free_bytes and *total_bytes as the device reports them. */
     int (*mem_info)(void *ctx, size_t *free_bytes, size_t *total_bytes);
