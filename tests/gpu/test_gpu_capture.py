@@ -226,29 +226,37 @@ def test_a_recorded_block_is_reused_once_the_capture_joins_its_streams(cuda_pool
         mem = cupy.cuda.UnownedMemory(ptr, nbytes, pool)
         return cupy.ndarray((n,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
 
+    def triple(src, dst):                  # in place: no temporary to allocate
+        cupy.multiply(view(src), 3.0, out=view(dst))
+
+    def bump(dst):
+        cupy.add(view(dst), 1.0, out=view(dst))
+
     out = pool.alloc(nbytes, stream=s1.ptr)
     with s1:                               # compile the kernels before the capture
         view(out).fill(0.0)
-        view(out)[...] = view(out) * 3.0
-        view(out)[...] += 1.0
+        triple(out, out)
+        bump(out)
     s1.synchronize()
     s1.begin_capture(mode=MODES[mode])
-    a = pool.alloc(nbytes, stream=s1.ptr)
-    with s1:
-        view(a).fill(2.0)
-    s2.wait_event(s1.record())             # s2 joins the capture
-    with s2:
-        view(out)[...] = view(a) * 3.0     # s2 reads a
-    pool.record_stream(a, s2.ptr)
-    pool.free(a, stream=s1.ptr)
-    early = pool.alloc(nbytes, stream=s1.ptr)
-    s1.wait_event(s2.record())             # s1 waits for s2
-    with s1:
-        view(out)[...] += 1.0
-    late = pool.alloc(nbytes, stream=s1.ptr)
-    with s1:
-        view(late).fill(5.0)               # a's memory again when reused: after s2's read
-    g = s1.end_capture()                   # raises when a call broke the capture
+    try:
+        a = pool.alloc(nbytes, stream=s1.ptr)
+        with s1:
+            view(a).fill(2.0)
+        s2.wait_event(s1.record())         # s2 joins the capture
+        with s2:
+            triple(a, out)                 # s2 reads a
+        pool.record_stream(a, s2.ptr)
+        pool.free(a, stream=s1.ptr)
+        early = pool.alloc(nbytes, stream=s1.ptr)
+        s1.wait_event(s2.record())         # s1 waits for s2
+        with s1:
+            bump(out)
+        late = pool.alloc(nbytes, stream=s1.ptr)
+        with s1:
+            view(late).fill(5.0)           # a's memory again when reused: after s2's read
+    finally:
+        g = s1.end_capture()               # raises when a call broke the capture
     assert early != a
     assert (late == a) is reuse
     for _ in range(3):
