@@ -61,6 +61,7 @@ def private_config():
     device.release_threshold = 0          # whatever the device pool gives back ...
     device.gc_threshold = 0.5
     device.limit = 512 * MiB
+    device.capture_reuse = 1              # Note [Capture reuse]: a graph's pool follows it
     cfg = Config()
     core.mp_torch_private_config(ctypes.byref(device), ctypes.byref(cfg))
     return cfg
@@ -74,6 +75,7 @@ def test_the_glues_private_pools_keep_their_idle_segments():
     assert cfg.gc_threshold == 0.0 and cfg.expandable_segments == 0
     assert cfg.segment_round == 0 and cfg.cross_stream_reuse == 0
     assert default_config().keep_idle == 0
+    assert cfg.capture_reuse == 1 and default_config().capture_reuse == 0
 
 
 @pytest.mark.parametrize("keep_idle", [0, 1])
