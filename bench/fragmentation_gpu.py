@@ -222,11 +222,10 @@ def main(argv=None) -> int:
                     help="also mempool expandable rows with these max_map_size values (the "
                          "most bytes of one physical allocation), e.g. page,64MiB; 'page' = "
                          "one allocation per page, as before growth extents")
-    ap.add_argument("--min-map", default="0",
+    ap.add_argument("--min-map", default="64MiB",
                     help="mempool expandable rows with these min_map_size values (the least "
-                         "a growth at a range's end maps, Note [Edge growth]; cuda's default "
-                         "is 64MiB; default 0: a row where each growth maps what its request "
-                         "needs; '' for none)")
+                         "a growth at a range's end maps, Note [Edge growth]; default 64MiB; "
+                         "'' for none)")
     ap.add_argument("--driver-rows", action="store_true",
                     help="also mempool default rows with the device synchronized at each "
                          "step, as before 2026-12-03 (its cudaMemPool keeping every freed "

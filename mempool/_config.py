@@ -239,26 +239,11 @@ def _parse_max_map_size(value: Any, key: str) -> int | None:
     return n
 
 
-# min_map_size's default on backend='cuda' (Note [Edge growth], mempool/_csrc/core/mp_expand.c):
-# on an H100 it took expandable segments from 1.18x / 1.67x the default path's time per event
-# on the shipped transformer / vision traces to 0.76x / 0.73x, for 1.027 / 1.008 of peak live
-# reserved at the peak against 1.016 / 1.008 (bench/results/2026-12-06-h100-edge-growth.md).
-# On sim and host a growth maps what its request needs unless the option says otherwise, so
-# their exact counts stay those of the core's page rule.
-CUDA_MIN_MAP_SIZE = 64 * MiB
-
-
 def _parse_min_map_size(value: Any, key: str) -> int | None:
-    accepted = ("a size: an int (bytes) or a string such as '64MiB', 0 for what each request "
-                "needs; or None / 'none' (the default: 64 MiB on backend='cuda', else 0)")
-    return _size_or_none(value, key, accepted)
-
-
-def resolved_min_map_size(value: int | None, backend: str) -> int:
-    """The min_map_size a pool of `backend` uses for the parsed option `value` (0: none)."""
-    if value is not None:
-        return value
-    return CUDA_MIN_MAP_SIZE if backend == "cuda" else 0
+    accepted = ("a size: an int (bytes) or a string such as '64MiB'; or None / 'none' / 0 "
+                "(the default: a growth maps what its request needs)")
+    n = _size_or_none(value, key, accepted)
+    return n or None
 
 
 def _parse_max_split_size(value: Any, key: str) -> int | None:
@@ -598,7 +583,7 @@ OPTIONS: dict[str, Option] = {
         "pages, one physical allocation): fewer, larger driver allocations for a little more "
         "mapped at the peak; holes are still filled to the page, a pool with a limit "
         "ignores it, and it never takes a pool past garbage_collection_threshold (None = "
-        "64 MiB on 'cuda', 0 on 'sim' and 'host'; 0 = what the request needs)",
+        "what the request needs)",
         _parse_min_map_size, "64MiB", sized=True),
     "graph_capture_record_stream_reuse": Option(
         False, "bool",

@@ -253,9 +253,7 @@ cdef class Pool:
             cfg.gc_threshold = opts["garbage_collection_threshold"]
             cfg.expandable_segments = 1 if opts["expandable_segments"] else 0
             cfg.max_map_size = opts["max_map_size"] or 0
-            opts["min_map_size"] = _config.resolved_min_map_size(opts["min_map_size"],
-                                                                 backend_name)
-            cfg.min_map_size = opts["min_map_size"]
+            cfg.min_map_size = opts["min_map_size"] or 0
             cfg.capture_reuse = 1 if opts["graph_capture_record_stream_reuse"] else 0
             if cfg.expandable_segments and up.map == NULL:
                 raise ValueError(f"expandable_segments is not supported by the {backend_name} "

@@ -47,19 +47,7 @@ def test_without_it_a_growth_maps_what_its_request_needs(sim):
     a = pool.alloc(3 * MiB)
     assert maps(pool) == [(0, 4 * MiB)]
     pool.free(a)
-    assert mempool.Pool(backend="sim").options["min_map_size"] == 0
-
-
-def test_the_default_is_64_mib_on_cuda_and_none_on_sim_and_host():
-    """None (the option left out) resolves per backend: the H100 replays that chose 64 MiB
-    for cuda are in bench/results/2026-12-06-h100-edge-growth.md; sim and host keep the
-    page rule's exact counts. 0 turns it off anywhere, and a given size is kept."""
-    resolve = mempool._config.resolved_min_map_size
-    assert resolve(None, "cuda") == 64 * MiB
-    assert resolve(None, "sim") == resolve(None, "host") == 0
-    assert resolve(0, "cuda") == 0
-    assert resolve(16 * MiB, "sim") == resolve(16 * MiB, "cuda") == 16 * MiB
-    assert mempool.Pool(backend="host", expandable_segments=True).options["min_map_size"] == 0
+    assert mempool.Pool(backend="sim").options["min_map_size"] is None
 
 
 def test_a_hole_is_filled_to_the_page_not_to_min_map_size(sim):
@@ -169,6 +157,6 @@ def test_min_map_size_is_checked_and_read_from_conf_strings():
             mempool.Pool(backend="sim", expandable_segments=True, min_map_size=bad)
     pool = mempool.Pool.from_conf("backend:sim,expandable_segments:True,min_map_size_mb:64")
     assert pool.options["min_map_size"] == 64 * MiB
-    for off in (None, "none", 0, "0"):
+    for none in (None, "none", 0):
         assert mempool.Pool(backend="sim", expandable_segments=True,
-                            min_map_size=off).options["min_map_size"] == 0
+                            min_map_size=none).options["min_map_size"] is None

@@ -176,12 +176,12 @@ def test_a_growth_is_one_physical_allocation_released_whole(cuda_pool, cupy_devi
     assert cut.reserved_bytes() == 0
 
 
-def test_a_growth_at_the_edge_maps_64_mib_by_default_on_cuda(cuda_pool, streams, kernels):
-    """Note [Edge growth] with cuda's default min_map_size: the first small request of a
-    range maps 64 MiB as one physical allocation, the next requests take it without a growth,
-    and min_map_size=0 maps only the page a request needs."""
+def test_min_map_size_maps_a_growth_at_the_edge_in_one_allocation(cuda_pool, streams, kernels):
+    """Note [Edge growth] on the driver: with min_map_size 64 MiB the first small request of
+    a range maps 64 MiB as one physical allocation and the next requests take it without a
+    growth; by default a growth maps only the page a request needs."""
     s, _ = streams
-    pool = cuda_pool(expandable_segments=True)
+    pool = cuda_pool(expandable_segments=True, min_map_size=64 * MiB)
     assert pool.options["min_map_size"] == 64 * MiB
     ptrs = [pool.alloc(4 * MiB, stream=s) for _ in range(16)]
     (seg,) = pool.layout()
@@ -191,8 +191,8 @@ def test_a_growth_at_the_edge_maps_64_mib_by_default_on_cuda(cuda_pool, streams,
     assert kernels.count_bad(ptrs[-1], 4 * MiB, 7, s) == 0
     for p in ptrs:
         pool.free(p, stream=s)
-    exact = cuda_pool(expandable_segments=True, min_map_size=0)
-    assert exact.options["min_map_size"] == 0
+    exact = cuda_pool(expandable_segments=True)
+    assert exact.options["min_map_size"] is None
     q = exact.alloc(4 * MiB, stream=s)
     assert exact.reserved_bytes() == exact.options["granularity"]
     exact.free(q, stream=s)

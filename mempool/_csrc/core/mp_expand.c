@@ -831,8 +831,9 @@ static int free_of(const mp_block *b, const mp_stream *s) {
  * default path's fixed segments on cuda: 108 and 100), for a peak of 1.0271 against 1.0155
  * and 1.0079 against 1.0079 of peak live (bench/results/2026-12-06-cpu-sim-edge-growth.md);
  * on an H100 the same peaks, and 0.76x / 0.73x the default path's time per event against
- * 1.18x / 1.67x with exact growths (bench/results/2026-12-06-h100-edge-growth.md), so 64 MiB
- * is the default on cuda (mempool/_config.py; sim and host keep exact growths by default).
+ * 1.18x / 1.67x with exact growths, but PyTorch's GPT and ResNet-50 peaked 32 and 120 MiB
+ * over PyTorch's expandable segments (bench/results/2026-12-06-h100-edge-growth.md), so it
+ * stays off by default: expandable segments are chosen for memory.
  * Under a limit every free page must be able to go (max_map_bytes), so there it is ignored;
  * it is opportunistic besides: it never takes the pool past the garbage collection
  * threshold, and the room a growth makes (that threshold, the high-water rule) is for what
