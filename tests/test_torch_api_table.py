@@ -97,18 +97,26 @@ OBSERVER_FIELDS = [
 
 
 CONFIG_FIELDS = [("config", F(i32, i32, ctypes.POINTER(Config)))]
+
+
+class Source(ctypes.Structure):   # mp_segment_source (Note [Custom segment sources])
+    _fields_ = [("ctx", vp), ("alloc", F(i32, vp, sz, u, ctypes.POINTER(u))),
+                ("free", F(None, vp, u, sz, u)), ("release", F(None, vp))]
+
+
+CUSTOM_FIELDS = [("custom_pool_create", F(i32, i32, ctypes.POINTER(Source), ctypes.POINTER(vp)))]
 SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP = 3, 4, 6, 7
 
 
 class Api(ctypes.Structure):
     _fields_ = (FIELDS + [(f"pool_fn_{i}", vp) for i in range(N_POOL_FUNCTIONS)]
-                + DEVICE_PEAK_FIELDS + OBSERVER_FIELDS + CONFIG_FIELDS)
+                + DEVICE_PEAK_FIELDS + OBSERVER_FIELDS + CONFIG_FIELDS + CUSTOM_FIELDS)
 
 
 @pytest.fixture
 def api():
     table = Api.from_address(_core._torch_api_address())
-    assert table.version == 6
+    assert table.version == 7
     assert table.struct_size == ctypes.sizeof(Api), "the table's layout changed: update Api"
     yield table
 
@@ -435,3 +443,89 @@ def test_the_config_is_the_device_pools_options(api):
     assert api.config(DEVICE, ctypes.byref(cfg)) == MP_EINVAL
     assert api.config(-1, ctypes.byref(cfg)) == MP_EINVAL
     assert cfg.gc_threshold == 0.0
+
+
+class FakeSegments:
+    """A segment source as the glue makes of a MemPool's own allocator: addresses it hands
+    out (512-byte aligned unless told otherwise), what it was asked and given back."""
+
+    def __init__(self, misalign=0, refuse=False):
+        self.next, self.misalign, self.refuse = 1 << 45, misalign, refuse
+        self.live, self.allocs, self.frees, self.releases = {}, 0, [], 0
+        self._alloc = Source._fields_[1][1](self.alloc)   # kept alive with the source
+        self._free = Source._fields_[2][1](self.free)
+        self._release = Source._fields_[3][1](self.release)
+        self.source = Source(None, self._alloc, self._free, self._release)
+
+    def alloc(self, ctx, nbytes, stream, out):
+        if self.refuse:
+            return 1                                   # MP_ENOMEM
+        self.allocs += 1
+        out[0] = self.next + self.misalign
+        self.live[out[0]] = nbytes
+        self.next += nbytes + (1 << 30)
+        return MP_OK
+
+    def free(self, ctx, ptr, nbytes, stream):
+        assert self.live.pop(ptr) == nbytes
+        self.frees.append(ptr)
+
+    def release(self, ctx):
+        self.releases += 1
+
+
+def pool_fns(api):
+    """pool_alloc, pool_free, pool_empty_cache and pool_release of the table."""
+    return (F(i32, vp, sz, u, ctypes.POINTER(u))(api.pool_fn_0),
+            F(i32, vp, u, u, i32)(api.pool_fn_1), F(i32, vp)(api.pool_fn_8),
+            F(None, vp)(api.pool_fn_14))
+
+
+def test_a_custom_segment_source_is_cached_and_given_back_once(api, routed):
+    """Note [Custom segment sources]: a MemPool with its own allocator caches that allocator's
+    segments as PyTorch's allocator does. A freed block serves the next request without a new
+    segment; the allocator's free is called by empty_cache and when the pool goes, and the
+    source is released once, after its last segment."""
+    alloc, free, empty_cache, release = pool_fns(api)
+    src = FakeSegments()
+    handle, out = vp(), u()
+    assert api.custom_pool_create(DEVICE, ctypes.byref(src.source), ctypes.byref(handle)) == MP_OK
+    assert alloc(handle, 3 * MiB, 0, ctypes.byref(out)) == MP_OK
+    first = out.value
+    assert src.allocs == 1 and first in src.live
+    assert free(handle, first, 0, 0) == MP_OK
+    assert alloc(handle, 3 * MiB, 0, ctypes.byref(out)) == MP_OK
+    assert (out.value, src.allocs, src.frees) == (first, 1, [])     # cached, not asked again
+    assert alloc(handle, 64 * MiB, 0, ctypes.byref(out)) == MP_OK     # a segment of its own
+    big = out.value
+    assert src.allocs == 2
+    assert free(handle, big, 0, 0) == MP_OK
+    assert empty_cache(handle) == MP_OK                               # the idle one goes back
+    assert list(src.live) == [first] and src.releases == 0
+    assert free(handle, first, 0, 0) == MP_OK
+    assert list(src.live) == [first]                                  # cached, free
+    release(handle)   # as the glue does once the MemPool is gone and its last block freed
+    assert src.live == {} and src.frees[-1] == first and src.releases == 1
+
+
+def test_a_custom_source_that_fails_or_misaligns_fails_the_request(api, routed):
+    alloc, free, empty_cache, release = pool_fns(api)
+    out, handle = u(), vp()
+    full = FakeSegments(refuse=True)
+    assert api.custom_pool_create(DEVICE, ctypes.byref(full.source), ctypes.byref(handle)) == MP_OK
+    assert alloc(handle, MiB, 0, ctypes.byref(out)) == 1              # MP_ENOMEM
+    release(handle)
+    assert full.releases == 1
+    odd = FakeSegments(misalign=256)                                  # the core needs 512
+    assert api.custom_pool_create(DEVICE, ctypes.byref(odd.source), ctypes.byref(handle)) == MP_OK
+    assert alloc(handle, MiB, 0, ctypes.byref(out)) == 8              # MP_EUPSTREAM
+    assert odd.allocs == 1 and odd.live == {} and len(odd.frees) == 1   # given back at once
+    release(handle)
+    # Refused arguments change nothing, and the caller keeps its source.
+    keep = FakeSegments()
+    assert api.custom_pool_create(DEVICE, None, ctypes.byref(handle)) == MP_EINVAL
+    assert api.custom_pool_create(DEVICE + 1, ctypes.byref(keep.source),
+                                  ctypes.byref(handle)) == MP_EINVAL     # no pool there
+    no_alloc = Source(None, Source._fields_[1][1](), keep._free, keep._release)
+    assert api.custom_pool_create(DEVICE, ctypes.byref(no_alloc), ctypes.byref(handle)) == MP_EINVAL
+    assert keep.releases == 0

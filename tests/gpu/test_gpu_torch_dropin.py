@@ -6,6 +6,7 @@ API only, as a training or inference script would, and check that the answers ar
 pool's.
 """
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -839,3 +840,80 @@ def test_graph_capture_record_stream_reuse_reclaims_within_the_capture(streams):
         print("reclaimed", data3.data_ptr() == data1_ptr)
     """)
     assert "reclaimed True" in out
+
+
+# A pluggable allocator as NCCL's buffer registration brings one: the driver's own cuMemAlloc
+# and cuMemFree, counted (loaded with dlopen, so that it builds with no CUDA headers).
+COUNTING_ALLOCATOR = r"""
+#include <dlfcn.h>
+#include <stddef.h>
+typedef int (*mem_alloc_t)(unsigned long long *, size_t);
+typedef int (*mem_free_t)(unsigned long long);
+static mem_alloc_t mem_alloc;
+static mem_free_t mem_free;
+static int allocs, frees;
+static void load(void) {
+    if (mem_alloc) return;
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW);
+    mem_alloc = (mem_alloc_t)dlsym(lib, "cuMemAlloc_v2");
+    mem_free = (mem_free_t)dlsym(lib, "cuMemFree_v2");
+}
+void *counting_alloc(size_t size, int device, void *stream) {
+    unsigned long long p = 0;
+    load();
+    if (mem_alloc(&p, size)) return 0;
+    allocs++;
+    return (void *)p;
+}
+void counting_free(void *ptr, size_t size, int device, void *stream) {
+    load();
+    mem_free((unsigned long long)ptr);
+    frees++;
+}
+int counting_allocs(void) { return allocs; }
+int counting_frees(void) { return frees; }
+"""
+
+
+def test_a_mempool_with_its_own_allocator_caches_its_segments(tmp_path):
+    # Note [Custom segment sources]: as PyTorch's allocator, the MemPool keeps what its
+    # allocator gave: a freed tensor's memory serves the next request there, and the
+    # allocator's free comes only when the MemPool is gone and the cache emptied.
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler to build the pluggable allocator")
+    source, lib = tmp_path / "counting.c", tmp_path / "counting.so"
+    source.write_text(COUNTING_ALLOCATOR)
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(source), "-ldl"],
+                   check=True)
+    out = run(f"""
+        import ctypes, gc
+        counts = ctypes.CDLL({str(lib)!r})
+        mine = torch.cuda.memory.CUDAPluggableAllocator({str(lib)!r}, "counting_alloc",
+                                                        "counting_free")
+        mp = torch.cuda.MemPool(mine.allocator())
+        with torch.cuda.use_mem_pool(mp):
+            a = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+            a.fill_(1)
+        a_ptr, n = a.data_ptr(), counts.counting_allocs()
+        assert n >= 1
+        reserved = torch.cuda.memory_reserved()
+        assert reserved >= 40 << 20, reserved          # the MemPool's segments count
+        del a
+        with torch.cuda.use_mem_pool(mp):
+            b = torch.empty(30 << 20, dtype=torch.uint8, device="cuda")
+            b.fill_(2)
+        torch.cuda.synchronize()
+        assert b.data_ptr() == a_ptr, (b.data_ptr(), a_ptr)
+        assert (counts.counting_allocs(), counts.counting_frees()) == (n, 0)
+        assert int(b.sum()) == 2 * (30 << 20)
+        del b
+        torch.cuda.empty_cache()                        # a live MemPool keeps its cache
+        assert counts.counting_frees() == 0
+        del mp
+        gc.collect()
+        torch.cuda.empty_cache()
+        assert counts.counting_frees() == n, (counts.counting_frees(), n)
+        print("cached", n)
+    """)
+    assert "cached" in out

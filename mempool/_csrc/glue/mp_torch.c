@@ -524,26 +524,174 @@ int mp_torch_follow_size_policy(int device) {
     return rc;
 }
 
+/* A private pool of device pool p over upstream `up` (which it owns from the call on, made
+ * or not). */
+static int private_pool_over(int device, mp_pool *p, mp_upstream *up, mp_pool **out) {
+    mp_config cfg;
+    mp_torch_private_config(mp_pool_config(p), &cfg);
+    int rc = mp_pool_create(&cfg, up, out);
+    if (rc != MP_OK) {
+        up->destroy(up->ctx);
+        return rc;
+    }
+    /* Note [Shared limit]: PyTorch's memory fraction caps a device's graphs and MemPools
+     * together with the rest of its memory; Note [Private pools follow the size policy]:
+     * listed for a runtime change of the device's policy. */
+    if ((rc = mp_share_limit(*out, p)) == MP_OK) rc = mp_torch_private_track(device, *out);
+    if (rc != MP_OK) {
+        mp_pool_release(*out);
+        *out = NULL;
+    }
+    return rc;
+}
+
 static int api_private_pool_create(int device, mp_pool **out) {
     int rc;
     WITH_SLOT(device, {
         mp_upstream up;
         rc = mp_cuda_plain_upstream(mp_pool_upstream(p), &up);
+        if (rc == MP_OK) rc = private_pool_over(device, p, &up, out);
+    });
+    return rc;
+}
+
+/* Note [Custom segment sources]
+ * PyTorch's MemPool may be given its own allocator (torch.cuda.MemPool(
+ * CUDAPluggableAllocator(...).allocator()), as NCCL's buffer registration does). PyTorch's
+ * allocator asks that allocator for segments and caches them in the MemPool as it caches
+ * cudaMalloc's: a freed tensor's block stays the MemPool's for its next request, and the
+ * allocator's free is called only when the cache is emptied or the MemPool goes. Here such a
+ * MemPool is a private pool like the others, whose upstream takes its segments from the
+ * glue's source (segment_alloc / segment_free: the allocator's raw_alloc_with_stream and
+ * raw_delete) and everything else (events, streams, captures) from the device's plain
+ * upstream, or, where the device pool is not on cuda (sim, in the tests), from the device
+ * pool's own upstream, borrowed: the private pool holds a reference to the device pool
+ * (Note [Shared limit]), so it outlives it. A segment that is not 512-byte aligned, as the
+ * core needs, is given back and the request fails with MP_EUPSTREAM. */
+typedef struct {
+    mp_upstream inner;
+    int owns_inner;
+    mp_segment_source src;
+} custom_upstream;
+
+static int cs_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr_t *out) {
+    custom_upstream *c = ctx;
+    uintptr_t ptr = 0;
+    int rc = c->src.alloc(c->src.ctx, nbytes, stream, &ptr);
+    if (rc != MP_OK) return rc == MP_ENOMEM ? MP_ENOMEM : MP_EUPSTREAM;
+    if (!ptr || (ptr & 511)) {
+        if (ptr) c->src.free(c->src.ctx, ptr, nbytes, stream);
+        return MP_EUPSTREAM;
+    }
+    *out = ptr;
+    return MP_OK;
+}
+
+static int cs_segment_free(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t stream) {
+    custom_upstream *c = ctx;
+    c->src.free(c->src.ctx, ptr, nbytes, stream);
+    return MP_OK;
+}
+
+static void cs_destroy(void *ctx) {
+    custom_upstream *c = ctx;
+    if (c->src.release) c->src.release(c->src.ctx);
+    if (c->owns_inner) c->inner.destroy(c->inner.ctx);
+    free(c);
+}
+
+#define CS_INNER(ctx) (&((custom_upstream *)(ctx))->inner)
+static int cs_event_create(void *ctx, uintptr_t *out) {
+    return CS_INNER(ctx)->event_create(CS_INNER(ctx)->ctx, out);
+}
+static int cs_event_record(void *ctx, uintptr_t e, uintptr_t s) {
+    return CS_INNER(ctx)->event_record(CS_INNER(ctx)->ctx, e, s);
+}
+static int cs_event_query(void *ctx, uintptr_t e) {
+    return CS_INNER(ctx)->event_query(CS_INNER(ctx)->ctx, e);
+}
+static int cs_stream_wait_event(void *ctx, uintptr_t s, uintptr_t e) {
+    return CS_INNER(ctx)->stream_wait_event(CS_INNER(ctx)->ctx, s, e);
+}
+static int cs_event_destroy(void *ctx, uintptr_t e) {
+    return CS_INNER(ctx)->event_destroy(CS_INNER(ctx)->ctx, e);
+}
+static int cs_stream_synchronize(void *ctx, uintptr_t s) {
+    return CS_INNER(ctx)->stream_synchronize(CS_INNER(ctx)->ctx, s);
+}
+static int cs_stream_query(void *ctx, uintptr_t s) {
+    return CS_INNER(ctx)->stream_query(CS_INNER(ctx)->ctx, s);
+}
+static int cs_device_synchronize(void *ctx) {
+    return CS_INNER(ctx)->device_synchronize(CS_INNER(ctx)->ctx);
+}
+static int cs_stream_capturing(void *ctx, uintptr_t s, int *capturing) {
+    return CS_INNER(ctx)->stream_capturing(CS_INNER(ctx)->ctx, s, capturing);
+}
+static int cs_capture_frontier(void *ctx, uintptr_t s, uint64_t *graph, uintptr_t *nodes,
+                               size_t cap, size_t *n) {
+    return CS_INNER(ctx)->capture_frontier(CS_INNER(ctx)->ctx, s, graph, nodes, cap, n);
+}
+static int cs_capture_follows(void *ctx, uintptr_t s, const uintptr_t *nodes, size_t n,
+                              int *all) {
+    return CS_INNER(ctx)->capture_follows(CS_INNER(ctx)->ctx, s, nodes, n, all);
+}
+static int cs_mem_info(void *ctx, size_t *free_bytes, size_t *total_bytes) {
+    return CS_INNER(ctx)->mem_info(CS_INNER(ctx)->ctx, free_bytes, total_bytes);
+}
+
+static int api_custom_pool_create(int device, const mp_segment_source *src, mp_pool **out) {
+    if (!src || !src->alloc || !src->free || !out) return MP_EINVAL;
+    int rc;
+    WITH_SLOT(device, {
+        custom_upstream *c = calloc(1, sizeof *c);
+        rc = c ? mp_cuda_plain_upstream(mp_pool_upstream(p), &c->inner) : MP_ENOMEM;
+        if (c && rc == MP_OK) {
+            c->owns_inner = 1;
+        } else if (c && rc == MP_EINVAL) {   /* not cuda: the device pool's own, borrowed */
+            c->inner = *mp_pool_upstream(p);
+            rc = MP_OK;
+        }
         if (rc == MP_OK) {
+            c->src = *src;
+            const mp_upstream *in = &c->inner;
+            mp_upstream up;
+            memset(&up, 0, sizeof up);
+            up.ctx = c;
+            up.name = "custom";
+            up.segment_alloc = cs_segment_alloc;
+            up.segment_free = cs_segment_free;
+            up.event_create = cs_event_create;
+            up.event_record = cs_event_record;
+            up.event_query = cs_event_query;
+            up.stream_wait_event = cs_stream_wait_event;
+            up.event_destroy = cs_event_destroy;
+            up.stream_synchronize = cs_stream_synchronize;
+            if (in->stream_query) up.stream_query = cs_stream_query;
+            if (in->device_synchronize) up.device_synchronize = cs_device_synchronize;
+            if (in->stream_capturing) up.stream_capturing = cs_stream_capturing;
+            if (in->capture_frontier && in->capture_follows) {
+                up.capture_frontier = cs_capture_frontier;
+                up.capture_follows = cs_capture_follows;
+            }
+            up.mem_info = cs_mem_info;
+            up.destroy = cs_destroy;
+            /* The source is the pool's from here on, whatever happens below; a failure
+             * before the pool exists must leave it to the caller, though. */
             mp_config cfg;
             mp_torch_private_config(mp_pool_config(p), &cfg);
             rc = mp_pool_create(&cfg, &up, out);
-            /* Note [Shared limit]: PyTorch's memory fraction caps a device's graphs and
-             * MemPools together with the rest of its memory; Note [Private pools follow
-             * the size policy]: listed for a runtime change of the device's policy. */
-            if (rc == MP_OK) {
-                if ((rc = mp_share_limit(*out, p)) == MP_OK)
-                    rc = mp_torch_private_track(device, *out);
-                if (rc != MP_OK) {
-                    mp_pool_release(*out);
-                    *out = NULL;
-                }
+            if (rc != MP_OK) {
+                if (c->owns_inner) c->inner.destroy(c->inner.ctx);
+                free(c);
+            } else if ((rc = mp_share_limit(*out, p)) != MP_OK ||
+                       (rc = mp_torch_private_track(device, *out)) != MP_OK) {
+                c->src.release = NULL;   /* the caller keeps the source on a failure */
+                mp_pool_release(*out);
+                *out = NULL;
             }
+        } else {
+            free(c);
         }
     });
     return rc;
@@ -703,6 +851,7 @@ static const mp_torch_api api = {
     .capture_begin = api_capture_begin,
     .capture_end = api_capture_end,
     .private_pool_create = api_private_pool_create,
+    .custom_pool_create = api_custom_pool_create,
     .pool_alloc = mp_alloc,
     .pool_free = mp_free,
     .pool_alloc_at = mp_alloc_at,

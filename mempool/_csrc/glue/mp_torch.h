@@ -136,12 +136,25 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
  *     the pool (Note [Caching off], torch_allocator.cpp).
  *   - Refused with a message naming the feature: exporting a tensor to another process
  *     (pool memory has no legacy IPC handle; receiving works) and MemPool(no_split=True). */
-#define MP_TORCH_API_VERSION 6   /* 2: mp_layout lists each segment's physical allocations;
+#define MP_TORCH_API_VERSION 7   /* 2: mp_layout lists each segment's physical allocations;
                                     3: the device's peaks with its private pools;
                                     4: the segment observer;
                                     5: the device pool's options;
-                                    6: a block's last requested size in mp_layout */
+                                    6: a block's last requested size in mp_layout;
+                                    7: private pools over a custom segment source */
 #define MP_TORCH_FIGURES 7
+
+/* Note [Custom segment sources] (mp_torch.c): where a private pool for a MemPool given its own
+ * allocator gets its segments. alloc: MP_OK with a non-zero, 512-byte aligned *out, or
+ * MP_ENOMEM; it is called without the pool's lock and must not throw. free: gives back a
+ * segment alloc made (nbytes and stream as asked). release: once the pool is gone; no call
+ * follows. */
+typedef struct mp_segment_source {
+    void *ctx;
+    int (*alloc)(void *ctx, size_t nbytes, uintptr_t stream, uintptr_t *out);
+    void (*free)(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t stream);
+    void (*release)(void *ctx);
+} mp_segment_source;
 
 typedef struct mp_torch_api {
     int version;            /* MP_TORCH_API_VERSION */
@@ -204,6 +217,10 @@ typedef struct mp_torch_api {
     /* The device pool's options, for the snapshot's allocator_settings (its garbage
      * collection threshold and rounding divisions in PyTorch's keys). */
     int (*config)(int device, mp_config *out);
+    /* Note [Custom segment sources]: a private pool as private_pool_create makes, whose
+     * segments come from `src` (copied; on MP_OK the pool owns src->ctx and releases it,
+     * else the caller keeps it). */
+    int (*custom_pool_create)(int device, const mp_segment_source *src, mp_pool **out);
 } mp_torch_api;
 
 /* The table (static storage, never freed). */

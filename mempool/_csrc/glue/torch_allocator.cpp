@@ -129,7 +129,8 @@ void add_stats(DeviceStats& to, const mp_stats& s) {
 }
 
 // A graph's or a MemPool's memory: a core pool of its own (plain segments, legal during
-// capture), or, for a MemPool given its own CUDAAllocator, that allocator.
+// capture; for a MemPool given its own CUDAAllocator, segments from that allocator, Note
+// [Custom segment sources] in mp_torch.c).
 struct PrivatePool {
   MempoolId_t id;
   int device = 0;
@@ -164,6 +165,38 @@ struct IdHash {
 
 void delete_block(void* ctx);
 void uncached_delete(void* ptr);
+
+// Note [Custom segment sources] (mp_torch.c): a MemPool's own allocator as the segment
+// source of its pool. The callbacks run inside the core's calls, so no exception may leave
+// them: an allocator's out-of-memory error, or a null pointer, is MP_ENOMEM; any other
+// error is MP_EUPSTREAM (the request then fails as the pool's out-of-memory error).
+struct CustomSource {
+  std::shared_ptr<CUDAAllocator> allocator;
+};
+
+int custom_source_alloc(void* ctx, size_t nbytes, uintptr_t stream, uintptr_t* out) {
+  try {
+    void* p = static_cast<CustomSource*>(ctx)->allocator->raw_alloc_with_stream(
+        nbytes, reinterpret_cast<cudaStream_t>(stream));
+    if (!p) return MP_ENOMEM;
+    *out = reinterpret_cast<uintptr_t>(p);
+    return MP_OK;
+  } catch (const c10::OutOfMemoryError&) {
+    return MP_ENOMEM;
+  } catch (...) {
+    return MP_EUPSTREAM;
+  }
+}
+
+void custom_source_free(void* ctx, uintptr_t ptr, size_t, uintptr_t) {
+  try {
+    static_cast<CustomSource*>(ctx)->allocator->raw_delete(reinterpret_cast<void*>(ptr));
+  } catch (...) {
+    // A free the allocator refuses leaves it its memory: nothing else to do here.
+  }
+}
+
+void custom_source_release(void* ctx) { delete static_cast<CustomSource*>(ctx); }
 
 class MempoolAllocator final : public CUDAAllocator {
  public:
@@ -651,8 +684,6 @@ class MempoolAllocator final : public CUDAAllocator {
       auto it = private_.find(state->id);
       TORCH_CHECK(it != private_.end(), "setCheckpointPoolState: the pool no longer exists");
       pp = it->second.get();
-      TORCH_CHECK(pp->pool, "setCheckpointPoolState: a MemPool with its own allocator has no "
-                            "checkpoints");
       pp->pins++;
     }
     std::vector<PrivatePool*> pinned{pp};
@@ -848,17 +879,7 @@ class MempoolAllocator final : public CUDAAllocator {
   // that no other thread destroys the pool while it allocates without pools_mu_.
   void* alloc_private(PrivatePool* pp, size_t nbytes, cudaStream_t stream) {
     uintptr_t out = 0;
-    int rc = MP_OK;
-    if (pp->custom) {
-      try {
-        out = reinterpret_cast<uintptr_t>(pp->custom->raw_alloc_with_stream(nbytes, stream));
-      } catch (...) {
-        drop_live_block(pp);
-        throw;
-      }
-    } else {
-      rc = api->pool_alloc(pp->pool, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
-    }
+    int rc = api->pool_alloc(pp->pool, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
     if (rc != MP_OK) {
       MempoolId_t id = pp->id;
       int device = pp->device;
@@ -870,15 +891,10 @@ class MempoolAllocator final : public CUDAAllocator {
       private_blocks_[out] = pp;
     }
     n_private_blocks_.fetch_add(1, std::memory_order_release);
-    if (!pp->custom) note_private_change(pp->device);
+    note_private_change(pp->device);
     if (tracing_.load(std::memory_order_relaxed))
       record_alloc(pp->device, out, nbytes, stream, pp->id);
-    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
-      if (pp->custom)
-        report_to_profiler(pp->device, out, static_cast<int64_t>(nbytes));
-      else
-        report_to_profiler(pp->device, out, pp->id, 1);
-    }
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) report_to_profiler(pp->device, out, pp->id, 1);
     return reinterpret_cast<void*>(out);
   }
 
@@ -912,12 +928,8 @@ class MempoolAllocator final : public CUDAAllocator {
     if (tracing_.load(std::memory_order_relaxed)) record_free(pp->device, ptr, 0, pp->id);
     else if (C10_UNLIKELY(contexts_kept_.load(std::memory_order_relaxed))) forget_context(ptr);
     if (C10_UNLIKELY(c10::memoryProfilingEnabled())) report_to_profiler(pp->device, ptr, pp->id, -1);
-    if (pp->custom) {
-      pp->custom->raw_delete(reinterpret_cast<void*>(ptr));
-    } else {
-      api->pool_free(pp->pool, ptr, 0, 0);
-      note_private_change(pp->device);
-    }
+    api->pool_free(pp->pool, ptr, 0, 0);
+    note_private_change(pp->device);
     drop_live_block(pp);
     return true;
   }
@@ -1063,6 +1075,15 @@ class MempoolAllocator final : public CUDAAllocator {
     pp->id = id;
     pp->device = device;
     if (custom) {
+      // Note [Custom segment sources]: the pool owns the holder once it is made.
+      auto* holder = new CustomSource{custom};
+      mp_segment_source src{holder, &custom_source_alloc, &custom_source_free,
+                            &custom_source_release};
+      int rc = api->custom_pool_create(device, &src, &pp->pool);
+      if (rc != MP_OK) delete holder;
+      TORCH_CHECK(rc == MP_OK,
+                  cat("mempool: could not create the pool of a MemPool with its own allocator "
+                      "on device ", device, " (code ", rc, ")"));
       pp->custom = std::move(custom);
     } else {
       int rc = api->private_pool_create(device, &pp->pool);
@@ -1103,11 +1124,6 @@ class MempoolAllocator final : public CUDAAllocator {
       std::lock_guard<std::mutex> lock(pools_mu_);
       auto it = private_.find(id);
       if (it == private_.end()) return out;
-      if (!it->second->pool) {   // a custom allocator: what this allocator handed out
-        for (auto& [p, pp] : private_blocks_)
-          if (pp == it->second.get()) out[p] = {0, 0};
-        return out;
-      }
     }
     std::vector<PrivatePool*> pinned = pin_pools(id);
     for (PrivatePool* pp : pinned) {
