@@ -21,7 +21,11 @@ if (importlib.util.find_spec("lightning") is None
         and importlib.util.find_spec("pytorch_lightning") is None):
     pytest.skip("needs Lightning", allow_module_level=True)
 
-pytestmark = pytest.mark.gpu
+# Each case trains twice on PyTorch's allocator (the module's fixture) and once on the pool,
+# each a process that imports Lightning: over pytest-timeout's 60 s when the tier's workers
+# share the host's CPUs (the fixture's two runs alone took 55 s on an H100 host with six
+# workers, 2026-12-06).
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 SCRIPT = os.path.join(ROOT, "tests", "data", "lightning_train.py")
 STEPS = 20
