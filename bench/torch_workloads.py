@@ -257,12 +257,15 @@ def run_lightning(torch, steps, warmup=5):
     ``torch.cuda.memory_stats()`` around every batch. Steps timed from each batch's start to
     its end (a callback synchronizes at both), the median of those after the warm-up."""
     import torchvision
+    import tempfile
     try:
         import lightning.pytorch as pl
         from lightning.pytorch.callbacks import Callback, DeviceStatsMonitor
+        from lightning.pytorch.loggers import CSVLogger
     except ImportError:
         import pytorch_lightning as pl
         from pytorch_lightning.callbacks import Callback, DeviceStatsMonitor
+        from pytorch_lightning.loggers import CSVLogger
 
     class Classifier(pl.LightningModule):
         def __init__(self):
@@ -297,12 +300,14 @@ def run_lightning(torch, steps, warmup=5):
                                           torch.randint(0, 1000, (n,), generator=g))
     loader = torch.utils.data.DataLoader(data, batch_size=64, num_workers=0)
     times = StepTimes()
-    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=warmup + steps,
-                         precision="bf16-mixed", benchmark=True, logger=False,
-                         callbacks=[DeviceStatsMonitor(), times], log_every_n_steps=1,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
-    trainer.fit(Classifier(), loader)
+    # DeviceStatsMonitor refuses a Trainer without a logger: a CSV one, thrown away after.
+    with tempfile.TemporaryDirectory() as logs:
+        trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=warmup + steps,
+                             precision="bf16-mixed", benchmark=True, logger=CSVLogger(logs),
+                             callbacks=[DeviceStatsMonitor(), times], log_every_n_steps=1,
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+        trainer.fit(Classifier(), loader)
     timed_ms = times.ms[warmup:]
     TIMED.update(ms_min=min(timed_ms), ms_max=max(timed_ms))
     return {"ms_per_step": statistics.median(timed_ms), "values": times.losses}
