@@ -374,27 +374,32 @@ static int cu_stream_capturing(void *ctx, uintptr_t stream, int *out) {
 /* Note [Capture reuse] (core/mp_stream.c) on the driver: a stream's frontier is what
  * cuStreamGetCaptureInfo calls its dependencies (the nodes its next captured work will
  * depend on), and capture_follows walks cuGraphNodeGetDependencies back from it. Neither
- * call is refused during a capture nor breaks it (PyTorch's allocator makes both). */
-static int capture_info(mp_cuda *c, uintptr_t stream, int *status, unsigned long long *id,
-                        const CUgraphNode **deps, size_t *n) {
+ * call is refused during a capture nor breaks it (PyTorch's allocator makes both).
+ * capture_frontier: the frontier of `stream`'s capture (valid until the next call on the
+ * stream) and the capture's id; MP_EINVAL when the stream does not capture. */
+static int capture_frontier(mp_cuda *c, uintptr_t stream, unsigned long long *id,
+                            const CUgraphNode **deps, size_t *n) {
+    int status = CU_STREAM_CAPTURE_STATUS_NONE;
     CUgraph graph;
     CUresult r;
+    *deps = NULL;
+    *n = 0;
     if (D.StreamGetCaptureInfo3)
-        CU_CALL(c, r, D.StreamGetCaptureInfo3((CUstream)stream, status, id, &graph, deps, NULL, n));
+        CU_CALL(c, r, D.StreamGetCaptureInfo3((CUstream)stream, &status, id, &graph, deps, NULL, n));
     else
-        CU_CALL(c, r, D.StreamGetCaptureInfo2((CUstream)stream, status, id, &graph, deps, n));
-    return check(c, r);
+        CU_CALL(c, r, D.StreamGetCaptureInfo2((CUstream)stream, &status, id, &graph, deps, n));
+    int rc = check(c, r);
+    if (rc != MP_OK) return rc;
+    return status == CU_STREAM_CAPTURE_STATUS_ACTIVE ? MP_OK : MP_EINVAL;
 }
 
 static int cu_capture_frontier(void *ctx, uintptr_t stream, uint64_t *graph, uintptr_t *nodes,
                                size_t cap, size_t *n) {
-    int status = CU_STREAM_CAPTURE_STATUS_NONE;
     unsigned long long id = 0;
-    const CUgraphNode *deps = NULL;
-    size_t count = 0;
-    int rc = capture_info(ctx, stream, &status, &id, &deps, &count);
+    const CUgraphNode *deps;
+    size_t count;
+    int rc = capture_frontier(ctx, stream, &id, &deps, &count);
     if (rc != MP_OK) return rc;
-    if (status != CU_STREAM_CAPTURE_STATUS_ACTIVE) return MP_EINVAL;
     *graph = id;
     *n = count;
     for (size_t i = 0; i < count && i < cap; i++) nodes[i] = (uintptr_t)deps[i];
@@ -464,13 +469,11 @@ static size_t node_parents(mp_cuda *c, CUgraphNode node, CUgraphNode **buf, size
 static int cu_capture_follows(void *ctx, uintptr_t stream, const uintptr_t *nodes, size_t n,
                               int *all) {
     mp_cuda *c = ctx;
-    int status = CU_STREAM_CAPTURE_STATUS_NONE;
     unsigned long long id = 0;
-    const CUgraphNode *deps = NULL;
-    size_t count = 0;
-    int rc = capture_info(c, stream, &status, &id, &deps, &count);
+    const CUgraphNode *deps;
+    size_t count;
+    int rc = capture_frontier(c, stream, &id, &deps, &count);
     if (rc != MP_OK) return rc;
-    if (status != CU_STREAM_CAPTURE_STATUS_ACTIVE) return MP_EINVAL;
     node_set seen = {calloc(64, sizeof(uintptr_t)), 63, 0};
     size_t top = 0, room = count + 16, pcap = 16;
     uintptr_t *stack = malloc(room * sizeof *stack);
