@@ -135,3 +135,30 @@ def test_the_simulated_graph_orders_what_joins(sim):
     dev.end_capture(S)
     assert not dev.is_capturing(T)      # it ended with the capture it joined
     assert dev.capture_violations == 0
+
+
+def test_with_three_side_streams_every_one_must_have_joined(sim):
+    """PyTorch's test_graph_capture_reclaim_4_streams: the block is read on three side
+    streams; joining two of them back is not enough."""
+    pool = sim(graph_capture_record_stream_reuse=True)
+    dev = pool.device
+    sides = (22, 33, 44)
+    dev.begin_capture(S)
+    dev.launch(S)
+    a = pool.alloc(MiB, stream=S)
+    for side in sides:
+        dev.capture_join(side, S)
+        pool.record_stream(a, side)
+        dev.launch(side)
+    pool.free(a, stream=S)
+    for side in sides[:2]:
+        dev.capture_join(S, side)
+        dev.launch(S)
+        b = pool.alloc(MiB, stream=S)
+        assert b != a and states(pool)[a] == 2
+        pool.free(b, stream=S)
+    dev.capture_join(S, sides[2])
+    assert pool.alloc(MiB, stream=S) == a
+    pool.check_invariants()
+    dev.end_capture(S)
+    assert dev.capture_violations == 0 and not any(dev.is_capturing(s) for s in sides)
