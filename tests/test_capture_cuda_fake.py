@@ -135,7 +135,7 @@ def test_the_capture_order_is_read_from_the_drivers_graph(fake_driver):
         frontier = CFUNCTYPE(c_int, c_void_p, c_size_t, POINTER(c_uint64), POINTER(c_size_t),
                              c_size_t, POINTER(c_size_t))(c.up.capture_frontier)
         follows = CFUNCTYPE(c_int, c_void_p, c_size_t, POINTER(c_size_t), c_size_t,
-                            POINTER(c_int))(c.up.capture_follows)
+                            POINTER(ctypes.c_ubyte))(c.up.capture_follows)
         root = fake.fake_node_new()
         side = fake.fake_node_new()               # a side stream's read, after root
         fake.fake_node_depends(side, root)
@@ -161,19 +161,19 @@ def test_the_capture_order_is_read_from_the_drivers_graph(fake_driver):
 
         fake.fake_frontier_add(None)
         fake.fake_frontier_add(join)
-        every = c_int(-1)
         def asks(*marks):
             arr = (c_size_t * len(marks))(*marks)
-            assert follows(c.up.ctx, 0x77, arr, len(marks), byref(every)) == OK
-            return every.value
-        assert asks(side) == 1 and asks(root, side, wide) == 1 and asks(join) == 1
-        assert asks(side, apart) == 0             # apart is not before the frontier
+            each = (ctypes.c_ubyte * len(marks))(*([7] * len(marks)))
+            assert follows(c.up.ctx, 0x77, arr, len(marks), each) == OK
+            return list(each)
+        assert asks(side) == [1] and asks(root, side, wide) == [1, 1, 1] and asks(join) == [1]
+        assert asks(side, apart, root) == [1, 0, 1]   # apart is not before the frontier
         before = fake.fake_graph_calls(1)
-        assert asks(root) == 1
+        assert asks(root) == [1]
         # each of the 44 nodes once: its count, then its dependencies where it has any
         assert fake.fake_graph_calls(1) - before == 44 + 43
         fake.fake_begin_capture(0)
-        arr = (c_size_t * 1)(side)
-        assert follows(c.up.ctx, 0x77, arr, 1, byref(every)) == EINVAL   # no capture now
+        arr, each = (c_size_t * 1)(side), (ctypes.c_ubyte * 1)()
+        assert follows(c.up.ctx, 0x77, arr, 1, each) == EINVAL   # no capture now
         c.destroy()
     """))

@@ -162,3 +162,28 @@ def test_with_three_side_streams_every_one_must_have_joined(sim):
     pool.check_invariants()
     dev.end_capture(S)
     assert dev.capture_violations == 0 and not any(dev.is_capturing(s) for s in sides)
+
+
+def test_one_walk_decides_each_block_on_its_own(sim):
+    """Two blocks pending on S, one read on T and one on U: once S has waited for T only,
+    T's block is reused and U's still waits (one walk of the graph answers for both)."""
+    pool = sim(graph_capture_record_stream_reuse=True)
+    dev = pool.device
+    U = 44
+    dev.begin_capture(S)
+    dev.launch(S)
+    a, c = pool.alloc(MiB, stream=S), pool.alloc(2 * MiB, stream=S)
+    for side, block in ((T, a), (U, c)):
+        dev.capture_join(side, S)
+        pool.record_stream(block, side)
+        dev.launch(side)
+        pool.free(block, stream=S)
+    dev.capture_join(S, T)
+    dev.launch(S)
+    assert pool.alloc(MiB, stream=S) == a
+    assert states(pool)[c] == 2
+    dev.capture_join(S, U)
+    assert pool.alloc(2 * MiB, stream=S) == c
+    pool.check_invariants()
+    dev.end_capture(S)
+    assert dev.capture_violations == 0

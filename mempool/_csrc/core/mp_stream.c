@@ -314,17 +314,36 @@ static void capture_mark_locked(mp_pool *p, mp_block *b) {
 }
 
 void mp_capture_reclaim_locked(mp_pool *p, mp_stream *s) {
-    for (mp_block *b = p->pending_head, *next; b && p->nmarked; b = next) {
-        next = b->fnext;
+    /* One walk of the graph for every marker of s's blocks (the upstream answers per node). */
+    size_t n = 0;
+    for (mp_block *b = p->pending_head; b; b = b->fnext)
+        if (b->markers && b->stream == s) n += b->nmarkers;
+    if (!n) return;
+    uintptr_t *nodes = malloc(n * sizeof *nodes);
+    unsigned char *followed = malloc(n);
+    size_t k = 0;
+    for (mp_block *b = p->pending_head; nodes && followed && b; b = b->fnext) {
         if (!b->markers || b->stream != s) continue;
-        int all = 0;
-        if (p->up.capture_follows(p->up.ctx, s->handle, b->markers, b->nmarkers, &all) != MP_OK ||
-            !all)
-            continue;
-        pending_remove_locked(p, b);   /* frees the markers */
-        b->nuses = 0;                  /* the graph orders them: no event, no wait */
-        mp_complete_free_locked(p, b);
+        memcpy(nodes + k, b->markers, b->nmarkers * sizeof *nodes);
+        k += b->nmarkers;
     }
+    if (nodes && followed &&
+        p->up.capture_follows(p->up.ctx, s->handle, nodes, n, followed) == MP_OK) {
+        k = 0;
+        for (mp_block *b = p->pending_head, *next; b; b = next) {
+            next = b->fnext;   /* pending too: a completed free merges only free neighbours */
+            if (!b->markers || b->stream != s) continue;
+            int all = 1;
+            for (size_t i = 0; i < b->nmarkers; i++) all &= followed[k + i];
+            k += b->nmarkers;
+            if (!all) continue;
+            pending_remove_locked(p, b);   /* frees the markers */
+            b->nuses = 0;                  /* the graph orders them: no event, no wait */
+            mp_complete_free_locked(p, b);
+        }
+    }
+    free(nodes);
+    free(followed);
 }
 
 /* Note [Stream reuse]: record an event on each stream that used b (events[], one per use),

@@ -633,8 +633,8 @@ static int cs_capture_frontier(void *ctx, uintptr_t s, uint64_t *graph, uintptr_
     return CS_INNER(ctx)->capture_frontier(CS_INNER(ctx)->ctx, s, graph, nodes, cap, n);
 }
 static int cs_capture_follows(void *ctx, uintptr_t s, const uintptr_t *nodes, size_t n,
-                              int *all) {
-    return CS_INNER(ctx)->capture_follows(CS_INNER(ctx)->ctx, s, nodes, n, all);
+                              unsigned char *followed) {
+    return CS_INNER(ctx)->capture_follows(CS_INNER(ctx)->ctx, s, nodes, n, followed);
 }
 static int cs_mem_info(void *ctx, size_t *free_bytes, size_t *total_bytes) {
     return CS_INNER(ctx)->mem_info(CS_INNER(ctx)->ctx, free_bytes, total_bytes);

@@ -467,7 +467,7 @@ static size_t node_parents(mp_cuda *c, CUgraphNode node, CUgraphNode **buf, size
 }
 
 static int cu_capture_follows(void *ctx, uintptr_t stream, const uintptr_t *nodes, size_t n,
-                              int *all) {
+                              unsigned char *followed) {
     mp_cuda *c = ctx;
     unsigned long long id = 0;
     const CUgraphNode *deps;
@@ -507,10 +507,8 @@ static int cu_capture_follows(void *ctx, uintptr_t stream, const uintptr_t *node
             stack[top++] = (uintptr_t)parents[j];
         }
     }
-    if (rc == MP_OK) {
-        *all = 1;
-        for (size_t i = 0; i < n && *all; i++) *all = seen.slots[node_slot(&seen, nodes[i])] != 0;
-    }
+    for (size_t i = 0; rc == MP_OK && i < n; i++)
+        followed[i] = seen.slots[node_slot(&seen, nodes[i])] != 0;
     free(seen.slots);
     free(stack);
     free(parents);

@@ -708,7 +708,7 @@ static int sim_capture_frontier(void *ctx, uintptr_t stream, uint64_t *graph, ui
 }
 
 static int sim_capture_follows(void *ctx, uintptr_t stream, const uintptr_t *nodes, size_t n,
-                               int *all) {
+                               unsigned char *followed) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
     sim_stream *st = live_stream(s, stream);
@@ -735,9 +735,8 @@ static int sim_capture_follows(void *ctx, uintptr_t stream, const uintptr_t *nod
                 }
             }
         }
-        *all = 1;
-        for (size_t i = 0; i < n && *all; i++)
-            *all = nodes[i] >= 1 && nodes[i] <= s->nnodes && seen[nodes[i]];
+        for (size_t i = 0; i < n; i++)
+            followed[i] = nodes[i] >= 1 && nodes[i] <= s->nnodes && seen[nodes[i]];
     }
     free(seen);
     free(stack);

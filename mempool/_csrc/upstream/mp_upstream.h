@@ -79,13 +79,13 @@ typedef struct mp_upstream {
      * on (its capture's terminal nodes), their count in *n, at most `cap` of them written to
      * nodes[] (call again with more room when *n > cap), and an id of the capture in *graph.
      * MP_EINVAL when the stream does not capture. Never breaks the capture.
-     * capture_follows: *all = 1 when each of nodes[0..n) is `stream`'s frontier or one of
-     * its ancestors in the graph, so that work queued next on it runs after all of them;
-     * else 0. Never breaks the capture. */
+     * capture_follows: followed[i] = 1 when nodes[i] is `stream`'s frontier or one of its
+     * ancestors in the graph, so that work queued next on it runs after it; else 0 (one
+     * walk of the graph answers for all n). Never breaks the capture. */
     int (*capture_frontier)(void *ctx, uintptr_t stream, uint64_t *graph, uintptr_t *nodes,
                             size_t cap, size_t *n);
     int (*capture_follows)(void *ctx, uintptr_t stream, const uintptr_t *nodes, size_t n,
-                           int *all);
+                           unsigned char *followed);
 
     /* Device memory: *free_bytes and *total_bytes as the device reports them. */
     int (*mem_info)(void *ctx, size_t *free_bytes, size_t *total_bytes);
