@@ -261,3 +261,42 @@ def test_every_entry_point_pytorch_has_is_guarded_once(monkeypatch):
     _torch_settings.guard_torch(old, lambda: [pool])                # no binding: the one
     old.cuda.memory._set_allocator_settings("roundup_power2_divisions:2")
     assert pool.options["roundup_power2_divisions"] == [2] * 16
+
+
+def test_capture_reuse_follows_the_call_and_reaches_private_pools(memory):
+    """graph_capture_record_stream_reuse turns Note [Capture reuse] on in every installed
+    pool and the device's private pools; a call that leaves it out keeps it (PyTorch's
+    config keeps it too); a bad value changes nothing and warns of nothing."""
+    from mempool import _core
+    settings, calls, pools = memory
+    device = 6
+    routed = sim(device=device)
+    _core._torch_register(device, routed)
+    graph = sim(device=device)
+    try:
+        _core._torch_track_private(device, graph)
+        pools.append(routed)
+        with pytest.raises(ValueError, match="graph_capture_record_stream_reuse"):
+            settings("graph_capture_record_stream_reuse:sometimes")
+        assert calls == [] and routed.options["graph_capture_record_stream_reuse"] is False
+        assert said(settings, "graph_capture_record_stream_reuse:True") == []
+        assert routed.options["graph_capture_record_stream_reuse"] is True
+        settings("roundup_power2_divisions:2")
+        assert routed.options["graph_capture_record_stream_reuse"] is True
+        # The private pool reuses within a capture now: its core config says so.
+        dev = graph.device
+        dev.begin_capture(11)
+        dev.launch(11)
+        a = graph.alloc(MiB, stream=11)
+        dev.capture_join(22, 11)
+        graph.record_stream(a, 22)
+        dev.launch(22)
+        graph.free(a, stream=11)
+        dev.capture_join(11, 22)
+        assert graph.alloc(MiB, stream=11) == a
+        dev.end_capture(11)
+        settings("graph_capture_record_stream_reuse:False")
+        assert routed.options["graph_capture_record_stream_reuse"] is False
+    finally:
+        _core._torch_release_private(graph)
+        _core._torch_unregister(device)
