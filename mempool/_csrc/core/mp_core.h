@@ -254,12 +254,11 @@ int mp_set_release_threshold(mp_pool *p, size_t threshold);
  * for none; must be that on an expandable pool) and gc_threshold, from the next request on
  * (Note [Size policy at run time], mp_core.c). MP_EINVAL for a gc_threshold outside [0, 1)
  * or a max_split_size on an expandable pool, with nothing changed. */
+int mp_set_size_policy(mp_pool *p, const size_t divisions[MP_ROUNDUP_INTERVALS],
+                       size_t max_split_size, double gc_threshold);
 /* Turn Note [Capture reuse] (mp_stream.c) on or off from the next free on (PyTorch sets it
  * at run time through _set_allocator_settings). */
 void mp_set_capture_reuse(mp_pool *p, int on);
-
-int mp_set_size_policy(mp_pool *p, const size_t divisions[MP_ROUNDUP_INTERVALS],
-                       size_t max_split_size, double gc_threshold);
 /* Make `member` count its reserved bytes against `owner`'s limit too, as PyTorch's memory
  * fraction caps a device's graph and MemPool pools with its own (Note [Shared limit],
  * mp_release.c). Call before the member holds memory; the member keeps a reference to the

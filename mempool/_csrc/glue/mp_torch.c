@@ -676,20 +676,11 @@ static int api_custom_pool_create(int device, const mp_segment_source *src, mp_p
             }
             up.mem_info = cs_mem_info;
             up.destroy = cs_destroy;
-            /* The source is the pool's from here on, whatever happens below; a failure
-             * before the pool exists must leave it to the caller, though. */
-            mp_config cfg;
-            mp_torch_private_config(mp_pool_config(p), &cfg);
-            rc = mp_pool_create(&cfg, &up, out);
-            if (rc != MP_OK) {
-                if (c->owns_inner) c->inner.destroy(c->inner.ctx);
-                free(c);
-            } else if ((rc = mp_share_limit(*out, p)) != MP_OK ||
-                       (rc = mp_torch_private_track(device, *out)) != MP_OK) {
-                c->src.release = NULL;   /* the caller keeps the source on a failure */
-                mp_pool_release(*out);
-                *out = NULL;
-            }
+            /* The caller keeps the source until the pool is made and listed: a failure on
+             * the way destroys the upstream without releasing it. */
+            c->src.release = NULL;
+            rc = private_pool_over(device, p, &up, out);
+            if (rc == MP_OK) c->src.release = src->release;
         } else {
             free(c);
         }
