@@ -29,6 +29,11 @@ _DL_NAMED_CODES = {
 }
 _DL_ACCEPTED = ("bool, int8-int64, uint8-uint64, float16/32/64, complex64/128, and the "
                 "ml_dtypes types bfloat16 and float8_*")
+# The item sizes of those by NumPy kind: NumPy's longdouble and clongdouble (float128 and
+# complex256 on x86-64) have a DLPack kind but no type consumers read, and complex256's 256
+# bits do not fit DLPack's 8-bit `bits` field.
+_DL_KIND_SIZES = {"b": (1,), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8),
+                  "c": (8, 16)}
 
 
 def _dl_dtype(dtype):
@@ -45,7 +50,8 @@ def _dl_dtype(dtype):
     if dt.name in _DL_NAMED_CODES:
         code, minor = _DL_NAMED_CODES[dt.name]
         return dt, code, minor
-    if dt.kind not in _DL_KIND_CODES or dt.fields is not None or dt.subdtype is not None:
+    if (dt.kind not in _DL_KIND_CODES or dt.fields is not None or dt.subdtype is not None
+            or dt.itemsize not in _DL_KIND_SIZES[dt.kind]):
         raise ValueError(f"dtype: {dt} has no DLPack equivalent; accepted: {_DL_ACCEPTED}")
     if not dt.isnative:
         raise ValueError(f"dtype: {dt.str} is not in native byte order; DLPack describes "

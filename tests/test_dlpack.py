@@ -108,6 +108,21 @@ def test_dtypes_dlpack_cannot_describe_are_refused(pool, dtype, message):
     assert pool.used_bytes() == 0
 
 
+@pytest.mark.parametrize("dtype", [numpy.longdouble, numpy.clongdouble])
+def test_long_double_types_are_refused_with_a_message(pool, dtype):
+    """NumPy's longdouble and clongdouble (float128 and complex256 on x86-64) have DLPack
+    kinds but no type consumers read; complex256's 256 bits overflowed DLPack's 8-bit `bits`
+    field as an OverflowError (found by tests/test_fuzz_surface.py, from dtype '\\x10')."""
+    if numpy.dtype(dtype).itemsize in (8, 16) and numpy.dtype(dtype).kind == "c":
+        pytest.skip("clongdouble is complex128 on this platform")
+    if numpy.dtype(dtype).itemsize == 8 and numpy.dtype(dtype).kind == "f":
+        pytest.skip("longdouble is float64 on this platform")
+    for shape in (0, 4):
+        with pytest.raises(ValueError, match="no DLPack equivalent"):
+            pool.empty(shape, dtype)
+    assert pool.used_bytes() == 0
+
+
 def test_bad_shapes_are_refused(pool):
     with pytest.raises(ValueError, match="shape"):
         pool.empty((2, -1))
