@@ -89,7 +89,7 @@ def pool_settings(settings):
         if key == "expandable_segments":
             expandable = _config.OPTIONS["expandable_segments"].parse(value, key)
         elif key == CAPTURE_REUSE_KEY:
-            _capture_reuse(settings)   # checked here, before anything changes
+            _config.OPTIONS[key].parse(value, key)   # checked here, before anything changes
     return policy, expandable
 
 

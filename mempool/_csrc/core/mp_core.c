@@ -443,7 +443,6 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
                        mp_block **out) {
     size_t plain = mp_segment_size(size);
     size_t seg_size = rounded_segment(p, kind, size, plain);
-    size_t limit = p->cfg.limit;
     /* Note [Graph capture]: during a capture releases skip themselves, and neither the sync
      * of pending frees nor the retries run: the limit, a capture-safe segment, else out of
      * memory. Asked only there (rel keeps the answer): a growth alone asks nothing. */
@@ -454,12 +453,9 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
     }
     /* Note [Keep idle]: such a pool grows or fails; it gives nothing back on its own. */
     int may_release = !p->cfg.keep_idle;
-    if (may_release && p->cfg.gc_threshold > 0) {
-        size_t base = limit != MP_UNLIMITED ? limit : p->capacity;
-        size_t threshold = (size_t)(p->cfg.gc_threshold * (double)base);
-        if (base && mp_reserved_now_locked(p) + seg_size > threshold)
-            mp_release_idle_locked(p, mp_reserved_now_locked(p) + seg_size - threshold, rel);
-    }
+    size_t threshold = mp_gc_threshold_bytes(p);
+    if (may_release && mp_reserved_now_locked(p) + seg_size > threshold)
+        mp_release_idle_locked(p, mp_reserved_now_locked(p) + seg_size - threshold, rel);
     size_t excess = mp_limit_excess_locked(p, seg_size);   /* Note [Shared limit] */
     if (excess) {
         if (!may_release) return MP_ELIMIT;

@@ -975,14 +975,6 @@ static size_t high_water_div_locked(const mp_pool *p, size_t size, size_t need,
     return MP_LAYOUT_IDLE_DIV;
 }
 
-/* The bytes above which a growth first gives idle pages back (garbage_collection_threshold
- * of the limit, else of the capacity); 0 when it is off. */
-static size_t gc_threshold_bytes(const mp_pool *p) {
-    if (!(p->cfg.gc_threshold > 0)) return 0;
-    size_t base = p->cfg.limit != MP_UNLIMITED ? p->cfg.limit : p->capacity;
-    return (size_t)(p->cfg.gc_threshold * (double)base);
-}
-
 /* Make a free block of at least `size` in s's range by mapping pages, and hand it out
  * (*out; NULL when the pool changed meanwhile: search again). MP_ENOMEM / MP_ELIMIT when it
  * cannot grow. exact: map only what the request needs; *rounded: the device refused a
@@ -1018,9 +1010,8 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, int exac
     /* Note [Edge growth]: the rounding is opportunistic. It never takes the pool past the
      * garbage collection threshold (under a limit there is none), and the room made below
      * is for what the request needs: the rounding makes no release of its own. */
-    size_t threshold = gc_threshold_bytes(p);
-    if (plan.nbytes > plan.need && threshold &&
-        mp_reserved_now_locked(p) + plan.nbytes > threshold)
+    size_t threshold = mp_gc_threshold_bytes(p);   /* SIZE_MAX: none */
+    if (plan.nbytes > plan.need && mp_reserved_now_locked(p) + plan.nbytes > threshold)
         plan.nbytes = plan.need;
 
     /* Room first, from free pages elsewhere: down to the limit (required), below the
@@ -1028,7 +1019,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, int exac
      * water mark when they are many (Note [Expandable segments]). */
     size_t need = mp_reserved_now_locked(p) + plan.need;
     size_t excess = mp_limit_excess_locked(p, plan.nbytes);   /* Note [Shared limit] */
-    if (threshold && need > threshold && need - threshold > excess) excess = need - threshold;
+    if (need > threshold && need - threshold > excess) excess = need - threshold;
     size_t layout_mark = 0;   /* a release of the high-water rule for a layout's record */
     if (need > p->mapped_high_water) {
         size_t div = high_water_div_locked(p, size, need, &layout_mark);

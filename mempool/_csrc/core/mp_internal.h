@@ -293,6 +293,15 @@ static inline int mp_up_event_create(mp_pool *p, uintptr_t *ev) {
 #define MP_LAYOUT_IDLE_DIV 64
 #define MP_LAYOUT_SLACK_DIV 8
 
+/* The reserved bytes above which a growth first gives idle memory back: that fraction
+ * (garbage_collection_threshold) of the limit, else of the capacity; SIZE_MAX when it is
+ * off (no threshold, or nothing to take a fraction of). */
+static inline size_t mp_gc_threshold_bytes(const mp_pool *p) {
+    size_t base = p->cfg.limit != MP_UNLIMITED ? p->cfg.limit : p->capacity;
+    if (!(p->cfg.gc_threshold > 0) || !base) return SIZE_MAX;
+    return (size_t)(p->cfg.gc_threshold * (double)base);
+}
+
 /* The most bytes ever allocated at once: unlike the stats' peak, never reset. */
 static inline size_t mp_live_mark_locked(const mp_pool *p) {
     size_t peak = (size_t)p->stats.allocated_bytes[MP_STAT_ALL].peak;

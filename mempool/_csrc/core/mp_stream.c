@@ -265,8 +265,11 @@ static void pending_remove_locked(mp_pool *p, mp_block *b) {
  * own stream asks (its free list is where the block goes). A stream that was not capturing
  * at the free (its work is outside the graph), or an upstream without the two calls, leaves
  * the free to wait for the capture's end as before. The walk is made only while such blocks
- * exist (p->nmarked) and on a request that the capture makes. As PyTorch's allocator:
- * c10/cuda/CUDACachingAllocator.cpp, free_safe_blocks_in_capture. */
+ * exist (p->nmarked) and on a request that the capture makes, once for all of the stream's
+ * marked blocks; it runs with the pool lock held, as the capture's other queries do, and
+ * asks the driver for each node's dependencies, so it takes longer as the graph grows
+ * (PyTorch's allocator holds its own lock across the same walk:
+ * c10/cuda/CUDACachingAllocator.cpp, free_safe_blocks_in_capture). */
 
 /* The frontier of capturing stream s appended to *nodes (*n of them, room for *cap), the
  * capture's id checked against *graph (0: not set yet). 0 when s does not capture, the

@@ -135,7 +135,6 @@ struct PrivatePool {
   MempoolId_t id;
   int device = 0;
   mp_pool* pool = nullptr;
-  std::shared_ptr<CUDAAllocator> custom;
   int use_count = 1;
   bool use_on_oom = false;
   int64_t live_blocks = 0;
@@ -1076,7 +1075,7 @@ class MempoolAllocator final : public CUDAAllocator {
     pp->device = device;
     if (custom) {
       // Note [Custom segment sources]: the pool owns the holder once it is made.
-      auto* holder = new CustomSource{custom};
+      auto* holder = new CustomSource{std::move(custom)};
       mp_segment_source src{holder, &custom_source_alloc, &custom_source_free,
                             &custom_source_release};
       int rc = api->custom_pool_create(device, &src, &pp->pool);
@@ -1084,7 +1083,6 @@ class MempoolAllocator final : public CUDAAllocator {
       TORCH_CHECK(rc == MP_OK,
                   cat("mempool: could not create the pool of a MemPool with its own allocator "
                       "on device ", device, " (code ", rc, ")"));
-      pp->custom = std::move(custom);
     } else {
       int rc = api->private_pool_create(device, &pp->pool);
       TORCH_CHECK(rc == MP_OK,

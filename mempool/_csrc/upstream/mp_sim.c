@@ -744,8 +744,7 @@ static int sim_capture_follows(void *ctx, uintptr_t stream, const uintptr_t *nod
     return rc;
 }
 
-/* Stream si's frontier := {node} (replace) or ∪= the nodes given (merge). 0 when out of
- * memory. */
+/* st's frontier := the nodes given (replace) or ∪= them (merge). 0 when out of memory. */
 static int frontier_set(sim_stream *st, const uint32_t *nodes, size_t n, int merge) {
     if (!merge) st->nfrontier = 0;
     if (st->nfrontier + n > st->cap_frontier) {
