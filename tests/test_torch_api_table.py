@@ -6,6 +6,7 @@ ctypes playing the glue: routing by device, the codes instead of NULLs, statisti
 ``Pool.stats()``, the figures of an OOM report, and the layout that snapshots are built from.
 """
 import ctypes
+import gc
 
 import pytest
 
@@ -104,7 +105,8 @@ class Source(ctypes.Structure):   # mp_segment_source (Note [Custom segment sour
                 ("free", F(None, vp, u, sz, u)), ("release", F(None, vp))]
 
 
-CUSTOM_FIELDS = [("custom_pool_create", F(i32, i32, ctypes.POINTER(Source), ctypes.POINTER(vp)))]
+CUSTOM_FIELDS = [("custom_pool_create", F(i32, i32, ctypes.POINTER(Source), ctypes.POINTER(vp))),
+                 ("pool_set_no_split", F(i32, vp))]
 SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP = 3, 4, 6, 7
 
 
@@ -116,7 +118,7 @@ class Api(ctypes.Structure):
 @pytest.fixture
 def api():
     table = Api.from_address(_core._torch_api_address())
-    assert table.version == 7
+    assert table.version == 8
     assert table.struct_size == ctypes.sizeof(Api), "the table's layout changed: update Api"
     yield table
 
@@ -423,6 +425,41 @@ def test_the_observer_sees_expandable_maps_and_unmaps(api, observed):
         _core._torch_unregister(DEVICE)
 
 
+def test_a_pool_destroyed_with_cached_segments_tells_the_observer_they_went(api, routed,
+                                                                            observed):
+    """Note [Segment events at destroy]: the segments a pool still caches when it is destroyed
+    (a MemPool's or a graph's pool, released after its last block) go with a segment_free
+    each, as a release would tell it; PyTorch's trace trackers (NCCL's registration) and
+    memory history would otherwise keep them for ever."""
+    alloc, free, empty_cache, release = pool_fns(api)
+    src = FakeSegments()
+    handle, out = vp(), u()
+    assert api.custom_pool_create(DEVICE, ctypes.byref(src.source), ctypes.byref(handle)) == MP_OK
+    assert alloc(handle, 3 * MiB, 0, ctypes.byref(out)) == MP_OK
+    assert free(handle, out.value, 0, 0) == MP_OK
+    (segment,) = src.live.items()
+    assert [e[1:] for e in observed] == [(SEGMENT_ALLOC,) + segment]
+    release(handle)
+    assert src.live == {}                                  # given back to the allocator
+    assert [e[1:] for e in observed[1:]] == [(SEGMENT_FREE,) + segment]
+    assert observed[1][0] == observed[0][0]                # told as the same pool's
+
+
+def test_an_expandable_pool_destroyed_unmaps_each_mapped_run_for_the_observer(api, observed):
+    pool = mempool.Pool(backend="sim", capacity="1GiB", expandable_segments=True)
+    blocks = [pool.alloc(n) for n in (5 * MiB, 3 * MiB, 64 << 10)]
+    for b in blocks[:2]:
+        pool.free(b)
+    mapped = sum(e[3] for e in observed if e[1] == SEGMENT_MAP)
+    assert mapped == pool.reserved_bytes() > 0
+    pool.free(blocks[2])
+    del pool, blocks
+    gc.collect()
+    unmaps = [e for e in observed if e[1] == SEGMENT_UNMAP]
+    assert sum(e[3] for e in unmaps) == mapped             # every mapped byte, once
+    assert not [e for e in observed if e[1] in (SEGMENT_ALLOC, SEGMENT_FREE)]
+
+
 def test_the_config_is_the_device_pools_options(api):
     # The snapshot's allocator_settings come from here: PyTorch's keys, the pool's values.
     pool = mempool.Pool(backend="sim", capacity="1GiB", device=DEVICE,
@@ -506,6 +543,59 @@ def test_a_custom_segment_source_is_cached_and_given_back_once(api, routed):
     assert list(src.live) == [first]                                  # cached, free
     release(handle)   # as the glue does once the MemPool is gone and its last block freed
     assert src.live == {} and src.frees[-1] == first and src.releases == 1
+
+
+def test_a_no_split_pool_hands_out_whole_blocks(api, routed):
+    """Note [No split]: MemPool(no_split=True). Each request takes a whole free block or a
+    whole new segment of the usual size, so every block starts a segment of its own; a freed
+    block serves a smaller request whole. Without it, the same requests share segments."""
+    alloc, free, empty_cache, release = pool_fns(api)
+    info = F(i32, vp, u, ctypes.POINTER(sz), ctypes.POINTER(sz), ctypes.POINTER(u))(api.pool_fn_4)
+
+    def run(no_split):
+        src, handle = FakeSegments(), vp()
+        assert api.custom_pool_create(DEVICE, ctypes.byref(src.source),
+                                      ctypes.byref(handle)) == MP_OK
+        if no_split:
+            assert api.pool_set_no_split(handle) == MP_OK
+        ptrs, blocks = [], []
+        for n in (1000, 1000, 3 * MiB):
+            out = u()
+            assert alloc(handle, n, 0, ctypes.byref(out)) == MP_OK
+            ptrs.append(out.value)
+        for p in ptrs:
+            nbytes, requested, stream = sz(), sz(), u()
+            assert info(handle, p, ctypes.byref(nbytes), ctypes.byref(requested),
+                        ctypes.byref(stream)) == MP_OK
+            blocks.append((nbytes.value, requested.value))
+        assert free(handle, ptrs[2], 0, 0) == MP_OK
+        out = u()
+        assert alloc(handle, 2 * MiB, 0, ctypes.byref(out)) == MP_OK   # from the freed block
+        reused = out.value == ptrs[2]
+        segments = src.allocs
+        for p in (out.value, ptrs[0], ptrs[1]):
+            assert free(handle, p, 0, 0) == MP_OK
+        release(handle)
+        assert src.live == {}
+        return blocks, segments, reused
+
+    assert run(no_split=True) == ([(2 * MiB, 1000), (2 * MiB, 1000), (20 * MiB, 3 * MiB)], 3, True)
+    assert run(no_split=False) == ([(1024, 1000), (1024, 1000), (3 * MiB, 3 * MiB)], 2, True)
+
+
+def test_no_split_is_refused_on_an_expandable_pool(api):
+    pool = mempool.Pool(backend="sim", capacity="1GiB", device=DEVICE, expandable_segments=True)
+    _core._torch_register(DEVICE, pool)
+    try:
+        address = vp(_core._torch_pool_address(DEVICE))
+        assert api.pool_set_no_split(address) == MP_EINVAL
+        pool.free(pool.alloc(1000))                 # nothing changed: still split
+        a, b = pool.alloc(1000), pool.alloc(1000)
+        assert abs(a - b) == 1024
+        pool.free(a)
+        pool.free(b)
+    finally:
+        _core._torch_unregister(DEVICE)
 
 
 def test_a_custom_source_that_fails_or_misaligns_fails_the_request(api, routed):

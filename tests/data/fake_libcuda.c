@@ -340,8 +340,9 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
 
 /* ---- the capture's graph (Note [Capture reuse] in core/mp_stream.c) ----
  * Nodes with their dependencies, and the frontier of the capturing stream, which
- * cuStreamGetCaptureInfo reports. The dependency query answers as the driver's does: the
- * count alone without an array, and CUDA_ERROR_LOSSY_QUERY for an array without edge data. */
+ * cuStreamGetCaptureInfo reports. Both queries answer as the driver's may: the count alone
+ * without an array, and CUDA_ERROR_LOSSY_QUERY for an array without edge data (the driver
+ * does so when an edge carries data, after cuStreamUpdateCaptureDependencies_v2 say). */
 typedef struct fake_node {
     struct fake_node *parents[64];
     size_t nparents;
@@ -369,6 +370,7 @@ CUresult cuStreamGetCaptureInfo_v3(void *stream, int *status, unsigned long long
                                    size_t *n) {
     graph_calls[0]++;
     if (!stream && capturing_stream) return 906;
+    if (deps && !edges) return 920;   /* CUDA_ERROR_LOSSY_QUERY */
     *status = capturing_stream && (uintptr_t)stream == capturing_stream;
     if (*status) {
         if (id) *id = 0x1234;

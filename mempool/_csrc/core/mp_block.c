@@ -62,7 +62,8 @@ mp_block *mp_carve_locked(mp_pool *p, mp_block *b, size_t size, size_t requested
     int kind = seg->kind;
     int listed = b->cls != MP_NOT_LISTED;
     mp_block *a = NULL;
-    if (mp_split_rest(kind == KIND_SMALL || seg->expandable, p->cfg.max_split_size, b->nbytes, size)) {
+    if (!p->cfg.no_split &&   /* Note [No split] (mp_core.c) */
+        mp_split_rest(kind == KIND_SMALL || seg->expandable, p->cfg.max_split_size, b->nbytes, size)) {
         size_t rest = b->nbytes - size;
         if (listed && mp_class_of(rest) == b->cls && (a = mp_block_new_locked(p))) {
             a->ptr = b->ptr;

@@ -47,6 +47,23 @@ void mp_set_capture_reuse(mp_pool *p, int on) {
     mp_lock_release(&p->lock);
 }
 
+/* Note [No split]
+ * PyTorch's MemPool(no_split=True) asks that no block of its pool be split: each request
+ * takes a whole free block, or a whole new segment sized by the usual policy (2 MiB for a
+ * small request, 20 MiB up to 10 MiB, the request rounded to 2 MiB above), so that every
+ * tensor starts a segment of its own, as memory registered segment by segment (NCCL's
+ * symmetric memory) wants. The pool then carves nothing off a block it hands out; best fit,
+ * merging (nothing is split, so nothing merges) and releases are as before, and a block's
+ * size in the statistics is the whole block, as in PyTorch's. Expandable pools refuse it:
+ * their free blocks include the unmapped rest of a range. */
+int mp_set_no_split(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    int ok = !p->cfg.expandable_segments;
+    if (ok) p->cfg.no_split = 1;
+    mp_lock_release(&p->lock);
+    return ok ? MP_OK : MP_EINVAL;
+}
+
 /* Note [Size policy at run time]
  * PyTorch lets a program change roundup_power2_divisions, max_split_size and
  * garbage_collection_threshold while it runs (torch.cuda.memory._set_allocator_settings), and
@@ -129,6 +146,7 @@ void mp_pool_destroy(mp_pool *p) {
             b = bn;
         }
         seg->release_stream = legacy ? 0 : seg->stream->handle;
+        mp_trace_segment_gone_locked(p, seg);   /* Note [Segment events at destroy] */
         mp_segment_release_upstream(p, seg);
         free(seg->extents);
         free(seg);

@@ -43,6 +43,8 @@ typedef struct mp_config {
     int keep_idle;               /* give no idle segment back on its own: only mp_empty_cache,
                                     mp_trim, the release threshold and an out-of-memory retry
                                     release (Note [Keep idle], mp_core.c) */
+    int no_split;                /* hand out free blocks whole, never split (Note [No split],
+                                    mp_core.c); set with mp_set_no_split */
 } mp_config;
 
 /* Expandable segments: the most bytes one physical allocation of a growth holds unless
@@ -259,6 +261,9 @@ int mp_set_size_policy(mp_pool *p, const size_t divisions[MP_ROUNDUP_INTERVALS],
 /* Turn Note [Capture reuse] (mp_stream.c) on or off from the next free on (PyTorch sets it
  * at run time through _set_allocator_settings). */
 void mp_set_capture_reuse(mp_pool *p, int on);
+/* Note [No split] (mp_core.c): from the next request on, hand out free blocks whole.
+ * MP_EINVAL on an expandable pool, with nothing changed. */
+int mp_set_no_split(mp_pool *p);
 /* Make `member` count its reserved bytes against `owner`'s limit too, as PyTorch's memory
  * fraction caps a device's graph and MemPool pools with its own (Note [Shared limit],
  * mp_release.c). Call before the member holds memory; the member keeps a reference to the

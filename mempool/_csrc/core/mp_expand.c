@@ -1101,6 +1101,32 @@ int mp_expand_reserve_initial(mp_pool *p, size_t nbytes) {
     return rc;
 }
 
+/* Note [Segment events at destroy]
+ * A pool destroyed with segments still cached frees them with no release list, so nothing
+ * told the trace or the observer of them (Note [Segment observer], mp_core.h), and PyTorch's
+ * memory history and trace trackers (NCCL's registration of a MemPool's segments) kept them
+ * for ever: a MemPool's or a graph's pool is destroyed that way once it is released and its
+ * last block freed. Destroy tells of each segment here, as a release would: one
+ * segment_free per plain segment, one segment_unmap per mapped run of a range. */
+void mp_trace_segment_gone_locked(mp_pool *p, const mp_segment *seg) {
+    if (!mp_segment_events_wanted(p)) return;
+    uintptr_t stream = seg->stream->handle;
+    if (!seg->expandable) {
+        mp_trace_segment_locked(p, MP_TRACE_SEGMENT_FREE, seg->ptr, seg->nbytes, stream);
+        return;
+    }
+    const mp_block *b = seg->first;
+    while (b) {
+        if (b->state == MP_BLOCK_UNMAPPED) {
+            b = b->next;
+            continue;
+        }
+        uintptr_t lo = b->ptr, hi = b->ptr + b->nbytes;
+        for (b = b->next; b && b->state != MP_BLOCK_UNMAPPED; b = b->next) hi = b->ptr + b->nbytes;
+        mp_trace_segment_locked(p, MP_TRACE_SEGMENT_UNMAP, lo, hi - lo, stream);
+    }
+}
+
 void mp_segment_release_upstream(mp_pool *p, mp_segment *seg) {
     if (!seg->expandable) {
         p->up.segment_free(p->up.ctx, seg->ptr, seg->nbytes, seg->release_stream);

@@ -31,5 +31,7 @@ void mp_expand_drop_empty_locked(mp_pool *p, mp_release_list *out);
 int mp_expand_check_extents_locked(const mp_pool *p, const mp_segment *seg, char *why, size_t n);
 /* Give a detached (or, at destroy, any) segment back to the upstream. Without the lock. */
 void mp_segment_release_upstream(mp_pool *p, mp_segment *seg);
+/* Note [Segment events at destroy] (mp_expand.c): the events of a segment freed by destroy. */
+void mp_trace_segment_gone_locked(mp_pool *p, const mp_segment *seg);
 
 #endif

@@ -843,6 +843,7 @@ static const mp_torch_api api = {
     .capture_end = api_capture_end,
     .private_pool_create = api_private_pool_create,
     .custom_pool_create = api_custom_pool_create,
+    .pool_set_no_split = mp_set_no_split,
     .pool_alloc = mp_alloc,
     .pool_free = mp_free,
     .pool_alloc_at = mp_alloc_at,

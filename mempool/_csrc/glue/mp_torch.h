@@ -134,14 +134,16 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
  *     core's segment observer (Note [Segment observer], mp_core.h), set at install.
  *   - torch.cuda.caching_allocator_enable(False) hands out the driver's own memory, outside
  *     the pool (Note [Caching off], torch_allocator.cpp).
+ *   - MemPool(no_split=True) hands out whole blocks (Note [No split], mp_core.c).
  *   - Refused with a message naming the feature: exporting a tensor to another process
- *     (pool memory has no legacy IPC handle; receiving works) and MemPool(no_split=True). */
-#define MP_TORCH_API_VERSION 7   /* 2: mp_layout lists each segment's physical allocations;
+ *     (pool memory has no legacy IPC handle; receiving works). */
+#define MP_TORCH_API_VERSION 8   /* 2: mp_layout lists each segment's physical allocations;
                                     3: the device's peaks with its private pools;
                                     4: the segment observer;
                                     5: the device pool's options;
                                     6: a block's last requested size in mp_layout;
-                                    7: private pools over a custom segment source */
+                                    7: private pools over a custom segment source;
+                                    8: pool_set_no_split */
 #define MP_TORCH_FIGURES 7
 
 /* Note [Custom segment sources] (mp_torch.c): where a private pool for a MemPool given its own
@@ -221,6 +223,9 @@ typedef struct mp_torch_api {
      * segments come from `src` (copied; on MP_OK the pool owns src->ctx and releases it,
      * else the caller keeps it). */
     int (*custom_pool_create)(int device, const mp_segment_source *src, mp_pool **out);
+    /* Note [No split] (mp_core.c): a private pool hands out its free blocks whole from now
+     * on (MemPool(no_split=True)). MP_EINVAL for an expandable pool. */
+    int (*pool_set_no_split)(mp_pool *p);
 } mp_torch_api;
 
 /* The table (static storage, never freed). */

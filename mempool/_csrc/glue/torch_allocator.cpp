@@ -647,9 +647,14 @@ class MempoolAllocator final : public CUDAAllocator {
     it->second->use_on_oom = use_on_oom;
   }
 
-  void setNoSplit(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/) override {
-    TORCH_CHECK(false, "mempool: MemPool(no_split=True) is not supported; the pool splits "
-                       "segments by its own size policy (see max_split_size)");
+  // MemPool(no_split=True): the pool hands out whole blocks (Note [No split], mp_core.c).
+  void setNoSplit(c10::DeviceIndex /*device*/, MempoolId_t mempool_id) override {
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    auto it = private_.find(mempool_id);
+    TORCH_CHECK(it != private_.end(), "setNoSplit: no pool with this id");
+    int rc = api->pool_set_no_split(it->second->pool);
+    TORCH_CHECK(rc == MP_OK, cat("mempool: MemPool(no_split=True) could not be set on its pool "
+                                 "(code ", rc, ")"));
   }
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
@@ -854,40 +859,45 @@ class MempoolAllocator final : public CUDAAllocator {
     throw_oom(device, nbytes, stream, rc, nullptr);
   }
 
+  // As PyTorch's allocator does, the newest route whose filter takes the stream wins: a graph
+  // captured inside a use_mem_pool context allocates to the graph's pool, not to the
+  // MemPool, whose later allocations would otherwise reuse memory the graph replays into.
+  // The filters run under pools_mu_, which endAllocateToPool takes to remove a route: a
+  // graph's filter reads the graph, and the graph may be destroyed once its route is gone.
+  // (They call the CUDA runtime, never this allocator.)
   PrivatePool* route(int device, cudaStream_t stream) {
-    std::vector<Route> routes;
-    {
-      std::lock_guard<std::mutex> lock(pools_mu_);
-      routes = routes_[device_slot(device)];
-    }
-    // Filters call the CUDA runtime: run them without the lock.
-    for (const Route& r : routes) {
-      if (r.filter(stream)) {
-        std::lock_guard<std::mutex> lock(pools_mu_);
-        auto it = private_.find(r.id);
-        if (it != private_.end()) {
-          it->second->live_blocks++;   // the block to come: alloc_private's precondition
-          return it->second.get();
-        }
-      }
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    const std::vector<Route>& routes = routes_[device_slot(device)];
+    for (auto r = routes.rbegin(); r != routes.rend(); ++r) {
+      if (!r->filter(stream)) continue;
+      auto it = private_.find(r->id);
+      if (it == private_.end()) continue;
+      it->second->live_blocks++;   // the block to come: try_alloc_private's precondition
+      return it->second.get();
     }
     return nullptr;
   }
 
   // Precondition: pp->live_blocks already counts this block (route, alloc_use_on_oom), so
-  // that no other thread destroys the pool while it allocates without pools_mu_.
-  void* alloc_private(PrivatePool* pp, size_t nbytes, cudaStream_t stream) {
+  // that no other thread destroys the pool while it allocates without pools_mu_. Returns
+  // nullptr, with the core's code in *rc, when the pool cannot serve the request (pp may be
+  // destroyed by then); the caller reports it, once.
+  void* try_alloc_private(PrivatePool* pp, size_t nbytes, cudaStream_t stream, int* rc) {
     uintptr_t out = 0;
-    int rc = api->pool_alloc(pp->pool, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
-    if (rc != MP_OK) {
-      MempoolId_t id = pp->id;
-      int device = pp->device;
+    *rc = api->pool_alloc(pp->pool, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
+    if (*rc != MP_OK) {
       drop_live_block(pp);   // pp may be destroyed from here on
-      throw_oom(device, nbytes, stream, rc, &id);
+      return nullptr;
     }
-    {
+    try {
       std::lock_guard<std::mutex> lock(pools_mu_);
       private_blocks_[out] = pp;
+    } catch (...) {
+      // No host memory to remember the block: it goes back, else it would count in
+      // live_blocks for ever and keep its pool (and a MemPool's allocator) alive.
+      api->pool_free(pp->pool, out, 0, 0);
+      drop_live_block(pp);
+      throw;
     }
     n_private_blocks_.fetch_add(1, std::memory_order_release);
     note_private_change(pp->device);
@@ -897,20 +907,29 @@ class MempoolAllocator final : public CUDAAllocator {
     return reinterpret_cast<void*>(out);
   }
 
+  void* alloc_private(PrivatePool* pp, size_t nbytes, cudaStream_t stream) {
+    MempoolId_t id = pp->id;
+    int device = pp->device;
+    int rc = MP_OK;
+    void* ptr = try_alloc_private(pp, nbytes, stream, &rc);
+    if (!ptr) throw_oom(device, nbytes, stream, rc, &id);
+    return ptr;
+  }
+
+  // A MemPool made with use_on_oom=True serves what the device's pool could not. When it
+  // cannot either, the caller raises the device's out-of-memory error: one report, as
+  // PyTorch's allocator makes one (its observers and trace hear of it once).
   void* alloc_use_on_oom(int device, size_t nbytes, cudaStream_t stream) {
     PrivatePool* found = nullptr;
     {
       std::lock_guard<std::mutex> lock(pools_mu_);
       for (auto& [key, pp] : private_)
         if (pp->use_on_oom && pp->device == device) found = pp.get();
-      if (found) found->live_blocks++;   // alloc_private's precondition
+      if (found) found->live_blocks++;   // try_alloc_private's precondition
     }
     if (!found) return nullptr;
-    try {
-      return alloc_private(found, nbytes, stream);
-    } catch (const c10::OutOfMemoryError&) {
-      return nullptr;
-    }
+    int rc = MP_OK;
+    return try_alloc_private(found, nbytes, stream, &rc);
   }
 
   // True when ptr was a private pool's block (now freed).
@@ -971,7 +990,19 @@ class MempoolAllocator final : public CUDAAllocator {
 
   // Destroying a core pool frees its segments (cuMemFree synchronizes): never under pools_mu_.
   void release_pools(const std::vector<mp_pool*>& doomed) {
-    for (mp_pool* p : doomed) api->pool_release(p);
+    for (mp_pool* p : doomed) {
+      std::pair<int, MempoolId_t> owner{-1, {0, 0}};
+      {
+        std::lock_guard<std::mutex> lock(segment_mu_);
+        auto it = private_owner_.find(p);
+        if (it != private_owner_.end()) owner = it->second;
+      }
+      api->pool_release(p);   // its last segment events are resolved through private_owner_
+      // Forget it unless a pool made since took its address (and its entry).
+      std::lock_guard<std::mutex> lock(segment_mu_);
+      auto it = private_owner_.find(p);
+      if (it != private_owner_.end() && it->second == owner) private_owner_.erase(it);
+    }
     if (!doomed.empty()) note_private_change_everywhere();
   }
 
@@ -1092,6 +1123,13 @@ class MempoolAllocator final : public CUDAAllocator {
                                                     "device")
                                       : cat("the driver lacks plain allocations (code ", rc,
                                             ")")));
+    }
+    try {
+      std::lock_guard<std::mutex> lock(segment_mu_);   // taken last, as always
+      private_owner_[pp->pool] = {device, id};
+    } catch (...) {
+      api->pool_release(pp->pool);   // new and empty: no segment to free under pools_mu_
+      throw;
     }
     PrivatePool* raw = pp.get();
     private_.emplace(id, std::move(pp));
@@ -1225,7 +1263,8 @@ class MempoolAllocator final : public CUDAAllocator {
   // it into the trace and to the trackers with its device and pool, as PyTorch records its
   // own segment_alloc, segment_free, segment_map and segment_unmap.
   struct SegmentEvent {
-    const mp_pool* pool;
+    int device;          // -1: a pool PyTorch does not use
+    MempoolId_t owner;   // the private pool's id, {0, 0} for the device's pool
     int action;
     uintptr_t ptr;
     size_t nbytes;
@@ -1241,13 +1280,26 @@ class MempoolAllocator final : public CUDAAllocator {
   }
 
  private:
+  // The event's pool is resolved here, while it exists: a private pool's events come last as
+  // it is destroyed (Note [Segment events at destroy] in mp_expand.c), and a later pool may
+  // take its address.
   void on_segment(const mp_pool* p, int action, uintptr_t ptr, size_t nbytes,
                   uintptr_t stream) noexcept {
     if (!tracing_.load(std::memory_order_relaxed)) return;
     try {
       std::lock_guard<std::mutex> lock(segment_mu_);
+      int device = -1;
+      MempoolId_t owner{0, 0};
+      auto it = private_owner_.find(p);
+      if (it != private_owner_.end()) {
+        device = it->second.first;
+        owner = it->second.second;
+      } else {
+        device = api->pool_device(p);   // reads the table; calls no pool
+      }
       if (pending_segments_.size() < kMaxPendingSegments)
-        pending_segments_.push_back({p, action, ptr, nbytes, stream, c10::getApproximateTime()});
+        pending_segments_.push_back(
+            {device, owner, action, ptr, nbytes, stream, c10::getApproximateTime()});
     } catch (...) {
       // No host memory for the event: the trace misses it, the allocation goes on.
     }
@@ -1296,31 +1348,11 @@ class MempoolAllocator final : public CUDAAllocator {
       if (pending_segments_.empty()) return;
       events.swap(pending_segments_);
     }
-    std::vector<int> devices(events.size(), -1);
-    std::vector<MempoolId_t> owners(events.size(), MempoolId_t{0, 0});
-    bool unresolved = false;
-    for (size_t i = 0; i < events.size(); i++) {
-      devices[i] = api->pool_device(events[i].pool);   // reads the table; calls no pool
-      unresolved |= devices[i] < 0;
-    }
-    if (unresolved) {
-      std::lock_guard<std::mutex> lock(pools_mu_);
-      for (size_t i = 0; i < events.size(); i++) {
-        if (devices[i] >= 0) continue;
-        for (auto& [key, pp] : private_) {
-          if (pp->pool && pp->pool == events[i].pool) {
-            devices[i] = pp->device;
-            owners[i] = pp->id;
-            break;
-          }
-        }
-      }
-    }
     std::lock_guard<std::mutex> lock(history_mu_);
     for (size_t i = 0; i < events.size(); i++) {
       const SegmentEvent& e = events[i];
       const SegmentAction* a = segment_action(e.action);
-      if (devices[i] < 0 || !a) continue;
+      if (e.device < 0 || !a) continue;
       std::shared_ptr<c10::GatheredContext> ctx;
       if (a->action == TraceEntry::SEGMENT_ALLOC || a->action == TraceEntry::SEGMENT_MAP) {
         ctx = grown;
@@ -1341,8 +1373,8 @@ class MempoolAllocator final : public CUDAAllocator {
       // no action (a segment allocated under an earlier recording keeps its stacks for the
       // snapshot's blocks, not for this trace).
       if (record_when_ < RecordContext::ALLOC) ctx = nullptr;
-      push_trace_locked(entry_locked(a->action, devices[i], e.ptr, e.nbytes,
-                                     reinterpret_cast<void*>(e.stream), owners[i], e.time,
+      push_trace_locked(entry_locked(a->action, e.device, e.ptr, e.nbytes,
+                                     reinterpret_cast<void*>(e.stream), e.owner, e.time,
                                      std::move(ctx)));
     }
   }
@@ -1483,6 +1515,10 @@ class MempoolAllocator final : public CUDAAllocator {
   // Segment events waiting for the trace: guarded by segment_mu_, taken last.
   std::mutex segment_mu_;
   std::vector<SegmentEvent> pending_segments_;
+  // The device and id of each private pool's core pool, from its creation until its
+  // destruction has returned (so that its last segment events still find it): guarded by
+  // segment_mu_, read by on_segment under the core pool's lock.
+  std::unordered_map<const mp_pool*, std::pair<int, MempoolId_t>> private_owner_;
 };
 
 MempoolAllocator* the_allocator = nullptr;

@@ -381,11 +381,14 @@ static int capture_frontier(mp_cuda *c, uintptr_t stream, unsigned long long *id
                             const CUgraphNode **deps, size_t *n) {
     int status = CU_STREAM_CAPTURE_STATUS_NONE;
     CUgraph graph;
+    const CUgraphEdgeData *edges = NULL;   /* unread; without it an edge with data makes the
+                                              query CUDA_ERROR_LOSSY_QUERY */
     CUresult r;
     *deps = NULL;
     *n = 0;
     if (D.StreamGetCaptureInfo3)
-        CU_CALL(c, r, D.StreamGetCaptureInfo3((CUstream)stream, &status, id, &graph, deps, NULL, n));
+        CU_CALL(c, r, D.StreamGetCaptureInfo3((CUstream)stream, &status, id, &graph, deps,
+                                              &edges, n));
     else
         CU_CALL(c, r, D.StreamGetCaptureInfo2((CUstream)stream, &status, id, &graph, deps, n));
     int rc = check(c, r);
