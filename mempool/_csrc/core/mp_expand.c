@@ -1108,6 +1108,22 @@ int mp_expand_reserve_initial(mp_pool *p, size_t nbytes) {
  * for ever: a MemPool's or a graph's pool is destroyed that way once it is released and its
  * last block freed. Destroy tells of each segment here, as a release would: one
  * segment_free per plain segment, one segment_unmap per mapped run of a range. */
+/* The next maximal run of mapped blocks from *b on, [*lo, *hi) (runs start and end on page
+ * boundaries); *b moves past it. 0 when no mapped block is left. */
+static int next_mapped_run(const mp_block **b, uintptr_t *lo, uintptr_t *hi) {
+    const mp_block *x = *b;
+    while (x && x->state == MP_BLOCK_UNMAPPED) x = x->next;
+    if (!x) {
+        *b = NULL;
+        return 0;
+    }
+    *lo = x->ptr;
+    *hi = x->ptr + x->nbytes;
+    for (x = x->next; x && x->state != MP_BLOCK_UNMAPPED; x = x->next) *hi = x->ptr + x->nbytes;
+    *b = x;
+    return 1;
+}
+
 void mp_trace_segment_gone_locked(mp_pool *p, const mp_segment *seg) {
     if (!mp_segment_events_wanted(p)) return;
     uintptr_t stream = seg->stream->handle;
@@ -1116,15 +1132,9 @@ void mp_trace_segment_gone_locked(mp_pool *p, const mp_segment *seg) {
         return;
     }
     const mp_block *b = seg->first;
-    while (b) {
-        if (b->state == MP_BLOCK_UNMAPPED) {
-            b = b->next;
-            continue;
-        }
-        uintptr_t lo = b->ptr, hi = b->ptr + b->nbytes;
-        for (b = b->next; b && b->state != MP_BLOCK_UNMAPPED; b = b->next) hi = b->ptr + b->nbytes;
+    uintptr_t lo, hi;
+    while (next_mapped_run(&b, &lo, &hi))
         mp_trace_segment_locked(p, MP_TRACE_SEGMENT_UNMAP, lo, hi - lo, stream);
-    }
 }
 
 void mp_segment_release_upstream(mp_pool *p, mp_segment *seg) {
@@ -1139,14 +1149,9 @@ void mp_segment_release_upstream(mp_pool *p, mp_segment *seg) {
         return;
     }
     /* Maximal mapped runs start and end on page boundaries: unmap each, then the range. */
-    mp_block *b = seg->first;
-    while (b) {
-        if (b->state == MP_BLOCK_UNMAPPED) {
-            b = b->next;
-            continue;
-        }
-        uintptr_t lo = b->ptr, hi = b->ptr + b->nbytes;
-        for (b = b->next; b && b->state != MP_BLOCK_UNMAPPED; b = b->next) hi = b->ptr + b->nbytes;
+    const mp_block *b = seg->first;
+    uintptr_t lo, hi;
+    while (next_mapped_run(&b, &lo, &hi)) {
         mp_assert(lo % p->up.granularity == 0 && hi % p->up.granularity == 0 && lo < hi);
         p->up.unmap(p->up.ctx, lo, hi - lo);
     }
