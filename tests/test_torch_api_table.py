@@ -106,7 +106,9 @@ class Source(ctypes.Structure):   # mp_segment_source (Note [Custom segment sour
 
 
 CUSTOM_FIELDS = [("custom_pool_create", F(i32, i32, ctypes.POINTER(Source), ctypes.POINTER(vp))),
-                 ("pool_set_no_split", F(i32, vp))]
+                 ("pool_set_no_split", F(i32, vp)),
+                 ("block_info", F(i32, i32, u, ctypes.POINTER(sz), ctypes.POINTER(sz),
+                                  ctypes.POINTER(u)))]
 SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP = 3, 4, 6, 7
 
 
@@ -155,6 +157,20 @@ def test_alloc_and_free_route_by_device_and_match_pool_stats(api, routed):
     api.free(DEVICE, out.value)
     assert routed.used_bytes() == 0
     assert api.find_device(out.value) == -1
+
+
+def test_block_info_gives_a_blocks_size_requested_size_and_stream(api, routed):
+    # A free's trace entry carries the size the block was asked for, as the alloc's does.
+    out, nbytes, requested, stream = u(), sz(), sz(), u()
+    assert api.alloc(DEVICE, 1000, 0, ctypes.byref(out)) == MP_OK
+    assert api.block_info(DEVICE, out.value, ctypes.byref(nbytes), ctypes.byref(requested),
+                          ctypes.byref(stream)) == MP_OK
+    assert (nbytes.value, requested.value, stream.value) == (1024, 1000, 0)
+    api.free(DEVICE, out.value)
+    assert api.block_info(DEVICE, out.value, ctypes.byref(nbytes), ctypes.byref(requested),
+                          ctypes.byref(stream)) == 4                     # MP_ENOTFOUND
+    assert api.block_info(DEVICE + 1, out.value, ctypes.byref(nbytes), ctypes.byref(requested),
+                          ctypes.byref(stream)) == MP_EINVAL              # no pool there
 
 
 def test_an_unrouted_device_is_a_code_not_a_crash(api):

@@ -120,6 +120,12 @@ def test_oom_observer_is_called():
         except torch.OutOfMemoryError:
             pass
         assert len(seen) == 1 and seen[0][0] == 0, seen
+        # PyTorch's arguments: device, the size asked for, the device's total (no fraction
+        # set), its free bytes.
+        free, total = torch.cuda.mem_get_info()
+        device, asked, allowed, free_then = seen[0]
+        assert asked == 1 << 50 and allowed == total, seen
+        assert 0 < free_then <= total, seen
     """)
 
 
@@ -1014,3 +1020,29 @@ def test_a_released_mempools_segments_leave_the_history_with_a_segment_free():
         print("freed", hex(seg[0]))
     """)
     assert "freed" in out
+
+
+def test_a_frees_trace_entries_carry_the_size_asked_for_and_the_blocks_stream():
+    # As PyTorch's allocator records them: a free's entries have the alloc entry's size (so
+    # that memory_viz's running total comes back to where it was), the block's stream, and,
+    # with history of allocation stacks only, the block's allocation stacks.
+    out = run("""
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python")
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            x = torch.empty(1000, dtype=torch.uint8, device="cuda")
+        addr = x.data_ptr()
+        del x
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        mine = [e for e in trace if e["addr"] == addr]
+        alloc = [e for e in mine if e["action"] == "alloc"][-1]
+        frees = [e for e in mine if e["action"] in ("free_requested", "free_completed")]
+        assert len(frees) == 2, mine
+        assert alloc["size"] == 1000 and all(e["size"] == 1000 for e in frees), mine
+        assert alloc["stream"] == side.cuda_stream != 0, alloc
+        assert all(e["stream"] == alloc["stream"] for e in frees), mine
+        assert all(e["frames"] for e in frees), frees
+        torch.cuda.memory._record_memory_history(None)
+        print("sizes", [e["size"] for e in frees])
+    """)
+    assert "sizes [1000, 1000]" in out

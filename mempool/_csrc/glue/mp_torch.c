@@ -361,6 +361,13 @@ static int api_base_allocation(int device, uintptr_t ptr, uintptr_t *base, size_
     return rc;
 }
 
+static int api_block_info(int device, uintptr_t ptr, size_t *nbytes, size_t *requested,
+                          uintptr_t *stream) {
+    int rc;
+    WITH_SLOT(device, rc = mp_block_info(p, ptr, nbytes, requested, stream));
+    return rc;
+}
+
 static int api_stats(int device, mp_stats *out) {
     WITH_SLOT(device, mp_get_stats(p, out));
     return MP_OK;
@@ -844,6 +851,7 @@ static const mp_torch_api api = {
     .private_pool_create = api_private_pool_create,
     .custom_pool_create = api_custom_pool_create,
     .pool_set_no_split = mp_set_no_split,
+    .block_info = api_block_info,
     .pool_alloc = mp_alloc,
     .pool_free = mp_free,
     .pool_alloc_at = mp_alloc_at,

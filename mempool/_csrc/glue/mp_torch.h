@@ -143,7 +143,7 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
                                     5: the device pool's options;
                                     6: a block's last requested size in mp_layout;
                                     7: private pools over a custom segment source;
-                                    8: pool_set_no_split */
+                                    8: pool_set_no_split, block_info */
 #define MP_TORCH_FIGURES 7
 
 /* Note [Custom segment sources] (mp_torch.c): where a private pool for a MemPool given its own
@@ -226,6 +226,11 @@ typedef struct mp_torch_api {
     /* Note [No split] (mp_core.c): a private pool hands out its free blocks whole from now
      * on (MemPool(no_split=True)). MP_EINVAL for an expandable pool. */
     int (*pool_set_no_split)(mp_pool *p);
+    /* The live block at ptr in the device's pool: its size, the size asked for and its
+     * stream (for a free's trace entry, which PyTorch gives the requested size).
+     * MP_ENOTFOUND when ptr is no live block there. */
+    int (*block_info)(int device, uintptr_t ptr, size_t *nbytes, size_t *requested,
+                      uintptr_t *stream);
 } mp_torch_api;
 
 /* The table (static storage, never freed). */

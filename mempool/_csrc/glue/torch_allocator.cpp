@@ -261,7 +261,7 @@ class MempoolAllocator final : public CUDAAllocator {
       tag = static_cast<uintptr_t>(device) + 1;
     }
     int device = static_cast<int>(tag) - 1;
-    if (tracing_.load(std::memory_order_relaxed)) record_free(device, ptr, 0, {0, 0});
+    if (tracing_.load(std::memory_order_relaxed)) record_free(device, ptr, {0, 0});
     else if (C10_UNLIKELY(contexts_kept_.load(std::memory_order_relaxed))) forget_context(ptr);
     if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
       int64_t nbytes = static_cast<int64_t>(block_size(device, ptr, {0, 0}));
@@ -698,26 +698,38 @@ class MempoolAllocator final : public CUDAAllocator {
       delta.ptrs_freed.push_back(reinterpret_cast<void*>(p));
       if (!state->blocks.count(p)) free_private(p);
     }
+    // Every block is put back before any DataPtr is made: a DataPtr frees its block when it
+    // dies, so one made before a failure would, as the exception unwinds, free blocks that
+    // live tensors still use. On a failure only the blocks put back by this call go again.
+    std::vector<uintptr_t> restored;
+    restored.reserve(state->blocks.size());   // no allocation once blocks are put back
     for (auto& [p, what] : state->blocks) {
-      if (!now.count(p)) {
-        int rc = api->pool_alloc_at(pp->pool, p, what.first, what.second);
-        if (rc != MP_OK) {
-          unpin(pinned);
-          TORCH_CHECK(false, cat("mempool: restoring a CUDA-graph pool checkpoint could not "
-                                 "put the block at ", reinterpret_cast<void*>(p), " (",
-                                 fmt_size(what.first), ") back (code ", rc, ")"));
-        }
-        {
+      if (now.count(p)) continue;
+      int rc = api->pool_alloc_at(pp->pool, p, what.first, what.second);
+      if (rc == MP_OK) {
+        try {
           std::lock_guard<std::mutex> lock(pools_mu_);
           private_blocks_[p] = pp;
           pp->live_blocks++;
+        } catch (...) {
+          (void)api->pool_free(pp->pool, p, 0, 0);
+          rc = MP_ENOMEM;   // no host memory to remember the block
         }
-        n_private_blocks_.fetch_add(1, std::memory_order_release);
       }
+      if (rc != MP_OK) {
+        for (uintptr_t q : restored) free_private(q);
+        unpin(pinned);
+        TORCH_CHECK(false, cat("mempool: restoring a CUDA-graph pool checkpoint could not "
+                               "put the block at ", reinterpret_cast<void*>(p), " (",
+                               fmt_size(what.first), ") back (code ", rc, ")"));
+      }
+      n_private_blocks_.fetch_add(1, std::memory_order_release);
+      restored.push_back(p);
+    }
+    for (auto& [p, what] : state->blocks)
       delta.dataptrs_allocd.emplace_back(
           reinterpret_cast<void*>(p), reinterpret_cast<void*>(p | kTagPrivate), &delete_block,
           c10::Device(c10::DeviceType::CUDA, device));
-    }
     note_private_change(device);
     unpin(pinned);
     return delta;
@@ -943,7 +955,7 @@ class MempoolAllocator final : public CUDAAllocator {
       private_blocks_.erase(it);   // still counted in live_blocks: pp stays until the free
     }
     n_private_blocks_.fetch_sub(1, std::memory_order_release);
-    if (tracing_.load(std::memory_order_relaxed)) record_free(pp->device, ptr, 0, pp->id);
+    if (tracing_.load(std::memory_order_relaxed)) record_free(pp->device, ptr, pp->id);
     else if (C10_UNLIKELY(contexts_kept_.load(std::memory_order_relaxed))) forget_context(ptr);
     if (C10_UNLIKELY(c10::memoryProfilingEnabled())) report_to_profiler(pp->device, ptr, pp->id, -1);
     api->pool_free(pp->pool, ptr, 0, 0);
@@ -1036,16 +1048,24 @@ class MempoolAllocator final : public CUDAAllocator {
     size_t free_bytes = 0, total = 0;
     (void)api->mem_info(device, &free_bytes, &total);
     std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> observers;
+    std::shared_ptr<c10::GatheredContext> ctx;   // the stacks of the failed allocation
+    if (tracing_.load()) {
+      RecordContext when;
+      ctx = gather_context(RecordContext::STATE, &when);
+    }
     flush_segments();   // what the OOM chain released comes before the oom entry
     {
       std::lock_guard<std::mutex> lock(history_mu_);
       observers = oom_observers_;
-      if (tracing_.load())
+      if (tracing_.load() && !skip_.count("oom"))
         push_trace_locked(entry_locked(TraceEntry::OOM, device, free_bytes, nbytes, stream,
                                        private_id ? *private_id : MempoolId_t{0, 0},
-                                       c10::getApproximateTime(), nullptr));
+                                       c10::getApproximateTime(), std::move(ctx)));
     }
-    for (auto& observer : observers) observer(device, f[1], total, free_bytes);
+    // PyTorch's arguments: the device, the size asked for, the most the device may hold (the
+    // limit when one is set, as PyTorch's memory fraction) and the device's free bytes.
+    size_t allowed = f[4] != SIZE_MAX ? f[4] : total;
+    for (auto& observer : observers) observer(device, nbytes, allowed, free_bytes);
     std::string where;
     if (rc == MP_ELIMIT) {
       where = "the pool's limit of " + fmt_size(f[4]) + " (set_per_process_memory_fraction "
@@ -1209,22 +1229,34 @@ class MempoolAllocator final : public CUDAAllocator {
                                    when >= RecordContext::ALLOC ? ctx : nullptr));
   }
 
-  void record_free(int device, uintptr_t ptr, size_t nbytes, MempoolId_t pool) {
-    if (nbytes == 0) nbytes = block_size(device, ptr, pool);
+  // Called before the block is freed. As PyTorch's allocator records a free: the size the
+  // block was allocated for (the alloc entry's, so that a viewer's running total comes back
+  // to where it was), the block's stream, and the free's own stacks when history records
+  // them for every action, else the block's allocation stacks.
+  void record_free(int device, uintptr_t ptr, MempoolId_t pool) {
+    size_t requested = 0;
+    uintptr_t stream = 0;
+    block_requested(device, ptr, pool, &requested, &stream);
     RecordContext when;
     std::shared_ptr<c10::GatheredContext> ctx = gather_context(RecordContext::ALL, &when);
     flush_segments(ctx, ctx);
     std::lock_guard<std::mutex> lock(history_mu_);
+    std::shared_ptr<c10::GatheredContext> stacks = ctx;
+    if (!stacks) {
+      auto it = live_contexts_.find(ptr);
+      if (it != live_contexts_.end()) stacks = it->second;
+    }
     erase_context_locked(ptr);
     auto time = c10::getApproximateTime();
+    void* s = reinterpret_cast<void*>(stream);
     // The pool returns the block to its free lists at once (reuse on other streams waits
     // for their events inside the pool), so the free completes when it is requested.
     if (!skip_.count("free_requested"))
-      push_trace_locked(
-          entry_locked(TraceEntry::FREE_REQUESTED, device, ptr, nbytes, nullptr, pool, time, ctx));
+      push_trace_locked(entry_locked(TraceEntry::FREE_REQUESTED, device, ptr, requested, s, pool,
+                                     time, stacks));
     if (!skip_.count("free_completed"))
-      push_trace_locked(
-          entry_locked(TraceEntry::FREE_COMPLETED, device, ptr, nbytes, nullptr, pool, time, ctx));
+      push_trace_locked(entry_locked(TraceEntry::FREE_COMPLETED, device, ptr, requested, s, pool,
+                                     time, stacks));
   }
 
   // Note [Kept block stacks]
@@ -1342,13 +1374,15 @@ class MempoolAllocator final : public CUDAAllocator {
   // not use (a CuPy pool of the same process, say) are dropped.
   void flush_segments(std::shared_ptr<c10::GatheredContext> grown = nullptr,
                       std::shared_ptr<c10::GatheredContext> released = nullptr) {
+    // history_mu_ first, held from taking the events to pushing them: another thread whose
+    // allocation made one of these segments then records its alloc only after them.
+    std::lock_guard<std::mutex> lock(history_mu_);
     std::vector<SegmentEvent> events;
     {
-      std::lock_guard<std::mutex> lock(segment_mu_);
+      std::lock_guard<std::mutex> segment_lock(segment_mu_);
       if (pending_segments_.empty()) return;
       events.swap(pending_segments_);
     }
-    std::lock_guard<std::mutex> lock(history_mu_);
     for (size_t i = 0; i < events.size(); i++) {
       const SegmentEvent& e = events[i];
       const SegmentAction* a = segment_action(e.action);
@@ -1390,6 +1424,21 @@ class MempoolAllocator final : public CUDAAllocator {
         api->pool_block_info(it->second->pool, ptr, &nbytes, &requested, &stream) == MP_OK)
       return nbytes;
     return 0;
+  }
+
+  // The live block's requested size and stream (0 and 0 when there is none).
+  void block_requested(int device, uintptr_t ptr, MempoolId_t pool, size_t* requested,
+                       uintptr_t* stream) {
+    size_t nbytes = 0;
+    if (pool == MempoolId_t{0, 0}) {
+      if (api->block_info(device, ptr, &nbytes, requested, stream) != MP_OK) *requested = 0;
+      return;
+    }
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    auto it = private_.find(pool);
+    if (it == private_.end() || !it->second->pool ||
+        api->pool_block_info(it->second->pool, ptr, &nbytes, requested, stream) != MP_OK)
+      *requested = 0;
   }
 
   void push_trace_locked(TraceEntry entry) {
@@ -1505,8 +1554,10 @@ class MempoolAllocator final : public CUDAAllocator {
   std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> live_contexts_;
   // live_contexts_ is not empty (Note [Kept block stacks])
   std::atomic<bool> contexts_kept_{false};
-  std::vector<std::string> compile_contexts_;
-  std::string user_metadata_;
+  // Per thread, as in PyTorch's allocator: one thread's torch.compile region or
+  // _set_memory_metadata label says nothing of another's allocations.
+  inline static thread_local std::vector<std::string> compile_contexts_;
+  inline static thread_local std::string user_metadata_;
   // Note [Segment event stacks]: the allocation stacks of each segment whose segment_alloc
   // had some, by address, until its segment_free.
   std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> segment_contexts_;
