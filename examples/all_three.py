@@ -141,7 +141,12 @@ def table(results):
     total_n = n["torch_reserved_peak"] + n["cupy_reserved"] + n["jax_reserved"]
     print(f"   {'sum':<28}{size_text(total_m):>16}{size_text(total_n):>16}")
     print(f"   one pool reserves less than the three side by side: {total_m < total_n}")
-    print(f"   {'device memory in use':<28}{size_text(m['device_used']):>16}{size_text(n['device_used']):>16}")
+    # The device's free bytes before and after the work: other processes on the GPU move
+    # them too, and then the difference says nothing of this work.
+    used = [size_text(r["device_used"]) if r["device_used"] >= 0 else "n/a" for r in (m, n)]
+    print(f"   {'device memory in use':<28}{used[0]:>16}{used[1]:>16}")
+    if "n/a" in used:
+        print("   (n/a: other processes gave device memory back meanwhile)")
     same = all(abs(m[k] - n[k]) <= 1e-3 * max(1.0, abs(n[k])) for k in ("energy", "jax"))
     print(f"\n   results agree across modes: {same} (loss {m['loss']:.5f} vs {n['loss']:.5f})")
 
