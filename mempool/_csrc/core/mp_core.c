@@ -257,7 +257,9 @@ static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
     if (rel->head) {   /* Note [Released before a growth] */
         size_t n;
         uintptr_t *streams = release_streams(rel, &n);   /* before the segments are gone */
+        rel->waited = streams != NULL;   /* their streams are waited for below */
         mp_release_finish(p, rel);
+        rel->waited = 0;
         for (size_t j = 0; j < n; j++) {
             if (mp_capture_handle(p, streams[j])) continue;   /* Note [Graph capture] */
             /* idle: the frees have run, nothing to wait for */
@@ -292,6 +294,29 @@ void mp_sync_pending_unlocked(mp_pool *p) {
     free(handles);
     mp_lock_retake(p);
     mp_process_pending_locked(p);
+}
+
+/* Note [The last try waits for the device]
+ * Segments released earlier behind queued work (a release threshold's or a trim's frees,
+ * stream-ordered and never waited for) stay the device's until that work has run (Note
+ * [Frees the driver keeps], mp_sim.c): a growth on another stream can then find the device
+ * full with nothing left to release, and fail although one wait would make it fit. So the
+ * last try of the out-of-memory retry waits for the whole device first, as PyTorch's ends
+ * in a cudaFree, which does. It waits only when some plain segment was released behind
+ * work that nobody waited for since the last such wait (released_unwaited, set where the
+ * release is finished), so an out-of-memory with nothing of the kind costs no wait, and
+ * never during a capture (the caller checks): a capture refuses the wait. Counted in
+ * num_sync_all_streams. */
+static void sync_device_unlocked(mp_pool *p) {
+    if (!p->up.device_synchronize || !__atomic_load_n(&p->released_unwaited, __ATOMIC_RELAXED))
+        return;
+    p->stats.num_sync_all_streams++;
+    __atomic_store_n(&p->released_unwaited, 0, __ATOMIC_RELAXED);
+    mp_lock_drop(p);
+    void *blocking = mp_blocking_begin();
+    (void)p->up.device_synchronize(p->up.ctx);
+    mp_blocking_end(blocking);
+    mp_lock_retake(p);
 }
 
 size_t mp_reserved_now_locked(const mp_pool *p) {
@@ -524,6 +549,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
             }
             mp_release_idle_locked(p, attempt == 0 ? seg_size : SIZE_MAX, rel);
             if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
+            if (attempt == 1) sync_device_unlocked(p);   /* Note [The last try waits for the device] */
             rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);
         }
     }

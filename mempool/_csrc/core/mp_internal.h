@@ -142,6 +142,7 @@ struct mp_pool {
     mp_block_slab *slabs;
 
     size_t inflight_bytes;       /* segments being allocated with the lock dropped */
+    int released_unwaited;       /* atomic; Note [The last try waits for the device] */
     /* Note [Shared limit] (mp_release.c): the pool whose limit this one's reserved bytes
      * count against too (retained), or NULL; on a pool, the reserved-now bytes of it and of
      * every pool sharing its limit (atomic: members add to it under their own locks); and
@@ -319,6 +320,10 @@ typedef struct mp_release_list {
      * calls that have none), and whether it captures: 0 not asked yet, 1 no, 2 yes. */
     mp_stream *stream;
     int capture;
+    /* Note [The last try waits for the device] (mp_core.c): the caller waits for the
+     * streams of these segments right after they go (a growth does), so nothing they held
+     * stays the device's. */
+    int waited;
 } mp_release_list;
 /* Note [Forgotten streams]: detach an expandable range that holds nothing but unmapped pages
  * and free blocks of `only` (NULL: of nobody): its mapped runs are unmapped and its address

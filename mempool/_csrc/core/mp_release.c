@@ -183,6 +183,11 @@ void mp_release_finish_slow(mp_pool *p, mp_release_list *list) {
         mp_segment *next = seg->inext;
         for (size_t i = 0; i < seg->nrelease_sync; i++)
             mp_up_sync(p, seg->release_sync[i]);
+        /* A plain segment's free is stream-ordered: freed behind work nobody waits for,
+         * its bytes stay the device's until that work has run (Note [The last try waits
+         * for the device], mp_core.c). Expandable pages are unmapped only once idle. */
+        if (!seg->expandable && !seg->nrelease_sync && !list->waited)
+            __atomic_store_n(&p->released_unwaited, 1, __ATOMIC_RELAXED);
         mp_segment_release_upstream(p, seg);
         free(seg->release_sync);
         free(seg->release_runs);

@@ -777,7 +777,20 @@ class MempoolAllocator final : public CUDAAllocator {
     std::memcpy(&h, handle.data() + skip, CUDA_IPC_HANDLE_SIZE);
     void* dev_ptr = nullptr;
     C10_CUDA_CHECK(cudaIpcOpenMemHandle(&dev_ptr, h, cudaIpcMemLazyEnablePeerAccess));
-    std::shared_ptr<void> open(dev_ptr, [](void* p) { (void)cudaIpcCloseMemHandle(p); });
+    // As PyTorch's deleter: closed on the device it was opened on (the current one then),
+    // under ipc_mu_, so that no thread opens the handle again while it is being closed; the
+    // entry goes unless a later opening already replaced it.
+    c10::DeviceIndex device = c10::cuda::current_device();
+    std::shared_ptr<void> open(dev_ptr, [this, handle, device](void* p) {
+      try {   // a deleter must not throw (the guard may, at exit)
+        c10::cuda::CUDAGuard guard(device);
+        std::lock_guard<std::mutex> lock(ipc_mu_);
+        C10_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(p));
+        auto it = ipc_open_.find(handle);
+        if (it != ipc_open_.end() && it->second.expired()) ipc_open_.erase(it);
+      } catch (...) {
+      }
+    });
     ipc_open_[handle] = open;
     return open;
   }
