@@ -543,7 +543,8 @@ cdef class Pool:
             mp_oom_snapshot(self._pool, rc, nbytes, stream, &rec)   # refused before the pool
         rounded, reserved, used, cached = rec.rounded, rec.reserved_bytes, rec.used_bytes, rec.cached_bytes
         largest = rec.largest_free_block
-        limit = self.options["limit"]
+        # The limit that applied: the pool's own, or that of the pool whose limit it shares.
+        limit = None if rec.limit == MP_UNLIMITED else rec.limit
         if rc not in (MP_ENOMEM, MP_ELIMIT):
             err = mp_pool_upstream(self._pool).last_error
             return OutOfMemoryError(

@@ -245,3 +245,19 @@ TestSharedLimitMachine = SharedLimitMachine.TestCase
 TestSharedLimitMachine.settings = MACHINE_SETTINGS
 TestExpandableOwnerMachine = ExpandableOwnerMachine.TestCase
 TestExpandableOwnerMachine.settings = MACHINE_SETTINGS
+
+
+def test_what_a_limit_turns_off_it_turns_off_under_the_owners_limit_too():
+    # min_map_size rounds a growth at a range's edge up, but not under a limit, where the
+    # rounding could refuse what fits (Note [Edge growth]); under only an owner's limit the
+    # member rounded 8 MiB up to 64 MiB, past the owner's 32, and was refused.
+    owner = sim(limit="32MiB")
+    member = sim(expandable_segments=True, min_map_size="64MiB")
+    _core._share_limit(member, owner)
+    ptr = member.alloc(8 * MiB)
+    assert member.reserved_bytes() <= 32 * MiB
+    member.free(ptr)
+    # The out-of-memory report names the limit that refused.
+    with pytest.raises(mempool.OutOfMemoryError, match="32.00 MiB"):
+        member.alloc(40 * MiB)
+    member.check_invariants()

@@ -463,7 +463,7 @@ static size_t rounded_segment(const mp_pool *p, int kind, size_t request, size_t
     size_t unit = p->cfg.segment_round;
     if (unit <= MP_LARGE_ROUND) return plain;
     /* A limit of the whole device (set_per_process_memory_fraction(1.0)) limits nothing. */
-    size_t limit = p->cfg.limit;
+    size_t limit = mp_effective_limit(p);
     if (limit != MP_UNLIMITED && (!p->capacity || limit < p->capacity)) return plain;
     if (kind == KIND_LARGE && request < MP_MIN_LARGE_ALLOC) {
         /* Mid-size requests (1-10 MiB) share segments of MP_ROUNDED_MID_SEGMENT. */

@@ -227,7 +227,7 @@ static size_t extent_at(const mp_segment *seg, uintptr_t addr) {
  * able to go (Note [Growth extents], Limits). */
 static size_t max_map_bytes(const mp_pool *p) {
     size_t g = p->up.granularity;
-    if (!p->cfg.max_map_size && p->cfg.limit != MP_UNLIMITED) return g;
+    if (!p->cfg.max_map_size && mp_effective_limit(p) != MP_UNLIMITED) return g;
     size_t m = round_down(p->cfg.max_map_size ? p->cfg.max_map_size : MP_DEFAULT_MAX_MAP, g);
     return m ? m : g;
 }
@@ -845,7 +845,8 @@ static int free_of(const mp_block *b, const mp_stream *s) {
 static size_t edge_growth(const mp_pool *p, const mp_block *u, uintptr_t at, size_t n,
                           int exact) {
     size_t least = p->cfg.min_map_size;
-    if (exact || !least || u->next || at != u->ptr || p->cfg.limit != MP_UNLIMITED) return n;
+    if (exact || !least || u->next || at != u->ptr || mp_effective_limit(p) != MP_UNLIMITED)
+        return n;
     if (least >= u->nbytes) return u->nbytes;   /* the whole tail (no rounding past it) */
     least = mp_round_up(least, p->up.granularity);   /* <= u->nbytes: a whole number of pages */
     return least > n ? least : n;

@@ -159,7 +159,7 @@ static void oom_fill_locked(mp_pool *p, int code, size_t nbytes, size_t rounded,
     out->pending_bytes = active - used;
     out->cached_bytes = reserved - active;
     out->largest_free_block = largest_free_block_locked(p);
-    out->limit = p->cfg.limit;
+    out->limit = mp_effective_limit(p);
     out->capacity = p->capacity;
     /* As mp_capture_active; the upstream's answer needs no lock. */
     out->capturing = p->captures > 0 || mp_capture_handle(p, stream);

@@ -294,11 +294,24 @@ static inline int mp_up_event_create(mp_pool *p, uintptr_t *ev) {
 #define MP_LAYOUT_IDLE_DIV 64
 #define MP_LAYOUT_SLACK_DIV 8
 
+/* The limit the pool's growths answer to: its own, or its owner's under Note [Shared limit]
+ * (mp_release.c), whichever is smaller; MP_UNLIMITED for none. What a limit turns off
+ * (rounded segments, min_map_size, whole growth extents) it turns off under either. */
+static inline size_t mp_effective_limit(const mp_pool *p) {
+    size_t limit = p->cfg.limit;
+    if (p->limit_owner) {
+        size_t owner = __atomic_load_n(&p->limit_owner->cfg.limit, __ATOMIC_RELAXED);
+        if (owner < limit) limit = owner;
+    }
+    return limit;
+}
+
 /* The reserved bytes above which a growth first gives idle memory back: that fraction
  * (garbage_collection_threshold) of the limit, else of the capacity; SIZE_MAX when it is
  * off (no threshold, or nothing to take a fraction of). */
 static inline size_t mp_gc_threshold_bytes(const mp_pool *p) {
-    size_t base = p->cfg.limit != MP_UNLIMITED ? p->cfg.limit : p->capacity;
+    size_t limit = mp_effective_limit(p);
+    size_t base = limit != MP_UNLIMITED ? limit : p->capacity;
     if (!(p->cfg.gc_threshold > 0) || !base) return SIZE_MAX;
     return (size_t)(p->cfg.gc_threshold * (double)base);
 }
