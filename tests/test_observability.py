@@ -349,6 +349,26 @@ def test_expandable_segments_trace_maps_and_unmaps(sim):
         "segment_map", "alloc", "free_requested", "free_completed", "segment_unmap"]
 
 
+@pytest.mark.parametrize("max_entries", [3000, 10 ** 12])
+def test_the_history_ring_grows_as_it_fills_and_keeps_the_last_events(sim, max_entries):
+    # Note [A ring that grows]: a generous max_entries costs nothing until events come
+    # (10**12 entries at once would be 40 TB); the ring doubles up to it, then wraps.
+    pool = sim()
+    pool.record_history(True, max_entries)
+    sizes = [512 + 512 * (i % 3) for i in range(2000)]
+    for n in sizes:                              # alloc, free_requested, free_completed
+        pool.free(pool.alloc(n))
+    events = pool.history()
+    allocs = [e[2] for e in events if e[0] == "alloc"]
+    if max_entries == 3000:
+        assert len(events) == 3000               # the last 1000 round trips, in order
+        assert allocs == sizes[-1000:]
+    else:
+        assert allocs == sizes                   # every one of them
+    times = [e[4] for e in events]
+    assert times == sorted(times)
+
+
 def test_snapshot_device_traces_are_indexed_by_device():
     pool = mempool.Pool(backend="sim", device=2)
     pool.record_history(True)

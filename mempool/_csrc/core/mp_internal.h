@@ -167,9 +167,10 @@ struct mp_pool {
 
     uint8_t keep_struct;         /* mp_pool_keep_struct: destroy leaves the struct */
 
-    /* Trace recording (mp_trace.c): NULL when off, so it costs one branch. */
+    /* Trace recording (mp_trace.c): NULL when off, so it costs one branch. The ring holds
+     * trace_cap entries and grows to trace_max as events come (Note [A ring that grows]). */
     mp_trace_entry *trace;
-    size_t trace_cap, trace_len, trace_head;
+    size_t trace_cap, trace_len, trace_head, trace_max;
 };
 
 /* mp_freelist.h's list operations, here where the block is defined. */

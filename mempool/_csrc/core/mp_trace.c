@@ -12,6 +12,29 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* Note [A ring that grows]
+ * record_history(max_entries=N), as PyTorch's _record_memory_history, takes N to be how much
+ * history to keep, often a generous bound: the ring does not allocate N entries at once (a
+ * million entries are 40 MB; a careless N, a request the host refuses or, under a sanitizer,
+ * an abort) but starts small and doubles while it fills, up to N. It only grows while it
+ * has not wrapped, so its entries stay in order from index 0 and realloc keeps them. When
+ * the host refuses a doubling, the ring keeps what it has and wraps from there: it records
+ * fewer events than asked, never none. */
+#define MP_TRACE_FIRST 1024
+
+static void grow_locked(mp_pool *p) {
+    size_t want = p->trace_cap * 2;
+    if (want < MP_TRACE_FIRST) want = MP_TRACE_FIRST;
+    if (want > p->trace_max) want = p->trace_max;
+    mp_trace_entry *bigger = realloc(p->trace, want * sizeof *bigger);
+    if (!bigger) {
+        p->trace_max = p->trace_cap;   /* wrap within what there is */
+        return;
+    }
+    p->trace = bigger;
+    p->trace_cap = want;
+}
+
 void mp_trace_record_locked(mp_pool *p, int action, uintptr_t ptr, size_t nbytes,
                             uintptr_t stream) {
     /* As in PyTorch's trace, an OOM entry carries the bytes the device reports free where
@@ -21,6 +44,7 @@ void mp_trace_record_locked(mp_pool *p, int action, uintptr_t ptr, size_t nbytes
         size_t free_bytes = 0, total = 0;
         if (p->up.mem_info && p->up.mem_info(p->up.ctx, &free_bytes, &total) == MP_OK) ptr = free_bytes;
     }
+    if (p->trace_len == p->trace_cap && p->trace_cap < p->trace_max) grow_locked(p);
     /* head < cap and len <= cap: one compare wraps the index, no division on the path. */
     size_t i = p->trace_head + p->trace_len;
     if (i >= p->trace_cap) i -= p->trace_cap;
@@ -47,11 +71,13 @@ int mp_trace_enable(mp_pool *p, size_t max_entries) {
     mp_trace_entry *ring = NULL;
     /* A count whose ring would not fit in size_t must not wrap into a small buffer. */
     if (max_entries > SIZE_MAX / sizeof *ring) return MP_ENOMEM;
-    if (max_entries && !(ring = malloc(max_entries * sizeof *ring))) return MP_ENOMEM;
+    size_t first = max_entries < MP_TRACE_FIRST ? max_entries : MP_TRACE_FIRST;
+    if (first && !(ring = malloc(first * sizeof *ring))) return MP_ENOMEM;
     mp_lock_acquire(&p->lock);
     mp_trace_entry *old = p->trace;
     p->trace = ring;
-    p->trace_cap = max_entries;
+    p->trace_cap = first;   /* Note [A ring that grows] */
+    p->trace_max = max_entries;
     p->trace_len = p->trace_head = 0;
     mp_lock_release(&p->lock);
     free(old);
