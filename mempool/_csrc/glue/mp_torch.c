@@ -350,21 +350,20 @@ static int api_record_stream(int device, uintptr_t ptr, uintptr_t stream) {
     return rc;
 }
 
-static int api_base_allocation(int device, uintptr_t ptr, uintptr_t *base, size_t *nbytes) {
-    int rc;
-    size_t requested;
-    uintptr_t stream;
-    /* Each block is its own base: the core may split a segment between blocks of
-     * different streams, and PyTorch uses the base only to share or to offset within it. */
-    WITH_SLOT(device, rc = mp_block_info(p, ptr, nbytes, &requested, &stream));
-    if (rc == MP_OK) *base = ptr;
-    return rc;
-}
-
 static int api_block_info(int device, uintptr_t ptr, size_t *nbytes, size_t *requested,
                           uintptr_t *stream) {
     int rc;
     WITH_SLOT(device, rc = mp_block_info(p, ptr, nbytes, requested, stream));
+    return rc;
+}
+
+static int api_base_allocation(int device, uintptr_t ptr, uintptr_t *base, size_t *nbytes) {
+    size_t requested;
+    uintptr_t stream;
+    /* Each block is its own base: the core may split a segment between blocks of
+     * different streams, and PyTorch uses the base only to share or to offset within it. */
+    int rc = api_block_info(device, ptr, nbytes, &requested, &stream);
+    if (rc == MP_OK) *base = ptr;
     return rc;
 }
 
