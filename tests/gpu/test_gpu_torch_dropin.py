@@ -1046,3 +1046,149 @@ def test_a_frees_trace_entries_carry_the_size_asked_for_and_the_blocks_stream():
         print("sizes", [e["size"] for e in frees])
     """)
     assert "sizes [1000, 1000]" in out
+
+
+def test_out_of_memory_takes_back_what_a_released_mempool_still_caches():
+    # Note [Memory other pools hold at OOM]: a MemPool released while one of its tensors
+    # lives keeps the blocks of its later frees; as PyTorch's allocator does, the device
+    # pool's request that finds the fraction full takes them back before it raises.
+    out = run("""
+        import gc
+        x = torch.empty(1, device="cuda")
+        torch.cuda.empty_cache()
+        total = torch.cuda.mem_get_info()[1]
+        base = torch.cuda.memory_reserved()
+        torch.cuda.set_per_process_memory_fraction((base + (256 << 20)) / total)
+        mp = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(mp):
+            keep = torch.empty(2 << 20, dtype=torch.uint8, device="cuda")
+            big = torch.empty(160 << 20, dtype=torch.uint8, device="cuda")
+        del mp
+        gc.collect()
+        del big   # cached by a pool nobody can allocate from any more
+        c = torch.empty(160 << 20, dtype=torch.uint8, device="cuda")
+        assert torch.cuda.memory_reserved() <= base + (256 << 20)
+        print("taken back", torch.cuda.memory_reserved() - base)
+    """)
+    assert "taken back" in out
+
+
+def test_a_mempools_request_takes_back_the_device_pools_cache_at_out_of_memory():
+    # The other way round: the device pool's cache holds the fraction, and a MemPool's
+    # request gets it back before it raises, as PyTorch's allocator frees its cached
+    # blocks for a graph's or MemPool's allocation.
+    out = run("""
+        x = torch.empty(1, device="cuda")
+        torch.cuda.empty_cache()
+        total = torch.cuda.mem_get_info()[1]
+        base = torch.cuda.memory_reserved()
+        torch.cuda.set_per_process_memory_fraction((base + (256 << 20)) / total)
+        a = torch.empty(160 << 20, dtype=torch.uint8, device="cuda")
+        del a   # the device pool caches it
+        assert torch.cuda.memory_reserved() >= base + (160 << 20)
+        mp = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(mp):
+            b = torch.empty(160 << 20, dtype=torch.uint8, device="cuda")
+        assert torch.cuda.memory_reserved() <= base + (256 << 20)
+        print("served", b.numel())
+    """)
+    assert "served" in out
+
+
+def test_clearing_history_keeps_the_stacks_of_live_blocks():
+    # As PyTorch's allocator keeps a block's stacks on the block: clear_history drops the
+    # trace, not what the snapshot shows of the tensors that still live.
+    out = run("""
+        import json
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python")
+        def make_the_tensor():
+            return torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        x = make_the_tensor()
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python",
+                                                 clear_history=True)
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(None)
+        mine = [b for s in snap["segments"] for b in s["blocks"]
+                if b["address"] == x.data_ptr()]
+        assert len(mine) == 1 and "make_the_tensor" in json.dumps(mine[0]), mine
+        assert not [e for e in snap["device_traces"][0] if e["action"] == "alloc"], snap
+        print("kept", len(mine[0]["frames"]))
+    """)
+    assert "kept" in out
+
+
+def test_the_snapshot_is_in_address_order_and_ends_each_trace_with_a_snapshot_entry():
+    # As PyTorch's snapshot: a device's segments (its pool's and its graphs' and MemPools'
+    # together) sorted by address, and, while history is on, a "snapshot" entry at the end
+    # of the trace whose size is the active bytes shown.
+    out = run("""
+        torch.cuda.memory._record_memory_history()
+        mp = torch.cuda.MemPool()
+        xs = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (1000, 3 << 20)]
+        with torch.cuda.use_mem_pool(mp):
+            ys = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (5 << 20, 700)]
+        xs.append(torch.empty(40 << 20, dtype=torch.uint8, device="cuda"))
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(None)
+        segs = [s for s in snap["segments"] if s["device"] == 0]
+        addrs = [s["address"] for s in segs]
+        assert addrs == sorted(addrs) and len(addrs) >= 3, addrs
+        last = snap["device_traces"][0][-1]
+        assert last["action"] == "snapshot", last
+        assert last["size"] == sum(s["active_size"] for s in segs), (last, segs)
+        for s in segs:
+            assert s["requested_size"] == sum(b["requested_size"] for b in s["blocks"]
+                                              if b["state"] != "inactive"), s
+        print("segments", len(addrs))
+    """)
+    assert "segments" in out
+
+
+def test_asking_after_a_pool_id_nobody_has_is_an_error():
+    # PyTorch's allocator refuses both (cudagraph trees call them); an unknown id answered
+    # as an empty pool matched any empty set of live allocations.
+    out = run("""
+        torch.cuda.init()
+        unknown = (987654, 0)
+        for name, call in (
+                ("checkPoolLiveAllocations",
+                 lambda: torch._C._cuda_checkPoolLiveAllocations(0, unknown, set())),
+                ("getCheckpointState",
+                 lambda: torch._C._cuda_getCheckpointState(0, unknown))):
+            try:
+                call()
+            except RuntimeError as exc:
+                assert "Could not find pool of id" in str(exc) and name in str(exc), exc
+            else:
+                raise AssertionError(name + " answered for a pool nobody has")
+        print("refused both")
+    """)
+    assert "refused both" in out
+
+
+def test_a_checkpoint_restore_records_the_blocks_it_puts_back():
+    # A block a restore allocates again is an allocation to history as in PyTorch's restore:
+    # here it comes back with no tensor claiming it, so history shows it allocated at its
+    # address and freed again (before, only the free showed).
+    out = run("""
+        x = torch.ones(1 << 18, device="cuda")
+        pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g, pool=pool):
+            a = x * 2
+        addr = a.untyped_storage().data_ptr()
+        assert torch._C._cuda_checkPoolLiveAllocations(0, pool, {addr})
+        state = torch._C._cuda_getCheckpointState(0, pool)
+        del a
+        assert torch._C._cuda_checkPoolLiveAllocations(0, pool, set())
+        torch.cuda.memory._record_memory_history()
+        torch._C._cuda_setCheckpointPoolState(0, state, [], [])
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        torch.cuda.memory._record_memory_history(None)
+        mine = [e["action"] for e in trace if e["addr"] == addr]
+        assert mine[:1] == ["alloc"] and "free_completed" in mine, mine
+        assert torch._C._cuda_checkPoolLiveAllocations(0, pool, set())
+        print("restored", mine)
+    """)
+    assert "restored" in out

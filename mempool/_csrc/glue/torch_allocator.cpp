@@ -264,7 +264,7 @@ class MempoolAllocator final : public CUDAAllocator {
     if (tracing_.load(std::memory_order_relaxed)) record_free(device, ptr, {0, 0});
     else if (C10_UNLIKELY(contexts_kept_.load(std::memory_order_relaxed))) forget_context(ptr);
     if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
-      int64_t nbytes = static_cast<int64_t>(block_size(device, ptr, {0, 0}));
+      int64_t nbytes = static_cast<int64_t>(block_facts(device, ptr, {0, 0}).nbytes);
       api->free(device, ptr);
       report_to_profiler(device, ptr, -nbytes);
       return;
@@ -285,7 +285,8 @@ class MempoolAllocator final : public CUDAAllocator {
   }
   // The same with the size of the live block at ptr (taken before its free).
   void report_to_profiler(int device, uintptr_t ptr, MempoolId_t pool, int sign) {
-    report_to_profiler(device, ptr, sign * static_cast<int64_t>(block_size(device, ptr, pool)));
+    int64_t nbytes = static_cast<int64_t>(block_facts(device, ptr, pool).nbytes);
+    report_to_profiler(device, ptr, sign * nbytes);
   }
 
   void init(int device_count) override { device_count_ = device_count; }
@@ -315,10 +316,7 @@ class MempoolAllocator final : public CUDAAllocator {
     // graph destroyed, its MemPool gone). The free blocks of a live graph's pool are the
     // memory its replays write (the capture's intermediates), and a live MemPool keeps its
     // cache; emptying them made the next replay fault on freed memory.
-    std::vector<PrivatePool*> pinned = pin_pools(mempool_id, /*unused_only=*/true);
-    for (PrivatePool* pp : pinned) api->pool_empty_cache(pp->pool);
-    unpin(pinned);   // and destroys the pools nobody uses any more
-    if (!pinned.empty()) note_private_change_everywhere();
+    empty_unused_pools(mempool_id, -1);   // and destroys those that hold no live block
     if (mempool_id == MempoolId_t{0, 0}) {
       for (int d = 0; d < api->max_devices && d < device_limit(); d++) api->empty_cache(d);
     }
@@ -489,6 +487,16 @@ class MempoolAllocator final : public CUDAAllocator {
       api->layout_free(&l);
     }
     unpin(pinned);
+    // As PyTorch's: each device's segments in address order, graphs' and MemPools' among
+    // the device pool's, and, while history is recorded, a snapshot entry at the end of
+    // each device's trace with the active bytes the snapshot shows there (memory_viz reads
+    // it as the state the snapshot was taken in).
+    std::stable_sort(info.segments.begin(), info.segments.end(),
+                     [](const SegmentInfo& a, const SegmentInfo& b) {
+                       return a.device != b.device ? a.device < b.device
+                                                   : a.address < b.address;
+                     });
+    record_snapshot_entries(info, include_traces);
     mp_config cfg;
     if (api->config(0, &cfg) == MP_OK) {   // PyTorch's keys: MP_UNLIMITED is its SIZE_MAX too
       info.config_metadata.max_split_size = cfg.max_split_size;
@@ -504,15 +512,41 @@ class MempoolAllocator final : public CUDAAllocator {
 
   bool isHistoryEnabled() override { return history_on_.load(); }
 
+  // The snapshot entry of each device, as PyTorch's allocator records one per device at
+  // each snapshot (its size: the active bytes of the device's segments in the snapshot):
+  // given to trackers, kept while history is on, and, when the snapshot carries traces,
+  // at the end of the device's trace, as PyTorch's snapshot takes the traces after it.
+  void record_snapshot_entries(c10::cuda::CUDACachingAllocator::SnapshotInfo& info,
+                               bool include_traces) {
+    if (!tracing_.load()) return;
+    std::vector<size_t> active(device_limit(), 0);
+    for (const SegmentInfo& seg : info.segments)
+      if (seg.device >= 0 && seg.device < device_limit()) active[seg.device] += seg.active_size;
+    auto tsc_to_ns = clock_converter_.makeConverter();
+    std::lock_guard<std::mutex> lock(history_mu_);
+    if (skip_.count("snapshot")) return;
+    for (int device = 0; device < device_limit(); device++) {
+      TraceEntry e = entry_locked(TraceEntry::SNAPSHOT, device, 0, active[device], nullptr,
+                                  {0, 0}, c10::getApproximateTime(), nullptr);
+      push_trace_locked(e);
+      if (include_traces && history_on_.load() &&
+          device < static_cast<int>(info.device_traces.size())) {
+        e.time_.t_ = tsc_to_ns(e.time_.approx_t_) / 1000;
+        info.device_traces[device].push_back(std::move(e));
+      }
+    }
+  }
+
   void recordHistory(bool enabled, CreateContextFn context_recorder,
                      size_t alloc_trace_max_entries, RecordContext when, bool clearHistory,
                      const std::vector<std::string>& skip_actions) override {
     std::lock_guard<std::mutex> lock(history_mu_);
+    // Clearing drops what was recorded, not what lives: as PyTorch's allocator keeps a
+    // block's stacks on the block, a live block's stay in the snapshot (Note [Kept block
+    // stacks]) until its free.
     if (clearHistory) {
       trace_.clear();
       annotations_.clear();
-      live_contexts_.clear();
-      contexts_kept_.store(false, std::memory_order_relaxed);
     }
     // As PyTorch's own allocator: turning history off drops the trace recorded so far (a
     // snapshot is taken before), so the next recording starts empty.
@@ -659,6 +693,7 @@ class MempoolAllocator final : public CUDAAllocator {
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
                                 const std::unordered_set<void*>& expected) override {
+    require_pool(device, mempool_id, "checkPoolLiveAllocations");
     auto live = allocated_blocks(mempool_id);
     if (live.size() != expected.size()) return false;
     for (void* p : expected)
@@ -668,6 +703,7 @@ class MempoolAllocator final : public CUDAAllocator {
 
   std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
       c10::DeviceIndex device, MempoolId_t id) override {
+    require_pool(device, id, "getCheckpointState");
     auto state = std::make_shared<CheckpointState>();
     state->id = id;
     state->device = device;
@@ -725,6 +761,22 @@ class MempoolAllocator final : public CUDAAllocator {
       }
       n_private_blocks_.fetch_add(1, std::memory_order_release);
       restored.push_back(p);
+    }
+    // Each block put back is an allocation to history, trackers and the profiler, as
+    // PyTorch's restore allocates each (the frees above were recorded by free_private).
+    try {
+      for (uintptr_t p : restored) {
+        const auto& what = state->blocks.at(p);
+        if (tracing_.load(std::memory_order_relaxed))
+          record_alloc(pp->device, p, what.first, reinterpret_cast<cudaStream_t>(what.second),
+                       pp->id);
+        if (C10_UNLIKELY(c10::memoryProfilingEnabled()))
+          report_to_profiler(pp->device, p, pp->id, 1);
+      }
+    } catch (...) {
+      for (uintptr_t q : restored) free_private(q);
+      unpin(pinned);
+      throw;
     }
     for (auto& [p, what] : state->blocks)
       delta.dataptrs_allocd.emplace_back(
@@ -867,14 +919,12 @@ class MempoolAllocator final : public CUDAAllocator {
     }
     uintptr_t out = 0;
     int rc = api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
-    if (rc == MP_OK) {
-      *tag = static_cast<uintptr_t>(device) + 1;
-      if (tracing_.load(std::memory_order_relaxed))
-        record_alloc(device, out, nbytes, stream, {0, 0});
-      if (C10_UNLIKELY(c10::memoryProfilingEnabled())) report_to_profiler(device, out, {0, 0}, 1);
-      return reinterpret_cast<void*>(out);
+    if (rc == MP_OK) return served(device, out, nbytes, stream, tag);
+    if (out_of_memory(rc) && release_for_oom(device, /*device_pool_too=*/false)) {
+      rc = api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
+      if (rc == MP_OK) return served(device, out, nbytes, stream, tag);
     }
-    if (rc == MP_ENOMEM || rc == MP_ELIMIT) {
+    if (out_of_memory(rc)) {
       void* p = alloc_use_on_oom(device, nbytes, stream);
       if (p) {
         *tag = kTagPrivate;
@@ -882,6 +932,44 @@ class MempoolAllocator final : public CUDAAllocator {
       }
     }
     throw_oom(device, nbytes, stream, rc, nullptr);
+  }
+
+  // The device pool's block at `out`, handed out: traced and profiled where asked.
+  void* served(int device, uintptr_t out, size_t nbytes, cudaStream_t stream, uintptr_t* tag) {
+    *tag = static_cast<uintptr_t>(device) + 1;
+    if (tracing_.load(std::memory_order_relaxed))
+      record_alloc(device, out, nbytes, stream, {0, 0});
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) report_to_profiler(device, out, {0, 0}, 1);
+    return reinterpret_cast<void*>(out);
+  }
+
+  static bool out_of_memory(int rc) { return rc == MP_ENOMEM || rc == MP_ELIMIT; }
+
+  // Note [Memory other pools hold at OOM]
+  // A pool that runs out has released its own cache already (the core's chain), but on a
+  // device with private pools other pools may hold the room: the device or the shared limit
+  // (Note [Shared limit], mp_release.c) is full of their free blocks. As PyTorch's allocator
+  // does before it raises, the caches of the private pools nobody uses any more (a graph or
+  // MemPool released while tensors of it live: their later frees stay cached in the pool)
+  // go back, and, for a private pool's request, the device pool's cache too; then the request
+  // is tried once more. A live graph's or MemPool's free blocks stay (its replays write
+  // there; a MemPool keeps its cache), and nothing is released during a capture. Returns
+  // whether anything was emptied (so a retry may succeed).
+  bool release_for_oom(int device, bool device_pool_too) {
+    if (capturing()) return false;
+    bool emptied = empty_unused_pools(MempoolId_t{0, 0}, device);
+    if (device_pool_too && api->empty_cache(device) == MP_OK) emptied = true;
+    return emptied;
+  }
+
+  // Empty the caches of the private pools whose use count is 0 (of one pool id, or all for
+  // {0, 0}; of one device, or all for -1), and destroy those that hold no live block.
+  bool empty_unused_pools(MempoolId_t mempool_id, int device) {
+    std::vector<PrivatePool*> pinned = pin_pools(mempool_id, /*unused_only=*/true, device);
+    for (PrivatePool* pp : pinned) api->pool_empty_cache(pp->pool);
+    unpin(pinned);
+    if (!pinned.empty()) note_private_change_everywhere();
+    return !pinned.empty();
   }
 
   // As PyTorch's allocator does, the newest route whose filter takes the stream wins: a graph
@@ -905,13 +993,15 @@ class MempoolAllocator final : public CUDAAllocator {
 
   // Precondition: pp->live_blocks already counts this block (route, alloc_use_on_oom), so
   // that no other thread destroys the pool while it allocates without pools_mu_. Returns
-  // nullptr, with the core's code in *rc, when the pool cannot serve the request (pp may be
-  // destroyed by then); the caller reports it, once.
-  void* try_alloc_private(PrivatePool* pp, size_t nbytes, cudaStream_t stream, int* rc) {
+  // nullptr, with the core's code in *rc, when the pool cannot serve the request; the
+  // caller reports it, once. Unless keep_on_failure, the count is dropped then (pp may be
+  // destroyed from there on); with it, the caller still holds it, to try again.
+  void* try_alloc_private(PrivatePool* pp, size_t nbytes, cudaStream_t stream, int* rc,
+                          bool keep_on_failure = false) {
     uintptr_t out = 0;
     *rc = api->pool_alloc(pp->pool, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
     if (*rc != MP_OK) {
-      drop_live_block(pp);   // pp may be destroyed from here on
+      if (!keep_on_failure) drop_live_block(pp);
       return nullptr;
     }
     try {
@@ -936,8 +1026,14 @@ class MempoolAllocator final : public CUDAAllocator {
     MempoolId_t id = pp->id;
     int device = pp->device;
     int rc = MP_OK;
-    void* ptr = try_alloc_private(pp, nbytes, stream, &rc);
-    if (!ptr) throw_oom(device, nbytes, stream, rc, &id);
+    void* ptr = try_alloc_private(pp, nbytes, stream, &rc, /*keep_on_failure=*/true);
+    // The room may be other pools' (Note [Memory other pools hold at OOM]).
+    if (!ptr && out_of_memory(rc) && release_for_oom(device, /*device_pool_too=*/true))
+      ptr = try_alloc_private(pp, nbytes, stream, &rc, /*keep_on_failure=*/true);
+    if (!ptr) {
+      drop_live_block(pp);   // pp may be destroyed from here on
+      throw_oom(device, nbytes, stream, rc, &id);
+    }
     return ptr;
   }
 
@@ -989,12 +1085,15 @@ class MempoolAllocator final : public CUDAAllocator {
   }
 
   // The private pools matching mempool_id ({0, 0}: all) that have a core pool, pinned; with
-  // unused_only, only those whose use count has dropped to 0 (graph or MemPool released).
-  std::vector<PrivatePool*> pin_pools(MempoolId_t mempool_id, bool unused_only = false) {
+  // unused_only, only those whose use count has dropped to 0 (graph or MemPool released);
+  // of `device` only, unless it is -1.
+  std::vector<PrivatePool*> pin_pools(MempoolId_t mempool_id, bool unused_only = false,
+                                      int device = -1) {
     std::vector<PrivatePool*> pinned;
     std::lock_guard<std::mutex> lock(pools_mu_);
     for (auto& [key, pp] : private_) {
       if (unused_only && pp->use_count > 0) continue;
+      if (device >= 0 && pp->device != device) continue;
       if (pp->pool && (mempool_id == MempoolId_t{0, 0} || pp->id == mempool_id)) {
         pp->pins++;
         pinned.push_back(pp.get());
@@ -1187,6 +1286,16 @@ class MempoolAllocator final : public CUDAAllocator {
     return doomed;
   }
 
+  // As PyTorch's allocator: asking after a pool it does not know (never made, or gone) is
+  // an error, not an empty pool, whose live allocations would match an empty set.
+  void require_pool(c10::DeviceIndex device, MempoolId_t id, const char* what) {
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    TORCH_CHECK(private_.count(id),
+                cat(what, ": Could not find pool of id (", id.first, ", ", id.second,
+                    ") on device ", static_cast<int>(device), ": no CUDA graph or MemPool "
+                    "of this allocator has it, or it was released and freed"));
+  }
+
   std::map<uintptr_t, std::pair<size_t, uintptr_t>> allocated_blocks(MempoolId_t id) {
     std::map<uintptr_t, std::pair<size_t, uintptr_t>> out;
     {
@@ -1247,9 +1356,7 @@ class MempoolAllocator final : public CUDAAllocator {
   // to where it was), the block's stream, and the free's own stacks when history records
   // them for every action, else the block's allocation stacks.
   void record_free(int device, uintptr_t ptr, MempoolId_t pool) {
-    size_t requested = 0;
-    uintptr_t stream = 0;
-    block_requested(device, ptr, pool, &requested, &stream);
+    BlockFacts block = block_facts(device, ptr, pool);
     RecordContext when;
     std::shared_ptr<c10::GatheredContext> ctx = gather_context(RecordContext::ALL, &when);
     flush_segments(ctx, ctx);
@@ -1261,15 +1368,15 @@ class MempoolAllocator final : public CUDAAllocator {
     }
     erase_context_locked(ptr);
     auto time = c10::getApproximateTime();
-    void* s = reinterpret_cast<void*>(stream);
+    void* s = reinterpret_cast<void*>(block.stream);
     // The pool returns the block to its free lists at once (reuse on other streams waits
     // for their events inside the pool), so the free completes when it is requested.
-    if (!skip_.count("free_requested"))
-      push_trace_locked(entry_locked(TraceEntry::FREE_REQUESTED, device, ptr, requested, s, pool,
-                                     time, stacks));
-    if (!skip_.count("free_completed"))
-      push_trace_locked(entry_locked(TraceEntry::FREE_COMPLETED, device, ptr, requested, s, pool,
-                                     time, stacks));
+    for (TraceEntry::Action action : {TraceEntry::FREE_REQUESTED, TraceEntry::FREE_COMPLETED}) {
+      if (skip_.count(action == TraceEntry::FREE_REQUESTED ? "free_requested" : "free_completed"))
+        continue;
+      push_trace_locked(
+          entry_locked(action, device, ptr, block.requested, s, pool, time, stacks));
+    }
   }
 
   // Note [Kept block stacks]
@@ -1426,32 +1533,24 @@ class MempoolAllocator final : public CUDAAllocator {
     }
   }
 
-  size_t block_size(int device, uintptr_t ptr, MempoolId_t pool) {
+  // A live block of the device pool ({0, 0}) or of a private pool: its size, the size
+  // asked for and its stream; all 0 when there is none.
+  struct BlockFacts {
     size_t nbytes = 0, requested = 0;
-    uintptr_t stream = 0, base = 0;
-    if (pool == MempoolId_t{0, 0})
-      return api->base_allocation(device, ptr, &base, &nbytes) == MP_OK ? nbytes : 0;
-    std::lock_guard<std::mutex> lock(pools_mu_);
-    auto it = private_.find(pool);
-    if (it != private_.end() && it->second->pool &&
-        api->pool_block_info(it->second->pool, ptr, &nbytes, &requested, &stream) == MP_OK)
-      return nbytes;
-    return 0;
-  }
-
-  // The live block's requested size and stream (0 and 0 when there is none).
-  void block_requested(int device, uintptr_t ptr, MempoolId_t pool, size_t* requested,
-                       uintptr_t* stream) {
-    size_t nbytes = 0;
+    uintptr_t stream = 0;
+  };
+  BlockFacts block_facts(int device, uintptr_t ptr, MempoolId_t pool) {
+    BlockFacts f;
+    int rc = MP_EINVAL;
     if (pool == MempoolId_t{0, 0}) {
-      if (api->block_info(device, ptr, &nbytes, requested, stream) != MP_OK) *requested = 0;
-      return;
+      rc = api->block_info(device, ptr, &f.nbytes, &f.requested, &f.stream);
+    } else {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      auto it = private_.find(pool);
+      if (it != private_.end() && it->second->pool)
+        rc = api->pool_block_info(it->second->pool, ptr, &f.nbytes, &f.requested, &f.stream);
     }
-    std::lock_guard<std::mutex> lock(pools_mu_);
-    auto it = private_.find(pool);
-    if (it == private_.end() || !it->second->pool ||
-        api->pool_block_info(it->second->pool, ptr, &nbytes, requested, stream) != MP_OK)
-      *requested = 0;
+    return rc == MP_OK ? f : BlockFacts{};
   }
 
   void push_trace_locked(TraceEntry entry) {
@@ -1503,9 +1602,11 @@ class MempoolAllocator final : public CUDAAllocator {
           auto it = contexts.find(bv.ptr);
           if (it != contexts.end()) bi.context_when_allocated = it->second;
           cur.allocated_size += bv.nbytes;
+        }
+        if (bi.active) {   // PyTorch's sums: a pending free is still asked for
+          cur.active_size += bv.nbytes;
           cur.requested_size += bv.requested;
         }
-        if (bi.active) cur.active_size += bv.nbytes;
         cur.total_size += bv.nbytes;
         cur.blocks.push_back(std::move(bi));
       }
