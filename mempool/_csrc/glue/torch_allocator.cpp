@@ -1291,7 +1291,8 @@ class MempoolAllocator final : public CUDAAllocator {
   void require_pool(c10::DeviceIndex device, MempoolId_t id, const char* what) {
     std::lock_guard<std::mutex> lock(pools_mu_);
     TORCH_CHECK(private_.count(id),
-                cat(what, ": Could not find pool of id (", id.first, ", ", id.second,
+                cat(what, ": Could not find pool of id (", static_cast<unsigned long>(id.first),
+                    ", ", static_cast<unsigned long>(id.second),
                     ") on device ", static_cast<int>(device), ": no CUDA graph or MemPool "
                     "of this allocator has it, or it was released and freed"));
   }
