@@ -679,8 +679,9 @@ _PYTORCH_IGNORED: dict[str, str] = {
     "pinned_max_cached_size_mb": _NO_PINNED,
     "pinned_reserve_segment_size_mb": _NO_PINNED,
     "pinned_free_catch_all": _NO_PINNED,
-    "throw_on_cudamalloc_oom": "the pool always reports an allocation it cannot serve as an "
-                               "out-of-memory error; there is nothing to switch on",
+    "throw_on_cudamalloc_oom": "the pool's limit always refuses a request before the driver "
+                               "is asked, with an out-of-memory error (and PyTorch's OOM "
+                               "rejection observers hear of it); there is nothing to switch on",
 }
 
 def pytorch_key_ignored_because(key: str) -> str:

@@ -35,6 +35,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -197,7 +198,52 @@ void custom_source_free(void* ctx, uintptr_t ptr, size_t, uintptr_t) {
 
 void custom_source_release(void* ctx) { delete static_cast<CustomSource*>(ctx); }
 
-class MempoolAllocator final : public CUDAAllocator {
+// PyTorch 2.12 made attachOomRejectionObserver a pure virtual of CUDAAllocator: observers of
+// the requests its throw_on_cudamalloc_oom policy refuses, under its memory fraction, before
+// the driver is asked. The glue compiles against whichever PyTorch is installed, so the
+// method is declared only where the base has it; elsewhere nothing can attach an observer
+// and notify_oom_rejection does nothing.
+template <typename Method>
+struct ObserverOf;
+template <typename C, typename Observer>
+struct ObserverOf<void (C::*)(Observer)> {
+  using type = Observer;
+};
+
+template <typename Base, typename = void>
+class WithOomRejection : public Base {
+ protected:
+  void notify_oom_rejection(int64_t, size_t, size_t, size_t) {}
+};
+
+template <typename Base>
+class WithOomRejection<Base, std::void_t<decltype(&Base::attachOomRejectionObserver)>>
+    : public Base {
+ public:
+  using Observer = typename ObserverOf<decltype(&Base::attachOomRejectionObserver)>::type;
+  void attachOomRejectionObserver(Observer observer) override {
+    std::lock_guard<std::mutex> lock(rejection_mu_);
+    rejection_observers_.push_back(std::move(observer));
+  }
+
+ protected:
+  // PyTorch's arguments: the device, the size asked for, what the allocator held before the
+  // request and the device's total memory. Called without locks (an observer may allocate).
+  void notify_oom_rejection(int64_t device, size_t nbytes, size_t held, size_t total) {
+    std::vector<Observer> observers;
+    {
+      std::lock_guard<std::mutex> lock(rejection_mu_);
+      observers = rejection_observers_;
+    }
+    for (auto& observer : observers) observer(device, nbytes, held, total);
+  }
+
+ private:
+  std::mutex rejection_mu_;
+  std::vector<Observer> rejection_observers_;
+};
+
+class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
  public:
   // ---- data path ---------------------------------------------------------------------
   c10::DataPtr allocate(size_t nbytes) override {
@@ -1178,6 +1224,9 @@ class MempoolAllocator final : public CUDAAllocator {
     // limit when one is set, as PyTorch's memory fraction) and the device's free bytes.
     size_t allowed = f[4] != SIZE_MAX ? f[4] : total;
     for (auto& observer : observers) observer(device, nbytes, allowed, free_bytes);
+    // A limit refuses before the driver is asked, always: what PyTorch's allocator does
+    // only with throw_on_cudamalloc_oom set, whose observers hear of it.
+    if (rc == MP_ELIMIT) notify_oom_rejection(device, nbytes, f[0], total);
     std::string where;
     if (rc == MP_ELIMIT) {
       where = "the pool's limit of " + fmt_size(f[4]) + " (set_per_process_memory_fraction "
