@@ -1665,6 +1665,9 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   }
 
   // ---- helpers ---------------------------------------------------------------------------
+  // Any capture or pool context on any device: releases wait for all of them, because a
+  // capture in PyTorch's default (global) mode is invalidated by a cudaFree or a sync made by
+  // any thread of the process, whatever the device it is made on.
   bool capturing() const { return captures_.load(std::memory_order_acquire) > 0; }
   static size_t device_slot(int device) {
     return static_cast<size_t>(device) < MP_TORCH_MAX_DEVICES ? static_cast<size_t>(device) : 0;
