@@ -1073,28 +1073,6 @@ def test_out_of_memory_takes_back_what_a_released_mempool_still_caches():
     assert "taken back" in out
 
 
-def test_a_mempools_request_takes_back_the_device_pools_cache_at_out_of_memory():
-    # The other way round: the device pool's cache holds the fraction, and a MemPool's
-    # request gets it back before it raises, as PyTorch's allocator frees its cached
-    # blocks for a graph's or MemPool's allocation.
-    out = run("""
-        x = torch.empty(1, device="cuda")
-        torch.cuda.empty_cache()
-        total = torch.cuda.mem_get_info()[1]
-        base = torch.cuda.memory_reserved()
-        torch.cuda.set_per_process_memory_fraction((base + (256 << 20)) / total)
-        a = torch.empty(160 << 20, dtype=torch.uint8, device="cuda")
-        del a   # the device pool caches it
-        assert torch.cuda.memory_reserved() >= base + (160 << 20)
-        mp = torch.cuda.MemPool()
-        with torch.cuda.use_mem_pool(mp):
-            b = torch.empty(160 << 20, dtype=torch.uint8, device="cuda")
-        assert torch.cuda.memory_reserved() <= base + (256 << 20)
-        print("served", b.numel())
-    """)
-    assert "served" in out
-
-
 def test_clearing_history_keeps_the_stacks_of_live_blocks():
     # As PyTorch's allocator keeps a block's stacks on the block: clear_history drops the
     # trace, not what the snapshot shows of the tensors that still live.

@@ -966,7 +966,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     uintptr_t out = 0;
     int rc = api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
     if (rc == MP_OK) return served(device, out, nbytes, stream, tag);
-    if (out_of_memory(rc) && release_for_oom(device, /*device_pool_too=*/false)) {
+    if (out_of_memory(rc) && release_unused_pools_for_oom(device)) {
       rc = api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
       if (rc == MP_OK) return served(device, out, nbytes, stream, tag);
     }
@@ -992,20 +992,19 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   static bool out_of_memory(int rc) { return rc == MP_ENOMEM || rc == MP_ELIMIT; }
 
   // Note [Memory other pools hold at OOM]
-  // A pool that runs out has released its own cache already (the core's chain), but on a
-  // device with private pools other pools may hold the room: the device or the shared limit
-  // (Note [Shared limit], mp_release.c) is full of their free blocks. As PyTorch's allocator
-  // does before it raises, the caches of the private pools nobody uses any more (a graph or
-  // MemPool released while tensors of it live: their later frees stay cached in the pool)
-  // go back, and, for a private pool's request, the device pool's cache too; then the request
-  // is tried once more. A live graph's or MemPool's free blocks stay (its replays write
-  // there; a MemPool keeps its cache), and nothing is released during a capture. Returns
-  // whether anything was emptied (so a retry may succeed).
-  bool release_for_oom(int device, bool device_pool_too) {
+  // A pool that runs out has released its own cache already (the core's chain), but the
+  // device or the shared limit (Note [Shared limit], mp_release.c) may be full of the free
+  // blocks of private pools nobody uses any more: a graph or MemPool released while tensors
+  // of it lived keeps the blocks of their later frees. As PyTorch's allocator frees its
+  // "freeable" graph pools before it raises, their caches go back (those that hold no live
+  // block go whole) and the request is tried once more. A live graph's or MemPool's free
+  // blocks stay (its replays write there; a MemPool keeps its cache). Nothing is released
+  // while a capture or pool context is open anywhere (capturing()): PyTorch's allocator
+  // does not release its own cache then either, and a MemPool's request, which is made only
+  // in such a context, is never retried. Returns whether any cache was emptied.
+  bool release_unused_pools_for_oom(int device) {
     if (capturing()) return false;
-    bool emptied = empty_unused_pools(MempoolId_t{0, 0}, device);
-    if (device_pool_too && api->empty_cache(device) == MP_OK) emptied = true;
-    return emptied;
+    return empty_unused_pools(MempoolId_t{0, 0}, device);
   }
 
   // Empty the caches of the private pools whose use count is 0 (of one pool id, or all for
@@ -1039,15 +1038,13 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
 
   // Precondition: pp->live_blocks already counts this block (route, alloc_use_on_oom), so
   // that no other thread destroys the pool while it allocates without pools_mu_. Returns
-  // nullptr, with the core's code in *rc, when the pool cannot serve the request; the
-  // caller reports it, once. Unless keep_on_failure, the count is dropped then (pp may be
-  // destroyed from there on); with it, the caller still holds it, to try again.
-  void* try_alloc_private(PrivatePool* pp, size_t nbytes, cudaStream_t stream, int* rc,
-                          bool keep_on_failure = false) {
+  // nullptr, with the core's code in *rc, when the pool cannot serve the request (pp may be
+  // destroyed by then); the caller reports it, once.
+  void* try_alloc_private(PrivatePool* pp, size_t nbytes, cudaStream_t stream, int* rc) {
     uintptr_t out = 0;
     *rc = api->pool_alloc(pp->pool, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
     if (*rc != MP_OK) {
-      if (!keep_on_failure) drop_live_block(pp);
+      drop_live_block(pp);   // pp may be destroyed from here on
       return nullptr;
     }
     try {
@@ -1072,14 +1069,8 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     MempoolId_t id = pp->id;
     int device = pp->device;
     int rc = MP_OK;
-    void* ptr = try_alloc_private(pp, nbytes, stream, &rc, /*keep_on_failure=*/true);
-    // The room may be other pools' (Note [Memory other pools hold at OOM]).
-    if (!ptr && out_of_memory(rc) && release_for_oom(device, /*device_pool_too=*/true))
-      ptr = try_alloc_private(pp, nbytes, stream, &rc, /*keep_on_failure=*/true);
-    if (!ptr) {
-      drop_live_block(pp);   // pp may be destroyed from here on
-      throw_oom(device, nbytes, stream, rc, &id);
-    }
+    void* ptr = try_alloc_private(pp, nbytes, stream, &rc);
+    if (!ptr) throw_oom(device, nbytes, stream, rc, &id);
     return ptr;
   }
 
