@@ -534,15 +534,13 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     }
     unpin(pinned);
     // As PyTorch's: each device's segments in address order, graphs' and MemPools' among
-    // the device pool's, and, while history is recorded, a snapshot entry at the end of
-    // each device's trace with the active bytes the snapshot shows there (memory_viz reads
-    // it as the state the snapshot was taken in).
+    // the device pool's, and, while anything is traced, a snapshot entry per device.
     std::stable_sort(info.segments.begin(), info.segments.end(),
                      [](const SegmentInfo& a, const SegmentInfo& b) {
                        return a.device != b.device ? a.device < b.device
                                                    : a.address < b.address;
                      });
-    record_snapshot_entries(info, include_traces);
+    record_snapshot_entries(info);
     mp_config cfg;
     if (api->config(0, &cfg) == MP_OK) {   // PyTorch's keys: MP_UNLIMITED is its SIZE_MAX too
       info.config_metadata.max_split_size = cfg.max_split_size;
@@ -559,28 +557,21 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   bool isHistoryEnabled() override { return history_on_.load(); }
 
   // The snapshot entry of each device, as PyTorch's allocator records one per device at
-  // each snapshot (its size: the active bytes of the device's segments in the snapshot):
-  // given to trackers, kept while history is on, and, when the snapshot carries traces,
-  // at the end of the device's trace, as PyTorch's snapshot takes the traces after it.
-  void record_snapshot_entries(c10::cuda::CUDACachingAllocator::SnapshotInfo& info,
-                               bool include_traces) {
+  // each snapshot, its size the active bytes of the device's segments in the snapshot:
+  // given to trackers and, while history is on, kept. PyTorch's snapshot copies a device's
+  // trace before it records the entry, so the entry shows in later snapshots, not in this
+  // one (whose trace would otherwise end with an entry of the metadata set after the
+  // recording, which PyTorch's own test_memory_plots_metadata refuses).
+  void record_snapshot_entries(const c10::cuda::CUDACachingAllocator::SnapshotInfo& info) {
     if (!tracing_.load()) return;
     std::vector<size_t> active(device_limit(), 0);
     for (const SegmentInfo& seg : info.segments)
       if (seg.device >= 0 && seg.device < device_limit()) active[seg.device] += seg.active_size;
-    auto tsc_to_ns = clock_converter_.makeConverter();
     std::lock_guard<std::mutex> lock(history_mu_);
     if (skip_.count("snapshot")) return;
-    for (int device = 0; device < device_limit(); device++) {
-      TraceEntry e = entry_locked(TraceEntry::SNAPSHOT, device, 0, active[device], nullptr,
-                                  {0, 0}, c10::getApproximateTime(), nullptr);
-      push_trace_locked(e);
-      if (include_traces && history_on_.load() &&
-          device < static_cast<int>(info.device_traces.size())) {
-        e.time_.t_ = tsc_to_ns(e.time_.approx_t_) / 1000;
-        info.device_traces[device].push_back(std::move(e));
-      }
-    }
+    for (int device = 0; device < device_limit(); device++)
+      push_trace_locked(entry_locked(TraceEntry::SNAPSHOT, device, 0, active[device], nullptr,
+                                     {0, 0}, c10::getApproximateTime(), nullptr));
   }
 
   void recordHistory(bool enabled, CreateContextFn context_recorder,
