@@ -25,6 +25,16 @@ assert isinstance(glue, mt.Glue), glue
 assert torch.cuda.memory.get_allocator_backend() == "mempool"
 """
 
+# The memory fraction set to 256 MiB above what the allocator holds (base) after a first
+# tensor; total is the device's memory.
+FRACTION_256_MIB_ABOVE_NOW = """
+x = torch.empty(1, device="cuda")
+torch.cuda.empty_cache()
+total = torch.cuda.mem_get_info()[1]
+base = torch.cuda.memory_reserved()
+torch.cuda.set_per_process_memory_fraction((base + (256 << 20)) / total)
+"""
+
 
 def run(body, timeout=300, prelude=PRELUDE):
     code = prelude + textwrap.dedent(body)
@@ -706,11 +716,6 @@ def test_the_memory_fraction_caps_mempools_too():
     the device: a MemPool's (private) segments count against it with the device pool's
     (Note [Shared limit])."""
     run("""
-        x = torch.empty(1, device="cuda")
-        torch.cuda.empty_cache()
-        total = torch.cuda.mem_get_info()[1]
-        base = torch.cuda.memory_reserved()
-        torch.cuda.set_per_process_memory_fraction((base + (256 << 20)) / total)
         mp = torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(mp):
             a = torch.empty(200 << 20, dtype=torch.uint8, device="cuda")
@@ -724,7 +729,7 @@ def test_the_memory_fraction_caps_mempools_too():
         torch.cuda.set_per_process_memory_fraction(1.0)
         b = torch.empty(200 << 20, dtype=torch.uint8, device="cuda")
         print("fraction ok")
-    """)
+    """, prelude=PRELUDE + FRACTION_256_MIB_ABOVE_NOW)
 
 
 def test_empty_cache_fraction_record_stream_and_mem_pool():
@@ -1054,11 +1059,6 @@ def test_out_of_memory_takes_back_what_a_released_mempool_still_caches():
     # pool's request that finds the fraction full takes them back before it raises.
     out = run("""
         import gc
-        x = torch.empty(1, device="cuda")
-        torch.cuda.empty_cache()
-        total = torch.cuda.mem_get_info()[1]
-        base = torch.cuda.memory_reserved()
-        torch.cuda.set_per_process_memory_fraction((base + (256 << 20)) / total)
         mp = torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(mp):
             keep = torch.empty(2 << 20, dtype=torch.uint8, device="cuda")
@@ -1069,7 +1069,7 @@ def test_out_of_memory_takes_back_what_a_released_mempool_still_caches():
         c = torch.empty(160 << 20, dtype=torch.uint8, device="cuda")
         assert torch.cuda.memory_reserved() <= base + (256 << 20)
         print("taken back", torch.cuda.memory_reserved() - base)
-    """)
+    """, prelude=PRELUDE + FRACTION_256_MIB_ABOVE_NOW)
     assert "taken back" in out
 
 
