@@ -94,6 +94,21 @@ def _torch_paths(torch) -> tuple[list[str], str]:
     return [str(include), str(include / "torch" / "csrc" / "api" / "include")], str(root / "lib")
 
 
+def compile_command(cxx: str, torch_includes: list[str], cuda_includes: list[str],
+                    cxx11_abi: bool, torch_lib: str | None, output: Path | None) -> list[str]:
+    """The compiler's command line for the glue: a shared library at `output` linked against
+    `torch_lib`, or, with `output` None, a check of the source alone (``-fsyntax-only``,
+    which needs PyTorch's headers but no library, nor a GPU)."""
+    cmd = [cxx, "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi)}",
+           *(f"-I{d}" for d in INCLUDE_DIRS),
+           *(f"-I{d}" for d in torch_includes), *(f"-I{d}" for d in cuda_includes)]
+    if output is None:
+        return [*cmd, "-fsyntax-only", str(SOURCE)]
+    # Default visibility, as PyTorch's own extensions are built.
+    return [*cmd, "-O2", "-shared", "-fPIC", str(SOURCE), f"-L{torch_lib}", "-lc10",
+            "-lc10_cuda", f"-Wl,-rpath,{torch_lib}", "-o", str(output)]
+
+
 def _key(torch, cxx: str) -> str:
     h = hashlib.sha256()
     for path in [SOURCE, *HEADERS, Path(__file__)]:   # this file holds the flags
@@ -129,13 +144,8 @@ def build(force: bool = False, verbose: bool = False) -> Path:
         if lib.exists() and not force:
             return lib
         tmp = out_dir / f".{LIBRARY}.{os.getpid()}"
-        # Default visibility, as PyTorch's own extensions are built.
-        cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC",
-               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-               *(f"-I{d}" for d in INCLUDE_DIRS),
-               *(f"-I{d}" for d in torch_includes), *(f"-I{d}" for d in cuda_includes),
-               str(SOURCE), f"-L{torch_lib}", "-lc10", "-lc10_cuda",
-               f"-Wl,-rpath,{torch_lib}", "-o", str(tmp)]
+        cmd = compile_command(cxx, torch_includes, cuda_includes,
+                              torch._C._GLIBCXX_USE_CXX11_ABI, torch_lib, tmp)
         if verbose:
             print(" ".join(cmd))
         done = subprocess.run(cmd, capture_output=True, text=True)
