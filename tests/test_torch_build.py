@@ -4,6 +4,7 @@ The compile itself needs PyTorch's headers and runs in the GPU tier; here, a fak
 module tree checks the search for headers and the messages a user sees.
 """
 import types
+from pathlib import Path
 
 import pytest
 
@@ -89,3 +90,19 @@ def test_the_build_command_says_what_it_needs_without_pytorch():
                          timeout=60)
     assert out.returncode == 1
     assert "needs PyTorch (pip install torch)" in out.stderr
+
+
+def test_the_library_and_the_header_check_share_one_command_line():
+    # The header check (tests/test_torch_glue_headers.py) compiles what the build compiles:
+    # the same standard, ABI, include directories and source; only the output differs.
+    lib = torch_build.compile_command("c++", ["/t/include"], ["/cuda/include"], False, "/t/lib",
+                                      Path("/out/glue.so"))
+    check = torch_build.compile_command("c++", ["/t/include"], ["/cuda/include"], False, None,
+                                        None)
+    common = ["c++", "-std=c++17", "-D_GLIBCXX_USE_CXX11_ABI=0", "-I/t/include",
+              "-I/cuda/include", str(torch_build.SOURCE)]
+    for arg in common:
+        assert arg in lib and arg in check, (arg, lib, check)
+    assert lib[-2:] == ["-o", "/out/glue.so"] and "-shared" in lib and "-lc10_cuda" in lib
+    assert "-fsyntax-only" in check and "-o" not in check and not any(
+        a.startswith("-l") for a in check)
