@@ -448,6 +448,11 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
                    "getDeviceStats");
     }
     add_stats(out, s);
+    // A refusal the glue's retry then served was no OOM to the user (Note [Memory other
+    // pools hold at OOM]): as PyTorch counts it, a retry.
+    int64_t served = oom_retries_served_[device_slot(device)].load(std::memory_order_relaxed);
+    out.num_ooms -= std::min(served, out.num_ooms);
+    out.num_alloc_retries += served;
     size_t f[MP_TORCH_FIGURES];
     if (api->memory_figures(device, f) == MP_OK)
       out.max_split_size = static_cast<int64_t>(f[6]);   // SIZE_MAX reads -1, as PyTorch's
@@ -456,6 +461,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
 
   void resetAccumulatedStats(c10::DeviceIndex device) override {
     check_device(device, api->reset_accumulated_stats(device), "resetAccumulatedStats");
+    oom_retries_served_[device_slot(device)].store(0, std::memory_order_relaxed);
     std::lock_guard<std::mutex> lock(pools_mu_);
     for (auto& [key, pp] : private_)
       if (pp->pool && pp->device == device) api->pool_reset_accumulated_stats(pp->pool);
@@ -959,7 +965,10 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     if (rc == MP_OK) return served(device, out, nbytes, stream, tag);
     if (out_of_memory(rc) && release_unused_pools_for_oom(device)) {
       rc = api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
-      if (rc == MP_OK) return served(device, out, nbytes, stream, tag);
+      if (rc == MP_OK) {
+        oom_retries_served_[device_slot(device)].fetch_add(1, std::memory_order_relaxed);
+        return served(device, out, nbytes, stream, tag);
+      }
     }
     if (out_of_memory(rc)) {
       void* p = alloc_use_on_oom(device, nbytes, stream);
@@ -1674,6 +1683,8 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   std::atomic<int> n_routes_[MP_TORCH_MAX_DEVICES] = {};
   std::atomic<int64_t> n_private_blocks_{0};
   std::atomic<int> captures_{0};
+  // Per device: the core's refusals the OOM retry then served (getDeviceStats).
+  std::atomic<int64_t> oom_retries_served_[MP_TORCH_MAX_DEVICES] = {};
   // Note [Caching off]: whether the pool serves allocations, and raw_alloc's pointers from
   // the driver while it did not (guarded by uncached_mu_; n_uncached_raw_ is their count).
   std::atomic<bool> enabled_{true};
