@@ -1175,3 +1175,163 @@ def test_a_checkpoint_restore_records_the_blocks_it_puts_back():
         print("restored", mine)
     """)
     assert "restored" in out
+
+
+def test_history_of_state_only_puts_no_stacks_on_any_entry():
+    # PyTorch's own test_memory_plots_free_stack: with context="state" the trace's entries
+    # carry no stacks (a free's were its block's allocation stacks here), with "alloc" the
+    # allocation's stacks and with "all" the free's too.
+    out = run("""
+        import json
+        for context in ("alloc", "all", "state"):
+            torch.cuda.memory.empty_cache()
+            torch.cuda.memory._record_memory_history(context=context)
+            x = None
+            def thealloc():
+                return torch.rand(3, 4, device="cuda")
+            def thefree():
+                global x
+                del x
+            x = thealloc()
+            thefree()
+            ss = json.dumps(torch.cuda.memory._snapshot())
+            torch.cuda.memory._record_memory_history(None)
+            assert ("thefree" in ss) == (context == "all"), context
+            assert ("thealloc" in ss) == (context != "state"), context
+        print("stacks by context ok")
+    """)
+    assert "stacks by context ok" in out
+
+
+def test_a_use_on_oom_mempool_serves_what_the_device_pool_refused():
+    # MemPool(use_on_oom=True): a request the device pool cannot serve takes the MemPool's
+    # free block, and, as PyTorch counts it, that is no OOM; a request neither can serve
+    # raises one OOM, counted once.
+    out = run("""
+        try:
+            mp = torch.cuda.MemPool(use_on_oom=True)
+        except TypeError:
+            print("no use_on_oom")
+            raise SystemExit(0)
+        with torch.cuda.use_mem_pool(mp):
+            t = torch.empty(160 << 20, dtype=torch.uint8, device="cuda")
+        where = t.data_ptr()
+        del t   # the MemPool keeps the block
+        y = torch.empty(160 << 20, dtype=torch.uint8, device="cuda")
+        assert y.data_ptr() == where, (hex(y.data_ptr()), hex(where))
+        assert torch.cuda.memory_stats()["num_ooms"] == 0, torch.cuda.memory_stats()
+        try:
+            torch.empty(200 << 20, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError:
+            pass
+        else:
+            raise AssertionError("200 MiB fitted under the fraction")
+        assert torch.cuda.memory_stats()["num_ooms"] == 1, torch.cuda.memory_stats()
+        print("served by the MemPool")
+    """, prelude=PRELUDE + FRACTION_256_MIB_ABOVE_NOW)
+    if "no use_on_oom" in out:
+        pytest.skip("this PyTorch's MemPool has no use_on_oom")
+    assert "served by the MemPool" in out
+
+
+def test_skipped_actions_still_reach_the_trace_trackers():
+    # As PyTorch's record_trace: skip_actions keeps entries out of the history only; the
+    # trackers (NCCL's registration hook) still see every segment.
+    build = f"SOURCE = {TRACKER_SOURCE!r}\n" + TRACKER_BUILD
+    out = run("""
+        torch.cuda.init()
+        tracker.tracker_attach()
+        torch.cuda.memory._record_memory_history(
+            skip_actions=["segment_alloc", "segment_free", "segment_map", "segment_unmap"])
+        a = torch.empty(300 << 20, dtype=torch.uint8, device="cuda")   # a segment of its own
+        ptr = a.data_ptr()
+        del a
+        torch.cuda.empty_cache()
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        torch.cuda.memory._record_memory_history(None)
+        kept = {e["action"] for e in trace}
+        assert "alloc" in kept and not any(k.startswith("segment") for k in kept), kept
+        seen = tracked()
+        grows = [e for e in seen if e[0] in ("segment_alloc", "segment_map")
+                 and e[1] <= ptr < e[1] + e[2]]
+        gives = [e for e in seen if e[0] in ("segment_free", "segment_unmap")]
+        assert grows and gives, seen
+        print("trackers saw", len(grows), len(gives))
+    """, prelude=PRELUDE + build)
+    assert "trackers saw" in out
+
+
+def test_the_profiler_marks_an_out_of_memory_error():
+    # PyTorch's own test_oom_tracing: the chrome trace of a profiled OOM has an
+    # "[OutOfMemory]" event.
+    out = run("""
+        import json, os, tempfile
+        from torch.autograd.profiler import profile
+        with profile(profile_memory=True, record_shapes=True) as prof:
+            try:
+                torch.empty(1024, 1024, 1024, 1024, dtype=torch.float32, device="cuda")
+            except torch.OutOfMemoryError as exc:
+                assert "Tried to allocate" in str(exc), exc
+            else:
+                raise AssertionError("4 TiB fitted")
+        path = os.path.join(tempfile.mkdtemp(), "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            names = [e.get("name") for e in json.load(f)["traceEvents"]]
+        assert "[OutOfMemory]" in names, sorted(set(n for n in names if n))[:40]
+        print("oom marked")
+    """)
+    assert "oom marked" in out
+
+
+def test_a_snapshots_segments_carry_the_stacks_they_were_made_with():
+    # As PyTorch's snapshot: each segment's "frames" are the stacks of the allocation that
+    # made it (memory_viz shows them), while history records allocation stacks.
+    out = run("""
+        import json
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python")
+        def make_a_segment():
+            return torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        x = make_a_segment()
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(None)
+        seg = [s for s in snap["segments"]
+               if s["address"] <= x.data_ptr() < s["address"] + s["total_size"]]
+        assert len(seg) == 1 and "make_a_segment" in json.dumps(seg[0].get("frames", [])), seg
+        print("segment frames ok")
+    """)
+    assert "segment frames ok" in out
+
+
+def test_no_caching_from_pytorchs_variable():
+    # PYTORCH_NO_CUDA_MEMORY_CACHING=1 (what memcheck runs use) turns caching off from the
+    # start, as on PyTorch's allocator: tensors are the driver's own, outside the pool.
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    code = PRELUDE + textwrap.dedent("""
+        x = torch.ones(1 << 20, device="cuda")
+        assert x.sum().item() == 1 << 20
+        assert pool.stats()["allocation.all.current"] == 0, pool.stats()
+        assert torch.cuda.memory_allocated() == 0
+        print("uncached")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "uncached" in done.stdout
+
+
+def test_history_turned_off_drops_the_annotations():
+    # As PyTorch's recordHistory: record_function marks of an earlier recording do not show
+    # in the next one's snapshots.
+    out = run("""
+        torch.cuda.memory._record_memory_history(global_record_annotations=True)
+        with torch.profiler.record_function("first-recording"):
+            x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        torch.cuda.memory._record_memory_history(None)
+        torch.cuda.memory._record_memory_history(global_record_annotations=True)
+        marks = torch.cuda.memory._snapshot()["external_annotations"]
+        torch.cuda.memory._record_memory_history(None)
+        assert "first-recording" not in [m.get("name") for m in marks], marks
+        print("annotations dropped")
+    """)
+    assert "annotations dropped" in out

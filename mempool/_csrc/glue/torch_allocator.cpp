@@ -24,6 +24,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/ApproximateClock.h>
 #include <c10/util/Exception.h>
+#include <c10/util/env.h>
 
 #include <algorithm>
 #include <atomic>
@@ -244,6 +245,9 @@ class WithOomRejection<Base, std::void_t<decltype(&Base::attachOomRejectionObser
 };
 
 class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
+  // Stacks by address: of live blocks, or of the segments they were allocated with.
+  using Contexts = std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>>;
+
  public:
   // ---- data path ---------------------------------------------------------------------
   c10::DataPtr allocate(size_t nbytes) override {
@@ -448,11 +452,11 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
                    "getDeviceStats");
     }
     add_stats(out, s);
-    // A refusal the glue's retry then served was no OOM to the user (Note [Memory other
-    // pools hold at OOM]): as PyTorch counts it, a retry.
-    int64_t served = oom_retries_served_[device_slot(device)].load(std::memory_order_relaxed);
-    out.num_ooms -= std::min(served, out.num_ooms);
-    out.num_alloc_retries += served;
+    // One OOM per request that failed in the end, as PyTorch counts them (note_another_try).
+    size_t slot = device_slot(device);
+    out.num_ooms -= std::min(oom_tried_again_[slot].load(std::memory_order_relaxed),
+                             out.num_ooms);
+    out.num_alloc_retries += oom_retries_[slot].load(std::memory_order_relaxed);
     size_t f[MP_TORCH_FIGURES];
     if (api->memory_figures(device, f) == MP_OK)
       out.max_split_size = static_cast<int64_t>(f[6]);   // SIZE_MAX reads -1, as PyTorch's
@@ -461,7 +465,8 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
 
   void resetAccumulatedStats(c10::DeviceIndex device) override {
     check_device(device, api->reset_accumulated_stats(device), "resetAccumulatedStats");
-    oom_retries_served_[device_slot(device)].store(0, std::memory_order_relaxed);
+    oom_tried_again_[device_slot(device)].store(0, std::memory_order_relaxed);
+    oom_retries_[device_slot(device)].store(0, std::memory_order_relaxed);
     std::lock_guard<std::mutex> lock(pools_mu_);
     for (auto& [key, pp] : private_)
       if (pp->pool && pp->device == device) api->pool_reset_accumulated_stats(pp->pool);
@@ -504,11 +509,13 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     // fields: the garbage collection threshold, the pinned-memory options...) are plain
     // members with no initializer, and those this allocator does not set were garbage.
     c10::cuda::CUDACachingAllocator::SnapshotInfo info{};
-    std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> contexts;
+    Contexts contexts;
+    Contexts segment_contexts;
     flush_segments();
     {
       std::lock_guard<std::mutex> lock(history_mu_);
       contexts = live_contexts_;
+      segment_contexts = segment_contexts_;
       if (include_traces) {
         info.device_traces.resize(std::max(device_count_, 1));
         for (const TraceEntry& e : trace_) {
@@ -527,7 +534,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
       for (int d = 0; d < device_limit(); d++) {
         mp_layout l;
         if (api->layout(d, &l) != MP_OK) continue;
-        add_segments(info, l, d, {0, 0}, contexts);
+        add_segments(info, l, d, {0, 0}, contexts, segment_contexts);
         api->layout_free(&l);
       }
     }
@@ -535,7 +542,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     for (PrivatePool* pp : pinned) {
       mp_layout l;
       if (api->pool_layout(pp->pool, &l) != MP_OK) continue;
-      add_segments(info, l, pp->device, pp->id, contexts);
+      add_segments(info, l, pp->device, pp->id, contexts, segment_contexts);
       api->layout_free(&l);
     }
     unpin(pinned);
@@ -574,9 +581,9 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     for (const SegmentInfo& seg : info.segments)
       if (seg.device >= 0 && seg.device < device_limit()) active[seg.device] += seg.active_size;
     std::lock_guard<std::mutex> lock(history_mu_);
-    if (skip_.count("snapshot")) return;
     for (int device = 0; device < device_limit(); device++)
-      push_trace_locked(entry_locked(TraceEntry::SNAPSHOT, device, 0, active[device], nullptr,
+      push_trace_locked("snapshot",
+                        entry_locked(TraceEntry::SNAPSHOT, device, 0, active[device], nullptr,
                                      {0, 0}, c10::getApproximateTime(), nullptr));
   }
 
@@ -593,11 +600,17 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     }
     // As PyTorch's own allocator: turning history off drops the trace recorded so far (a
     // snapshot is taken before), so the next recording starts empty.
-    if (!enabled) trace_.clear();
+    if (!enabled) {
+      trace_.clear();
+      annotations_.clear();
+    }
     if ((clearHistory || !enabled) && trackers_.empty()) {
       std::lock_guard<std::mutex> segments(segment_mu_);   // history_mu_, then segment_mu_
       pending_segments_.clear();
     }
+    // Untraced from now on, a segment's free goes unseen: its stacks would be shown for a
+    // later segment at its address (as Note [Kept block stacks] for blocks), so they go.
+    if (!enabled && trackers_.empty()) segment_contexts_.clear();
     record_when_ = enabled ? when : RecordContext::NEVER;
     context_recorder_ = enabled ? context_recorder : nullptr;
     max_entries_ = std::max<size_t>(alloc_trace_max_entries, 1);
@@ -964,11 +977,9 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     int rc = api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
     if (rc == MP_OK) return served(device, out, nbytes, stream, tag);
     if (out_of_memory(rc) && release_unused_pools_for_oom(device)) {
+      note_another_try(device, /*retry=*/true);
       rc = api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
-      if (rc == MP_OK) {
-        oom_retries_served_[device_slot(device)].fetch_add(1, std::memory_order_relaxed);
-        return served(device, out, nbytes, stream, tag);
-      }
+      if (rc == MP_OK) return served(device, out, nbytes, stream, tag);
     }
     if (out_of_memory(rc)) {
       void* p = alloc_use_on_oom(device, nbytes, stream);
@@ -990,6 +1001,15 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   }
 
   static bool out_of_memory(int rc) { return rc == MP_ENOMEM || rc == MP_ELIMIT; }
+
+  // The pools count each refusal as an OOM; PyTorch counts one per request that fails in
+  // the end (an OOM raised), and a retry after releasing cached memory as a retry. So a
+  // refusal followed by another try (the retry below, a use_on_oom MemPool) is taken off
+  // num_ooms in getDeviceStats, and the retry counted.
+  void note_another_try(int device, bool retry) {
+    oom_tried_again_[device_slot(device)].fetch_add(1, std::memory_order_relaxed);
+    if (retry) oom_retries_[device_slot(device)].fetch_add(1, std::memory_order_relaxed);
+  }
 
   // Note [Memory other pools hold at OOM]
   // A pool that runs out has released its own cache already (the core's chain), but the
@@ -1074,20 +1094,31 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     return ptr;
   }
 
-  // A MemPool made with use_on_oom=True serves what the device's pool could not. When it
-  // cannot either, the caller raises the device's out-of-memory error: one report, as
-  // PyTorch's allocator makes one (its observers and trace hear of it once).
+  // The MemPools made with use_on_oom=True serve what the device's pool could not, each
+  // tried in turn as PyTorch's allocator tries them all. When none can, the caller raises
+  // the device's out-of-memory error: one report, as PyTorch's allocator makes one (its
+  // observers and trace hear of it once).
   void* alloc_use_on_oom(int device, size_t nbytes, cudaStream_t stream) {
-    PrivatePool* found = nullptr;
+    std::vector<MempoolId_t> ids;
     {
       std::lock_guard<std::mutex> lock(pools_mu_);
       for (auto& [key, pp] : private_)
-        if (pp->use_on_oom && pp->device == device) found = pp.get();
-      if (found) found->live_blocks++;   // try_alloc_private's precondition
+        if (pp->use_on_oom && pp->device == device) ids.push_back(key);
     }
-    if (!found) return nullptr;
-    int rc = MP_OK;
-    return try_alloc_private(found, nbytes, stream, &rc);
+    for (const MempoolId_t& id : ids) {
+      PrivatePool* pp = nullptr;
+      {
+        std::lock_guard<std::mutex> lock(pools_mu_);
+        auto it = private_.find(id);
+        if (it == private_.end() || !it->second->use_on_oom) continue;   // gone meanwhile
+        pp = it->second.get();
+        pp->live_blocks++;   // try_alloc_private's precondition
+      }
+      note_another_try(device, /*retry=*/false);
+      int rc = MP_OK;
+      if (void* p = try_alloc_private(pp, nbytes, stream, &rc)) return p;
+    }
+    return nullptr;
   }
 
   // True when ptr was a private pool's block (now freed).
@@ -1206,14 +1237,19 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     {
       std::lock_guard<std::mutex> lock(history_mu_);
       observers = oom_observers_;
-      if (tracing_.load() && !skip_.count("oom"))
-        push_trace_locked(entry_locked(TraceEntry::OOM, device, free_bytes, nbytes, stream,
+      if (tracing_.load())
+        push_trace_locked("oom", entry_locked(TraceEntry::OOM, device, free_bytes, nbytes, stream,
                                        private_id ? *private_id : MempoolId_t{0, 0},
                                        c10::getApproximateTime(), std::move(ctx)));
     }
     // PyTorch's arguments: the device, the size asked for, the most the device may hold (the
     // limit when one is set, as PyTorch's memory fraction) and the device's free bytes.
     size_t allowed = f[4] != SIZE_MAX ? f[4] : total;
+    // The profiler's memory timeline marks the OOM ("[OutOfMemory]"), as PyTorch's reports
+    // it: the size asked for, then the device's allocated and reserved bytes.
+    c10::reportOutOfMemoryToProfiler(
+        static_cast<int64_t>(nbytes), f[1], f[0],
+        c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
     for (auto& observer : observers) observer(device, nbytes, allowed, free_bytes);
     // A limit refuses before the driver is asked, always: what PyTorch's allocator does
     // only with throw_on_cudamalloc_oom set, whose observers hear of it.
@@ -1386,8 +1422,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     } else {
       erase_context_locked(ptr);
     }
-    if (skip_.count("alloc")) return;
-    push_trace_locked(entry_locked(TraceEntry::ALLOC, device, ptr, nbytes, stream, pool,
+    push_trace_locked("alloc", entry_locked(TraceEntry::ALLOC, device, ptr, nbytes, stream, pool,
                                    c10::getApproximateTime(),
                                    when >= RecordContext::ALLOC ? ctx : nullptr));
   }
@@ -1412,12 +1447,10 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     void* s = reinterpret_cast<void*>(block.stream);
     // The pool returns the block to its free lists at once (reuse on other streams waits
     // for their events inside the pool), so the free completes when it is requested.
-    for (TraceEntry::Action action : {TraceEntry::FREE_REQUESTED, TraceEntry::FREE_COMPLETED}) {
-      if (skip_.count(action == TraceEntry::FREE_REQUESTED ? "free_requested" : "free_completed"))
-        continue;
-      push_trace_locked(
-          entry_locked(action, device, ptr, block.requested, s, pool, time, stacks));
-    }
+    push_trace_locked("free_requested", entry_locked(TraceEntry::FREE_REQUESTED, device, ptr,
+                                                     block.requested, s, pool, time, stacks));
+    push_trace_locked("free_completed", entry_locked(TraceEntry::FREE_COMPLETED, device, ptr,
+                                                     block.requested, s, pool, time, stacks));
   }
 
   // Note [Kept block stacks]
@@ -1439,10 +1472,14 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
 
   // A trace entry as PyTorch's allocator records every one: with the compile context in
   // effect ("N/A" outside torch.compile's regions) and the user metadata
-  // (torch.cuda.memory._set_memory_metadata), whatever the action. history_mu_ held.
+  // (torch.cuda.memory._set_memory_metadata), whatever the action, and with stacks only
+  // while history records them for allocations: with context="state" no entry carries any
+  // (a free's would be its block's allocation stacks; PyTorch's test_memory_plots_free_stack
+  // checks there are none), though the snapshot's blocks keep theirs. history_mu_ held.
   TraceEntry entry_locked(TraceEntry::Action action, int device, uintptr_t addr, size_t size,
                           void* stream, MempoolId_t pool, c10::approx_time_t time,
                           std::shared_ptr<c10::GatheredContext> ctx) {
+    if (record_when_ < RecordContext::ALLOC) ctx = nullptr;
     return TraceEntry(action, static_cast<c10::DeviceIndex>(device), addr, size, stream, pool,
                       time, std::move(ctx),
                       compile_contexts_.empty() ? std::string("N/A") : compile_contexts_.back(),
@@ -1563,12 +1600,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
         if (a->action == TraceEntry::SEGMENT_FREE && it != segment_contexts_.end())
           segment_contexts_.erase(it);
       }
-      if (skip_.count(a->name)) continue;
-      // As PyTorch's record_trace: no stacks on any entry while history records them for
-      // no action (a segment allocated under an earlier recording keeps its stacks for the
-      // snapshot's blocks, not for this trace).
-      if (record_when_ < RecordContext::ALLOC) ctx = nullptr;
-      push_trace_locked(entry_locked(a->action, e.device, e.ptr, e.nbytes,
+      push_trace_locked(a->name, entry_locked(a->action, e.device, e.ptr, e.nbytes,
                                      reinterpret_cast<void*>(e.stream), e.owner, e.time,
                                      std::move(ctx)));
     }
@@ -1594,17 +1626,22 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     return rc == MP_OK ? f : BlockFacts{};
   }
 
-  void push_trace_locked(TraceEntry entry) {
+  // As PyTorch's record_trace: every entry goes to the trackers (NCCL's registration hook
+  // among them), and to the history while it is on unless its action is one of
+  // skip_actions. `name` is the action as skip_actions spells it. history_mu_ held.
+  void push_trace_locked(const char* name, TraceEntry entry) {
     for (auto& tracker : trackers_) tracker(entry);
-    if (!history_on_.load(std::memory_order_relaxed)) return;
+    if (!history_on_.load(std::memory_order_relaxed) || skip_.count(name)) return;
     trace_.push_back(std::move(entry));
     while (trace_.size() > max_entries_) trace_.pop_front();
   }
 
+  // contexts: live blocks' allocation stacks; segment_contexts: segments' (the stacks of
+  // the allocation that made each), which PyTorch's snapshot gives each segment as its
+  // frames.
   void add_segments(c10::cuda::CUDACachingAllocator::SnapshotInfo& info, const mp_layout& l,
-                    int device, MempoolId_t owner,
-                    const std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>>&
-                        contexts) {
+                    int device, MempoolId_t owner, const Contexts& contexts,
+                    const Contexts& segment_contexts) {
     for (size_t s = 0; s < l.nsegments; s++) {
       const mp_segment_view& seg = l.segments[s];
       // An expandable segment is one segment per run of mapped pages: PyTorch's viewer
@@ -1630,6 +1667,8 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
           cur.is_large = !seg.is_small;
           cur.is_expandable = seg.is_expandable;
           cur.owner_private_pool_id = owner;
+          auto made = segment_contexts.find(bv.ptr);
+          if (made != segment_contexts.end()) cur.context_when_allocated = made->second;
           open = true;
         }
         BlockInfo bi;
@@ -1683,11 +1722,14 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   std::atomic<int> n_routes_[MP_TORCH_MAX_DEVICES] = {};
   std::atomic<int64_t> n_private_blocks_{0};
   std::atomic<int> captures_{0};
-  // Per device: the core's refusals the OOM retry then served (getDeviceStats).
-  std::atomic<int64_t> oom_retries_served_[MP_TORCH_MAX_DEVICES] = {};
+  // Per device: refusals followed by another try, and the OOM retries (note_another_try).
+  std::atomic<int64_t> oom_tried_again_[MP_TORCH_MAX_DEVICES] = {};
+  std::atomic<int64_t> oom_retries_[MP_TORCH_MAX_DEVICES] = {};
   // Note [Caching off]: whether the pool serves allocations, and raw_alloc's pointers from
   // the driver while it did not (guarded by uncached_mu_; n_uncached_raw_ is their count).
-  std::atomic<bool> enabled_{true};
+  // PYTORCH_NO_CUDA_MEMORY_CACHING=1, as PyTorch's allocator reads it (set for memcheck,
+  // which then sees each tensor's own bounds): caching off from the start.
+  std::atomic<bool> enabled_{c10::utils::check_env("PYTORCH_NO_CUDA_MEMORY_CACHING") != true};
   std::mutex uncached_mu_;
   std::unordered_set<uintptr_t> uncached_raw_;
   std::atomic<int64_t> n_uncached_raw_{0};
@@ -1711,7 +1753,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   // the epoch, as PyTorch's allocator does.
   c10::ApproximateClockToUnixTimeConverter clock_converter_;
   std::unordered_set<std::string> skip_;
-  std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> live_contexts_;
+  Contexts live_contexts_;
   // live_contexts_ is not empty (Note [Kept block stacks])
   std::atomic<bool> contexts_kept_{false};
   // Per thread, as in PyTorch's allocator: one thread's torch.compile region or
@@ -1720,7 +1762,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   inline static thread_local std::string user_metadata_;
   // Note [Segment event stacks]: the allocation stacks of each segment whose segment_alloc
   // had some, by address, until its segment_free.
-  std::unordered_map<uintptr_t, std::shared_ptr<c10::GatheredContext>> segment_contexts_;
+  Contexts segment_contexts_;
   std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> oom_observers_;
   std::vector<c10::CachingDeviceAllocator::AllocatorTraceTracker> trackers_;
   // Segment events waiting for the trace: guarded by segment_mu_, taken last.
