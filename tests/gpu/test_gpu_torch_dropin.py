@@ -1075,14 +1075,16 @@ def test_out_of_memory_takes_back_what_a_released_mempool_still_caches():
     assert "taken back" in out
 
 
-def test_clearing_history_keeps_the_stacks_of_live_blocks():
-    # As PyTorch's allocator keeps a block's stacks on the block: clear_history drops the
-    # trace, not what the snapshot shows of the tensors that still live.
+def test_clearing_history_keeps_the_stacks_of_live_blocks_and_their_segments():
+    # As PyTorch's allocator keeps a block's stacks on the block, and a segment's on its
+    # first block: clear_history drops the trace, not what the snapshot shows of the tensors
+    # that still live, nor each segment's "frames" (the stacks of the allocation that made
+    # it, which memory_viz shows).
     out = run("""
         import json
         torch.cuda.memory._record_memory_history(context="alloc", stacks="python")
         def make_the_tensor():
-            return torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+            return torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
         x = make_the_tensor()
         torch.cuda.memory._record_memory_history(context="alloc", stacks="python",
                                                  clear_history=True)
@@ -1091,6 +1093,9 @@ def test_clearing_history_keeps_the_stacks_of_live_blocks():
         mine = [b for s in snap["segments"] for b in s["blocks"]
                 if b["address"] == x.data_ptr()]
         assert len(mine) == 1 and "make_the_tensor" in json.dumps(mine[0]), mine
+        seg = [s for s in snap["segments"]
+               if s["address"] <= x.data_ptr() < s["address"] + s["total_size"]]
+        assert len(seg) == 1 and "make_the_tensor" in json.dumps(seg[0].get("frames", [])), seg
         assert not [e for e in snap["device_traces"][0] if e["action"] == "alloc"], snap
         print("kept", len(mine[0]["frames"]))
     """)
@@ -1282,25 +1287,6 @@ def test_the_profiler_marks_an_out_of_memory_error():
         print("oom marked")
     """)
     assert "oom marked" in out
-
-
-def test_a_snapshots_segments_carry_the_stacks_they_were_made_with():
-    # As PyTorch's snapshot: each segment's "frames" are the stacks of the allocation that
-    # made it (memory_viz shows them), while history records allocation stacks.
-    out = run("""
-        import json
-        torch.cuda.memory._record_memory_history(context="alloc", stacks="python")
-        def make_a_segment():
-            return torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
-        x = make_a_segment()
-        snap = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(None)
-        seg = [s for s in snap["segments"]
-               if s["address"] <= x.data_ptr() < s["address"] + s["total_size"]]
-        assert len(seg) == 1 and "make_a_segment" in json.dumps(seg[0].get("frames", [])), seg
-        print("segment frames ok")
-    """)
-    assert "segment frames ok" in out
 
 
 def test_no_caching_from_pytorchs_variable():
