@@ -1321,3 +1321,32 @@ def test_history_turned_off_drops_the_annotations():
         print("annotations dropped")
     """)
     assert "annotations dropped" in out
+
+
+def test_a_released_graphs_counts_stay_in_memory_stats():
+    # PyTorch keeps one set of counters per device: a graph's pool going away frees what it
+    # held, and its cumulative counts (allocations made, segments allocated) stay. They went
+    # down here when the graph's pool went.
+    out = run("""
+        import gc
+        x = torch.ones(1 << 20, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            y = x * 2
+        before = torch.cuda.memory_stats()
+        del g, y
+        gc.collect()
+        torch.cuda.empty_cache()
+        after = torch.cuda.memory_stats()
+        for key in ("allocation.all.allocated", "segment.all.allocated",
+                    "allocated_bytes.all.allocated", "num_device_alloc"):
+            assert after[key] >= before[key], (key, before[key], after[key])
+        assert after["segment.all.freed"] > before["segment.all.freed"], (before, after)
+        assert after["segment.all.current"] < before["segment.all.current"], (before, after)
+        torch.cuda.reset_accumulated_memory_stats()   # and they go with the device's
+        again = torch.cuda.memory_stats()
+        assert again["segment.all.allocated"] == again["segment.all.freed"] == 0, again
+        print("counts kept")
+    """)
+    assert "counts kept" in out

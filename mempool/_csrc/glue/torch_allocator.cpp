@@ -102,27 +102,35 @@ std::string cat(const A&... parts) {
   return out;
 }
 
-void add_stat(c10::CachingAllocator::Stat& to, const mp_stat& from) {
-  to.current += from.current;
-  to.peak += from.peak;
-  to.allocated += from.allocated;
-  to.freed += from.freed;
+// Every counter family PyTorch's DeviceStats and the core's mp_stats share, applied to
+// both as f(theirs, ours).
+template <typename To, typename From, typename F>
+void for_each_stat(To& to, From& from, F f) {
+  for (int t = 0; t < MP_STAT_TYPES; t++) {
+    f(to.allocation[t], from.allocation[t]);
+    f(to.segment[t], from.segment[t]);
+    f(to.active[t], from.active[t]);
+    f(to.inactive_split[t], from.inactive_split[t]);
+    f(to.allocated_bytes[t], from.allocated_bytes[t]);
+    f(to.reserved_bytes[t], from.reserved_bytes[t]);
+    f(to.active_bytes[t], from.active_bytes[t]);
+    f(to.inactive_split_bytes[t], from.inactive_split_bytes[t]);
+    f(to.requested_bytes[t], from.requested_bytes[t]);
+  }
+  f(to.oversize_allocations, from.oversize_allocations);
+  f(to.oversize_segments, from.oversize_segments);
 }
 
-void add_stats(DeviceStats& to, const mp_stats& s) {
-  for (int t = 0; t < MP_STAT_TYPES; t++) {
-    add_stat(to.allocation[t], s.allocation[t]);
-    add_stat(to.segment[t], s.segment[t]);
-    add_stat(to.active[t], s.active[t]);
-    add_stat(to.inactive_split[t], s.inactive_split[t]);
-    add_stat(to.allocated_bytes[t], s.allocated_bytes[t]);
-    add_stat(to.reserved_bytes[t], s.reserved_bytes[t]);
-    add_stat(to.active_bytes[t], s.active_bytes[t]);
-    add_stat(to.inactive_split_bytes[t], s.inactive_split_bytes[t]);
-    add_stat(to.requested_bytes[t], s.requested_bytes[t]);
-  }
-  add_stat(to.oversize_allocations, s.oversize_allocations);
-  add_stat(to.oversize_segments, s.oversize_segments);
+// counts_only: the cumulative counts (allocated, freed) without current and peak.
+void add_stats(DeviceStats& to, const mp_stats& s, bool counts_only = false) {
+  for_each_stat(to, s, [counts_only](c10::CachingAllocator::Stat& a, const mp_stat& b) {
+    if (!counts_only) {
+      a.current += b.current;
+      a.peak += b.peak;
+    }
+    a.allocated += b.allocated;
+    a.freed += b.freed;
+  });
   to.num_alloc_retries += static_cast<int64_t>(s.num_alloc_retries);
   to.num_ooms += static_cast<int64_t>(s.num_ooms);
   to.num_sync_all_streams += static_cast<int64_t>(s.num_sync_all_streams);
@@ -444,14 +452,16 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     // The device's pool and its private pools together, each peak the device's own (Note
     // [Device peaks] in mp_torch.c), as PyTorch counts its graph pools in its device stats.
     DeviceStats out;
-    mp_stats s;
+    mp_stats s, retired;
     {
       std::lock_guard<std::mutex> lock(pools_mu_);
       std::vector<mp_pool*> pools = private_pools_locked(device);
       check_device(device, api->device_stats(device, pools.data(), pools.size(), &s),
                    "getDeviceStats");
+      retired = retired_[device_slot(device)];
     }
     add_stats(out, s);
+    add_stats(out, retired, /*counts_only=*/true);
     // One OOM per request that failed in the end, as PyTorch counts them (note_another_try).
     size_t slot = device_slot(device);
     out.num_ooms -= std::min(oom_tried_again_[slot].load(std::memory_order_relaxed),
@@ -468,6 +478,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     oom_tried_again_[device_slot(device)].store(0, std::memory_order_relaxed);
     oom_retries_[device_slot(device)].store(0, std::memory_order_relaxed);
     std::lock_guard<std::mutex> lock(pools_mu_);
+    retired_[device_slot(device)] = mp_stats{};
     for (auto& [key, pp] : private_)
       if (pp->pool && pp->device == device) api->pool_reset_accumulated_stats(pp->pool);
   }
@@ -1353,7 +1364,10 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     for (auto it = private_.begin(); it != private_.end();) {
       PrivatePool* pp = it->second.get();
       if (pp->use_count == 0 && pp->live_blocks == 0 && pp->pins == 0) {
-        if (pp->pool) doomed.push_back(pp->pool);
+        if (pp->pool) {
+          retire_counts_locked(*pp);
+          doomed.push_back(pp->pool);
+        }
         it = private_.erase(it);
       } else {
         ++it;
@@ -1371,6 +1385,27 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
                     ", ", static_cast<unsigned long>(id.second),
                     ") on device ", static_cast<int>(device), ": no CUDA graph or MemPool "
                     "of this allocator has it, or it was released and freed"));
+  }
+
+  // PyTorch keeps one set of counters per device, and a graph's or MemPool's pool going
+  // away frees what it held: its cumulative counts stay. Here the device's counts are the
+  // sum of its pools', so a private pool about to be destroyed leaves its counts in
+  // retired_, with everything it still holds (cached segments, their bytes) counted as
+  // freed, as its destroy frees them. pools_mu_ held.
+  void retire_counts_locked(const PrivatePool& pp) {
+    mp_stats st;
+    api->pool_stats(pp.pool, &st);
+    mp_stats& r = retired_[device_slot(pp.device)];
+    for_each_stat(r, st, [](mp_stat& a, const mp_stat& b) {
+      a.allocated += b.allocated;
+      a.freed += b.freed + b.current;
+    });
+    r.num_alloc_retries += st.num_alloc_retries;
+    r.num_ooms += st.num_ooms;
+    r.num_sync_all_streams += st.num_sync_all_streams;
+    r.num_device_alloc += st.num_device_alloc;
+    r.num_device_free +=   // and one free for each segment its destroy frees
+        st.num_device_free + static_cast<uint64_t>(st.segment[MP_STAT_ALL].current);
   }
 
   std::map<uintptr_t, std::pair<size_t, uintptr_t>> allocated_blocks(MempoolId_t id) {
@@ -1725,6 +1760,8 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   // Per device: refusals followed by another try, and the OOM retries (note_another_try).
   std::atomic<int64_t> oom_tried_again_[MP_TORCH_MAX_DEVICES] = {};
   std::atomic<int64_t> oom_retries_[MP_TORCH_MAX_DEVICES] = {};
+  // Per device: the cumulative counts of its private pools destroyed so far (pools_mu_).
+  mp_stats retired_[MP_TORCH_MAX_DEVICES] = {};
   // Note [Caching off]: whether the pool serves allocations, and raw_alloc's pointers from
   // the driver while it did not (guarded by uncached_mu_; n_uncached_raw_ is their count).
   // PYTORCH_NO_CUDA_MEMORY_CACHING=1, as PyTorch's allocator reads it (set for memcheck,
