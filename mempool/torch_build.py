@@ -94,12 +94,29 @@ def _torch_paths(torch) -> tuple[list[str], str]:
     return [str(include), str(include / "torch" / "csrc" / "api" / "include")], str(root / "lib")
 
 
-def compile_command(cxx: str, torch_includes: list[str], cuda_includes: list[str],
+def cxx_standard(torch_version: tuple[int, int]) -> str:
+    """The C++ standard to compile the glue in for PyTorch (major, minor): PyTorch 2.14's
+    headers need C++20 (``std::strong_ordering`` in c10/util/intrusive_ptr.h); earlier ones
+    are built as they always were, in C++17."""
+    return "c++20" if tuple(torch_version) >= (2, 14) else "c++17"
+
+
+def torch_version(version: str) -> tuple[int, int]:
+    """(major, minor) of a PyTorch version string such as ``2.11.0+cu130``."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        raise BuildError(f"cannot read PyTorch's version {version!r} (expected major.minor...)")
+
+
+def compile_command(cxx: str, std: str, torch_includes: list[str], cuda_includes: list[str],
                     cxx11_abi: bool, torch_lib: str | None, output: Path | None) -> list[str]:
-    """The compiler's command line for the glue: a shared library at `output` linked against
-    `torch_lib`, or, with `output` None, a check of the source alone (``-fsyntax-only``,
-    which needs PyTorch's headers but no library, nor a GPU)."""
-    cmd = [cxx, "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi)}",
+    """The compiler's command line for the glue in C++ standard `std` (cxx_standard): a
+    shared library at `output` linked against `torch_lib`, or, with `output` None, a check
+    of the source alone (``-fsyntax-only``, which needs PyTorch's headers but no library,
+    nor a GPU)."""
+    cmd = [cxx, f"-std={std}", f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi)}",
            *(f"-I{d}" for d in INCLUDE_DIRS),
            *(f"-I{d}" for d in torch_includes), *(f"-I{d}" for d in cuda_includes)]
     if output is None:
@@ -144,8 +161,9 @@ def build(force: bool = False, verbose: bool = False) -> Path:
         if lib.exists() and not force:
             return lib
         tmp = out_dir / f".{LIBRARY}.{os.getpid()}"
-        cmd = compile_command(cxx, torch_includes, cuda_includes,
-                              torch._C._GLIBCXX_USE_CXX11_ABI, torch_lib, tmp)
+        cmd = compile_command(cxx, cxx_standard(torch_version(torch.__version__)),
+                              torch_includes, cuda_includes, torch._C._GLIBCXX_USE_CXX11_ABI,
+                              torch_lib, tmp)
         if verbose:
             print(" ".join(cmd))
         done = subprocess.run(cmd, capture_output=True, text=True)

@@ -95,10 +95,10 @@ def test_the_build_command_says_what_it_needs_without_pytorch():
 def test_the_library_and_the_header_check_share_one_command_line():
     # The header check (tests/test_torch_glue_headers.py) compiles what the build compiles:
     # the same standard, ABI, include directories and source; only the output differs.
-    lib = torch_build.compile_command("c++", ["/t/include"], ["/cuda/include"], False, "/t/lib",
-                                      Path("/out/glue.so"))
-    check = torch_build.compile_command("c++", ["/t/include"], ["/cuda/include"], False, None,
-                                        None)
+    lib = torch_build.compile_command("c++", "c++17", ["/t/include"], ["/cuda/include"], False,
+                                      "/t/lib", Path("/out/glue.so"))
+    check = torch_build.compile_command("c++", "c++17", ["/t/include"], ["/cuda/include"],
+                                        False, None, None)
     common = ["c++", "-std=c++17", "-D_GLIBCXX_USE_CXX11_ABI=0", "-I/t/include",
               "-I/cuda/include", str(torch_build.SOURCE)]
     for arg in common:
@@ -106,3 +106,15 @@ def test_the_library_and_the_header_check_share_one_command_line():
     assert lib[-2:] == ["-o", "/out/glue.so"] and "-shared" in lib and "-lc10_cuda" in lib
     assert "-fsyntax-only" in check and "-o" not in check and not any(
         a.startswith("-l") for a in check)
+
+
+@pytest.mark.parametrize("version, std", [("2.11.0+cu130", "c++17"), ("2.13.0+cpu", "c++17"),
+                                          ("2.14.1", "c++20"), ("3.0.0a0+git1234", "c++20")])
+def test_the_glue_is_compiled_in_the_standard_its_pytorchs_headers_need(version, std):
+    # PyTorch 2.14's headers use std::strong_ordering: in C++17 the glue did not compile.
+    assert torch_build.cxx_standard(torch_build.torch_version(version)) == std
+
+
+def test_an_unreadable_pytorch_version_is_a_clear_error():
+    with pytest.raises(torch_build.BuildError, match="cannot read PyTorch's version"):
+        torch_build.torch_version("nightly")

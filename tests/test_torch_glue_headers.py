@@ -10,6 +10,7 @@ an installed PyTorch's headers are used, and without those the test skips.
 """
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import zipfile
@@ -39,6 +40,18 @@ def torch_include(tmp_path):
     return Path(spec.origin).parent / "include"
 
 
+def headers_version(include):
+    """(major, minor) as the headers define TORCH_VERSION_MAJOR and _MINOR."""
+    for rel in ("torch/headeronly/version.h", "torch/csrc/api/include/torch/version.h"):
+        path = include / rel
+        if path.exists():
+            found = dict(re.findall(r"#define TORCH_VERSION_(MAJOR|MINOR) (\d+)",
+                                    path.read_text()))
+            if len(found) == 2:
+                return int(found["MAJOR"]), int(found["MINOR"])
+    pytest.fail(f"no TORCH_VERSION_MAJOR/MINOR in {include}'s version headers")
+
+
 def cuda_include():
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if home and (Path(home) / "include" / "cuda_runtime_api.h").exists():
@@ -63,6 +76,7 @@ def test_the_glue_compiles_against_the_given_pytorch_headers(tmp_path):
         macros.write_text("#pragma once\n")
     torch_includes = [str(include), str(include / "torch" / "csrc" / "api" / "include"),
                       str(stub)]
-    cmd = torch_build.compile_command(cxx, torch_includes, [str(cuda)], True, None, None)
+    std = torch_build.cxx_standard(headers_version(include))
+    cmd = torch_build.compile_command(cxx, std, torch_includes, [str(cuda)], True, None, None)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
