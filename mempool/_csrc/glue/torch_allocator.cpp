@@ -1249,7 +1249,8 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
       std::lock_guard<std::mutex> lock(history_mu_);
       observers = oom_observers_;
       if (tracing_.load())
-        push_trace_locked("oom", entry_locked(TraceEntry::OOM, device, free_bytes, nbytes, stream,
+        push_trace_locked("oom",
+                          entry_locked(TraceEntry::OOM, device, free_bytes, nbytes, stream,
                                        private_id ? *private_id : MempoolId_t{0, 0},
                                        c10::getApproximateTime(), std::move(ctx)));
     }
@@ -1457,7 +1458,8 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     } else {
       erase_context_locked(ptr);
     }
-    push_trace_locked("alloc", entry_locked(TraceEntry::ALLOC, device, ptr, nbytes, stream, pool,
+    push_trace_locked("alloc",
+                      entry_locked(TraceEntry::ALLOC, device, ptr, nbytes, stream, pool,
                                    c10::getApproximateTime(),
                                    when >= RecordContext::ALLOC ? ctx : nullptr));
   }
