@@ -35,6 +35,16 @@ base = torch.cuda.memory_reserved()
 torch.cuda.set_per_process_memory_fraction((base + (256 << 20)) / total)
 """
 
+# A CUDA graph g of one product, y = x * 2, captured into the private pool graph_pool.
+GRAPH_OF_ONE_PRODUCT = """
+x = torch.ones(1 << 18, device="cuda")
+graph_pool = torch.cuda.graph_pool_handle()
+g = torch.cuda.CUDAGraph()
+torch.cuda.synchronize()
+with torch.cuda.graph(g, pool=graph_pool):
+    y = x * 2
+"""
+
 
 def run(body, timeout=300, prelude=PRELUDE):
     code = prelude + textwrap.dedent(body)
@@ -1159,26 +1169,20 @@ def test_a_checkpoint_restore_records_the_blocks_it_puts_back():
     # (before, history showed nothing of it). No tensor claims it here: PyTorch keeps such a
     # block allocated for its cudagraph trees, and the pool's live blocks say so.
     out = run("""
-        x = torch.ones(1 << 18, device="cuda")
-        pool = torch.cuda.graph_pool_handle()
-        g = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g, pool=pool):
-            a = x * 2
-        addr = a.untyped_storage().data_ptr()
-        assert torch._C._cuda_checkPoolLiveAllocations(0, pool, {addr})
-        state = torch._C._cuda_getCheckpointState(0, pool)
-        del a
-        assert torch._C._cuda_checkPoolLiveAllocations(0, pool, set())
+        addr = y.untyped_storage().data_ptr()
+        assert torch._C._cuda_checkPoolLiveAllocations(0, graph_pool, {addr})
+        state = torch._C._cuda_getCheckpointState(0, graph_pool)
+        del y
+        assert torch._C._cuda_checkPoolLiveAllocations(0, graph_pool, set())
         torch.cuda.memory._record_memory_history()
         torch._C._cuda_setCheckpointPoolState(0, state, [], [])
         trace = torch.cuda.memory._snapshot()["device_traces"][0]
         torch.cuda.memory._record_memory_history(None)
         mine = [e["action"] for e in trace if e["addr"] == addr]
         assert mine == ["alloc"], mine
-        assert torch._C._cuda_checkPoolLiveAllocations(0, pool, {addr})
+        assert torch._C._cuda_checkPoolLiveAllocations(0, graph_pool, {addr})
         print("restored", mine)
-    """)
+    """, prelude=PRELUDE + GRAPH_OF_ONE_PRODUCT)
     assert "restored" in out
 
 
@@ -1329,11 +1333,6 @@ def test_a_released_graphs_counts_stay_in_memory_stats():
     # down here when the graph's pool went.
     out = run("""
         import gc
-        x = torch.ones(1 << 20, device="cuda")
-        g = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g):
-            y = x * 2
         before = torch.cuda.memory_stats()
         del g, y
         gc.collect()
@@ -1348,5 +1347,5 @@ def test_a_released_graphs_counts_stay_in_memory_stats():
         again = torch.cuda.memory_stats()
         assert again["segment.all.allocated"] == again["segment.all.freed"] == 0, again
         print("counts kept")
-    """)
+    """, prelude=PRELUDE + GRAPH_OF_ONE_PRODUCT)
     assert "counts kept" in out
