@@ -22,7 +22,7 @@ static uint64_t now_ns(void) {
  * fewer events than asked, never none. */
 #define MP_TRACE_FIRST 1024
 
-static void grow_locked(mp_pool *p) {
+static void grow_ring_locked(mp_pool *p) {
     size_t want = p->trace_cap * 2;
     if (want < MP_TRACE_FIRST) want = MP_TRACE_FIRST;
     if (want > p->trace_max) want = p->trace_max;
@@ -44,7 +44,7 @@ void mp_trace_record_locked(mp_pool *p, int action, uintptr_t ptr, size_t nbytes
         size_t free_bytes = 0, total = 0;
         if (p->up.mem_info && p->up.mem_info(p->up.ctx, &free_bytes, &total) == MP_OK) ptr = free_bytes;
     }
-    if (p->trace_len == p->trace_cap && p->trace_cap < p->trace_max) grow_locked(p);
+    if (p->trace_len == p->trace_cap && p->trace_cap < p->trace_max) grow_ring_locked(p);
     /* head < cap and len <= cap: one compare wraps the index, no division on the path. */
     size_t i = p->trace_head + p->trace_len;
     if (i >= p->trace_cap) i -= p->trace_cap;

@@ -806,32 +806,29 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     // live tensors still use. On a failure only the blocks put back by this call go again.
     std::vector<uintptr_t> restored;
     restored.reserve(state->blocks.size());   // no allocation once blocks are put back
-    for (auto& [p, what] : state->blocks) {
-      if (now.count(p)) continue;
-      int rc = api->pool_alloc_at(pp->pool, p, what.first, what.second);
-      if (rc == MP_OK) {
-        try {
-          std::lock_guard<std::mutex> lock(pools_mu_);
-          private_blocks_[p] = pp;
-          pp->live_blocks++;
-        } catch (...) {
-          (void)api->pool_free(pp->pool, p, 0, 0);
-          rc = MP_ENOMEM;   // no host memory to remember the block
-        }
-      }
-      if (rc != MP_OK) {
-        for (uintptr_t q : restored) free_private(q);
-        unpin(pinned);
-        TORCH_CHECK(false, cat("mempool: restoring a CUDA-graph pool checkpoint could not "
-                               "put the block at ", reinterpret_cast<void*>(p), " (",
-                               fmt_size(what.first), ") back (code ", rc, ")"));
-      }
-      n_private_blocks_.fetch_add(1, std::memory_order_release);
-      restored.push_back(p);
-    }
-    // Each block put back is an allocation to history, trackers and the profiler, as
-    // PyTorch's restore allocates each (the frees above were recorded by free_private).
     try {
+      for (auto& [p, what] : state->blocks) {
+        if (now.count(p)) continue;
+        int rc = api->pool_alloc_at(pp->pool, p, what.first, what.second);
+        if (rc == MP_OK) {
+          try {
+            std::lock_guard<std::mutex> lock(pools_mu_);
+            private_blocks_[p] = pp;
+            pp->live_blocks++;
+          } catch (...) {
+            (void)api->pool_free(pp->pool, p, 0, 0);
+            rc = MP_ENOMEM;   // no host memory to remember the block
+          }
+        }
+        TORCH_CHECK(rc == MP_OK,
+                    cat("mempool: restoring a CUDA-graph pool checkpoint could not put the "
+                        "block at ", reinterpret_cast<void*>(p), " (", fmt_size(what.first),
+                        ") back (code ", rc, ")"));
+        n_private_blocks_.fetch_add(1, std::memory_order_release);
+        restored.push_back(p);
+      }
+      // Each block put back is an allocation to history, trackers and the profiler, as
+      // PyTorch's restore allocates each (the frees above were recorded by free_private).
       for (uintptr_t p : restored) {
         const auto& what = state->blocks.at(p);
         if (tracing_.load(std::memory_order_relaxed))
@@ -1458,10 +1455,8 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     } else {
       erase_context_locked(ptr);
     }
-    push_trace_locked("alloc",
-                      entry_locked(TraceEntry::ALLOC, device, ptr, nbytes, stream, pool,
-                                   c10::getApproximateTime(),
-                                   when >= RecordContext::ALLOC ? ctx : nullptr));
+    push_trace_locked("alloc", entry_locked(TraceEntry::ALLOC, device, ptr, nbytes, stream,
+                                            pool, c10::getApproximateTime(), ctx));
   }
 
   // Called before the block is freed. As PyTorch's allocator records a free: the size the
