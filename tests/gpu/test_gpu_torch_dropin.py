@@ -1349,3 +1349,68 @@ def test_a_released_graphs_counts_stay_in_memory_stats():
         print("counts kept")
     """, prelude=PRELUDE + GRAPH_OF_ONE_PRODUCT)
     assert "counts kept" in out
+
+
+# PyTorch's own allocator, for the cases that check a scenario means under it what they
+# check under the pool.
+NATIVE_PRELUDE = """
+import torch
+"""
+
+
+def test_the_gpu_trace_hears_each_block_handed_out_and_given_back():
+    # PyTorch's test_cuda_trace.py (test_memory_allocation_callback and
+    # test_memory_deallocation_callback), and raw_alloc's blocks, on the pool
+    # (Note [GPU trace hooks] in torch_allocator.cpp).
+    out = run("""
+        import torch.cuda._gpu_trace as gpu_trace
+        torch._C._activate_gpu_trace()
+        handed, given = [], []
+        gpu_trace.register_callback_for_memory_allocation(handed.append)
+        gpu_trace.register_callback_for_memory_deallocation(given.append)
+        t = torch.empty(10, 4, device="cuda")
+        ptr = t.data_ptr()
+        assert handed == [ptr], (handed, ptr)
+        del t
+        assert given == [ptr], (given, ptr)
+        raw = torch.cuda.caching_allocator_alloc(4096)
+        assert handed[-1] == raw and len(handed) == 2, (handed, raw)
+        torch.cuda.caching_allocator_delete(raw)
+        assert given[-1] == raw and len(given) == 2, (given, raw)
+        print("trace heard", len(handed), len(given))
+    """)
+    assert "trace heard 2 2" in out
+
+
+SANITIZED_REUSE = """
+    # x is read on a side stream s (recorded), freed, and its block handed out again on the
+    # current stream once s has finished. s.query() tells the host without telling the
+    # sanitizer, so only the allocator's free and allocation tell it that y is not x.
+    from torch.cuda._sanitizer import enable_cuda_sanitizer
+    enable_cuda_sanitizer()
+    s = torch.cuda.Stream()
+    n = 1 << 20
+    x = torch.ones(n, device="cuda")
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        total = x.sum()
+    x.record_stream(s)
+    ptr = x.data_ptr()
+    del x
+    while not s.query():
+        pass
+    y = torch.zeros(n, device="cuda")
+    assert y.data_ptr() == ptr, "the block was not handed out again: the case shows nothing"
+    torch.cuda.current_stream().wait_stream(s)
+    print("no race reported", float(total), float(y.sum()))
+"""
+
+
+def test_the_cuda_sanitizer_sees_a_block_handed_out_again_as_a_new_tensor():
+    # torch.cuda._sanitizer (TORCH_CUDA_SANITIZER=1) keeps each address's accesses until the
+    # allocator says the block was freed. Before the pool said so, y's first write was
+    # reported as a race with s's read of x. The same script under PyTorch's own allocator
+    # shows that the case is no race.
+    for prelude in (NATIVE_PRELUDE, PRELUDE):
+        out = run(SANITIZED_REUSE, prelude=prelude)
+        assert "no race reported 1048576.0 0.0" in out, out

@@ -17,6 +17,7 @@
 // call may block for long (segment allocation); neither is held while the other is taken.
 
 #include <c10/core/Allocator.h>
+#include <c10/core/impl/GPUTrace.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -175,6 +176,26 @@ struct IdHash {
 void delete_block(void* ctx);
 void uncached_delete(void* ptr);
 
+// Note [GPU trace hooks]
+// torch.cuda._gpu_trace's callbacks, and the CUDA sanitizer built on them
+// (TORCH_CUDA_SANITIZER=1, torch.cuda._sanitizer), hear of each block handed out and each
+// block given back, as PyTorch's own allocator tells them from its malloc (after) and free
+// (before). The sanitizer keeps every access it saw by address: without these calls a block
+// the pool hands out again inherited its last tensor's accesses, and the first write of the
+// new tensor was reported as a race with streams that had used the old one. One load while
+// no tracer is active (GPUTrace::get_trace); the callbacks run Python, so no lock is held.
+void tell_gpu_trace_alloc(void* ptr) {
+  const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
+  if (C10_UNLIKELY(interp && ptr))
+    (*interp)->trace_gpu_memory_allocation(c10::kCUDA, reinterpret_cast<uintptr_t>(ptr));
+}
+
+void tell_gpu_trace_free(void* ptr) {
+  const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
+  if (C10_UNLIKELY(interp && ptr))
+    (*interp)->trace_gpu_memory_deallocation(c10::kCUDA, reinterpret_cast<uintptr_t>(ptr));
+}
+
 // Note [Custom segment sources] (mp_torch.c): a MemPool's own allocator as the segment
 // source of its pool. The callbacks run inside the core's calls, so no exception may leave
 // them: an allocator's out-of-memory error, or a null pointer, is MP_ENOMEM; any other
@@ -265,11 +286,13 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     }
     if (C10_UNLIKELY(!enabled_.load(std::memory_order_relaxed))) {
       void* ptr = uncached_alloc(device, nbytes);   // the deleter gets the context: ptr
+      tell_gpu_trace_alloc(ptr);
       return {ptr, ptr, &uncached_delete, c10::Device(c10::DeviceType::CUDA, device)};
     }
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
     uintptr_t tag = 0;
     void* ptr = alloc_on(device, nbytes, stream, &tag);
+    tell_gpu_trace_alloc(ptr);   // Note [GPU trace hooks]
     return {ptr, reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(ptr) | tag),
             &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
   }
@@ -283,18 +306,12 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   void* raw_alloc(size_t nbytes) override {
     if (nbytes == 0) return nullptr;
     c10::DeviceIndex device = c10::cuda::current_device();
-    if (C10_UNLIKELY(!enabled_.load(std::memory_order_relaxed)))
-      return uncached_raw_alloc(device, nbytes);
-    uintptr_t tag = 0;
-    return alloc_on(device, nbytes, c10::cuda::getCurrentCUDAStream(device).stream(), &tag);
+    return raw_alloc_on(device, nbytes, c10::cuda::getCurrentCUDAStream(device).stream());
   }
 
   void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
     if (nbytes == 0) return nullptr;
-    if (C10_UNLIKELY(!enabled_.load(std::memory_order_relaxed)))
-      return uncached_raw_alloc(c10::cuda::current_device(), nbytes);
-    uintptr_t tag = 0;
-    return alloc_on(c10::cuda::current_device(), nbytes, stream, &tag);
+    return raw_alloc_on(c10::cuda::current_device(), nbytes, stream);
   }
 
   void raw_delete(void* ptr) override {
@@ -311,6 +328,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     uintptr_t ptr = ctx & ~kTagMask;
     uintptr_t tag = ctx & kTagMask;
     if (!ptr) return;
+    tell_gpu_trace_free(reinterpret_cast<void*>(ptr));   // Note [GPU trace hooks]
     if (tag == 0 || tag == kTagPrivate) {
       if (n_private_blocks_.load(std::memory_order_acquire) > 0 && free_private(ptr)) return;
       if (tag == kTagPrivate) return;   // freed already: PyTorch's precondition was broken
@@ -935,6 +953,20 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
  private:
   std::mutex ipc_mu_;   // guards ipc_open_
   std::unordered_map<std::string, std::weak_ptr<void>> ipc_open_;   // handle -> its mapping
+
+  // raw_alloc's and raw_alloc_with_stream's block: the pool's, or the driver's while caching
+  // is off; the GPU trace hears of it either way (Note [GPU trace hooks]).
+  void* raw_alloc_on(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream) {
+    void* ptr = nullptr;
+    if (C10_UNLIKELY(!enabled_.load(std::memory_order_relaxed))) {
+      ptr = uncached_raw_alloc(device, nbytes);
+    } else {
+      uintptr_t tag = 0;
+      ptr = alloc_on(device, nbytes, stream, &tag);
+    }
+    tell_gpu_trace_alloc(ptr);
+    return ptr;
+  }
 
   // ---- caching off (Note [Caching off]) -------------------------------------------------
   void* uncached_alloc(c10::DeviceIndex device, size_t nbytes) {
@@ -1816,7 +1848,9 @@ void delete_block(void* ctx) {
 
 // A block of the driver's own, allocated while caching was off (Note [Caching off]).
 void uncached_delete(void* ptr) {
-  if (ptr) C10_CUDA_CHECK_WARN(cudaFree(ptr));
+  if (!ptr) return;
+  tell_gpu_trace_free(ptr);
+  C10_CUDA_CHECK_WARN(cudaFree(ptr));
 }
 
 }  // namespace
