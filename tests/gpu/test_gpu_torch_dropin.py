@@ -449,10 +449,12 @@ extern "C" size_t tracker_entries(char* out, size_t n) {   // the length; copied
 }
 """
 
-TRACKER_BUILD = """
+# SOURCE (C++ against the installed PyTorch's headers, with the glue's own toolchain) built
+# and loaded as `built`.
+CPP_BUILD = """
 import ctypes, os, subprocess, tempfile
 from mempool import torch_build as tb
-src = os.path.join(tempfile.mkdtemp(), "tracker.cpp")
+src = os.path.join(tempfile.mkdtemp(), "built.cpp")
 with open(src, "w") as f:
     f.write(SOURCE)
 includes, libdir = tb._torch_paths(torch)
@@ -461,7 +463,11 @@ subprocess.run([tb._compiler(), "-std=c++17", "-O1", "-shared", "-fPIC",
                 f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                 *(f"-I{d}" for d in includes + tb._cuda_include_dirs(torch)), src,
                 f"-L{libdir}", "-lc10", "-lc10_cuda", "-o", lib], check=True)
-tracker = ctypes.CDLL(lib)
+built = ctypes.CDLL(lib)
+"""
+
+TRACKER_BUILD = CPP_BUILD + """
+tracker = built
 tracker.tracker_entries.restype = ctypes.c_size_t
 
 def tracked():
@@ -1414,3 +1420,45 @@ def test_the_cuda_sanitizer_sees_a_block_handed_out_again_as_a_new_tensor():
     for prelude in (NATIVE_PRELUDE, PRELUDE):
         out = run(SANITIZED_REUSE, prelude=prelude)
         assert "no race reported 1048576.0 0.0" in out, out
+
+
+# A free-memory callback as torch.multiprocessing's CUDA IPC registers one: it holds a block
+# and gives it back when the allocator runs the callbacks.
+FREE_MEMORY_CALLBACK_SOURCE = r"""
+#include <c10/cuda/CUDACachingAllocator.h>
+namespace {
+void* held = nullptr;
+int runs = 0;
+struct GiveBack : public c10::FreeMemoryCallback {
+  bool Execute() override {
+    runs++;
+    if (!held) return false;
+    c10::cuda::CUDACachingAllocator::raw_delete(held);
+    held = nullptr;
+    return true;
+  }
+};
+}  // namespace
+REGISTER_FREE_MEMORY_CALLBACK("mempool_test_give_back", GiveBack);
+extern "C" int hold(size_t n) {
+  held = c10::cuda::CUDACachingAllocator::raw_alloc(n);
+  return held != nullptr;
+}
+extern "C" int runs_so_far() { return runs; }
+"""
+
+
+def test_the_free_memory_callbacks_run_before_an_allocation_fails():
+    # Note [Free memory callbacks]: a block a callback holds (as CUDA IPC holds a producer's
+    # shared blocks) serves a request that does not fit beside it. PyTorch's own allocator
+    # runs the callbacks on a miss of its cache, so the same script passes under it.
+    build = f"SOURCE = {FREE_MEMORY_CALLBACK_SOURCE!r}\n" + CPP_BUILD
+    for prelude in (NATIVE_PRELUDE, PRELUDE):
+        out = run("""
+            torch.cuda.init()
+            assert built.hold(200 << 20)
+            y = torch.empty(200 << 20, dtype=torch.uint8, device="cuda")   # 400 MiB > 256
+            assert built.runs_so_far() >= 1
+            print("served after the callbacks ran", built.runs_so_far())
+        """, prelude=prelude + build + FRACTION_256_MIB_ABOVE_NOW)
+        assert "served after the callbacks ran" in out, out

@@ -1016,6 +1016,11 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     uintptr_t out = 0;
     int rc = api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
     if (rc == MP_OK) return served(device, out, nbytes, stream, tag);
+    if (out_of_memory(rc) && run_free_memory_callbacks()) {
+      note_another_try(device, /*retry=*/false);
+      rc = api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
+      if (rc == MP_OK) return served(device, out, nbytes, stream, tag);
+    }
     if (out_of_memory(rc) && release_unused_pools_for_oom(device)) {
       note_another_try(device, /*retry=*/true);
       rc = api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
@@ -1062,6 +1067,23 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   // while a capture or pool context is open anywhere (capturing()): PyTorch's allocator
   // does not release its own cache then either, and a MemPool's request, which is made only
   // in such a context, is never retried. Returns whether any cache was emptied.
+  // Note [Free memory callbacks]
+  // PyTorch's allocator runs every callback of c10's FreeCudaMemoryCallbacksRegistry when its
+  // cache has no block for a request, and searches again if one freed memory.
+  // torch.multiprocessing registers one (CUDA IPC's "cuda_ipc_collect"): a producer's shared
+  // blocks that every consumer has let go of are freed then, as torch.cuda.ipc_collect()
+  // does. The glue cannot tell a miss of the pool from a hit without a call into the core on
+  // every allocation, so it runs them when the device's pool refuses a request, and tries
+  // once more when one freed anything: memory the consumers have let go of serves the
+  // request before it fails. The callbacks free through this allocator, and no lock of the
+  // glue is held while they run.
+  static bool run_free_memory_callbacks() {
+    bool freed = false;
+    for (const std::string& name : c10::FreeCudaMemoryCallbacksRegistry()->Keys())
+      freed |= c10::FreeCudaMemoryCallbacksRegistry()->Create(name)->Execute();
+    return freed;
+  }
+
   bool release_unused_pools_for_oom(int device) {
     if (capturing()) return false;
     return empty_unused_pools(MempoolId_t{0, 0}, device);
