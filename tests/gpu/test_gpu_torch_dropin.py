@@ -1462,3 +1462,32 @@ def test_the_free_memory_callbacks_run_before_an_allocation_fails():
             print("served after the callbacks ran", built.runs_so_far())
         """, prelude=prelude + build + FRACTION_256_MIB_ABOVE_NOW)
         assert "served after the callbacks ran" in out, out
+
+
+def test_raw_delete_refuses_a_pointer_no_block_starts_at():
+    # torch.cuda.caching_allocator_delete of a pointer into a live block, of an unknown one,
+    # or of one freed already: PyTorch's allocator raises "invalid device pointer" and frees
+    # nothing. The pool read a pointer into a block as a tagged one and freed the live block.
+    for prelude in (NATIVE_PRELUDE, PRELUDE):
+        out = run("""
+            p = torch.cuda.caching_allocator_alloc(1 << 20)
+            held = torch.cuda.memory_allocated()
+            for bad in (p + 1, p + 256, p + 512, p + (1 << 19)):
+                try:
+                    torch.cuda.caching_allocator_delete(bad)
+                except RuntimeError as e:
+                    assert "invalid device pointer" in str(e), e
+                else:
+                    raise AssertionError(f"{bad - p} bytes into the block was taken")
+                assert torch.cuda.memory_allocated() == held, (bad - p, held)
+            torch.cuda.caching_allocator_delete(p)
+            assert torch.cuda.memory_allocated() == held - (1 << 20)
+            try:
+                torch.cuda.caching_allocator_delete(p)
+            except RuntimeError as e:
+                assert "invalid device pointer" in str(e), e
+            else:
+                raise AssertionError("a second delete was taken")
+            print("refused, nothing freed")
+        """, prelude=prelude)
+        assert "refused, nothing freed" in out, out

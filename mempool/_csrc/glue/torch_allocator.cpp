@@ -320,32 +320,41 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
       uncached_delete(ptr);
       return;
     }
-    free_tagged(reinterpret_cast<uintptr_t>(ptr));
+    // raw_alloc's pointers carry no tag (they are 512-byte aligned): a pointer with low bits
+    // set points into a block, and must not be read as allocate()'s tagged context, which
+    // would free the live block it points into. As PyTorch's allocator, refuse a pointer at
+    // which no live block starts (inside one, unknown, or freed already); nothing is freed.
+    uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+    TORCH_CHECK(!p || ((p & kTagMask) == 0 && free_tagged(p)), "invalid device pointer: ", ptr,
+                " (mempool: no live block of the pool starts there; raw_delete takes a "
+                "pointer raw_alloc returned, once)");
   }
 
-  // ctx: the block's address with the tag of allocate() in its low bits.
-  void free_tagged(uintptr_t ctx) {
+  // ctx: the block's address with the tag of allocate() in its low bits. False when no live
+  // block of the pools starts at an untagged ptr (nothing is freed then).
+  bool free_tagged(uintptr_t ctx) {
     uintptr_t ptr = ctx & ~kTagMask;
     uintptr_t tag = ctx & kTagMask;
-    if (!ptr) return;
-    tell_gpu_trace_free(reinterpret_cast<void*>(ptr));   // Note [GPU trace hooks]
+    if (!ptr) return true;
     if (tag == 0 || tag == kTagPrivate) {
-      if (n_private_blocks_.load(std::memory_order_acquire) > 0 && free_private(ptr)) return;
-      if (tag == kTagPrivate) return;   // freed already: PyTorch's precondition was broken
+      if (n_private_blocks_.load(std::memory_order_acquire) > 0 && free_private(ptr)) return true;
+      if (tag == kTagPrivate) return false;   // freed already: PyTorch's precondition was broken
       int device = api->find_device(ptr);
-      if (device < 0) return;
+      if (device < 0) return false;
       tag = static_cast<uintptr_t>(device) + 1;
     }
     int device = static_cast<int>(tag) - 1;
+    tell_gpu_trace_free(reinterpret_cast<void*>(ptr));   // Note [GPU trace hooks]
     if (tracing_.load(std::memory_order_relaxed)) record_free(device, ptr, {0, 0});
     else if (C10_UNLIKELY(contexts_kept_.load(std::memory_order_relaxed))) forget_context(ptr);
     if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
       int64_t nbytes = static_cast<int64_t>(block_facts(device, ptr, {0, 0}).nbytes);
       api->free(device, ptr);
       report_to_profiler(device, ptr, -nbytes);
-      return;
+      return true;
     }
     api->free(device, ptr);
+    return true;
   }
 
   // torch.profiler.profile(profile_memory=True) hears of each allocation and free as from
@@ -1194,6 +1203,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
       private_blocks_.erase(it);   // still counted in live_blocks: pp stays until the free
     }
     n_private_blocks_.fetch_sub(1, std::memory_order_release);
+    tell_gpu_trace_free(reinterpret_cast<void*>(ptr));   // Note [GPU trace hooks]
     if (tracing_.load(std::memory_order_relaxed)) record_free(pp->device, ptr, pp->id);
     else if (C10_UNLIKELY(contexts_kept_.load(std::memory_order_relaxed))) forget_context(ptr);
     if (C10_UNLIKELY(c10::memoryProfilingEnabled())) report_to_profiler(pp->device, ptr, pp->id, -1);
