@@ -1439,7 +1439,9 @@ struct GiveBack : public c10::FreeMemoryCallback {
   }
 };
 }  // namespace
-REGISTER_FREE_MEMORY_CALLBACK("mempool_test_give_back", GiveBack);
+namespace c10 {   // the registry's macro names its registerer unqualified
+REGISTER_FREE_MEMORY_CALLBACK("mempool_test_give_back", ::GiveBack);
+}  // namespace c10
 extern "C" int hold(size_t n) {
   held = c10::cuda::CUDACachingAllocator::raw_alloc(n);
   return held != nullptr;
