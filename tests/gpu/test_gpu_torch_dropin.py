@@ -1422,8 +1422,8 @@ def test_the_cuda_sanitizer_sees_a_block_handed_out_again_as_a_new_tensor():
         assert "no race reported 1048576.0 0.0" in out, out
 
 
-# A free-memory callback as torch.multiprocessing's CUDA IPC registers one: it holds a block
-# and gives it back when the allocator runs the callbacks.
+# A free-memory callback of an extension (CUDA IPC registers one the same way): it holds a
+# block and gives it back when the allocator runs the callbacks.
 FREE_MEMORY_CALLBACK_SOURCE = r"""
 #include <c10/cuda/CUDACachingAllocator.h>
 namespace {
@@ -1451,8 +1451,8 @@ extern "C" int runs_so_far() { return runs; }
 
 
 def test_the_free_memory_callbacks_run_before_an_allocation_fails():
-    # Note [Free memory callbacks]: a block a callback holds (as CUDA IPC holds a producer's
-    # shared blocks) serves a request that does not fit beside it. PyTorch's own allocator
+    # Note [Free memory callbacks]: a block a callback holds serves a request that does not
+    # fit beside it. PyTorch's own allocator
     # runs the callbacks on a miss of its cache, so the same script passes under it.
     build = f"SOURCE = {FREE_MEMORY_CALLBACK_SOURCE!r}\n" + CPP_BUILD
     for prelude in (NATIVE_PRELUDE, PRELUDE):
