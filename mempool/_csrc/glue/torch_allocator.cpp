@@ -325,9 +325,10 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     // would free the live block it points into. As PyTorch's allocator, refuse a pointer at
     // which no live block starts (inside one, unknown, or freed already); nothing is freed.
     uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
-    TORCH_CHECK(!p || ((p & kTagMask) == 0 && free_tagged(p)), "invalid device pointer: ", ptr,
-                " (mempool: no live block of the pool starts there; raw_delete takes a "
-                "pointer raw_alloc returned, once)");
+    TORCH_CHECK(!p || ((p & kTagMask) == 0 && free_tagged(p)),
+                cat("invalid device pointer: ", static_cast<const void*>(ptr),
+                    " (mempool: no live block of the pool starts there; raw_delete takes a "
+                    "pointer raw_alloc returned, once)"));
   }
 
   // ctx: the block's address with the tag of allocate() in its low bits. False when no live
