@@ -65,6 +65,17 @@ def test_each_check_of_the_glue_passes_one_message():
     assert checks_with_several_message_parts(source) == []
 
 
+# PyTorch's macros that build a message of several parts inside their own expansion.
+SEVERAL_PARTS_INSIDE = ("C10_CUDA_CHECK_WARN", "TORCH_CHECK_EQ", "TORCH_CHECK_NE",
+                        "TORCH_CHECK_LE", "TORCH_CHECK_LT", "TORCH_CHECK_GE", "TORCH_CHECK_GT")
+
+
+def test_the_glue_uses_no_macro_that_builds_its_message_in_parts():
+    code = re.sub(r"//[^\n]*", "", GLUE.read_text())
+    used = [m for m in SEVERAL_PARTS_INSIDE if re.search(r"\b" + m + r"\s*\(", code)]
+    assert used == []
+
+
 def test_a_message_in_several_parts_is_found():
     bad = 'void f(void* p) {\n  TORCH_CHECK(p != nullptr, "invalid device pointer: ", p);\n}\n'
     good = 'void f(void* p) {\n  TORCH_CHECK(g(a, b), cat("x, y", p));  // TORCH_CHECK(a, b, c)\n}\n'

@@ -103,6 +103,14 @@ std::string cat(const A&... parts) {
   return out;
 }
 
+// C10_CUDA_CHECK_WARN, whose header macro hands TORCH_WARN two parts: the same warning, one
+// string built here.
+void warn_if_cuda_error(cudaError_t err) {
+  if (err == cudaSuccess) return;
+  (void)cudaGetLastError();   // clear it, as the macro does
+  TORCH_WARN(cat("CUDA warning: ", cudaGetErrorString(err)));
+}
+
 // Every counter family PyTorch's DeviceStats and the core's mp_stats share, applied to
 // both as f(theirs, ours).
 template <typename To, typename From, typename F>
@@ -929,7 +937,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
       try {   // a deleter must not throw (the guard may, at exit)
         c10::cuda::CUDAGuard guard(device);
         std::lock_guard<std::mutex> lock(ipc_mu_);
-        C10_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(p));
+        warn_if_cuda_error(cudaIpcCloseMemHandle(p));
         auto it = ipc_open_.find(handle);
         if (it != ipc_open_.end() && it->second.expired()) ipc_open_.erase(it);
       } catch (...) {
@@ -1884,7 +1892,7 @@ void delete_block(void* ctx) {
 void uncached_delete(void* ptr) {
   if (!ptr) return;
   tell_gpu_trace_free(ptr);
-  C10_CUDA_CHECK_WARN(cudaFree(ptr));
+  warn_if_cuda_error(cudaFree(ptr));
 }
 
 }  // namespace
