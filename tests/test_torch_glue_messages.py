@@ -13,7 +13,8 @@ GLUE = Path(__file__).resolve().parent.parent / "mempool" / "_csrc" / "glue" / "
 
 # The macro and how many arguments it takes before its message.
 CHECKS = {"TORCH_CHECK": 1, "TORCH_CHECK_WITH": 2, "TORCH_INTERNAL_ASSERT": 1,
-          "TORCH_WARN": 0, "TORCH_WARN_ONCE": 0}
+          "TORCH_CHECK_VALUE": 1, "TORCH_CHECK_TYPE": 1, "TORCH_CHECK_INDEX": 1,
+          "TORCH_CHECK_NOT_IMPLEMENTED": 1, "TORCH_WARN": 0, "TORCH_WARN_ONCE": 0}
 
 
 def call_arguments(text, start):
