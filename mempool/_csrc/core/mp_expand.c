@@ -55,6 +55,8 @@
  * not move it. A growth past the mark while live bytes set no record of their own is held
  * to stricter terms (Note [Layout records]).
  *
+ * A large growth is an exception (Note [Large growths] below).
+ *
  * Failures: map is all or nothing (the upstream undoes a partial map), so a failed growth
  * leaves its range unmapped as before; out of device memory, free pages elsewhere are
  * released and the map is tried once more, then pending frees are waited for.
@@ -71,6 +73,28 @@
  * crossed at every free expensive. A stream sync or query inside a CUDA graph capture would
  * break it: no page is unmapped while a capture is under way (Note [Graph capture] in
  * mp_capture.h), growth maps pages as usual.
+ */
+
+/* Note [Large growths]
+ *
+ * Why: the high-water rule's floor (MP_HIGH_WATER_MIN_IDLE, and 1/MP_HIGH_WATER_IDLE_DIV of
+ * the mark) keeps its syncs few over a warm-up's many growths. A growth of a large share of
+ * the mark is another matter: cuDNN's benchmark (torch.backends.cudnn.benchmark) tries
+ * workspaces of several GiB while a ResNet-50 holds 10 GiB, and the growth for one maps GiBs
+ * at the range's end while idle allocations sit in holes below it, too few for the floor.
+ * The footprint's peak is then the workspace plus those holes.
+ *
+ * Approach: a growth past the mapped mark that sets a live record and needs at least
+ * 1/MP_HIGH_WATER_LARGE_DIV of the mark and MP_HIGH_WATER_LARGE_MIN first gives back every
+ * idle whole allocation outside it, however few bytes they hold. Such growths are rare (a
+ * few per run), and each already costs the driver more than the sync and unmaps a release
+ * adds. A layout's record (Note [Layout records]) keeps its own terms.
+ *
+ * Measured on sim with cuda's 8 MiB pages, replaying recorded runs (docs/expandable.md): the
+ * two ResNet-50 recordings (cuDNN benchmark on) peak 16 and 56 MiB lower, for one more sync
+ * each in warm-up; the GPT, GPT-2 and Llama recordings, and the shipped transformer, vision
+ * and small traces, make the same calls and peak where they did.
+ * tests/test_expandable_large_growth.py.
  */
 
 /* Note [Layout records]
@@ -1024,8 +1048,13 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, int exac
     size_t layout_mark = 0;   /* a release of the high-water rule for a layout's record */
     if (need > p->mapped_high_water) {
         size_t div = high_water_div_locked(p, size, need, &layout_mark);
+        /* Note [Large growths]: no share of the mark, and no floor, for a large one. */
+        int large = div == MP_HIGH_WATER_IDLE_DIV &&
+                    plan.need >= p->mapped_high_water / MP_HIGH_WATER_LARGE_DIV &&
+                    plan.need >= MP_HIGH_WATER_LARGE_MIN;
         size_t idle = div ? idle_bytes_locked(p, plan.lo, plan.hi) : 0;
-        if (div && idle >= MP_HIGH_WATER_MIN_IDLE && idle >= p->mapped_high_water / div)
+        if (div && idle &&
+            (large || (idle >= MP_HIGH_WATER_MIN_IDLE && idle >= p->mapped_high_water / div)))
             excess = idle > excess ? idle : excess;
         else
             layout_mark = 0;

@@ -289,6 +289,10 @@ static inline int mp_up_event_create(mp_pool *p, uintptr_t *ev) {
  * on this much idle memory, and 1/MP_HIGH_WATER_IDLE_DIV of the mark: few releases. */
 #define MP_HIGH_WATER_MIN_IDLE ((size_t)32 << 20)
 #define MP_HIGH_WATER_IDLE_DIV 128
+/* Note [Large growths] in mp_expand.c: a growth of at least 1/MP_HIGH_WATER_LARGE_DIV of
+ * the mark and MP_HIGH_WATER_LARGE_MIN releases whatever is idle, with no floor. */
+#define MP_HIGH_WATER_LARGE_DIV 8
+#define MP_HIGH_WATER_LARGE_MIN ((size_t)256 << 20)
 /* Note [Layout records] in mp_expand.c: a growth past the mapped mark while live bytes set
  * no record releases only with 1/MP_LAYOUT_IDLE_DIV of the mark idle, once for each live
  * mark, unless it would map more than 1/MP_LAYOUT_SLACK_DIV beyond the live mark. */
