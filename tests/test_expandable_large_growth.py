@@ -56,3 +56,24 @@ def test_a_large_growth_of_a_small_pool_keeps_the_share():
     pool.alloc(200 * MiB)
     assert pool.stats()["num_stream_syncs"] == before
     assert pool.reserved_bytes() == (512 + 16 + 8 + 200) * MiB
+
+
+def test_the_recordings_script_replays_every_recording_and_trace(tmp_path):
+    # bench/expandable_recordings.py, which judged the rule: the ResNet-50 rows are the
+    # replays tests/test_replay_empty_cache.py pins, the others as before the rule.
+    import json
+    import os
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    sys.path.insert(0, bench)
+    try:
+        import expandable_recordings
+    finally:
+        sys.path.remove(bench)
+    out = tmp_path / "rows.json"
+    assert expandable_recordings.main(["--json", str(out)]) == 0
+    rows = {r["input"]: r for r in json.loads(out.read_text())}
+    assert len(rows) == len(expandable_recordings.inputs()) >= 14
+    resnet = rows["snapshot-resnet-mempool-expandable-d80e541.pickle.gz"]
+    assert resnet["peak_reserved"] == 11_031_019_520 - 56 * MiB
+    assert rows["transformer_train.jsonl.gz"]["stream_syncs"] == 1
