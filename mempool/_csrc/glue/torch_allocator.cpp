@@ -1074,17 +1074,6 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     if (retry) oom_retries_[device_slot(device)].fetch_add(1, std::memory_order_relaxed);
   }
 
-  // Note [Memory other pools hold at OOM]
-  // A pool that runs out has released its own cache already (the core's chain), but the
-  // device or the shared limit (Note [Shared limit], mp_release.c) may be full of the free
-  // blocks of private pools nobody uses any more: a graph or MemPool released while tensors
-  // of it lived keeps the blocks of their later frees. As PyTorch's allocator frees its
-  // "freeable" graph pools before it raises, their caches go back (those that hold no live
-  // block go whole) and the request is tried once more. A live graph's or MemPool's free
-  // blocks stay (its replays write there; a MemPool keeps its cache). Nothing is released
-  // while a capture or pool context is open anywhere (capturing()): PyTorch's allocator
-  // does not release its own cache then either, and a MemPool's request, which is made only
-  // in such a context, is never retried. Returns whether any cache was emptied.
   // Note [Free memory callbacks]
   // PyTorch's allocator runs every callback of c10's FreeCudaMemoryCallbacksRegistry when its
   // cache has no block for a request, and searches again if one freed memory: memory that
@@ -1103,6 +1092,17 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     return freed;
   }
 
+  // Note [Memory other pools hold at OOM]
+  // A pool that runs out has released its own cache already (the core's chain), but the
+  // device or the shared limit (Note [Shared limit], mp_release.c) may be full of the free
+  // blocks of private pools nobody uses any more: a graph or MemPool released while tensors
+  // of it lived keeps the blocks of their later frees. As PyTorch's allocator frees its
+  // "freeable" graph pools before it raises, their caches go back (those that hold no live
+  // block go whole) and the request is tried once more. A live graph's or MemPool's free
+  // blocks stay (its replays write there; a MemPool keeps its cache). Nothing is released
+  // while a capture or pool context is open anywhere (capturing()): PyTorch's allocator
+  // does not release its own cache then either, and a MemPool's request, which is made only
+  // in such a context, is never retried. Returns whether any cache was emptied.
   bool release_unused_pools_for_oom(int device) {
     if (capturing()) return false;
     return empty_unused_pools(MempoolId_t{0, 0}, device);
