@@ -84,7 +84,8 @@
  * at the range's end while idle allocations sit in holes below it, too few for the floor.
  * The footprint's peak is then the workspace plus those holes.
  *
- * Approach: a growth past the mapped mark that sets a live record and needs at least
+ * Approach: a growth past the mapped mark held to the high-water rule's own terms (it sets
+ * a live record, or drifts past the live mark's slack) that needs at least
  * 1/MP_HIGH_WATER_LARGE_DIV of the mark and MP_HIGH_WATER_LARGE_MIN first gives back every
  * idle whole allocation outside it, however few bytes they hold. Such growths are rare (a
  * few per run), and each already costs the driver more than the sync and unmaps a release

@@ -1034,16 +1034,14 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     uintptr_t out = 0;
     int rc = api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
     if (rc == MP_OK) return served(device, out, nbytes, stream, tag);
-    if (out_of_memory(rc) && run_free_memory_callbacks()) {
-      note_another_try(device, /*retry=*/false);
-      rc = api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
-      if (rc == MP_OK) return served(device, out, nbytes, stream, tag);
-    }
-    if (out_of_memory(rc) && release_unused_pools_for_oom(device)) {
-      note_another_try(device, /*retry=*/true);
-      rc = api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
-      if (rc == MP_OK) return served(device, out, nbytes, stream, tag);
-    }
+    // Refused: what memory others hold is given back, and the request tried again after
+    // each way that freed any (Note [Free memory callbacks], Note [Memory other pools hold
+    // at OOM]).
+    if (out_of_memory(rc) && run_free_memory_callbacks())
+      rc = try_again(device, nbytes, stream, &out, /*retry=*/false);
+    if (out_of_memory(rc) && release_unused_pools_for_oom(device))
+      rc = try_again(device, nbytes, stream, &out, /*retry=*/true);
+    if (rc == MP_OK) return served(device, out, nbytes, stream, tag);
     if (out_of_memory(rc)) {
       void* p = alloc_use_on_oom(device, nbytes, stream);
       if (p) {
@@ -1072,6 +1070,12 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   void note_another_try(int device, bool retry) {
     oom_tried_again_[device_slot(device)].fetch_add(1, std::memory_order_relaxed);
     if (retry) oom_retries_[device_slot(device)].fetch_add(1, std::memory_order_relaxed);
+  }
+
+  // The device pool's request again, counted as PyTorch counts it (note_another_try).
+  int try_again(int device, size_t nbytes, cudaStream_t stream, uintptr_t* out, bool retry) {
+    note_another_try(device, retry);
+    return api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), out);
   }
 
   // Note [Free memory callbacks]
