@@ -420,7 +420,20 @@ def fastest_cpus(n):
     return set(sorted(paces, key=paces.get)[:n]), paces
 
 
-EMPTY_SIZES = (512, 65536, 1048576, 67108864)
+# 0 B first: torch.empty's own cost, its allocator's call returning at once with no memory
+# (neither allocator's deleter runs), so that each size less it is what the allocator
+# spends (allocator_shares).
+EMPTY_SIZES = (0, 512, 65536, 1048576, 67108864)
+
+
+def allocator_shares(pair_caching, pair_mempool, size):
+    """A pair's (caching, mempool) ns per torch.empty + drop of `size` less the same
+    process's 0 B figure: what each allocator adds to the call. None where either lacks it."""
+    try:
+        return tuple(r[size]["ns_per_pair"] - r["0"]["ns_per_pair"]
+                     for r in (pair_caching, pair_mempool))
+    except KeyError:
+        return None
 
 
 def run_empty(outdir, procs=6, rounds=15, pairs=2000):
@@ -593,6 +606,11 @@ def main(argv=None):
             if ratios:
                 print(f"torch.empty {size} B, mempool / caching per pair of processes: "
                       + ", ".join(f"{r:.2f}" for r in ratios) + f" (worst {max(ratios):.2f})")
+            shares = [allocator_shares(c, m, size) for m, c in zip(te["mempool"], te["caching"])]
+            shares = [s for s in shares if s and size != "0"]
+            if shares:
+                print(f"torch.empty {size} B, the allocators' own ns (less 0 B's) per pair, "
+                      "PyTorch / mempool: " + ", ".join(f"{c:.0f} / {m:.0f}" for c, m in shares))
             per_round = [x for pair in te.get("ratios", []) for x in pair.get(size, [])]
             if per_round:
                 print(f"torch.empty {size} B, mempool / caching round by round: median "
