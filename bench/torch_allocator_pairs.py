@@ -24,6 +24,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SIZES = (512, 65536, 1048576, 67108864)
 ALLOCATORS = ("caching", "mempool")
+# piece_ns's pieces (torch_allocator_pairs.cpp), by number: calls both allocators make in
+# each allocate or free, and (mempool only) the pool's own C entry points as a pair.
+PIECES = ("cudaGetDevice", "c10::cuda::current_device", "getCurrentCUDAStream",
+          "memoryProfilingEnabled", "GPUTrace::get_trace", "the pool's C entry points, a pair")
 
 
 def build(out_dir):
@@ -67,6 +71,20 @@ def child(allocator, lib, rounds, pairs):
     for size in SIZES:
         per_round = [probe.allocator_pairs_ns(size, pairs) for _ in range(rounds)]
         out[str(size)] = {"ns_per_pair": statistics.median(per_round), "rounds": per_round}
+    probe.piece_ns.restype = ctypes.c_double
+    probe.piece_ns.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_size_t, ctypes.c_void_p,
+                               ctypes.c_void_p]
+    entry = (None, None)
+    if allocator == "mempool":
+        glue = ctypes.CDLL(mempool.torch.library_path())
+        entry = tuple(ctypes.cast(f, ctypes.c_void_p).value
+                      for f in (glue.mempool_torch_alloc, glue.mempool_torch_free))
+    pieces = {}
+    for i, name in enumerate(PIECES):
+        ns = statistics.median(probe.piece_ns(i, pairs, 512, *entry) for _ in range(rounds))
+        if ns >= 0:
+            pieces[name] = ns
+    out["pieces"] = pieces
     print(json.dumps(out), flush=True)
     return 0
 
@@ -82,6 +100,12 @@ def summarize(procs):
             f"{statistics.median(got['mempool']):.1f} ns (worst {max(got['mempool']):.1f}); "
             f"mempool / PyTorch process by process " + ", ".join(f"{r:.2f}" for r in ratios)
             + f" (worst {max(ratios):.2f})")
+    for name in PIECES:
+        got = {a: [p["pieces"][name] for p in procs[a] if name in p.get("pieces", {})]
+               for a in ALLOCATORS}
+        lines.append(f"{name}: " + "; ".join(
+            f"{a} median {statistics.median(v):.1f} ns (worst {max(v):.1f})"
+            for a, v in got.items() if v))
     return "\n".join(lines)
 
 
@@ -113,7 +137,8 @@ def main(argv=None):
                     raise SystemExit(f"the {a} child failed:\n{done.stderr[-4000:]}")
                 result = json.loads(done.stdout.strip().splitlines()[-1])
                 procs[a].append(result)
-                print(a, {s: round(r["ns_per_pair"], 1) for s, r in result.items()}, flush=True)
+                print(a, {s: round(r["ns_per_pair"], 1) for s, r in result.items() if s != "pieces"},
+                      {k: round(v, 1) for k, v in result["pieces"].items()}, flush=True)
     print(summarize(procs))
     if args.json:
         with open(args.json, "w") as f:

@@ -31,7 +31,8 @@ def test_a_process_without_the_floor_has_no_share():
 
 def test_the_pairs_summary_gives_medians_worst_process_and_ratios_by_process():
     def proc(ns):
-        return {str(s): {"ns_per_pair": ns} for s in tap.SIZES}
+        return {**{str(s): {"ns_per_pair": ns} for s in tap.SIZES},
+                "pieces": {"cudaGetDevice": ns / 10}}
 
     procs = {"caching": [proc(300.0), proc(500.0), proc(400.0)],
              "mempool": [proc(60.0), proc(50.0), proc(120.0)]}
@@ -39,3 +40,7 @@ def test_the_pairs_summary_gives_medians_worst_process_and_ratios_by_process():
     assert first.startswith("512 B: PyTorch median 400.0 ns (worst 500.0), mempool median "
                             "60.0 ns (worst 120.0)")
     assert first.endswith("0.20, 0.10, 0.30 (worst 0.30)")
+    pieces = [line for line in tap.summarize(procs).splitlines()
+              if line.startswith("cudaGetDevice:")]
+    assert pieces == ["cudaGetDevice: caching median 40.0 ns (worst 50.0); mempool median "
+                      "6.0 ns (worst 12.0)"]
