@@ -50,16 +50,28 @@ def round_ratios(a, b):
     return [y / x for x, y in zip(a, b)]
 
 
+def round_shares(rounds, floor_rounds):
+    """Per round, its ns less those of the floor round timed right after it."""
+    return [x - f for x, f in zip(rounds, floor_rounds)]
+
+
 def order(names, round_index):
     """A B, B A, A B, ...: neither child always goes first after the other's round."""
     return names if round_index % 2 == 0 else names[::-1]
 
 
-def run_pair(children, cpu, sizes, rounds, env=None):
+def run_pair(children, cpu, sizes, rounds, env=None, floor=None):
     """children: {name: argv of a lockstep child}. Both start at once on `cpu` (None: not
     pinned); each size's rounds alternate between them. Returns {name: {"rounds": {size:
     [ns per pair of each round]}, "ns_per_pair": {size: median}, "result": the child's
-    closing JSON line}}."""
+    closing JSON line}}.
+
+    With `floor` (a size, e.g. 0 B, for which the allocator returns at once), each round
+    of every other size is followed at once by a round of `floor` in the same child, and
+    the result also holds {"floor_rounds": {size: [...]}, "share_per_pair": {size: median
+    of the rounds' differences}}: what the allocator adds to the call, each round against
+    the floor timed next to it, so a host whose pace moves during the run (seconds on one
+    CPU, then slower) moves both figures of a round alike."""
     names = list(children)
     procs = {}
     try:
@@ -68,18 +80,32 @@ def run_pair(children, cpu, sizes, rounds, env=None):
         for name in names:
             expect(procs[name], name, "READY")
         out = {name: {"rounds": {size: [] for size in sizes}} for name in names}
+        floored = [size for size in sizes if floor is not None and size != floor]
+        for name in names if floored else ():
+            out[name]["floor_rounds"] = {size: [] for size in floored}
+
+        def one_round(name, size):
+            procs[name].stdin.write(f"ROUND {size}\n")
+            procs[name].stdin.flush()
+            return float(expect(procs[name], name, "NS "))
+
         for size in sizes:
             for r in range(rounds):
                 for name in order(names, r):
-                    procs[name].stdin.write(f"ROUND {size}\n")
-                    procs[name].stdin.flush()
-                    out[name]["rounds"][size].append(float(expect(procs[name], name, "NS ")))
+                    out[name]["rounds"][size].append(one_round(name, size))
+                    if size in floored:
+                        out[name]["floor_rounds"][size].append(one_round(name, floor))
         for name in names:
             procs[name].stdin.write("END\n")
             procs[name].stdin.flush()
             out[name]["result"] = json.loads("{" + expect(procs[name], name, "{"))
             out[name]["ns_per_pair"] = {size: statistics.median(v)
                                         for size, v in out[name]["rounds"].items()}
+            if floored:
+                out[name]["share_per_pair"] = {
+                    size: statistics.median(round_shares(out[name]["rounds"][size],
+                                                         out[name]["floor_rounds"][size]))
+                    for size in floored}
         return out
     finally:
         for proc in procs.values():

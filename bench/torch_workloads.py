@@ -420,18 +420,20 @@ def fastest_cpus(n):
     return set(sorted(paces, key=paces.get)[:n]), paces
 
 
-# 0 B first: torch.empty's own cost, its allocator's call returning at once with no memory
-# (neither allocator's deleter runs), so that each size less it is what the allocator
-# spends (allocator_shares).
-EMPTY_SIZES = (0, 512, 65536, 1048576, 67108864)
+# 0 B: torch.empty's own cost, its allocator's call returning at once with no memory
+# (neither allocator's deleter runs). Each round of the other sizes is followed by a 0 B
+# round (empty_pairs.run_pair's floor), so that size less 0 B, round by round, is what the
+# allocator adds to the call (allocator_shares).
+EMPTY_FLOOR = 0
+EMPTY_SIZES = (EMPTY_FLOOR, 512, 65536, 1048576, 67108864)
 
 
 def allocator_shares(pair_caching, pair_mempool, size):
-    """A pair's (caching, mempool) ns per torch.empty + drop of `size` less the same
-    process's 0 B figure: what each allocator adds to the call. None where either lacks it."""
+    """A pair's (caching, mempool) ns that the allocator adds to a torch.empty + drop of
+    `size`: the median over rounds of each round less its 0 B round. None where either
+    process lacks it."""
     try:
-        return tuple(r[size]["ns_per_pair"] - r["0"]["ns_per_pair"]
-                     for r in (pair_caching, pair_mempool))
+        return tuple(r[size]["share_ns_per_pair"] for r in (pair_caching, pair_mempool))
     except KeyError:
         return None
 
@@ -454,7 +456,7 @@ def run_empty(outdir, procs=6, rounds=15, pairs=2000):
         try:
             pair = empty_pairs.run_pair(
                 {name: [child, name, "--lockstep", str(pairs)] for name in ("caching", "mempool")},
-                cpu, EMPTY_SIZES, rounds, env)
+                cpu, EMPTY_SIZES, rounds, env, floor=EMPTY_FLOOR)
         except RuntimeError as e:
             results["caching"].append({"error": str(e)})
             results["mempool"].append({"error": str(e)})
@@ -464,6 +466,9 @@ def run_empty(outdir, procs=6, rounds=15, pairs=2000):
             for size in EMPTY_SIZES:
                 r[str(size)] = {"ns_per_pair": pair[name]["ns_per_pair"][size],
                                 "rounds": pair[name]["rounds"][size]}
+                if size in pair[name].get("share_per_pair", {}):
+                    r[str(size)]["share_ns_per_pair"] = pair[name]["share_per_pair"][size]
+                    r[str(size)]["floor_rounds"] = pair[name]["floor_rounds"][size]
             r["cpu"], r["cpu_pace_ns"] = cpu, paces[cpu]
             results[name].append(r)
         results["ratios"].append({str(size): empty_pairs.round_ratios(
@@ -609,7 +614,8 @@ def main(argv=None):
             shares = [allocator_shares(c, m, size) for m, c in zip(te["mempool"], te["caching"])]
             shares = [s for s in shares if s and size != "0"]
             if shares:
-                print(f"torch.empty {size} B, the allocators' own ns (less 0 B's) per pair, "
+                print(f"torch.empty {size} B, the allocator's own ns (each round less the "
+                      "0 B round after it, median) per pair, "
                       "PyTorch / mempool: " + ", ".join(f"{c:.0f} / {m:.0f}" for c, m in shares))
             per_round = [x for pair in te.get("ratios", []) for x in pair.get(size, [])]
             if per_round:

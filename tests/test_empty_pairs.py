@@ -52,6 +52,31 @@ def test_rounds_alternate_and_each_childs_figure_is_the_median_of_its_rounds(fak
         [51 / 101, 52 / 102, 53 / 103, 54 / 104]
 
 
+def test_with_a_floor_each_round_is_followed_by_a_floor_round_in_the_same_child(fake_child):
+    script, log = fake_child
+    out = empty_pairs.run_pair({"a": [script, "a", log, "100"], "b": [script, "b", log, "50"]},
+                               None, (0, 512), rounds=2, floor=0)
+    with open(log) as f:
+        calls = f.read().split("\n")[:-1]
+    # 0 B's own rounds first, then each 512 B round with its floor round right after it.
+    assert calls == ["a 0", "b 0", "b 0", "a 0",
+                     "a 512", "a 0", "b 512", "b 0", "b 512", "b 0", "a 512", "a 0"]
+    # The fake child answers ns + its count of rounds: a's 512 B rounds were its 3rd and
+    # 5th (103, 105), each followed by a floor round (104, 106).
+    assert out["a"]["rounds"][512] == [103, 105]
+    assert out["a"]["floor_rounds"] == {512: [104, 106]}
+    assert out["a"]["share_per_pair"] == {512: -1}
+    assert 0 not in out["a"]["share_per_pair"]
+    assert empty_pairs.round_shares([10, 20], [4, 5]) == [6, 15]
+
+
+def test_without_a_floor_no_floor_rounds_are_run(fake_child):
+    script, log = fake_child
+    out = empty_pairs.run_pair({"a": [script, "a", log, "100"], "b": [script, "b", log, "50"]},
+                               None, (512,), rounds=2)
+    assert "floor_rounds" not in out["a"] and "share_per_pair" not in out["a"]
+
+
 def test_a_child_that_fails_is_named_with_its_error(tmp_path, fake_child):
     script, log = fake_child
     broken = tmp_path / "broken.py"

@@ -9,23 +9,19 @@ import torch_allocator_pairs as tap  # noqa: E402  (stdlib only at import)
 import torch_workloads as tw  # noqa: E402
 
 
-def figures(**ns):
-    return {size: {"ns_per_pair": v} for size, v in ns.items()}
+def test_the_floor_is_one_of_the_sizes_timed():
+    assert tw.EMPTY_FLOOR in tw.EMPTY_SIZES and tw.EMPTY_FLOOR == 0
 
 
-def test_the_floor_is_timed_first_so_every_size_has_it():
-    assert tw.EMPTY_SIZES[0] == 0
-
-
-def test_an_allocators_share_is_its_figure_less_its_own_processes_floor():
-    caching = figures(**{"0": 1800.0, "512": 2200.0})
-    mempool = figures(**{"0": 1900.0, "512": 2050.0})
+def test_an_allocators_share_is_its_processes_median_of_round_less_floor():
+    caching = {"512": {"ns_per_pair": 2200.0, "share_ns_per_pair": 400.0}}
+    mempool = {"512": {"ns_per_pair": 2050.0, "share_ns_per_pair": 150.0}}
     assert tw.allocator_shares(caching, mempool, "512") == (400.0, 150.0)
 
 
-def test_a_process_without_the_floor_has_no_share():
-    caching = figures(**{"512": 2200.0})
-    mempool = figures(**{"0": 1900.0, "512": 2050.0})
+def test_a_process_without_a_floor_has_no_share():
+    caching = {"512": {"ns_per_pair": 2200.0}}
+    mempool = {"512": {"ns_per_pair": 2050.0, "share_ns_per_pair": 150.0}}
     assert tw.allocator_shares(caching, mempool, "512") is None
 
 
