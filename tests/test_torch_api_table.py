@@ -212,6 +212,62 @@ def test_peaks_reset_and_cache_release(api, routed):
     assert routed.reserved_bytes() == 0
 
 
+S1 = 7   # a stream handle (the sim accepts any integer)
+
+
+def kept_behind_queued_work(pool, nbytes):
+    """A cached segment of `pool` whose stream has work queued: empty_cache frees it
+    behind that work, and the sim keeps its bytes the device's until the work has run
+    (Note [Frees the driver keeps])."""
+    pool.free(pool.alloc(nbytes, stream=S1), stream=S1)
+    pool.device.launch(S1)
+
+
+def test_empty_cache_gives_the_device_back_what_it_kept_of_the_frees(api, routed):
+    # Note [Giving back to the device]: torch.cuda.empty_cache() promises the memory back
+    # to the device. The pool's frees are stream-ordered and wait for nothing, so after its
+    # release the device still held 12 MiB; the table's empty_cache now waits for the
+    # device (one sync, counted as PyTorch counts its own) and the device holds nothing.
+    kept_behind_queued_work(routed, 12 * MiB)
+    syncs = routed.device.counters()["syncs"]
+    assert api.empty_cache(DEVICE) == MP_OK
+    assert routed.reserved_bytes() == 0
+    assert routed.device.held_bytes == 0
+    assert routed.device.counters()["syncs"] == syncs + 1
+    assert routed.stats()["num_sync_all_streams"] == 1
+    # The Pool's own empty_cache, for comparison, leaves them kept on sim (on cuda it
+    # synchronizes and trims its cudaMemPool through the CUDA runtime).
+    kept_behind_queued_work(routed, 12 * MiB)
+    routed.empty_cache()
+    assert routed.device.held_bytes == 12 * MiB
+    routed.device.complete_all()
+
+
+def test_empty_cache_with_nothing_released_makes_no_sync(api, routed):
+    kept_behind_queued_work(routed, 4 * MiB)
+    assert api.empty_cache(DEVICE) == MP_OK
+    syncs = routed.device.counters()["syncs"]
+    routed.device.launch(S1)
+    assert api.empty_cache(DEVICE) == MP_OK        # nothing cached: nothing to give back
+    assert routed.device.counters()["syncs"] == syncs
+    assert routed.stats()["num_sync_all_streams"] == 1
+    routed.device.complete_all()
+
+
+def test_empty_cache_during_a_capture_waits_for_no_device(api, routed):
+    # A capture refuses a device sync and is broken by one: the give-back waits for the
+    # capture's end (the release itself is deferred by the core, Note [Graph capture]).
+    kept_behind_queued_work(routed, 8 * MiB)
+    assert api.capture_begin(DEVICE) == MP_OK
+    syncs = routed.device.counters()["syncs"]
+    assert api.empty_cache(DEVICE) == MP_OK
+    assert routed.device.counters()["syncs"] == syncs
+    assert api.capture_end(DEVICE) == MP_OK
+    assert api.empty_cache(DEVICE) == MP_OK
+    assert routed.device.held_bytes == 0 and routed.reserved_bytes() == 0
+    assert routed.device.counters()["syncs"] == syncs + 1
+
+
 def test_layout_covers_every_segment(api, routed):
     ptrs = []
     for n in (512, 4096, 3 * MiB, 12 * MiB):

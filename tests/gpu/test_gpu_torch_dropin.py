@@ -1494,3 +1494,33 @@ def test_raw_delete_refuses_a_pointer_no_block_starts_at():
             print("refused, nothing freed")
         """, prelude=prelude)
         assert "refused, nothing freed" in out, out
+
+
+def test_empty_cache_gives_the_memory_back_to_the_device():
+    # Note [Giving back to the device]: torch.cuda.empty_cache() promises the released memory
+    # to other applications and to nvidia-smi. The pool freed its segments into its
+    # cudaMemPool in stream order and waited for nothing, so the device still counted them
+    # used until some later sync: PyTorch's own test_device_memory_used saw the device's
+    # used bytes not grow by a new tensor's size across an empty_cache. Here a 256 MiB block
+    # is cached, then emptied: the device's free memory (cudaMemGetInfo, no sync of its own)
+    # must grow by it at once, and grow again by a tensor's size when that one is freed.
+    for prelude in (NATIVE_PRELUDE, PRELUDE):
+        out = run("""
+            MiB = 1 << 20
+            x = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+            x.fill_(1)
+            del x                                   # cached, not given back
+            before, _ = torch.cuda.mem_get_info()
+            torch.cuda.empty_cache()
+            after, _ = torch.cuda.mem_get_info()
+            assert after - before >= 256 * MiB, (before, after)
+            # PyTorch's test_device_memory_used, with cudaMemGetInfo for NVML.
+            a = torch.cuda.mem_get_info()[0]
+            y = torch.empty(512 * MiB, dtype=torch.int8, device="cuda")
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            b = torch.cuda.mem_get_info()[0]
+            assert 512 * MiB // 32 <= a - b <= 512 * MiB * 32, (a, b)
+            print("given back", (after - before) // MiB, (a - b) // MiB)
+        """, prelude=prelude)
+        assert "given back" in out, out

@@ -143,6 +143,8 @@ struct mp_pool {
 
     size_t inflight_bytes;       /* segments being allocated with the lock dropped */
     int released_unwaited;       /* atomic; Note [The last try waits for the device] */
+    int released_since_give_back; /* atomic; a plain segment was freed to the upstream since
+                                     the last mp_give_back (Note [Giving back to the device]) */
     /* Note [Shared limit] (mp_release.c): the pool whose limit this one's reserved bytes
      * count against too (retained), or NULL; on a pool, the reserved-now bytes of it and of
      * every pool sharing its limit (atomic: members add to it under their own locks); and

@@ -188,6 +188,8 @@ void mp_release_finish_slow(mp_pool *p, mp_release_list *list) {
          * for the device], mp_core.c). Expandable pages are unmapped only once idle. */
         if (!seg->expandable && !seg->nrelease_sync && !list->waited)
             __atomic_store_n(&p->released_unwaited, 1, __ATOMIC_RELAXED);
+        if (!seg->expandable)   /* Note [Giving back to the device] */
+            __atomic_store_n(&p->released_since_give_back, 1, __ATOMIC_RELAXED);
         mp_segment_release_upstream(p, seg);
         free(seg->release_sync);
         free(seg->release_runs);
@@ -262,6 +264,46 @@ int mp_empty_cache(mp_pool *p) {
     mp_lock_release(&p->lock);
     mp_release_finish(p, &rel);
     return MP_OK;
+}
+
+/* Note [Giving back to the device]
+ * mp_empty_cache frees idle segments in stream order and waits for none of them, so the
+ * device may count them as used afterwards. A cudaMemPool keeps a freed segment until the
+ * work queued before its free has run, and then, with a release threshold of 0 (the pools
+ * a Pool makes), until the next synchronization; with a higher threshold it keeps up to that
+ * many bytes for good. nvidia-smi, NVML and cudaMemGetInfo show the memory as used until
+ * then. PyTorch's torch.cuda.empty_cache() promises it back, "so that it can be used by
+ * other GPU applications and visible in nvidia-smi": its native allocator frees with
+ * cudaFree, which waits, and its cudaMallocAsync backend synchronizes the device and trims
+ * its pool to 0. Under the torch glue, PyTorch's own test_device_memory_used failed once
+ * earlier tests had left memory cached: the device's used bytes did not grow by a new
+ * tensor's size from one empty_cache to the next.
+ *
+ * mp_give_back is what the Pool's own empty_cache and trim do through the CUDA runtime
+ * (the cudaMemPool trim of mempool/_cuda.py), for callers that run no Python (the torch
+ * glue). It waits for the whole device, but only when a plain segment was freed to the
+ * upstream since its last call (released_since_give_back; a free is stream-ordered even
+ * when the work before it was waited for, and the cudaMemPool sees it done only at a sync),
+ * so a program that empties an empty cache every step pays no sync. Then the upstream
+ * gives back what it still keeps beyond `keep` bytes (its trim). On sim and host the sync
+ * alone returns the kept frees. Expandable pages need none of this: their unmap releases
+ * the physical memory at once. A capture refuses a device sync and is broken by one: while the pool knows
+ * of a capture (mp_capture_known), nothing is done and MP_EBUSY is returned. The wait counts
+ * in num_sync_all_streams, as PyTorch's empty_cache counts its own. */
+int mp_give_back(mp_pool *p, size_t keep) {
+    if (mp_capture_known(p)) return MP_EBUSY;
+    if (p->up.device_synchronize &&
+        __atomic_exchange_n(&p->released_since_give_back, 0, __ATOMIC_RELAXED)) {
+        mp_lock_acquire(&p->lock);
+        p->stats.num_sync_all_streams++;
+        mp_lock_release(&p->lock);
+        __atomic_store_n(&p->released_unwaited, 0, __ATOMIC_RELAXED);   /* waited now */
+        void *blocking = mp_blocking_begin();
+        int rc = p->up.device_synchronize(p->up.ctx);
+        mp_blocking_end(blocking);
+        if (rc != MP_OK) return rc;
+    }
+    return p->up.trim ? p->up.trim(p->up.ctx, keep) : MP_OK;
 }
 
 /* Note [Shared limit]

@@ -382,9 +382,17 @@ static int api_reset_accumulated_stats(int device) {
     return MP_OK;
 }
 
+/* torch.cuda.empty_cache(): the idle segments released, and given back to the device so
+ * that it shows them free (Note [Giving back to the device]; skipped during a capture). */
 static int api_empty_cache(int device) {
     int rc;
-    WITH_SLOT(device, rc = mp_empty_cache(p));
+    WITH_SLOT(device, {
+        rc = mp_empty_cache(p);
+        if (rc == MP_OK) {
+            int given = mp_give_back(p, 0);
+            if (given != MP_EBUSY) rc = given;
+        }
+    });
     return rc;
 }
 

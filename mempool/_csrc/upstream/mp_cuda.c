@@ -165,6 +165,7 @@ static struct {
     /* Peer access: optional (enable_peer_access says so when missing). */
     CUresult (*DeviceCanAccessPeer)(int *, CUdevice, CUdevice);
     CUresult (*DeviceGetMemPool)(CUmemoryPool *, CUdevice);
+    CUresult (*MemPoolTrimTo)(CUmemoryPool, size_t);
     CUresult (*MemPoolSetAccess)(CUmemoryPool, const CUmemAccessDesc *, size_t);
     CUresult (*MemPoolGetAccess)(int *, CUmemoryPool, CUmemLocation *);
     CUresult (*MemGetAccess)(unsigned long long *, const CUmemLocation *, CUdeviceptr);
@@ -242,6 +243,7 @@ static void d_resolve(void) {
         {(void **)&D.MemAlloc, "cuMemAlloc_v2", CAPTURE},
         {(void **)&D.MemFree, "cuMemFree_v2", CAPTURE},
         {(void **)&D.ThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode", CAPTURE},
+        {(void **)&D.MemPoolTrimTo, "cuMemPoolTrimTo", OPTIONAL},
         {(void **)&D.StreamGetCaptureInfo3, "cuStreamGetCaptureInfo_v3", OPTIONAL},
         {(void **)&D.StreamGetCaptureInfo2, "cuStreamGetCaptureInfo_v2", OPTIONAL},
         {(void **)&D.GraphNodeGetDependencies2, "cuGraphNodeGetDependencies_v2", OPTIONAL},
@@ -687,6 +689,23 @@ static int cu_device_synchronize(void *ctx) {
     return check(c, r);
 }
 
+/* pool_of (below): the cudaMemPool the segments come from. */
+static CUresult pool_of(mp_cuda *c, CUmemoryPool *pool);
+
+/* Note [Giving back to the device] (core/mp_release.c): the cudaMemPool keeps freed
+ * segments (up to its release threshold, and until a sync even below it); trimming it to
+ * `keep` returns the rest of what its completed frees left. Nothing to do without the
+ * symbol (a driver before 11.2 has no cudaMemPool either). */
+static int cu_trim(void *ctx, size_t keep) {
+    mp_cuda *c = ctx;
+    if (!D.MemPoolTrimTo) return MP_OK;
+    CUmemoryPool pool = NULL;
+    CUresult r;
+    CU_CALL(c, r, pool_of(c, &pool));
+    if (r == CUDA_SUCCESS) CU_CALL(c, r, D.MemPoolTrimTo(pool, keep));
+    return check(c, r);
+}
+
 static int cu_mem_info(void *ctx, size_t *free_bytes, size_t *total_bytes) {
     mp_cuda *c = ctx;
     size_t f = 0, t = 0;
@@ -1086,6 +1105,7 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
     up->stream_synchronize = cu_stream_synchronize;
     up->stream_query = cu_stream_query;
     up->device_synchronize = cu_device_synchronize;
+    up->trim = cu_trim;
     if (D.has_capture) up->stream_capturing = cu_stream_capturing;
     if ((D.StreamGetCaptureInfo3 || D.StreamGetCaptureInfo2) &&
         (D.GraphNodeGetDependencies2 || D.GraphNodeGetDependencies1)) {

@@ -90,6 +90,13 @@ typedef struct mp_upstream {
     /* Device memory: *free_bytes and *total_bytes as the device reports them. */
     int (*mem_info)(void *ctx, size_t *free_bytes, size_t *total_bytes);
 
+    /* Optional: give the device back what the upstream still keeps of the segments freed to
+     * it, down to `keep` bytes, of those whose frees have run (a cudaMemPool's
+     * cuMemPoolTrimTo). NULL where nothing is kept once the frees' work has run (sim,
+     * host). mp_give_back calls it after a device sync (Note [Giving back to the device],
+     * core/mp_release.c). */
+    int (*trim)(void *ctx, size_t keep);
+
     /* Expandable segments (all NULL, granularity 0, when unsupported).
      * va_reserve: reserve nbytes (a multiple of granularity) of address space, nothing mapped.
      * map: back [va, va + nbytes) (granularity-aligned, inside a reservation, unmapped) with
