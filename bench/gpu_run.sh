@@ -35,7 +35,8 @@ T_CHURN=${T_CHURN:-120}
 T_VMM=${T_VMM:-60}
 T_SNAPSHOT=${T_SNAPSHOT:-240}   # six processes of 14-28 s each, and start-up
 T_OWNTESTS=${T_OWNTESTS:-500}   # both runs of PyTorch's own tests together
-STAGES=" ${STAGES:-build tests sanitizer bench churn vmm fragmentation torch snapshot owntests} "
+T_ALLOCPAIRS=${T_ALLOCPAIRS:-150}   # twelve processes of 6-8 s each, and the probe's build
+STAGES=" ${STAGES:-build tests sanitizer bench churn vmm fragmentation torch allocpairs snapshot owntests} "
 # SANITIZER_GROUPS: a file with one line of pytest arguments per memcheck process (default:
 # one process per file of tests/gpu, and one for the upstream contract's cuda cases; not
 # the three files of examples and scripts run in child processes, which were never in this
@@ -220,6 +221,12 @@ stage fragmentation "$OUT/fragmentation.log" timeout "$T_FRAG" bash -c "$(declar
 stage torch "$OUT/torch-workloads.log" timeout "$T_TORCH" "$PY" bench/torch_workloads.py \
     "$OUT/torch" ${TORCH_ARGS:-}
 
+# ---- the allocators alone: PyTorch's and mempool's allocate + free timed from C++, and the
+# calls any allocator behind PyTorch's interface makes (bench/torch_allocator_pairs.py): the
+# part of torch.empty's time an allocator can change.
+stage allocpairs "$OUT/allocator-pairs.log" timeout "$T_ALLOCPAIRS" "$PY" \
+    bench/torch_allocator_pairs.py --json "$OUT/allocator_pairs.json"
+
 # ---- snapshots: each allocator's allocations and frees in PyTorch's snapshot format, a few
 # steps of each workload, so that what the device holds can be worked out on a machine with
 # no GPU (`python -m mempool replay FILE`; `bench/driver_model.py --predict --trace FILE`, the
@@ -262,7 +269,7 @@ fi
 {
     cat "$OUT/versions.txt"
     echo
-    for name in build tests sanitizer bench churn vmm fragmentation torch snapshot owntests; do
+    for name in build tests sanitizer bench churn vmm fragmentation torch allocpairs snapshot owntests; do
         echo "stage $name: ${STATUS[$name]:-not run} (0 = passed; 124 = over its time limit)"
     done
     echo
