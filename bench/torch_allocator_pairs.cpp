@@ -3,7 +3,13 @@
 // deleter, with no Python and no tensor around them. torch.empty's other work (argument
 // parsing, the dispatcher, the tensor) is the same whatever the allocator, so this is the
 // part an allocator can change (bench/torch_allocator_pairs.py).
+#include <c10/core/Allocator.h>
+#include <c10/core/impl/GPUTrace.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+#include <cuda_runtime_api.h>
 
 #include <chrono>
 #include <cstddef>
@@ -23,12 +29,6 @@ extern "C" double allocator_pairs_ns(size_t nbytes, long pairs) {
 // of `calls`, ns per call. Both allocators make these calls (PyTorch's allocator asks the
 // device, the stream and the profiler's state as the glue does); what is left of the glue's
 // pair once they are taken off is its own code and the pool's.
-#include <c10/core/impl/GPUTrace.h>
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/util/ThreadLocalDebugInfo.h>
-#include <c10/core/Allocator.h>
-#include <cuda_runtime_api.h>
 
 namespace {
 volatile intptr_t sink;
@@ -61,7 +61,9 @@ extern "C" double piece_ns(int piece, long calls, size_t nbytes, void* alloc_fn,
     case 3:
       return per_call(calls, [] { sink = c10::memoryProfilingEnabled(); });
     case 4:
-      return per_call(calls, [] { sink = reinterpret_cast<intptr_t>(c10::impl::GPUTrace::get_trace()); });
+      return per_call(calls, [] {
+        sink = reinterpret_cast<intptr_t>(c10::impl::GPUTrace::get_trace());
+      });
     case 5: {
       if (!alloc_fn || !free_fn) return -1.0;
       using Alloc = void* (*)(ssize_t, int, void*);

@@ -1,6 +1,7 @@
 """PyTorch's CUDA allocator against mempool's, allocate + free timed from C++.
 
-    python bench/torch_allocator_pairs.py [--procs 6] [--rounds 9] [--pairs 20000] [--cpu N] [--json FILE]
+    python bench/torch_allocator_pairs.py [--procs 6] [--rounds 9] [--pairs 20000]
+                                          [--cpu N] [--json FILE]
 
 `torch.empty` + drop (bench/torch_workloads.py --workloads empty) times the whole call, of
 which the allocator is a part: argument parsing, the dispatcher and the tensor cost the same
@@ -132,17 +133,19 @@ def main(argv=None):
                 done = subprocess.run(
                     [sys.executable, __file__, "--child", a, str(lib), "--rounds",
                      str(args.rounds), "--pairs", str(args.pairs)],
-                    capture_output=True, text=True, preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+                    capture_output=True, text=True,
+                    preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
                 if done.returncode:
                     raise SystemExit(f"the {a} child failed:\n{done.stderr[-4000:]}")
                 result = json.loads(done.stdout.strip().splitlines()[-1])
                 procs[a].append(result)
-                print(a, {s: round(r["ns_per_pair"], 1) for s, r in result.items() if s != "pieces"},
-                      {k: round(v, 1) for k, v in result["pieces"].items()}, flush=True)
+                sizes = {s: round(r["ns_per_pair"], 1) for s, r in result.items() if s != "pieces"}
+                print(a, sizes, {k: round(v, 1) for k, v in result["pieces"].items()}, flush=True)
     print(summarize(procs))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu, "rounds": args.rounds, "pairs": args.pairs, **procs}, f, indent=1)
+            json.dump({"cpu": cpu, "rounds": args.rounds, "pairs": args.pairs, **procs}, f,
+                      indent=1)
     return 0
 
 

@@ -198,10 +198,10 @@ int mp_block_info(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested,
  * cached bytes (trim). Pinned (initial_pool_size) memory stays. */
 int mp_empty_cache(mp_pool *p);
 int mp_trim(mp_pool *p, size_t keep);
-/* After mp_empty_cache or mp_trim: wait for the device (only when a segment was freed
- * behind work nobody waited for) and have the upstream give back what it still keeps of
- * freed segments beyond `keep` bytes, so the device shows them free (Note [Giving back to
- * the device], mp_release.c). MP_EBUSY, nothing done, while a capture is known. */
+/* After mp_empty_cache or mp_trim: wait for the device (only when a plain segment was
+ * freed since the last call) and have the upstream give back what it still keeps of freed
+ * segments beyond `keep` bytes, so the device shows them free (Note [Giving back to the
+ * device], mp_release.c). MP_EBUSY, nothing done, while a capture is known. */
 int mp_give_back(mp_pool *p, size_t keep);
 
 /* mp_size.h's rounding under a pool's config (inline: every allocation rounds). */
