@@ -188,7 +188,85 @@ void mp_release_finish_slow(mp_pool *p, mp_release_list *list) {
          * for the device], mp_core.c). Expandable pages are unmapped only once idle. */
         if (!seg->expandable && !seg->nrelease_sync && !list->waited)
             __atomic_store_n(&p->released_unwaited, 1, __ATOMIC_RELAXED);
-        if (!seg->expandable)   /* Note [Giving back to the device]
+        if (!seg->expandable)   /* Note [Giving back to the device] */
+            __atomic_store_n(&p->released_since_give_back, 1, __ATOMIC_RELAXED);
+        mp_segment_release_upstream(p, seg);
+        free(seg->release_sync);
+        free(seg->release_runs);
+        free(seg->extents);
+        free(seg);
+        seg = next;
+    }
+    mp_blocking_end(blocking);
+    list->head = NULL;
+    list->nbytes = 0;
+}
+
+static size_t cached_locked(const mp_pool *p) {
+    return (size_t)(mp_stat3_current(p->stats.reserved_bytes) -
+                    mp_stat3_current(p->stats.active_bytes));
+}
+
+void mp_apply_release_threshold_slow_locked(mp_pool *p, mp_release_list *out) {
+    size_t threshold = p->cfg.release_threshold;
+    size_t cached = cached_locked(p);
+    if (cached <= threshold) return;
+    if (!p->cfg.expandable_segments) {
+        mp_release_idle_locked(p, cached - threshold, out);   /* stream-ordered frees */
+        return;
+    }
+    /* Note [Threshold releases without a sync]: pages of idle streams only, and after an
+     * attempt that found only busy ones, fewer attempts until one releases again. None
+     * during a capture (Note [Graph capture]), which the next check after it makes up for. */
+    if (mp_capture_call_locked(p, out)) return;
+    if (p->threshold_skip) {
+        p->threshold_skip--;
+        return;
+    }
+    int busy = 0;
+    size_t released = mp_expand_release_idle_locked(p, cached - threshold, &busy);
+    if (released || !busy) {
+        p->threshold_backoff = 0;
+    } else {
+        p->threshold_backoff = p->threshold_backoff ? p->threshold_backoff * 2 : 1;
+        if (p->threshold_backoff > MP_THRESHOLD_BACKOFF_MAX)
+            p->threshold_backoff = MP_THRESHOLD_BACKOFF_MAX;
+        p->threshold_skip = p->threshold_backoff;
+    }
+}
+
+int mp_trim(mp_pool *p, size_t keep) {
+    mp_release_list rel = {0};
+    mp_lock_acquire(&p->lock);
+    mp_hot_flush_locked(p);   /* Note [Hot blocks] */
+    mp_trace_locked(p, MP_TRACE_TRIM, 0, keep, 0);
+    mp_process_pending_locked(p);
+    size_t cached = cached_locked(p);
+    if (cached > keep) mp_release_idle_locked(p, cached - keep, &rel);
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
+    return MP_OK;
+}
+
+/* Unlike trim(0), which releases only what is free now, empty_cache first waits for the
+ * streams that pending frees wait on (those alone, not every stream), as PyTorch's
+ * empty_cache synchronizes its outstanding events: then every segment that nothing uses
+ * goes back. Blocks owned by other streams cost an event wait, not a sync (see
+ * mp_detach_segment_locked); expandable pages sync their owners before the unmap. */
+int mp_empty_cache(mp_pool *p) {
+    mp_release_list rel = {0};
+    mp_lock_acquire(&p->lock);
+    mp_hot_flush_locked(p);   /* Note [Hot blocks] */
+    mp_trace_locked(p, MP_TRACE_EMPTY_CACHE, 0, 0, 0);
+    mp_process_pending_locked(p);
+    mp_sync_pending_unlocked(p);
+    mp_release_idle_locked(p, SIZE_MAX, &rel);
+    mp_lock_release(&p->lock);
+    mp_release_finish(p, &rel);
+    return MP_OK;
+}
+
+/* Note [Giving back to the device]
  * mp_empty_cache frees idle segments in stream order and waits for none of them, so the
  * device may count them as used afterwards. A cudaMemPool keeps a freed segment until the
  * work queued before its free has run, and then, with a release threshold of 0 (the pools
