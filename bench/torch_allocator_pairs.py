@@ -116,14 +116,20 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--pairs", type=int, default=20000)
     ap.add_argument("--cpu", type=int, default=None,
-                    help="the CPU every child is pinned to (default: the first of this set)")
+                    help="the CPU every child is pinned to (default: the one whose pace is "
+                         "the fastest as the run starts, as torch_workloads.py picks)")
     ap.add_argument("--json", help="write every process's figures here")
     ap.add_argument("--child", nargs=2, metavar=("ALLOCATOR", "LIB"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return child(args.child[0], args.child[1], args.rounds, args.pairs)
 
-    cpu = args.cpu if args.cpu is not None else min(os.sched_getaffinity(0))
+    if args.cpu is None:
+        import torch_workloads   # this folder's; stdlib only at import
+
+        (cpu,), _ = torch_workloads.fastest_cpus(1)
+    else:
+        cpu = args.cpu
     procs = {a: [] for a in ALLOCATORS}
     with tempfile.TemporaryDirectory() as tmp:
         lib = build(tmp)
