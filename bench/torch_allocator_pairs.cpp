@@ -11,6 +11,8 @@
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <cuda_runtime_api.h>
 
+#include <dlfcn.h>
+
 #include <chrono>
 #include <cstddef>
 
@@ -43,9 +45,21 @@ double per_call(long calls, F f) {
 }
 }  // namespace
 
+// The driver's cuCtxGetCurrent, looked up at run time (the probe links no libcuda): what a
+// device lookup keyed on the current context would cost in place of cudaGetDevice.
+namespace {
+using CtxGetCurrent = int (*)(void**);
+CtxGetCurrent ctx_get_current() {
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (!lib) lib = dlopen("libcuda.so.1", RTLD_NOW);
+  return lib ? reinterpret_cast<CtxGetCurrent>(dlsym(lib, "cuCtxGetCurrent")) : nullptr;
+}
+}  // namespace
+
 // piece: 0 cudaGetDevice, 1 c10::cuda::current_device, 2 getCurrentCUDAStream(device),
 // 3 c10::memoryProfilingEnabled, 4 GPUTrace::get_trace, 5 the pool's C entry points
-// (alloc_fn/free_fn: mempool_torch_alloc/mempool_torch_free) as one pair of nbytes.
+// (alloc_fn/free_fn: mempool_torch_alloc/mempool_torch_free) as one pair of nbytes,
+// 6 cuCtxGetCurrent, 7 cuCtxGetCurrent and a thread's one-entry cache of context -> device.
 extern "C" double piece_ns(int piece, long calls, size_t nbytes, void* alloc_fn, void* free_fn) {
   switch (piece) {
     case 0:
@@ -74,6 +88,28 @@ extern "C" double piece_ns(int piece, long calls, size_t nbytes, void* alloc_fn,
       void* stream = c10::cuda::getCurrentCUDAStream(device).stream();
       auto n = static_cast<ssize_t>(nbytes);
       return per_call(calls, [=] { f(a(n, device, stream), n, device, stream); });
+    }
+    case 6: {
+      CtxGetCurrent get = ctx_get_current();
+      if (!get) return -1.0;
+      return per_call(calls, [get] { void* c = nullptr; get(&c); sink = reinterpret_cast<intptr_t>(c); });
+    }
+    case 7: {
+      CtxGetCurrent get = ctx_get_current();
+      if (!get) return -1.0;
+      static thread_local void* cached_ctx = nullptr;
+      static thread_local int cached_device = -1;
+      return per_call(calls, [get] {
+        void* c = nullptr;
+        get(&c);
+        if (c != cached_ctx || !c) {
+          int d = -1;
+          cudaGetDevice(&d);
+          cached_ctx = c;
+          cached_device = d;
+        }
+        sink = cached_device;
+      });
     }
     default:
       return -1.0;
