@@ -29,7 +29,7 @@ ALLOCATORS = ("caching", "mempool")
 # each allocate or free, and (mempool only) the pool's own C entry points as a pair.
 PIECES = ("cudaGetDevice", "c10::cuda::current_device", "getCurrentCUDAStream",
           "memoryProfilingEnabled", "GPUTrace::get_trace", "the pool's C entry points, a pair",
-          "cuCtxGetCurrent", "cuCtxGetCurrent with a cached device")
+          "cuCtxGetCurrent", "cuCtxGetCurrent with a cached device", "cuCtxGetCurrent and cuCtxGetId")
 
 
 def build(out_dir):
