@@ -11,8 +11,6 @@
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <cuda_runtime_api.h>
 
-#include <dlfcn.h>
-
 #include <chrono>
 #include <cstddef>
 
@@ -45,26 +43,9 @@ double per_call(long calls, F f) {
 }
 }  // namespace
 
-// The driver's cuCtxGetCurrent, looked up at run time (the probe links no libcuda): what a
-// device lookup keyed on the current context would cost in place of cudaGetDevice.
-namespace {
-using CtxGetCurrent = int (*)(void**);
-using CtxGetId = int (*)(void*, unsigned long long*);
-void* driver_symbol(const char* name) {
-  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-  if (!lib) lib = dlopen("libcuda.so.1", RTLD_NOW);
-  return lib ? dlsym(lib, name) : nullptr;
-}
-CtxGetCurrent ctx_get_current() {
-  return reinterpret_cast<CtxGetCurrent>(driver_symbol("cuCtxGetCurrent"));
-}
-}  // namespace
-
 // piece: 0 cudaGetDevice, 1 c10::cuda::current_device, 2 getCurrentCUDAStream(device),
 // 3 c10::memoryProfilingEnabled, 4 GPUTrace::get_trace, 5 the pool's C entry points
-// (alloc_fn/free_fn: mempool_torch_alloc/mempool_torch_free) as one pair of nbytes,
-// 6 cuCtxGetCurrent, 7 cuCtxGetCurrent and a thread's one-entry cache of context -> device,
-// 8 cuCtxGetCurrent and cuCtxGetId (a context's id is never reused; its address may be).
+// (alloc_fn/free_fn: mempool_torch_alloc/mempool_torch_free) as one pair of nbytes.
 extern "C" double piece_ns(int piece, long calls, size_t nbytes, void* alloc_fn, void* free_fn) {
   switch (piece) {
     case 0:
@@ -93,40 +74,6 @@ extern "C" double piece_ns(int piece, long calls, size_t nbytes, void* alloc_fn,
       void* stream = c10::cuda::getCurrentCUDAStream(device).stream();
       auto n = static_cast<ssize_t>(nbytes);
       return per_call(calls, [=] { f(a(n, device, stream), n, device, stream); });
-    }
-    case 6: {
-      CtxGetCurrent get = ctx_get_current();
-      if (!get) return -1.0;
-      return per_call(calls, [get] { void* c = nullptr; get(&c); sink = reinterpret_cast<intptr_t>(c); });
-    }
-    case 7: {
-      CtxGetCurrent get = ctx_get_current();
-      if (!get) return -1.0;
-      static thread_local void* cached_ctx = nullptr;
-      static thread_local int cached_device = -1;
-      return per_call(calls, [get] {
-        void* c = nullptr;
-        get(&c);
-        if (c != cached_ctx || !c) {
-          int d = -1;
-          cudaGetDevice(&d);
-          cached_ctx = c;
-          cached_device = d;
-        }
-        sink = cached_device;
-      });
-    }
-    case 8: {
-      CtxGetCurrent get = ctx_get_current();
-      auto get_id = reinterpret_cast<CtxGetId>(driver_symbol("cuCtxGetId"));
-      if (!get || !get_id) return -1.0;
-      return per_call(calls, [get, get_id] {
-        void* c = nullptr;
-        unsigned long long id = 0;
-        get(&c);
-        get_id(c, &id);
-        sink = static_cast<intptr_t>(id);
-      });
     }
     default:
       return -1.0;

@@ -28,8 +28,7 @@ ALLOCATORS = ("caching", "mempool")
 # piece_ns's pieces (torch_allocator_pairs.cpp), by number: calls both allocators make in
 # each allocate or free, and (mempool only) the pool's own C entry points as a pair.
 PIECES = ("cudaGetDevice", "c10::cuda::current_device", "getCurrentCUDAStream",
-          "memoryProfilingEnabled", "GPUTrace::get_trace", "the pool's C entry points, a pair",
-          "cuCtxGetCurrent", "cuCtxGetCurrent with a cached device", "cuCtxGetCurrent and cuCtxGetId")
+          "memoryProfilingEnabled", "GPUTrace::get_trace", "the pool's C entry points, a pair")
 
 
 def build(out_dir):
@@ -47,7 +46,7 @@ def build(out_dir):
     cmd = [cxx, f"-std={std}", "-O2", "-shared", "-fPIC",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            *(f"-I{d}" for d in torch_includes), *(f"-I{d}" for d in cuda_includes),
-           str(HERE / "torch_allocator_pairs.cpp"), f"-L{torch_lib}", "-lc10", "-lc10_cuda", "-ldl",
+           str(HERE / "torch_allocator_pairs.cpp"), f"-L{torch_lib}", "-lc10", "-lc10_cuda",
            f"-Wl,-rpath,{torch_lib}", "-o", str(lib)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:

@@ -45,6 +45,7 @@
 extern "C" {
 #include "mp_torch.h"
 }
+#include "torch_current_device.h"
 
 namespace {
 
@@ -288,7 +289,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
  public:
   // ---- data path ---------------------------------------------------------------------
   c10::DataPtr allocate(size_t nbytes) override {
-    c10::DeviceIndex device = c10::cuda::current_device();
+    c10::DeviceIndex device = mempool_torch::current_device();   // Note [The current device]
     if (nbytes == 0) {
       return {nullptr, nullptr, &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
     }
@@ -313,13 +314,13 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
 
   void* raw_alloc(size_t nbytes) override {
     if (nbytes == 0) return nullptr;
-    c10::DeviceIndex device = c10::cuda::current_device();
+    c10::DeviceIndex device = mempool_torch::current_device();
     return raw_alloc_on(device, nbytes, c10::cuda::getCurrentCUDAStream(device).stream());
   }
 
   void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
     if (nbytes == 0) return nullptr;
-    return raw_alloc_on(c10::cuda::current_device(), nbytes, stream);
+    return raw_alloc_on(mempool_torch::current_device(), nbytes, stream);
   }
 
   void raw_delete(void* ptr) override {
