@@ -156,6 +156,7 @@ cdef extern from "mp_core.h" nogil:
     int mp_block_info(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested, uintptr_t *stream)
     int mp_empty_cache(mp_pool *p)
     int mp_trim(mp_pool *p, size_t keep)
+    int mp_give_back(mp_pool *p, size_t keep)
     size_t mp_round_size(const mp_config *cfg, size_t nbytes)
     size_t mp_segment_size(size_t rounded)
     unsigned int mp_size_class(size_t nbytes)

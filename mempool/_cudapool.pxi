@@ -75,14 +75,6 @@ cdef int _cuda_set_release_threshold(object handle, object pool_handle,
     return 0
 
 
-cdef int _cuda_trim(object handle, object keep, int device) except -1:
-    """Trim the cudaMemPool to `keep` bytes. The driver trims only frees it has seen
-    complete: `device` is synchronized first."""
-    from mempool import _cuda
-    _cuda.trim_to(handle, keep, sync_device=device)
-    return 0
-
-
 cdef dict _cuda_stats(object handle):
     """The cudaMemPool's own Reserved/Used Current/High attributes."""
     from mempool import _cuda

@@ -636,19 +636,16 @@ cdef class Pool:
         outstanding events; no other stream is synchronized. Segments whose free blocks
         belong to several streams are freed in stream order after an event wait, without a
         host sync. The ``initial_pool_size`` segment stays: it is kept for the pool's life.
-        On ``cuda`` the cudaMemPool is then trimmed after a device sync, so that the device
-        gets back what the pool gave (skipped while the pool knows of a CUDA graph capture,
-        which a sync would break).
+        On ``cuda`` the cudaMemPool is then trimmed, so that the device gets back what the
+        pool gave: after a device sync when the pool freed a segment since the last such
+        call (with nothing freed there is no sync), and not while the pool knows of a CUDA
+        graph capture, which a sync would break.
         """
         self._ready()
         mp_py_mark(1)
         mp_empty_cache(self._pool)
         mp_py_mark(0)
-        # The cudaMemPool's trim synchronizes the device first, which a CUDA graph capture
-        # refuses and is broken by: while the pool knows of one, the trim waits for a later
-        # call (the core released nothing meanwhile either, Note [Graph capture]).
-        if self._kind == _CUDA and not mp_capture_known(self._pool):
-            _cuda_trim(self._cuda_handle, 0, self.device_id)
+        self._give_back(0)
 
     def trim(self, keep=0):
         """Release idle segments, longest unused first, until at most ``keep`` bytes are cached.
@@ -658,18 +655,31 @@ cdef class Pool:
         releasable (free blocks of segments that hold live ones, the ``initial_pool_size``
         segment). Unlike :meth:`empty_cache`, trim waits for no stream of the pool:
         pending frees whose streams have not finished stay cached. On ``cuda`` the
-        cudaMemPool is then trimmed to ``keep`` after a device sync, so that it gives back
-        what the pool did (skipped while the pool knows of a CUDA graph capture, which a
-        sync would break).
+        cudaMemPool is then trimmed to ``keep``, so that it gives back what the pool did, as
+        :meth:`empty_cache` trims it.
         """
         self._ready()
         cdef size_t k = _as_nbytes(_config.parse_size(keep, "keep"), "keep")
         mp_py_mark(1)
         mp_trim(self._pool, k)
         mp_py_mark(0)
-        # Not during a capture, as in empty_cache.
-        if self._kind == _CUDA and not mp_capture_known(self._pool):
-            _cuda_trim(self._cuda_handle, k, self.device_id)
+        self._give_back(k)
+
+    cdef int _give_back(self, size_t keep) except -1:
+        """After empty_cache or trim on cuda: the cudaMemPool gives the device what the pool
+        freed, beyond `keep` bytes (Note [Giving back to the device], mp_release.c). The core
+        waits for the device first, and only when a segment was freed since its last call;
+        while the pool knows of a CUDA graph capture, which a sync would break, nothing is
+        done (MP_EBUSY) and a later call gives it back (the core released nothing meanwhile
+        either, Note [Graph capture])."""
+        if self._kind != _CUDA:
+            return 0
+        cdef int rc = mp_give_back(self._pool, keep)
+        if rc == MP_OK or rc == MP_EBUSY:
+            return 0
+        raise RuntimeError(
+            f"giving the freed memory back to device {self.device_id} failed: "
+            f"{_cuda_error_text(mp_cuda_last_error(mp_pool_upstream(self._pool)))}")
 
     def set_limit(self, limit):
         """Change ``limit`` (bytes, a fraction of capacity, or None) on a live pool."""

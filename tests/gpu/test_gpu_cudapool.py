@@ -69,6 +69,27 @@ def test_release_threshold_keeps_memory_until_emptied(cuda_pool, streams):
     assert attrs["reserved_current"] == 0, "empty_cache left the memory in the cudaMemPool"
 
 
+def test_empty_cache_waits_for_the_device_only_after_freeing_a_segment(cuda_pool, streams):
+    """Note [Giving back to the device]: empty_cache gives the cudaMemPool's memory back at
+    once (no sync of the caller's is needed), with one device sync counted as PyTorch counts
+    its own; a call that freed nothing since the last one waits for nothing."""
+    keep = 256 * MiB
+    pool = cuda_pool(pool_handle="create", release_threshold=keep)
+    s, _ = streams
+    pool.free(pool.alloc(64 * MiB, stream=s), stream=s)
+    syncs = pool.stats()["num_sync_all_streams"]
+    pool.empty_cache()
+    assert _attrs(pool)["reserved_current"] == 0, "the cudaMemPool kept what the pool freed"
+    assert pool.stats()["num_sync_all_streams"] == syncs + 1
+    pool.empty_cache()       # nothing freed since: no sync
+    pool.trim(0)
+    assert pool.stats()["num_sync_all_streams"] == syncs + 1
+    pool.free(pool.alloc(64 * MiB, stream=s), stream=s)
+    pool.trim(0)             # trim gives back as empty_cache does
+    assert _attrs(pool)["reserved_current"] == 0
+    assert pool.stats()["num_sync_all_streams"] == syncs + 2
+
+
 def test_a_created_cudamempool_keeps_nothing_the_pool_gives_back(cuda_pool, streams):
     """Note [The driver keeps nothing given back]: the cudaMemPool a Pool creates has a
     release threshold of 0, and after the Pool gives a segment back (cuMemFreeAsync, no
