@@ -279,10 +279,9 @@ int mp_empty_cache(mp_pool *p) {
  * earlier tests had left memory cached, as this gap would make it: the device's used bytes
  * did not grow by a new tensor's size from one empty_cache to the next.
  *
- * mp_give_back is what the Pool's own empty_cache and trim do through the CUDA runtime
- * (the cudaMemPool trim of mempool/_cuda.py), for callers that run no Python (the torch
- * glue). It waits for the whole device, but only when a plain segment was freed to the
- * upstream since its last call (released_since_give_back: a free is stream-ordered even
+ * mp_give_back is called after mp_empty_cache or mp_trim by the Pool's own empty_cache and
+ * trim (on cuda) and by the torch glue's empty_cache. It waits for the whole device, but
+ * only when a plain segment was freed to the upstream since its last call (released_since_give_back: a free is stream-ordered even
  * when the work before it was waited for, and the cudaMemPool sees it done only at a
  * sync), so a program that empties an empty cache every step pays no sync. Then the
  * upstream gives back what it still keeps beyond `keep` bytes (its trim). On sim and host
