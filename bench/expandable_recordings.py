@@ -41,11 +41,7 @@ def inputs():
 
 
 def row(path, conf):
-    if path.endswith(".pickle.gz"):
-        events = mtrace.from_torch_snapshot(path)
-    else:
-        events = mtrace.load(path)
-    r = mreplay.replay(events, conf=conf)
+    r = mreplay.replay(mtrace.load_any(path), conf=conf)   # a snapshot pickle or a trace
     return {"input": os.path.basename(path), "peak_reserved": r.peak_reserved_bytes,
             "ratio": r.peak_reserved_bytes / r.peak_live_bytes,
             "physical_allocations": r.num_device_alloc, "unmaps": r.num_device_free,

@@ -639,7 +639,8 @@ cdef class Pool:
         On ``cuda`` the cudaMemPool is then trimmed, so that the device gets back what the
         pool gave: after a device sync when the pool freed a segment since the last such
         call (with nothing freed there is no sync), and not while the pool knows of a CUDA
-        graph capture, which a sync would break.
+        graph capture, which a sync would break. Raises RuntimeError, naming the driver's
+        error, when that sync or the trim fails (a kernel's earlier fault, say).
         """
         self._ready()
         mp_py_mark(1)

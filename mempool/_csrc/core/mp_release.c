@@ -281,9 +281,10 @@ int mp_empty_cache(mp_pool *p) {
  *
  * mp_give_back is called after mp_empty_cache or mp_trim by the Pool's own empty_cache and
  * trim (on cuda) and by the torch glue's empty_cache. It waits for the whole device, but
- * only when a plain segment was freed to the upstream since its last call (released_since_give_back: a free is stream-ordered even
- * when the work before it was waited for, and the cudaMemPool sees it done only at a
- * sync), so a program that empties an empty cache every step pays no sync. Then the
+ * only when a plain segment was freed to the upstream since its last call
+ * (released_since_give_back: a free is stream-ordered even when the work before it was
+ * waited for, and the cudaMemPool sees it done only at a sync), so a program that empties
+ * an empty cache every step pays no sync. Then the
  * upstream gives back what it still keeps beyond `keep` bytes (its trim). On sim and host
  * the sync alone returns the kept frees. Expandable pages need none of this: their unmap
  * releases the physical memory at once. A capture refuses a device sync and is broken by
