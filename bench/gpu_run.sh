@@ -36,7 +36,8 @@ T_VMM=${T_VMM:-60}
 T_SNAPSHOT=${T_SNAPSHOT:-240}   # six processes of 14-28 s each, and start-up
 T_OWNTESTS=${T_OWNTESTS:-500}   # both runs of PyTorch's own tests together
 T_ALLOCPAIRS=${T_ALLOCPAIRS:-150}   # twelve processes of 6-8 s each, and the probe's build
-STAGES=" ${STAGES:-build tests sanitizer bench churn vmm fragmentation torch allocpairs snapshot owntests} "
+T_COLDPAIRS=${T_COLDPAIRS:-90}   # eight processes of a few seconds each, and the build
+STAGES=" ${STAGES:-build tests sanitizer bench churn vmm fragmentation torch allocpairs coldpairs snapshot owntests} "
 # SANITIZER_GROUPS: a file with one line of pytest arguments per memcheck process (default:
 # one process per file of tests/gpu, and one for the upstream contract's cuda cases; not
 # the three files of examples and scripts run in child processes, which were never in this
@@ -227,6 +228,11 @@ stage torch "$OUT/torch-workloads.log" timeout "$T_TORCH" "$PY" bench/torch_work
 stage allocpairs "$OUT/allocator-pairs.log" timeout "$T_ALLOCPAIRS" "$PY" \
     bench/torch_allocator_pairs.py --json "$OUT/allocator_pairs.json"
 
+# ---- the core's allocate + free after the caches were emptied, on this host's CPU
+# (bench/cold_lines.py: the lines it touches where valgrind is installed, and its time).
+stage coldpairs "$OUT/cold-pairs.log" timeout "$T_COLDPAIRS" "$PY" bench/cold_lines.py \
+    --sizes 512,67108864 --procs 4 --json "$OUT/cold_pairs.json"
+
 # ---- snapshots: each allocator's allocations and frees in PyTorch's snapshot format, a few
 # steps of each workload, so that what the device holds can be worked out on a machine with
 # no GPU (`python -m mempool replay FILE`; `bench/driver_model.py --predict --trace FILE`, the
@@ -269,7 +275,7 @@ fi
 {
     cat "$OUT/versions.txt"
     echo
-    for name in build tests sanitizer bench churn vmm fragmentation torch allocpairs snapshot owntests; do
+    for name in build tests sanitizer bench churn vmm fragmentation torch allocpairs coldpairs snapshot owntests; do
         echo "stage $name: ${STATUS[$name]:-not run} (0 = passed; 124 = over its time limit)"
     done
     echo

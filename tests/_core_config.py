@@ -9,9 +9,10 @@ sz, i32 = ctypes.c_size_t, ctypes.c_int
 
 
 class Config(ctypes.Structure):
-    _fields_ = [("roundup_divisions", sz * _core.ROUNDUP_INTERVALS), ("max_split_size", sz),
+    _fields_ = [("max_split_size", sz), ("release_threshold", sz),
+                ("roundup_divisions", sz * _core.ROUNDUP_INTERVALS),
                 ("cross_stream_reuse", i32), ("segment_round", sz),
-                ("release_threshold", sz), ("limit", sz), ("initial_pool_size", sz),
+                ("limit", sz), ("initial_pool_size", sz),
                 ("gc_threshold", ctypes.c_double), ("expandable_segments", i32),
                 ("expandable_reserve", sz), ("max_map_size", sz), ("min_map_size", sz),
                 ("capture_reuse", i32), ("keep_idle", i32), ("no_split", i32)]

@@ -13,8 +13,11 @@
 
 mp_block *mp_block_new_locked(mp_pool *p) {
     if (!p->spare_blocks) {
-        mp_block_slab *slab = malloc(sizeof(mp_block_slab) + SLAB_BLOCKS * sizeof(mp_block));
-        if (!slab) return NULL;
+        /* On a line of its own, as each block in it (Note [Hot lines]). */
+        void *mem = NULL;
+        if (posix_memalign(&mem, 64, sizeof(mp_block_slab) + SLAB_BLOCKS * sizeof(mp_block)))
+            return NULL;
+        mp_block_slab *slab = mem;
         slab->next = p->slabs;
         p->slabs = slab;
         for (int i = 0; i < SLAB_BLOCKS; i++) {
@@ -28,6 +31,7 @@ mp_block *mp_block_new_locked(mp_pool *p) {
     b->ptr = 0;
     b->nbytes = b->requested = b->last_requested = 0;
     b->seg = NULL;
+    b->kind = KIND_SMALL;
     b->prev = b->next = b->fprev = b->fnext = NULL;
     b->stream = NULL;
     b->cls = MP_NOT_LISTED;
@@ -68,7 +72,7 @@ mp_block *mp_carve_locked(mp_pool *p, mp_block *b, size_t size, size_t requested
         if (listed && mp_class_of(rest) == b->cls && (a = mp_block_new_locked(p))) {
             a->ptr = b->ptr;
             a->nbytes = size;
-            a->seg = seg;
+            mp_block_join(a, seg);
             a->prev = b->prev;
             a->next = b;
             if (b->prev) b->prev->next = a;
@@ -91,7 +95,7 @@ mp_block *mp_carve_locked(mp_pool *p, mp_block *b, size_t size, size_t requested
             if (r) {   /* out of host memory for a struct: hand out the whole block instead */
                 r->ptr = b->ptr + size;
                 r->nbytes = rest;
-                r->seg = seg;
+                mp_block_join(r, seg);
                 r->stream = b->stream;
                 r->prev = b;
                 r->next = b->next;
@@ -297,7 +301,7 @@ int mp_alloc_at(mp_pool *p, uintptr_t ptr, size_t nbytes, uintptr_t stream) {
         if (b->cls != MP_NOT_LISTED) mp_remove_free_locked(p, b);
         head->ptr = b->ptr;
         head->nbytes = ptr - b->ptr;
-        head->seg = seg;
+        mp_block_join(head, seg);
         head->stream = b->stream;
         head->prev = b->prev;
         head->next = b;

@@ -16,7 +16,7 @@ mp_block *mp_carve_locked(mp_pool *p, mp_block *b, size_t size, size_t requested
 void mp_remerge_segment_locked(mp_pool *p, mp_segment *seg);
 /* Why a pointer is not a live block: MP_ENOTFOUND (unknown), MP_EINTERIOR (inside a
  * block), MP_EDOUBLEFREE (freed already); MP_OK when it is one. */
-int mp_classify_bad_pointer_locked(mp_pool *p, uintptr_t ptr);
+__attribute__((cold)) int mp_classify_bad_pointer_locked(mp_pool *p, uintptr_t ptr);
 /* Note [Hot blocks]: fold s's parked block (if any) into the free lists. */
 void mp_hot_flush_stream_locked(mp_pool *p, mp_stream *s);
 
@@ -30,14 +30,14 @@ static inline mp_block *mp_live_block_locked(mp_pool *p, uintptr_t ptr) {
 /* The block b, taken for a request of `requested` bytes, becomes live: its state and the
  * counters (the caller puts it in the pointer map, or finds it there: Note [Hot blocks]). */
 static inline void mp_hand_out_locked(mp_pool *p, mp_block *b, size_t requested) {
-    int kind = b->seg->kind;
+    int kind = b->kind;
     b->state = MP_BLOCK_ALLOCATED;
     b->requested = b->last_requested = requested;
-    mp_stat3_inc(p->stats.allocation, kind, 1);
-    mp_stat3_inc(p->stats.allocated_bytes, kind, (int64_t)b->nbytes);
-    mp_stat3_inc(p->stats.requested_bytes, kind, (int64_t)requested);
-    mp_stat3_inc(p->stats.active, kind, 1);
-    mp_stat3_inc(p->stats.active_bytes, kind, (int64_t)b->nbytes);
+    mp_hot_inc(p, MP_HOT_ALLOCATION, kind, 1);   /* Note [Hot counters] */
+    mp_hot_inc(p, MP_HOT_ALLOCATED_BYTES, kind, (int64_t)b->nbytes);
+    mp_hot_inc(p, MP_HOT_REQUESTED_BYTES, kind, (int64_t)requested);
+    mp_hot_inc(p, MP_HOT_ACTIVE, kind, 1);
+    mp_hot_inc(p, MP_HOT_ACTIVE_BYTES, kind, (int64_t)b->nbytes);
     b->oversize = b->nbytes >= p->cfg.max_split_size;
     if (b->oversize) mp_stat_inc(&p->stats.oversize_allocations, 1);
 }
@@ -48,10 +48,10 @@ static inline int mp_hot_allowed(const mp_pool *p) {
 
 /* A free of b completes: it is no longer active (counters and trace). */
 static inline void mp_count_free_completed_locked(mp_pool *p, mp_block *b) {
-    int kind = b->seg->kind;
-    mp_stat3_dec(p->stats.active, kind, 1);
-    mp_stat3_dec(p->stats.active_bytes, kind, (int64_t)b->nbytes);
-    mp_stat3_dec(p->stats.requested_bytes, kind, (int64_t)b->requested);
+    int kind = b->kind;
+    mp_hot_dec(p, MP_HOT_ACTIVE, kind, 1);
+    mp_hot_dec(p, MP_HOT_ACTIVE_BYTES, kind, (int64_t)b->nbytes);
+    mp_hot_dec(p, MP_HOT_REQUESTED_BYTES, kind, (int64_t)b->requested);
     mp_trace_locked(p, MP_TRACE_FREE_COMPLETED, b->ptr, b->requested, b->stream->handle);
 }
 

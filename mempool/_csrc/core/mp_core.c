@@ -95,7 +95,7 @@ int mp_set_size_policy(mp_pool *p, const size_t divisions[MP_ROUNDUP_INTERVALS],
 int mp_pool_create(const mp_config *cfg, const mp_upstream *up, mp_pool **out) {
     if (cfg->gc_threshold < 0 || cfg->gc_threshold >= 1) return MP_EINVAL;
     if (cfg->expandable_segments && !up->map) return MP_EUNSUPPORTED;
-    mp_pool *p = calloc(1, sizeof *p);
+    mp_pool *p = mp_calloc_lines(sizeof *p);   /* Note [Hot lines] */
     if (!p) return MP_ENOMEM;
     mp_lock_init(&p->lock);
     p->refcount = 1;
@@ -352,7 +352,7 @@ static mp_block *new_segment_locked(mp_pool *p, mp_stream *s, int kind, uintptr_
     p->nsegments++;
     b->ptr = ptr;
     b->nbytes = nbytes;
-    b->seg = seg;
+    mp_block_join(b, seg);
     b->stream = s;
     b->state = MP_BLOCK_FREE;
     mp_segment_idle_push_locked(p, seg);   /* idle until its first block is handed out */
@@ -573,10 +573,35 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
 
 /* The release of a tallied allocation's count that could not be dropped under the lock it
  * held (Note [Block tallies]): it must be the caller's last touch of the pool. */
-static void tally_uncount(mp_pool *p, mp_tally *t) {
+__attribute__((cold)) static void tally_uncount(mp_pool *p, mp_tally *t) {
     mp_lock_acquire(&p->lock);
     t->blocks--;
     mp_lock_release(&p->lock);
+}
+
+/* alloc_impl's request that no hot block serves: a free block of the lists, or a new
+ * segment (or pages). Out of line, so that the round trip through a hot block runs
+ * through fewer lines of code (Note [Hot lines] in mp_internal.h). */
+__attribute__((noinline)) static int alloc_from_lists_locked(mp_pool *p, mp_stream *s, int kind,
+                                                             size_t size, size_t nbytes,
+                                                             mp_tally *tally,
+                                                             mp_release_list *rel,
+                                                             uintptr_t *out) {
+    mp_block *b = NULL;
+    int rc = MP_OK;
+    if (p->cfg.expandable_segments) {
+        rc = mp_expand_alloc_locked(p, s, kind, size, rel, &b);
+    } else {
+        b = mp_search_lists_locked(p, s, kind, size);
+        if (!b) rc = grow_locked(p, s, kind, size, rel, &b);
+    }
+    if (rc != MP_OK) return rc;
+    b = mp_carve_locked(p, b, size, nbytes, s);
+    b->tally = tally;
+    mp_trace_locked(p, MP_TRACE_ALLOC, b->ptr, b->requested, s->handle);
+    *out = b->ptr;
+    mp_apply_release_threshold_locked(p, rel);
+    return MP_OK;
 }
 
 /* mp_alloc, and with a tally mp_alloc_tallied: the allocation counts in it from the closed
@@ -591,29 +616,29 @@ static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, mp_tal
      * time]). */
     size_t size = nbytes > MP_MAX_ALLOC ? nbytes : mp_round_size(&p->cfg, nbytes);
     if (tally) {
-        if (tally->closed) {
+        if (MP_UNLIKELY(tally->closed)) {
             mp_lock_release(&p->lock);
             return MP_ERETIRED;
         }
         tally->blocks++;
     }
     p->tick++;
-    if (size > MP_MAX_ALLOC) {
+    if (MP_UNLIKELY(size > MP_MAX_ALLOC)) {
         rc = MP_ENOMEM;
         goto oom;
     }
     mp_stream *s = mp_stream_get_locked(p, stream);
-    if (!s) {
+    if (MP_UNLIKELY(!s)) {
         rc = MP_ENOMEM;
         goto oom;
     }
     rel.stream = s;   /* Note [Graph capture] */
     /* Make room in the live map first, so nothing can fail after a block is chosen. */
-    if (mp_ptrmap_reserve(&p->live, 1) != MP_OK) {
+    if (MP_UNLIKELY(mp_ptrmap_reserve(&p->live, 1) != MP_OK)) {
         rc = MP_ENOMEM;
         goto oom;
     }
-    if (p->npending) {
+    if (MP_UNLIKELY(p->npending)) {
         if (!mp_capture_call_locked(p, &rel)) mp_process_pending_locked(p);
         else if (p->nmarked) mp_capture_reclaim_locked(p, s);   /* Note [Capture reuse] */
     }
@@ -629,18 +654,8 @@ static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, mp_tal
         mp_lock_release(&p->lock);
         return MP_OK;
     }
-    if (p->cfg.expandable_segments) {
-        rc = mp_expand_alloc_locked(p, s, kind, size, &rel, &b);
-    } else {
-        b = mp_search_lists_locked(p, s, kind, size);
-        if (!b) rc = grow_locked(p, s, kind, size, &rel, &b);
-    }
+    rc = alloc_from_lists_locked(p, s, kind, size, nbytes, tally, &rel, out);
     if (rc != MP_OK) goto oom;
-    b = mp_carve_locked(p, b, size, nbytes, s);
-    b->tally = tally;
-    mp_trace_locked(p, MP_TRACE_ALLOC, b->ptr, b->requested, stream);
-    *out = b->ptr;
-    mp_apply_release_threshold_locked(p, &rel);
     mp_lock_release(&p->lock);
     mp_release_finish(p, &rel);
     return MP_OK;
@@ -695,7 +710,7 @@ int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
     p->tick++;
 again:;
     mp_block *b = mp_live_block_locked(p, ptr);
-    if (!b) {
+    if (MP_UNLIKELY(!b)) {
         int rc = mp_classify_bad_pointer_locked(p, ptr);
         mp_lock_release(&p->lock);
         return rc == MP_OK ? MP_ENOTFOUND : rc;
@@ -709,21 +724,22 @@ again:;
     if (moving) rc = mp_use_reserve(b);
     size_t nuses_after = b->nuses + (size_t)moving - (size_t)(moving && mp_use_has(b, fs));
     uintptr_t *events = NULL;
-    if (rc == MP_OK && nuses_after && !(events = malloc(nuses_after * sizeof *events))) rc = MP_ENOMEM;
-    if (rc != MP_OK) {
+    if (MP_UNLIKELY(nuses_after) && rc == MP_OK && !(events = malloc(nuses_after * sizeof *events)))
+        rc = MP_ENOMEM;
+    if (MP_UNLIKELY(rc != MP_OK)) {
         mp_lock_release(&p->lock);
         return rc;   /* nothing changed: the block is still live */
     }
     /* Note [Events outside the lock]: an event per use (mp_free_pending_locked), made with
      * the lock dropped before anything changes, then the block is looked up again. Not for
      * a free that a capture defers, which records nothing now (Note [Graph capture]). */
-    if (nuses_after > p->nevent_cache && tries < MP_EVENT_TRIES &&
+    if (MP_UNLIKELY(nuses_after > p->nevent_cache) && tries < MP_EVENT_TRIES &&
         !mp_capture_uses_locked(p, b) && !(moving && mp_capture_stream_locked(p, fs))) {
         free(events);
         tries = mp_event_stock_locked(p, nuses_after) == MP_OK ? tries + 1 : MP_EVENT_TRIES;
         goto again;
     }
-    if (moving) {
+    if (MP_UNLIKELY(moving)) {
         mp_use_remove(b, fs);
         b->uses[b->nuses++] = b->stream;
     }
@@ -733,9 +749,9 @@ again:;
     b->tally = NULL;
     int park = !b->nuses && mp_hot_allowed(p);   /* Note [Hot blocks]: keeps its map entry */
     if (!park) mp_ptrmap_remove(&p->live, ptr);
-    int kind = b->seg->kind;
-    mp_stat3_dec(p->stats.allocation, kind, 1);
-    mp_stat3_dec(p->stats.allocated_bytes, kind, (int64_t)b->nbytes);
+    int kind = b->kind;
+    mp_hot_dec(p, MP_HOT_ALLOCATION, kind, 1);
+    mp_hot_dec(p, MP_HOT_ALLOCATED_BYTES, kind, (int64_t)b->nbytes);
     if (b->oversize) mp_stat_dec(&p->stats.oversize_allocations, 1);
     b->oversize = 0;
     mp_trace_locked(p, MP_TRACE_FREE_REQUESTED, b->ptr, b->requested, fs->handle);

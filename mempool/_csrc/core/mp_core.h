@@ -17,14 +17,16 @@
 #define MP_MAX_RECORDED_STREAMS 32768            /* record_stream: streams per block */
 
 typedef struct mp_config {
+    /* The fields every allocate and free reads come first, on one line with the divisions
+     * of requests under 64 MiB (Note [Hot lines] in mp_internal.h). */
+    size_t max_split_size;       /* MP_UNLIMITED = split every block */
+    size_t release_threshold;    /* cached bytes kept; MP_UNLIMITED = keep all */
     /* Power-of-two rounding divisions per size interval, as PyTorch's
      * roundup_power2_divisions (mp_round_with in mp_size.h). */
     size_t roundup_divisions[MP_ROUNDUP_INTERVALS];
-    size_t max_split_size;       /* MP_UNLIMITED = split every block */
     int cross_stream_reuse;      /* take other streams' free blocks through an event wait */
     size_t segment_round;        /* every fixed segment a multiple of this, a small one
                                     exactly one; 0 = plain (Note [Segment rounding]) */
-    size_t release_threshold;    /* cached bytes kept; MP_UNLIMITED = keep all */
     size_t limit;                /* cap on reserved bytes; MP_UNLIMITED = none */
     size_t initial_pool_size;    /* reserved at creation and never released automatically */
     double gc_threshold;         /* 0 = off; else fraction of limit (or capacity) */

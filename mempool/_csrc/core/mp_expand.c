@@ -180,7 +180,7 @@ static uintptr_t pinned_end(const mp_pool *p, const mp_segment *seg) {
 
 /* Link new block n into b's segment, just before b (or after it). */
 static void link_block(mp_block *b, mp_block *n, int after) {
-    n->seg = b->seg;
+    mp_block_join(n, b->seg);
     if (after) {
         n->prev = b;
         n->next = b->next;
@@ -390,7 +390,7 @@ static mp_segment *segment_of_locked(mp_pool *p, mp_stream *s, int kind, size_t 
     p->nsegments++;
     u->ptr = base;
     u->nbytes = va;
-    u->seg = seg;
+    mp_block_join(u, seg);
     u->stream = s;
     u->state = MP_BLOCK_UNMAPPED;
     s->expandable[kind] = seg;
@@ -705,7 +705,7 @@ static size_t release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
     /* Less than a page free in all: no whole page to find (the common case under a
      * release_threshold, checked on every free), so skip the walk over the blocks. */
     int64_t free_bytes = mp_stat3_current(p->stats.reserved_bytes) -
-                         mp_stat3_current(p->stats.active_bytes);
+                         mp_hot_current(p, MP_HOT_ACTIVE_BYTES);
     if (!target || free_bytes < (int64_t)p->up.granularity) return 0;
     if (mp_capture_stream_locked(p, NULL)) return 0;   /* Note [Graph capture]; owners below */
     run_list runs = {0};
@@ -992,7 +992,7 @@ static size_t high_water_div_locked(const mp_pool *p, size_t size, size_t need,
                                     size_t *layout_mark) {
     *layout_mark = 0;
     size_t live_mark = mp_live_mark_locked(p);
-    if ((size_t)mp_stat3_current(p->stats.allocated_bytes) + size > live_mark)
+    if ((size_t)mp_hot_current(p, MP_HOT_ALLOCATED_BYTES) + size > live_mark)
         return MP_HIGH_WATER_IDLE_DIV;                          /* a live record */
     if (need > live_mark + live_mark / MP_LAYOUT_SLACK_DIV)
         return MP_HIGH_WATER_IDLE_DIV;                          /* drifted too far past it */

@@ -16,20 +16,20 @@ uint32_t mp_freelist_next_class(const mp_freelist *fl, uint32_t cls) {
 
 void mp_insert_free_locked(mp_pool *p, mp_block *b) {
     b->state = MP_BLOCK_FREE;
-    mp_freelist_insert(&b->stream->lists[b->seg->kind], b);
+    mp_freelist_insert(&b->stream->lists[b->kind], b);
     if (b->prev || b->next) {
         b->split_counted = 1;
-        mp_stat3_inc(p->stats.inactive_split, b->seg->kind, 1);
-        mp_stat3_inc(p->stats.inactive_split_bytes, b->seg->kind, (int64_t)b->nbytes);
+        mp_stat3_inc(p->stats.inactive_split, b->kind, 1);
+        mp_stat3_inc(p->stats.inactive_split_bytes, b->kind, (int64_t)b->nbytes);
     }
 }
 
 void mp_remove_free_locked(mp_pool *p, mp_block *b) {
-    mp_freelist_remove(&b->stream->lists[b->seg->kind], b);
+    mp_freelist_remove(&b->stream->lists[b->kind], b);
     if (b->split_counted) {
         b->split_counted = 0;
-        mp_stat3_dec(p->stats.inactive_split, b->seg->kind, 1);
-        mp_stat3_dec(p->stats.inactive_split_bytes, b->seg->kind, (int64_t)b->nbytes);
+        mp_stat3_dec(p->stats.inactive_split, b->kind, 1);
+        mp_stat3_dec(p->stats.inactive_split_bytes, b->kind, (int64_t)b->nbytes);
     }
 }
 

@@ -36,9 +36,38 @@ static void fill_totals(mp_stats *st) {
  * closed_peak, so that mp_get_stats still reports the peaks since the last reset. The hot
  * path is unchanged (it updates peak as always); the glue's use is in mp_torch.c
  * (device_stats). */
+/* Where each family of Note [Hot counters] sits in mp_stats. */
+static const size_t hot_family_offset[MP_HOT_FAMILIES] = {
+    [MP_HOT_ALLOCATION] = offsetof(mp_stats, allocation),
+    [MP_HOT_ACTIVE] = offsetof(mp_stats, active),
+    [MP_HOT_ALLOCATED_BYTES] = offsetof(mp_stats, allocated_bytes),
+    [MP_HOT_ACTIVE_BYTES] = offsetof(mp_stats, active_bytes),
+    [MP_HOT_REQUESTED_BYTES] = offsetof(mp_stats, requested_bytes),
+};
+
+static mp_stat *hot_family_in(mp_stats *st, int family) {
+    return (mp_stat *)((char *)st + hot_family_offset[family]);
+}
+
+void mp_stats_compose_locked(const mp_pool *p, mp_stats *out) {
+    *out = p->stats;
+    for (int f = 0; f < MP_HOT_FAMILIES; f++) {
+        const mp_hot_family *h = &p->hot_stats[f];
+        mp_stat *s = hot_family_in(out, f);
+        for (int k = KIND_SMALL; k <= KIND_LARGE; k++) {
+            mp_stat *pool = &s[k == KIND_SMALL ? MP_STAT_SMALL : MP_STAT_LARGE];
+            pool->current = h->current[k];
+            pool->peak = h->peak[k];
+            pool->allocated = h->allocated[k];
+            pool->freed = h->allocated[k] - h->current[k] + p->freed_base[f][k];
+        }
+        s[MP_STAT_ALL].peak = h->all_peak;
+    }
+}
+
 static void stats_locked(mp_pool *p, mp_stats *out, int with_closed) {
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
-    *out = p->stats;
+    mp_stats_compose_locked(p, out);
     out->num_streams = p->nstreams;
     mp_stat *o = (mp_stat *)out;
     for (size_t i = 0; with_closed && i < MP_NSTATS; i++)
@@ -61,13 +90,19 @@ static void restart_peaks_locked(mp_pool *p) {
     mp_stat *f = (mp_stat *)&p->stats;
     for (size_t i = 0; i < NFAMILIES; i++, f += MP_STAT_TYPES)
         f[MP_STAT_ALL].peak = mp_stat3_current(f);
+    for (int i = 0; i < MP_HOT_FAMILIES; i++) {   /* Note [Hot counters] */
+        mp_hot_family *h = &p->hot_stats[i];
+        h->peak[KIND_SMALL] = h->current[KIND_SMALL];
+        h->peak[KIND_LARGE] = h->current[KIND_LARGE];
+        h->all_peak = mp_hot_current(p, i);
+    }
 }
 
 void mp_stats_window(mp_pool *p, mp_stats *out, int close) {
     mp_lock_acquire(&p->lock);
     stats_locked(p, out, 0);
     if (close) {
-        const mp_stat *s = (const mp_stat *)&p->stats;
+        const mp_stat *s = (const mp_stat *)out;   /* this window's peaks, as composed */
         for (size_t i = 0; i < MP_NSTATS; i++)
             if (s[i].peak > p->closed_peak[i]) p->closed_peak[i] = s[i].peak;
         restart_peaks_locked(p);
@@ -87,6 +122,12 @@ void mp_reset_accumulated_stats(mp_pool *p) {
     mp_lock_acquire(&p->lock);
     mp_stat *s = (mp_stat *)&p->stats;
     for (size_t i = 0; i < MP_NSTATS; i++) s[i].allocated = s[i].freed = 0;
+    for (int i = 0; i < MP_HOT_FAMILIES; i++) {   /* Note [Hot counters] */
+        for (int k = KIND_SMALL; k <= KIND_LARGE; k++) {
+            p->hot_stats[i].allocated[k] = 0;
+            p->freed_base[i][k] = p->hot_stats[i].current[k];
+        }
+    }
     p->stats.num_alloc_retries = p->stats.num_ooms = p->stats.num_sync_all_streams = 0;
     p->stats.num_device_alloc = p->stats.num_device_free = 0;
     p->stats.num_cross_stream_reuse = p->stats.num_event_waits = 0;
@@ -96,7 +137,7 @@ void mp_reset_accumulated_stats(mp_pool *p) {
 
 size_t mp_used_bytes(mp_pool *p) {
     mp_lock_acquire(&p->lock);
-    size_t n = (size_t)mp_stat3_current(p->stats.allocated_bytes);
+    size_t n = (size_t)mp_hot_current(p, MP_HOT_ALLOCATED_BYTES);
     mp_lock_release(&p->lock);
     return n;
 }
@@ -111,7 +152,7 @@ size_t mp_reserved_bytes(mp_pool *p) {
 size_t mp_cached_bytes(mp_pool *p) {
     mp_lock_acquire(&p->lock);
     size_t n = (size_t)(mp_stat3_current(p->stats.reserved_bytes) -
-                        mp_stat3_current(p->stats.active_bytes));
+                        mp_hot_current(p, MP_HOT_ACTIVE_BYTES));
     mp_lock_release(&p->lock);
     return n;
 }
@@ -147,8 +188,8 @@ static _Thread_local int thread_has_oom;
 static void oom_fill_locked(mp_pool *p, int code, size_t nbytes, size_t rounded,
                             uintptr_t stream, mp_oom *out) {
     size_t reserved = (size_t)mp_stat3_current(p->stats.reserved_bytes);
-    size_t active = (size_t)mp_stat3_current(p->stats.active_bytes);
-    size_t used = (size_t)mp_stat3_current(p->stats.allocated_bytes);
+    size_t active = (size_t)mp_hot_current(p, MP_HOT_ACTIVE_BYTES);
+    size_t used = (size_t)mp_hot_current(p, MP_HOT_ALLOCATED_BYTES);
     out->pool = p;
     out->code = code;
     out->nbytes = nbytes;
@@ -254,6 +295,8 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
         mp_block *prev = NULL;
         for (mp_block *b = seg->first; b && !r.failed; prev = b, b = b->next) {
             CHECK(b->seg == seg, "block %#lx: wrong segment", (unsigned long)b->ptr);
+            CHECK(b->kind == seg->kind, "block %#lx: kind %d in a segment of kind %d",
+                  (unsigned long)b->ptr, b->kind, seg->kind);
             CHECK(b->prev == prev, "block %#lx: broken neighbour link", (unsigned long)b->ptr);
             CHECK(b->ptr == expect, "segment %#lx: gap or overlap at %#lx (block starts at %#lx)",
                   (unsigned long)seg->ptr, (unsigned long)expect, (unsigned long)b->ptr);
@@ -403,7 +446,16 @@ int mp_check_invariants(mp_pool *p, char *msg, size_t msglen) {
           "live map holds %zu, counted %lld and %zu hot", p->live.count,
           (long long)(alloc_n[1] + alloc_n[2]), nhot);
 
-    const mp_stats *st = &p->stats;
+    /* Note [Hot counters]: the pool's own mp_stats leaves the hot families to hot_stats. */
+    for (int f = 0; f < MP_HOT_FAMILIES && !r.failed; f++) {
+        const mp_stat *own = hot_family_in(&p->stats, f);
+        for (int k = 0; k < MP_STAT_TYPES; k++)
+            CHECK(!own[k].current && !own[k].peak && !own[k].allocated && !own[k].freed,
+                  "hot family %d has counts in the pool's mp_stats", f);
+    }
+    mp_stats composed;
+    mp_stats_compose_locked(p, &composed);
+    const mp_stats *st = &composed;
     struct { const char *name; const mp_stat *stat; const int64_t *counted; } rows[] = {
         {"allocation", st->allocation, alloc_n}, {"allocated_bytes", st->allocated_bytes, alloc_b},
         {"requested_bytes", st->requested_bytes, req_b}, {"active", st->active, active_n},

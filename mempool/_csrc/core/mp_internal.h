@@ -4,6 +4,9 @@
 #ifndef MP_INTERNAL_H
 #define MP_INTERNAL_H
 
+#include <stdlib.h>
+#include <string.h>
+
 #include "mp_assert.h"
 #include "mp_core.h"
 #include "mp_freelist.h"
@@ -12,32 +15,64 @@
 
 enum { KIND_SMALL = 0, KIND_LARGE = 1 };
 
+/* Branches off the round trip through a hot block: their code goes after it, so that the
+ * instructions a round trip runs share as few lines as they can (Note [Hot lines]). */
+#define MP_UNLIKELY(cond) __builtin_expect(!!(cond), 0)
+
+/* Zeroed memory that starts on a cache line, for the structs of Note [Hot lines] (free it
+ * with free()). */
+static inline void *mp_calloc_lines(size_t nbytes) {
+    void *mem = NULL;
+    if (posix_memalign(&mem, 64, nbytes)) return NULL;
+    return memset(mem, 0, nbytes);
+}
+
 typedef struct mp_stream mp_stream;
 typedef struct mp_segment mp_segment;
 typedef struct mp_block mp_block;
 
 #define MP_INLINE_USES 2
 
+/* Note [Hot lines]
+ * Between two calls from an interpreter (torch.empty, cupy.empty), the cache lines an
+ * allocation touched have mostly left the first-level caches, and each line missed costs
+ * more than the instructions that use it. So an allocate + free through a hot block (Note
+ * [Hot blocks]) is laid out to touch few lines:
+ * - the pool's first line (its lock and the flags every call reads), its pointer map's
+ *   header (the second) and the line of the configuration that holds the size policy;
+ * - one line of the block (its fields in this struct's first line) and one of its stream;
+ * - one line per counter family (Note [Hot counters]), and the pointer map's slot.
+ * These structs start on a line (mp_calloc_lines, the block slabs). Branches that the round
+ * trip does not take are marked MP_UNLIKELY, and the rest of an allocation is out of line
+ * (alloc_from_lists_locked), so that its code too spans few lines; calls between the core's
+ * functions bind inside the extension (setup.py). Counted with cachegrind on a compiled
+ * round trip after the caches were emptied (bench/cold_lines.py, gcc 12): 26-27 lines of
+ * data and 33 of code before, 13-14 and 29 after, at 512 B and 64 MiB. */
 struct mp_block {
+    /* The first line: every field an allocate or free through a hot block touches. */
     uintptr_t ptr;
     size_t nbytes;
     size_t requested;            /* bytes asked for; 0 unless allocated or pending */
     size_t last_requested;       /* bytes of the last request it served, kept once free: a
                                     merge keeps the freed block's (PyTorch's snapshot shows
                                     it as a free block's requested_size) */
-    mp_segment *seg;
-    mp_block *prev, *next;       /* neighbours in address order within the segment */
-    mp_block *fprev, *fnext;     /* free: bin links; pending: pending-list links */
     mp_stream *stream;           /* owner: the stream whose order makes reuse safe */
+    mp_tally *tally;             /* allocated: counted there (Note [Block tallies]), or NULL */
     uint32_t cls;                /* size class while in a free list, else MP_NOT_LISTED */
     uint8_t state;               /* MP_BLOCK_* */
+    uint8_t kind;                /* its segment's kind, KIND_SMALL or KIND_LARGE (set with
+                                    the segment: mp_block_join) */
+    uint8_t oversize;            /* allocated: counted in oversize_allocations (Note [Size
+                                    policy at run time], mp_core.c) */
     uint8_t split_counted;       /* counted in inactive_split while free */
+    uint16_t nuses;              /* streams recorded by record_stream (never the owner) */
     uint8_t busy;                /* unmapped: being mapped or unmapped with the lock dropped;
                                     pending: the freeing thread is synchronizing, without the
                                     lock, a stream it had no event for (events[i] == 0) */
-    uint8_t oversize;            /* allocated: counted in oversize_allocations (Note [Size
-                                    policy at run time], mp_core.c) */
-    uint16_t nuses;              /* streams recorded by record_stream (never the owner) */
+    /* The rest: merges, lists, recorded streams. */
+    mp_segment *seg;
+    mp_block *prev, *next;       /* neighbours in address order within the segment */
+    mp_block *fprev, *fnext;     /* free: bin links; pending: pending-list links */
     uint16_t cap_uses;
     mp_stream *inline_uses[MP_INLINE_USES];
     mp_stream **uses;            /* inline_uses, or a heap array when more are recorded */
@@ -46,8 +81,9 @@ struct mp_block {
                                     its streams had reached at the free (Note [Capture
                                     reuse], mp_stream.c), or NULL */
     size_t nmarkers;
-    mp_tally *tally;             /* allocated: counted there (Note [Block tallies]), or NULL */
-};
+} __attribute__((aligned(64)));
+_Static_assert(offsetof(struct mp_block, seg) <= 64,
+               "Note [Hot lines]: a hot block's fields fit its first line");
 
 struct mp_segment {
     uintptr_t ptr;
@@ -81,12 +117,20 @@ struct mp_segment {
     size_t nextents, cap_extents;
 };
 
+/* b becomes a block of seg, whose kind it keeps at hand (Note [Hot lines]). */
+static inline void mp_block_join(mp_block *b, mp_segment *seg) {
+    b->seg = seg;
+    b->kind = (uint8_t)seg->kind;
+}
+
 /* Note [Hot blocks]: a freed block parked on its stream, unmerged and in no list, for the
  * next request of the same size there. Never seen outside the core: every view and every
  * release path folds hot blocks back first (mp_hot_flush_locked). */
 #define MP_BLOCK_HOT 4
 
 struct mp_stream {
+    /* Note [Hot lines]: its first line is what a round trip through its hot block touches;
+     * the struct starts on a line (mp_calloc_lines). */
     uintptr_t handle;
     mp_block *hot;               /* Note [Hot blocks]: at most one per stream */
     uint64_t frees;              /* frees completed into this stream's lists, ever */
@@ -94,17 +138,55 @@ struct mp_stream {
     mp_freelist lists[2];        /* KIND_SMALL, KIND_LARGE */
     mp_segment *expandable[2];   /* the growing segment per kind, when expandable */
     mp_stream *next_dead;        /* in mp_pool.dead (Note [Forgotten streams]) */
-};
+} __attribute__((aligned(64)));
 
 typedef struct mp_block_slab {
     struct mp_block_slab *next;
     mp_block blocks[];
 } mp_block_slab;
 
+/* Note [Hot counters]
+ * The five counter families every allocate and free moves
+ * (allocation, active, allocated_bytes, active_bytes, requested_bytes) live in the pool as
+ * one line each (Note [Hot lines]), not in mp_stats' columns of three, where one family
+ * spans two lines and a round trip's five touched eight to ten. A family keeps each pool's
+ * current, peak and allocated counts and the `all` column's peak; a pool's freed count is
+ * its allocated less its current plus freed_base (its current at the last reset of the
+ * accumulated counts), and the `all` column's current, allocated and freed are the pools'
+ * sums, as for every family (Note [Derived totals]). mp_stats_compose_locked writes them
+ * into mp_stats' layout for every reader; the pool's own mp_stats keeps those five
+ * families at zero, which check_invariants checks. */
+enum {
+    MP_HOT_ALLOCATION,
+    MP_HOT_ACTIVE,
+    MP_HOT_ALLOCATED_BYTES,
+    MP_HOT_ACTIVE_BYTES,
+    MP_HOT_REQUESTED_BYTES,
+    MP_HOT_FAMILIES
+};
+typedef struct mp_hot_family {
+    int64_t current[2];          /* by kind: KIND_SMALL, KIND_LARGE */
+    int64_t peak[2];
+    int64_t allocated[2];
+    int64_t all_peak;
+} __attribute__((aligned(64))) mp_hot_family;
+
 struct mp_pool {
+    /* Note [Hot lines]: the pool's first line holds what every allocate and free reads
+     * besides the pointer map (the second line) and the configuration (the third). */
     mp_lock lock;
     int refcount;                /* atomic; not guarded by the lock */
-    mp_config cfg;
+    uint64_t tick;               /* advances on every alloc and free */
+    size_t npending;             /* blocks in the pending list (pending_head) */
+    size_t nhot;                 /* streams holding a hot block (Note [Hot blocks]) */
+    mp_stream *last_stream;      /* one-entry cache for the stream lookup */
+    /* Trace recording (mp_trace.c): NULL when off, so it costs one branch. The ring holds
+     * trace_cap entries and grows to trace_max as events come (Note [A ring that grows]). */
+    mp_trace_entry *trace;
+    size_t nevent_cache;         /* events in event_cache (Note [Events outside the lock]) */
+
+    mp_ptrmap live __attribute__((aligned(64)));   /* allocated blocks by address */
+    mp_config cfg __attribute__((aligned(64)));
     mp_upstream up;
     size_t capacity;             /* device total as the upstream reports it */
 
@@ -116,26 +198,21 @@ struct mp_pool {
     uint32_t nunlocked;
     mp_stream *dead;
     size_t ndead;
-    size_t nhot;                 /* streams holding a hot block (Note [Hot blocks]) */
     /* Note [Threshold releases without a sync]: threshold checks still to skip, and the
      * skip that the next attempt finding only busy streams sets (doubling, reset by one
      * that releases). */
     uint32_t threshold_skip, threshold_backoff;   /* at most MP_THRESHOLD_BACKOFF_MAX */
-    mp_stream *last_stream;      /* one-entry cache for the stream lookup */
-
-    mp_ptrmap live;              /* allocated blocks by address */
     mp_segment *segments;        /* all segments */
     mp_segment *idle_head, *idle_tail;
     size_t idle_bytes;           /* in idle segments that are not pinned */
     size_t nsegments;
     mp_block *pending_head, *pending_tail;
-    size_t npending;
     size_t nmarked;              /* pending blocks with capture markers (Note [Capture reuse]) */
 
     /* Note [Events outside the lock]: created events not in use; room for all `nevents`
      * the pool made, so that a put never grows it. */
     uintptr_t *event_cache;
-    size_t nevent_cache, cap_event_cache;
+    size_t cap_event_cache;
     size_t nevents;              /* made and not destroyed: in the cache or held by blocks */
 
     mp_block *spare_blocks;      /* block structs not in use (linked by fnext) */
@@ -161,18 +238,16 @@ struct mp_pool {
                                     restart of the stats' peaks (mp_live_mark_locked) */
     size_t layout_release_mark;  /* Note [Layout records]: the live mark at the last release
                                     for a layout's record (one per live mark) */
-    uint64_t tick;               /* advances on every alloc and free */
     int captures;                /* Note [Graph capture]: mp_capture_begin less mp_capture_end */
     mp_stream *capture_seen;     /* Note [Graph capture]: the stream last found capturing */
-    mp_stats stats;
+    mp_hot_family hot_stats[MP_HOT_FAMILIES];   /* Note [Hot counters] */
+    int64_t freed_base[MP_HOT_FAMILIES][2];
+    mp_stats stats;              /* the other counters (Note [Hot counters]) */
     int64_t closed_peak[MP_NSTATS];   /* Note [Peak windows]: peaks of closed windows */
 
     uint8_t keep_struct;         /* mp_pool_keep_struct: destroy leaves the struct */
 
-    /* Trace recording (mp_trace.c): NULL when off, so it costs one branch. The ring holds
-     * trace_cap entries and grows to trace_max as events come (Note [A ring that grows]). */
-    mp_trace_entry *trace;
-    size_t trace_cap, trace_len, trace_head, trace_max;
+    size_t trace_cap, trace_len, trace_head, trace_max;   /* the ring of `trace` (above) */
 };
 
 /* mp_freelist.h's list operations, here where the block is defined. */
@@ -325,7 +400,7 @@ static inline size_t mp_gc_threshold_bytes(const mp_pool *p) {
 
 /* The most bytes ever allocated at once: unlike the stats' peak, never reset. */
 static inline size_t mp_live_mark_locked(const mp_pool *p) {
-    size_t peak = (size_t)p->stats.allocated_bytes[MP_STAT_ALL].peak;
+    size_t peak = (size_t)p->hot_stats[MP_HOT_ALLOCATED_BYTES].all_peak;
     return peak > p->live_high_water ? peak : p->live_high_water;
 }
 
@@ -362,7 +437,7 @@ size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_relea
 void mp_release_finish_slow(mp_pool *p, mp_release_list *list);
 /* Free what was detached, upstream; call WITHOUT the lock. Inline: usually nothing to do. */
 static inline void mp_release_finish(mp_pool *p, mp_release_list *list) {
-    if (list->head) mp_release_finish_slow(p, list);
+    if (MP_UNLIKELY(list->head)) mp_release_finish_slow(p, list);
 }
 int mp_process_pending_locked(mp_pool *p);
 /* Note [Capture reuse] (mp_stream.c): complete the pending frees of s that its capture now
@@ -370,7 +445,8 @@ int mp_process_pending_locked(mp_pool *p);
 void mp_capture_reclaim_locked(mp_pool *p, mp_stream *s);
 void mp_apply_release_threshold_slow_locked(mp_pool *p, mp_release_list *out);
 static inline void mp_apply_release_threshold_locked(mp_pool *p, mp_release_list *out) {
-    if (p->cfg.release_threshold != MP_UNLIMITED) mp_apply_release_threshold_slow_locked(p, out);
+    if (MP_UNLIKELY(p->cfg.release_threshold != MP_UNLIMITED))
+        mp_apply_release_threshold_slow_locked(p, out);
 }
 void mp_segment_idle_push_locked(mp_pool *p, mp_segment *s);
 void mp_segment_idle_remove_locked(mp_pool *p, mp_segment *s);
@@ -380,7 +456,7 @@ void mp_trace_record_locked(mp_pool *p, int action, uintptr_t ptr, size_t nbytes
                             uintptr_t stream);
 static inline void mp_trace_locked(mp_pool *p, int action, uintptr_t ptr, size_t nbytes,
                                    uintptr_t stream) {
-    if (p->trace) mp_trace_record_locked(p, action, ptr, nbytes, stream);
+    if (MP_UNLIKELY(p->trace)) mp_trace_record_locked(p, action, ptr, nbytes, stream);
 }
 
 /* Note [Segment observer] (mp_core.h): segment events go to the trace and the observer. */
@@ -433,8 +509,28 @@ static inline void mp_stat3_dec(mp_stat *s, int kind, int64_t n) {
     mp_stat_dec(&s[kind == KIND_SMALL ? MP_STAT_SMALL : MP_STAT_LARGE], n);
 }
 
+/* Note [Hot counters]: a family of mp_hot_family moves by n in one pool (`kind`). */
+static inline void mp_hot_inc(mp_pool *p, int family, int kind, int64_t n) {
+    mp_hot_family *f = &p->hot_stats[family];
+    int64_t current = f->current[kind] += n;
+    if (current > f->peak[kind]) f->peak[kind] = current;
+    f->allocated[kind] += n;
+    int64_t all = f->current[KIND_SMALL] + f->current[KIND_LARGE];
+    if (all > f->all_peak) f->all_peak = all;
+}
+static inline void mp_hot_dec(mp_pool *p, int family, int kind, int64_t n) {
+    p->hot_stats[family].current[kind] -= n;
+}
+static inline int64_t mp_hot_current(const mp_pool *p, int family) {
+    return p->hot_stats[family].current[KIND_SMALL] + p->hot_stats[family].current[KIND_LARGE];
+}
+/* mp_inspect.c: every counter in mp_stats' layout, the hot families included, with the
+ * `all` columns holding only their peaks (Note [Derived totals]). */
+void mp_stats_compose_locked(const mp_pool *p, mp_stats *out);
+
 /* mp_inspect.c: the calling thread's OOM record (mp_oom_take), filled at the failure point. */
-void mp_oom_record_locked(mp_pool *p, int code, size_t nbytes, size_t rounded, uintptr_t stream);
+__attribute__((cold)) void mp_oom_record_locked(mp_pool *p, int code, size_t nbytes,
+                                               size_t rounded, uintptr_t stream);
 
 /* Note [Hot blocks]: free every parked block as the plain free path would have. */
 void mp_hot_flush_locked(mp_pool *p);

@@ -204,7 +204,7 @@ void mp_release_finish_slow(mp_pool *p, mp_release_list *list) {
 
 static size_t cached_locked(const mp_pool *p) {
     return (size_t)(mp_stat3_current(p->stats.reserved_bytes) -
-                    mp_stat3_current(p->stats.active_bytes));
+                    mp_hot_current(p, MP_HOT_ACTIVE_BYTES));
 }
 
 void mp_apply_release_threshold_slow_locked(mp_pool *p, mp_release_list *out) {

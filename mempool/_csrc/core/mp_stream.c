@@ -169,7 +169,7 @@ mp_stream *mp_stream_lookup_locked(mp_pool *p, uintptr_t handle) {
         p->streams = grown;
         p->cap_streams = cap;
     }
-    mp_stream *s = calloc(1, sizeof *s);
+    mp_stream *s = mp_calloc_lines(sizeof *s);
     if (!s) return NULL;
     s->handle = handle;
     p->streams[p->nstreams++] = s;

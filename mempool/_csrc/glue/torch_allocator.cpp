@@ -1822,37 +1822,47 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
                                  "(mempool.torch.install serves the devices it was given)"));
   }
 
+  // The flags and counts every allocate and free reads, together on one cache line of their
+  // own (Note [Hot lines] in mp_internal.h: between two calls from Python the lines an
+  // allocation touches have mostly left the first-level caches).
+  //
+  // Note [Caching off]: whether the pool serves allocations, and raw_alloc's pointers from
+  // the driver while it did not (guarded by uncached_mu_; n_uncached_raw_ is their count).
+  // PYTORCH_NO_CUDA_MEMORY_CACHING=1, as PyTorch's allocator reads it (set for memcheck,
+  // which then sees each tensor's own bounds): caching off from the start.
+  alignas(64) std::atomic<bool> enabled_{
+      c10::utils::check_env("PYTORCH_NO_CUDA_MEMORY_CACHING") != true};
+  // History is on or a trace tracker is attached (history_on_, below).
+  std::atomic<bool> tracing_{false};
+  // live_contexts_ is not empty (Note [Kept block stacks])
+  std::atomic<bool> contexts_kept_{false};
+  std::atomic<int64_t> n_uncached_raw_{0};
+  // Lock-free hints (exact counts, updated under pools_mu_ or right after): skip the lock
+  // when no route or private block exists.
+  std::atomic<int64_t> n_private_blocks_{0};
+  std::atomic<int> n_routes_[MP_TORCH_MAX_DEVICES] = {};
+  std::mutex uncached_mu_;
+  std::unordered_set<uintptr_t> uncached_raw_;
+
   int device_count_ = 0;
   // Private pools, routes and their blocks: guarded by pools_mu_.
   std::mutex pools_mu_;
   std::unordered_map<MempoolId_t, std::unique_ptr<PrivatePool>, IdHash> private_;
   std::vector<Route> routes_[MP_TORCH_MAX_DEVICES];
   std::unordered_map<uintptr_t, PrivatePool*> private_blocks_;
-  // Lock-free hints read on every allocation and free (exact counts, updated under pools_mu_
-  // or right after): skip the lock when no route or private block exists.
-  std::atomic<int> n_routes_[MP_TORCH_MAX_DEVICES] = {};
-  std::atomic<int64_t> n_private_blocks_{0};
   std::atomic<int> captures_{0};
   // Per device: refusals followed by another try, and the OOM retries (note_another_try).
   std::atomic<int64_t> oom_tried_again_[MP_TORCH_MAX_DEVICES] = {};
   std::atomic<int64_t> oom_retries_[MP_TORCH_MAX_DEVICES] = {};
   // Per device: the cumulative counts of its private pools destroyed so far (pools_mu_).
   mp_stats retired_[MP_TORCH_MAX_DEVICES] = {};
-  // Note [Caching off]: whether the pool serves allocations, and raw_alloc's pointers from
-  // the driver while it did not (guarded by uncached_mu_; n_uncached_raw_ is their count).
-  // PYTORCH_NO_CUDA_MEMORY_CACHING=1, as PyTorch's allocator reads it (set for memcheck,
-  // which then sees each tensor's own bounds): caching off from the start.
-  std::atomic<bool> enabled_{c10::utils::check_env("PYTORCH_NO_CUDA_MEMORY_CACHING") != true};
-  std::mutex uncached_mu_;
-  std::unordered_set<uintptr_t> uncached_raw_;
-  std::atomic<int64_t> n_uncached_raw_{0};
   // History: guarded by history_mu_ (history_on_ is read without it on the hot path).
-  // tracing_: history is on or a trace tracker is attached, so allocations, frees and segment
-  // events are recorded; the trace keeps them only while history is on, the trackers
-  // (attachAllocatorTraceTracker) get them either way, as from PyTorch's own allocator.
+  // tracing_ (with the hot flags above): history is on or a trace tracker is attached, so
+  // allocations, frees and segment events are recorded; the trace keeps them only while
+  // history is on, the trackers (attachAllocatorTraceTracker) get them either way, as from
+  // PyTorch's own allocator.
   std::mutex history_mu_;
   std::atomic<bool> history_on_{false};
-  std::atomic<bool> tracing_{false};
   RecordContext record_when_ = RecordContext::NEVER;
   CreateContextFn context_recorder_ = nullptr;
   size_t max_entries_ = 1;
@@ -1867,8 +1877,6 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   c10::ApproximateClockToUnixTimeConverter clock_converter_;
   std::unordered_set<std::string> skip_;
   Contexts live_contexts_;
-  // live_contexts_ is not empty (Note [Kept block stacks])
-  std::atomic<bool> contexts_kept_{false};
   // Per thread, as in PyTorch's allocator: one thread's torch.compile region or
   // _set_memory_metadata label says nothing of another's allocations.
   inline static thread_local std::vector<std::string> compile_contexts_;
