@@ -789,6 +789,26 @@ def test_ipc_export_is_refused_clearly():
     """)
 
 
+def test_sharing_memory_the_pool_did_not_hand_out_is_an_invalid_device_pointer():
+    # getBaseAllocation, which _share_cuda_ asks first, of CuPy's memory seen through DLPack
+    # (no block of the allocator starts there): PyTorch's allocator raises "invalid device
+    # pointer"; the pool returned the pointer as its own base and the refusal came later,
+    # naming IPC instead of the pointer.
+    for prelude in (NATIVE_PRELUDE, PRELUDE):
+        out = run("""
+            import cupy
+            foreign = torch.from_dlpack(cupy.ones(1 << 16, dtype=cupy.float32))
+            try:
+                foreign.untyped_storage()._share_cuda_()
+            except RuntimeError as exc:
+                assert "invalid device pointer" in str(exc), str(exc)
+            else:
+                raise AssertionError("a base allocation was found for CuPy's memory")
+            print("refused as an invalid device pointer")
+        """, prelude=prelude)
+        assert "refused as an invalid device pointer" in out, out
+
+
 PRODUCER = """
 import base64, pickle, sys, torch
 from torch.multiprocessing.reductions import reduce_tensor

@@ -458,11 +458,16 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
         return ptr;
       }
     }
+    // As PyTorch's allocator: a pointer at which no live block starts (memory from another
+    // allocator, DLPack's, a freed block) is refused, before anything is shared from it.
     int device = api->find_device(p);
     uintptr_t base = p;
     size_t nbytes = 0;
-    if (device >= 0 && api->base_allocation(device, p, &base, &nbytes) == MP_OK && size)
-      *size = nbytes;
+    TORCH_CHECK(device >= 0 && api->base_allocation(device, p, &base, &nbytes) == MP_OK,
+                cat("invalid device pointer: ", ptr,
+                    " (mempool: no live block of the pool starts there; only memory the "
+                    "pool handed out has a base allocation)"));
+    if (size) *size = nbytes;
     return reinterpret_cast<void*>(base);
   }
 
