@@ -790,10 +790,10 @@ def test_ipc_export_is_refused_clearly():
 
 
 def test_sharing_memory_the_pool_did_not_hand_out_is_an_invalid_device_pointer():
-    # getBaseAllocation, which _share_cuda_ asks first, of CuPy's memory seen through DLPack
-    # (no block of the allocator starts there): PyTorch's allocator raises "invalid device
-    # pointer"; the pool returned the pointer as its own base and the refusal came later,
-    # naming IPC instead of the pointer.
+    # shareIpcHandle (what _share_cuda_ asks) and getBaseAllocation of CuPy's memory seen
+    # through DLPack, where no block of the allocator starts: PyTorch's allocator raises
+    # "invalid device pointer"; the pool named IPC instead of the pointer, and
+    # getBaseAllocation returned the pointer as its own base.
     for prelude in (NATIVE_PRELUDE, PRELUDE):
         out = run("""
             import cupy

@@ -895,6 +895,9 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
 
   // ---- IPC and peers ---------------------------------------------------------------------
   c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* ptr) override {
+    // What _share_cuda_ asks for a tensor's storage. As PyTorch's allocator, memory the pool
+    // did not hand out (DLPack's, another allocator's) is an invalid device pointer.
+    getBaseAllocation(ptr, nullptr);
     TORCH_CHECK(false, cat("mempool: sharing a CUDA tensor with another process "
                            "(torch.multiprocessing, tensor.share_memory_) is not supported: "
                            "the pool's memory (", static_cast<const void*>(ptr), ") comes "
