@@ -31,6 +31,8 @@ CSRC = os.path.join(ROOT, "mempool", "_csrc")
 
 
 def build(outdir):
+    if shutil.which("gcc") is None:
+        sys.exit("cold_lines.py: gcc not found; it builds cold_pairs.c with the core's sources")
     exe = os.path.join(outdir, "cold_pairs")
     sources = [os.path.join(ROOT, "bench", "cold_pairs.c")]
     for layer in ("core", "upstream"):
@@ -95,7 +97,12 @@ def main(argv=None):
     ap.add_argument("--no-time", action="store_true", help="count lines only")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    try:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        ap.error(f"--sizes: {exc}")
+    if args.rounds < 1 or args.time_rounds < 1 or args.procs < 1:
+        ap.error("--rounds, --time-rounds and --procs take a positive count")
     have_valgrind = shutil.which("valgrind") is not None
     if not have_valgrind:
         print("valgrind not found: lines are not counted", file=sys.stderr)
