@@ -28,6 +28,9 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "mempool", "_csrc")
+sys.path.insert(0, ROOT)
+
+from mempool._config import parse_size  # noqa: E402
 
 
 def build(outdir):
@@ -78,11 +81,11 @@ def times(exe, nbytes, rounds, evict, procs):
             "warm_ns": statistics.median(warm), "warm_ns_worst": max(warm)}
 
 
-def parse_size(text):
-    m = re.fullmatch(r"(\d+)\s*(KiB|MiB|GiB)?", text.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or a number with KiB, MiB or GiB)")
-    return int(m.group(1)) << {None: 0, "KiB": 10, "MiB": 20, "GiB": 30}[m.group(2)]
+def evict_bytes(text):
+    try:
+        return parse_size(text, "--evict")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv=None):
@@ -92,15 +95,17 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=200, help="cold pairs per run (lines)")
     ap.add_argument("--time-rounds", type=int, default=20000, help="cold pairs per process (time)")
     ap.add_argument("--procs", type=int, default=3, help="processes per size (time)")
-    ap.add_argument("--evict", type=parse_size, default=parse_size("4MiB"),
+    ap.add_argument("--evict", type=evict_bytes, default=4 << 20,
                     help="bytes touched between pairs (time; lines use 1 MiB, past cachegrind's L1)")
     ap.add_argument("--no-time", action="store_true", help="count lines only")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     try:
-        sizes = [parse_size(s) for s in args.sizes.split(",")]
-    except argparse.ArgumentTypeError as exc:
-        ap.error(f"--sizes: {exc}")
+        sizes = [parse_size(s, "--sizes") for s in args.sizes.split(",")]
+    except ValueError as exc:
+        ap.error(str(exc))
+    if 0 in sizes:
+        ap.error("--sizes: every size must be at least 1 byte")
     if args.rounds < 1 or args.time_rounds < 1 or args.procs < 1:
         ap.error("--rounds, --time-rounds and --procs take a positive count")
     have_valgrind = shutil.which("valgrind") is not None
