@@ -7,6 +7,7 @@ ctypes playing the glue: routing by device, the codes instead of NULLs, statisti
 """
 import ctypes
 import gc
+import threading
 
 import pytest
 
@@ -110,17 +111,21 @@ CUSTOM_FIELDS = [("custom_pool_create", F(i32, i32, ctypes.POINTER(Source), ctyp
                  ("block_info", F(i32, i32, u, ctypes.POINTER(sz), ctypes.POINTER(sz),
                                   ctypes.POINTER(u)))]
 SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP = 3, 4, 6, 7
+# Note [Release observer] (mp_core.h): fn(ctx, pool), with no lock held.
+ReleaseObserver = F(None, vp, vp)
+RELEASE_FIELDS = [("set_release_observer", F(None, ReleaseObserver, vp))]
 
 
 class Api(ctypes.Structure):
     _fields_ = (FIELDS + [(f"pool_fn_{i}", vp) for i in range(N_POOL_FUNCTIONS)]
-                + DEVICE_PEAK_FIELDS + OBSERVER_FIELDS + CONFIG_FIELDS + CUSTOM_FIELDS)
+                + DEVICE_PEAK_FIELDS + OBSERVER_FIELDS + CONFIG_FIELDS + CUSTOM_FIELDS
+                + RELEASE_FIELDS)
 
 
 @pytest.fixture
 def api():
     table = Api.from_address(_core._torch_api_address())
-    assert table.version == 8
+    assert table.version == 9
     assert table.struct_size == ctypes.sizeof(Api), "the table's layout changed: update Api"
     yield table
 
@@ -588,6 +593,84 @@ def pool_fns(api):
     return (F(i32, vp, sz, u, ctypes.POINTER(u))(api.pool_fn_0),
             F(i32, vp, u, u, i32)(api.pool_fn_1), F(i32, vp)(api.pool_fn_8),
             F(None, vp)(api.pool_fn_14))
+
+
+@pytest.fixture
+def release_timeline(api):
+    """One timeline of what the segment observer, the release observer and a custom segment
+    source's free are told, in order; both observers are process-wide and unset afterwards.
+    The release observer also asks the pool it is told of for its used bytes, from another
+    thread: that finishes only if the pool's lock is not held (a held lock would block the
+    other thread, not this test)."""
+    timeline = []
+    used_bytes = F(sz, vp)(api.pool_fn_9)
+
+    def segment(ctx, pool, action, ptr, nbytes, stream):
+        timeline.append(("event", action, ptr))
+
+    def release(ctx, pool):
+        asked = threading.Thread(target=used_bytes, args=(pool,), daemon=True)
+        asked.start()
+        asked.join(timeout=10)
+        timeline.append(("release", "unlocked" if not asked.is_alive() else "LOCKED"))
+
+    callbacks = (Observer(segment), ReleaseObserver(release))
+    CALLBACKS.extend(callbacks)   # kept for the life of the process, as `observed`'s
+    api.set_segment_observer(callbacks[0], None)
+    api.set_release_observer(callbacks[1], None)
+    yield timeline
+    api.set_release_observer(ReleaseObserver(), None)
+    api.set_segment_observer(Observer(), None)
+
+
+def test_the_release_observer_is_told_before_the_segments_go_upstream(api, routed,
+                                                                      release_timeline):
+    """Note [Release observer]: PyTorch hands its trace trackers a segment_free before its
+    cudaFree (NCCL's registration hook deregisters the memory there). The glue can tell its
+    trackers only outside the pool's lock, so the pool calls the release observer, unlocked,
+    after the segment observer heard of the segments and before the upstream frees them:
+    from empty_cache, and from a pool's destroy for the segments it still caches."""
+    alloc, free, empty_cache, release = pool_fns(api)
+    src = FakeSegments()
+    src.frees = Timeline(release_timeline)
+    handle, out = vp(), u()
+    assert api.custom_pool_create(DEVICE, ctypes.byref(src.source), ctypes.byref(handle)) == MP_OK
+    assert alloc(handle, 3 * MiB, 0, ctypes.byref(out)) == MP_OK
+    (first,) = src.live
+    assert free(handle, out.value, 0, 0) == MP_OK
+    assert release_timeline == [("event", SEGMENT_ALLOC, first)]   # no release yet
+    assert empty_cache(handle) == MP_OK
+    assert release_timeline[1:] == [("event", SEGMENT_FREE, first), ("release", "unlocked"),
+                                    ("free", first)]
+    assert alloc(handle, 5 * MiB, 0, ctypes.byref(out)) == MP_OK
+    (second,) = src.live
+    assert free(handle, out.value, 0, 0) == MP_OK
+    del release_timeline[:]
+    release(handle)                                        # destroyed with it cached
+    assert release_timeline == [("event", SEGMENT_FREE, second), ("release", "unlocked"),
+                                ("free", second)]
+
+
+def test_a_release_the_allocation_path_makes_is_told_first_too(api, release_timeline):
+    """A release the pool makes on its own (here past its release threshold, on a free)
+    goes through the same path: the observer is told before the upstream free."""
+    pool = mempool.Pool(backend="sim", capacity="1GiB", release_threshold=0)
+    pool.free(pool.alloc(3 * MiB))
+    actions = [e[0] if e[0] != "event" else e[1] for e in release_timeline]
+    assert actions == [SEGMENT_ALLOC, SEGMENT_FREE, "release"], release_timeline
+    assert release_timeline[-1] == ("release", "unlocked")
+
+
+class Timeline(list):
+    """A FakeSegments' frees that also go into a shared timeline as ("free", ptr)."""
+
+    def __init__(self, timeline):
+        super().__init__()
+        self.timeline = timeline
+
+    def append(self, ptr):
+        super().append(ptr)
+        self.timeline.append(("free", ptr))
 
 
 def test_a_custom_segment_source_is_cached_and_given_back_once(api, routed):

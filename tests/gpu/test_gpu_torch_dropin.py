@@ -414,12 +414,14 @@ def test_the_snapshot_trace_has_the_pools_segment_events(expandable):
 
 TRACKER_SOURCE = r"""
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_runtime_api.h>
 #include <cstring>
 #include <mutex>
 #include <string>
 namespace {
 std::mutex mu;
-std::string seen;   // one line per entry: action address size
+std::string seen;   // one line per entry: action address size, and for a segment_free the
+                    // device's free bytes as the tracker heard of it (else 0)
 const char* name(c10::CachingDeviceAllocator::TraceEntry::Action a) {
   using E = c10::CachingDeviceAllocator::TraceEntry;
   switch (a) {
@@ -437,9 +439,13 @@ const char* name(c10::CachingDeviceAllocator::TraceEntry::Action a) {
 extern "C" void tracker_attach() {
   c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker(
       [](const c10::CachingDeviceAllocator::TraceEntry& te) {
+        size_t free_bytes = 0, total = 0;
+        if (te.action_ == c10::CachingDeviceAllocator::TraceEntry::SEGMENT_FREE &&
+            cudaMemGetInfo(&free_bytes, &total) != cudaSuccess)
+          free_bytes = 0;
         std::lock_guard<std::mutex> lock(mu);
         seen += std::string(name(te.action_)) + " " + std::to_string(te.addr_) + " " +
-                std::to_string(te.size_) + "\n";
+                std::to_string(te.size_) + " " + std::to_string(free_bytes) + "\n";
       });
 }
 extern "C" size_t tracker_entries(char* out, size_t n) {   // the length; copied when it fits
@@ -474,7 +480,7 @@ def tracked():
     n = tracker.tracker_entries(None, 0)
     buf = ctypes.create_string_buffer(n + 1)
     tracker.tracker_entries(buf, n + 1)
-    return [(a, int(p), int(z)) for a, p, z in
+    return [(a, int(p), int(z), int(f)) for a, p, z, f in
             (line.split() for line in buf.value.decode().splitlines())]
 """
 
@@ -510,6 +516,37 @@ def test_a_trace_tracker_sees_segments_with_history_off(expandable):
         assert not torch.cuda.memory._snapshot()["device_traces"][0]   # and kept nothing
         print("tracker ok", len(seen))
     """, prelude=(prelude if expandable else PRELUDE) + build)
+
+
+@pytest.mark.parametrize("allocator", ["pytorch", "mempool"])
+def test_a_trace_tracker_hears_of_a_segment_free_while_its_memory_is_still_held(allocator):
+    # PyTorch hands its trackers a segment_free before its cudaFree: ProcessGroupNCCL's
+    # registration hook deregisters the segment from NCCL there, while the memory is still
+    # the allocator's. Under the pool the trackers are told just before the pool gives the
+    # segment back (Note [Release observer] in mp_core.h); before that change they heard of
+    # it after empty_cache had given the memory back to the device. The device's free bytes
+    # as the tracker heard of the segment_free must lie the segment's size under what is
+    # free after empty_cache.
+    build = f"SOURCE = {TRACKER_SOURCE!r}\n" + TRACKER_BUILD
+    prelude = NATIVE_PRELUDE if allocator == "pytorch" else PRELUDE
+    run("""
+        torch.cuda.init()
+        tracker.tracker_attach()
+        nbytes = 512 << 20
+        a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")   # a segment of its own
+        ptr = a.data_ptr()
+        del a
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free_after = torch.cuda.mem_get_info()[0]
+        seen = tracked()
+        freed = [e for e in seen if e[0] == "segment_free" and e[1] <= ptr < e[1] + e[2]]
+        assert len(freed) == 1 and freed[0][2] >= nbytes, seen
+        free_when_told = freed[0][3]
+        assert free_when_told > 0, seen
+        assert free_after - free_when_told >= nbytes, (free_after, free_when_told, seen)
+        print("told first", free_after - free_when_told)
+    """, prelude=prelude + build)
 
 
 def test_runtime_allocator_settings_act_on_the_pool():

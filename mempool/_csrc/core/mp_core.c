@@ -147,6 +147,12 @@ void mp_pool_destroy(mp_pool *p) {
         }
         seg->release_stream = legacy ? 0 : seg->stream->handle;
         mp_trace_segment_gone_locked(p, seg);   /* Note [Segment events at destroy] */
+        if (__atomic_load_n(&mp_release_observer_fn, __ATOMIC_ACQUIRE)) {
+            mp_lock_drop(p);   /* Note [Release observer] (mp_core.h): told with no lock held;
+                                  nothing else can reach a pool being destroyed */
+            mp_tell_release_observer(p);
+            mp_lock_retake(p);
+        }
         mp_segment_release_upstream(p, seg);
         free(seg->extents);
         free(seg);

@@ -351,6 +351,20 @@ int mp_trace_enable(mp_pool *p, size_t max_entries);   /* 0 turns recording off 
 typedef void (*mp_segment_observer)(void *ctx, mp_pool *p, int action, uintptr_t ptr,
                                     size_t nbytes, uintptr_t stream);
 void mp_set_segment_observer(mp_segment_observer fn, void *ctx);
+
+/* Note [Release observer]
+ * PyTorch's allocator hands a segment_free to its trace trackers before cudaFree, while the
+ * memory is still its own: ProcessGroupNCCL's registration hook deregisters the segment from
+ * NCCL there. The segment observer cannot call trackers (it runs under the pool's lock), so
+ * the glue queues what it is told. This second process-wide function is called with no lock
+ * held just before a pool gives the upstream segments or mapped pages whose events the
+ * segment observer has already been told (mp_release_finish, and each segment at a pool's
+ * destroy): the glue hands its queued events to the trackers there, before the driver frees
+ * the memory. Unmaps that release_pages_locked makes with the lock dropped are told after
+ * the unmap, as PyTorch records its own segment_unmap. Set it once (or to NULL); NULL, the
+ * default, costs one load per release. */
+typedef void (*mp_release_observer)(void *ctx, mp_pool *p);
+void mp_set_release_observer(mp_release_observer fn, void *ctx);
 /* Copy out the recorded entries, oldest first; *n receives the count. Caller frees. */
 int mp_trace_take(mp_pool *p, mp_trace_entry **entries, size_t *n);
 

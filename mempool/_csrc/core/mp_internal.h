@@ -472,6 +472,14 @@ static inline void mp_trace_segment_locked(mp_pool *p, int action, uintptr_t ptr
     if (fn) fn(mp_observer_ctx, p, action, ptr, nbytes, stream);
 }
 
+/* Note [Release observer] (mp_core.h): called with no lock held, before the upstream frees. */
+extern mp_release_observer mp_release_observer_fn;   /* atomic */
+extern void *mp_release_observer_ctx;
+static inline void mp_tell_release_observer(mp_pool *p) {
+    mp_release_observer fn = __atomic_load_n(&mp_release_observer_fn, __ATOMIC_ACQUIRE);
+    if (fn) fn(mp_release_observer_ctx, p);
+}
+
 /* Note [Derived totals]
  * PyTorch's statistics come in families (allocation, active, allocated_bytes, ...), each
  * with an `all`, a `small_pool` and a `large_pool` column of current, peak, allocated and

@@ -178,6 +178,7 @@ size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_relea
 
 void mp_release_finish_slow(mp_pool *p, mp_release_list *list) {
     mp_segment *seg = list->head;
+    mp_tell_release_observer(p);   /* Note [Release observer] (mp_core.h) */
     void *blocking = mp_blocking_begin();
     while (seg) {
         mp_segment *next = seg->inext;

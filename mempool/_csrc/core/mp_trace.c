@@ -67,6 +67,14 @@ void mp_set_segment_observer(mp_segment_observer fn, void *ctx) {
     __atomic_store_n(&mp_observer_fn, fn, __ATOMIC_RELEASE);
 }
 
+mp_release_observer mp_release_observer_fn;
+void *mp_release_observer_ctx;
+
+void mp_set_release_observer(mp_release_observer fn, void *ctx) {
+    mp_release_observer_ctx = ctx;   /* as mp_set_segment_observer: the context first */
+    __atomic_store_n(&mp_release_observer_fn, fn, __ATOMIC_RELEASE);
+}
+
 int mp_trace_enable(mp_pool *p, size_t max_entries) {
     mp_trace_entry *ring = NULL;
     /* A count whose ring would not fit in size_t must not wrap into a small buffer. */

@@ -880,6 +880,7 @@ static const mp_torch_api api = {
     .set_segment_observer = mp_set_segment_observer,
     .pool_device = api_pool_device,
     .config = api_config,
+    .set_release_observer = mp_set_release_observer,
 };
 
 const mp_torch_api *mp_torch_api_table(void) { return &api; }

@@ -137,13 +137,14 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
  *   - MemPool(no_split=True) hands out whole blocks (Note [No split], mp_core.c).
  *   - Refused with a message naming the feature: exporting a tensor to another process
  *     (pool memory has no legacy IPC handle; receiving works). */
-#define MP_TORCH_API_VERSION 8   /* 2: mp_layout lists each segment's physical allocations;
+#define MP_TORCH_API_VERSION 9   /* 2: mp_layout lists each segment's physical allocations;
                                     3: the device's peaks with its private pools;
                                     4: the segment observer;
                                     5: the device pool's options;
                                     6: a block's last requested size in mp_layout;
                                     7: private pools over a custom segment source;
-                                    8: pool_set_no_split, block_info */
+                                    8: pool_set_no_split, block_info;
+                                    9: the release observer */
 #define MP_TORCH_FIGURES 7
 
 /* Note [Custom segment sources] (mp_torch.c): where a private pool for a MemPool given its own
@@ -231,6 +232,9 @@ typedef struct mp_torch_api {
      * MP_ENOTFOUND when ptr is no live block there. */
     int (*block_info)(int device, uintptr_t ptr, size_t *nbytes, size_t *requested,
                       uintptr_t *stream);
+    /* Note [Release observer] (mp_core.h): the function told, with no lock held, just before
+     * a pool gives back segments whose events the segment observer was told. */
+    void (*set_release_observer)(mp_release_observer fn, void *ctx);
 } mp_torch_api;
 
 /* The table (static storage, never freed). */

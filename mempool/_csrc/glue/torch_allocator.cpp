@@ -711,6 +711,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     std::lock_guard<std::mutex> lock(history_mu_);
     trackers_.push_back(std::move(tracker));
     tracing_.store(true);   // trackers see every entry, history or not, as PyTorch's do
+    trackers_attached_.store(true, std::memory_order_release);
   }
 
   // ---- CUDA graphs and MemPools ------------------------------------------------------------
@@ -1619,6 +1620,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     size_t nbytes;
     uintptr_t stream;
     c10::approx_time_t time;
+    bool told = false;   // the trackers already have it (Note [Release observer])
   };
   static constexpr size_t kMaxPendingSegments = 1 << 16;
 
@@ -1626,6 +1628,10 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   static void observe_segment(void* ctx, mp_pool* p, int action, uintptr_t ptr, size_t nbytes,
                               uintptr_t stream) {
     static_cast<MempoolAllocator*>(ctx)->on_segment(p, action, ptr, nbytes, stream);
+  }
+
+  static void before_release(void* ctx, mp_pool*) {
+    static_cast<MempoolAllocator*>(ctx)->tell_trackers_first();
   }
 
  private:
@@ -1721,7 +1727,46 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
       }
       push_trace_locked(a->name, entry_locked(a->action, e.device, e.ptr, e.nbytes,
                                      reinterpret_cast<void*>(e.stream), e.owner, e.time,
-                                     std::move(ctx)));
+                                     std::move(ctx)),
+                        /*tell_trackers=*/!e.told);
+    }
+  }
+
+  // Note [Release observer] (mp_core.h): a pool is about to give the driver segments whose
+  // events wait in pending_segments_. PyTorch hands its trackers a segment_free before its
+  // cudaFree, and ProcessGroupNCCL's registration hook deregisters the memory from NCCL
+  // there, so the trackers hear every waiting event now, in order; the trace gets them at
+  // the next flush, with the stacks of the call that made them, and the trackers not again.
+  // Called from the core with no pool's lock held, by whichever thread releases.
+  void tell_trackers_first() noexcept {
+    if (!trackers_attached_.load(std::memory_order_acquire)) return;
+    try {
+      std::lock_guard<std::mutex> lock(history_mu_);   // history_mu_, then segment_mu_
+      std::vector<SegmentEvent> events;
+      {
+        std::lock_guard<std::mutex> segment_lock(segment_mu_);
+        for (SegmentEvent& e : pending_segments_) {
+          if (e.told) continue;
+          e.told = true;
+          events.push_back(e);
+        }
+      }
+      for (const SegmentEvent& e : events) {
+        const SegmentAction* a = segment_action(e.action);
+        if (e.device < 0 || !a) continue;
+        std::shared_ptr<c10::GatheredContext> ctx;   // a segment's own stacks, if kept
+        if (a->action == TraceEntry::SEGMENT_FREE || a->action == TraceEntry::SEGMENT_UNMAP) {
+          auto it = segment_contexts_.find(e.ptr);
+          if (it != segment_contexts_.end()) ctx = it->second;
+        }
+        TraceEntry entry = entry_locked(a->action, e.device, e.ptr, e.nbytes,
+                                        reinterpret_cast<void*>(e.stream), e.owner, e.time,
+                                        std::move(ctx));
+        for (auto& tracker : trackers_) tracker(entry);
+      }
+    } catch (...) {
+      // Called from C: a tracker's exception (or no host memory) cannot reach the caller
+      // whose release this is; the release goes on, as a failed record would let it.
     }
   }
 
@@ -1748,8 +1793,9 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   // As PyTorch's record_trace: every entry goes to the trackers (NCCL's registration hook
   // among them), and to the history while it is on unless its action is one of
   // skip_actions. `name` is the action as skip_actions spells it. history_mu_ held.
-  void push_trace_locked(const char* name, TraceEntry entry) {
-    for (auto& tracker : trackers_) tracker(entry);
+  void push_trace_locked(const char* name, TraceEntry entry, bool tell_trackers = true) {
+    if (tell_trackers)
+      for (auto& tracker : trackers_) tracker(entry);
     if (!history_on_.load(std::memory_order_relaxed) || skip_.count(name)) return;
     trace_.push_back(std::move(entry));
     while (trace_.size() > max_entries_) trace_.pop_front();
@@ -1894,6 +1940,9 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   Contexts segment_contexts_;
   std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> oom_observers_;
   std::vector<c10::CachingDeviceAllocator::AllocatorTraceTracker> trackers_;
+  // Set with the first tracker (never cleared: PyTorch has no detach): read without
+  // history_mu_ by the release observer, which has nothing to do without trackers.
+  std::atomic<bool> trackers_attached_{false};
   // Segment events waiting for the trace: guarded by segment_mu_, taken last.
   std::mutex segment_mu_;
   std::vector<SegmentEvent> pending_segments_;
@@ -1945,6 +1994,7 @@ extern "C" __attribute__((visibility("default"))) int mempool_torch_glue_install
     if (!the_allocator) the_allocator = new MempoolAllocator();   // lives for the process
     the_allocator->init(device_count);
     api->set_segment_observer(&MempoolAllocator::observe_segment, the_allocator);
+    api->set_release_observer(&MempoolAllocator::before_release, the_allocator);
     c10::cuda::CUDACachingAllocator::allocator.store(the_allocator);
     // PyTorch registers its own caching allocator for kCUDA as well (priority 0), and
     // c10::GetAllocator(kCUDA) answers with it: torch.accelerator's memory functions
