@@ -549,6 +549,40 @@ def test_a_trace_tracker_hears_of_a_segment_free_while_its_memory_is_still_held(
     """, prelude=prelude + build)
 
 
+@pytest.mark.parametrize("allocator", ["pytorch", "mempool"])
+def test_nccls_tensor_registration_hook_follows_the_pools_segments(allocator):
+    # ProcessGroupNCCL with TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 registers every
+    # segment of the allocator's snapshot with its communicator when the communicator is
+    # made, and then, through a trace tracker, each new segment after its segment_alloc and
+    # deregisters each one at its segment_free; PyTorch refuses to deregister a segment it
+    # never registered. One rank on one GPU: the hook is PyTorch's own code, run against the
+    # pool's snapshot and segment events, with collectives on tensors in new segments before
+    # and after empty_cache gave segments back.
+    prelude = NATIVE_PRELUDE if allocator == "pytorch" else PRELUDE
+    out = run("""
+        import os
+        import torch.distributed as dist
+        os.environ["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"] = "1"
+        assert dist.is_nccl_available()
+        warm = torch.ones(1 << 20, device="cuda")          # a segment before the group
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+        for step in range(3):
+            x = torch.full((96 << 20,), float(step + 1), device="cuda")   # a new segment
+            dist.all_reduce(x)
+            torch.cuda.synchronize()
+            assert x[0].item() == step + 1 and x[-1].item() == step + 1
+            del x
+            torch.cuda.empty_cache()                       # its segment deregistered, freed
+        dist.all_reduce(warm)
+        torch.cuda.synchronize()
+        assert warm.sum().item() == 1 << 20
+        dist.destroy_process_group()
+        print("nccl hook ok")
+    """, prelude=prelude)
+    assert "nccl hook ok" in out
+
+
 def test_runtime_allocator_settings_act_on_the_pool():
     """torch.cuda.memory._set_allocator_settings reaches PyTorch as before (its pinned-memory
     keys act), the rounding and split keys change the pool as they would PyTorch's allocator
