@@ -417,6 +417,7 @@ TRACKER_SOURCE = r"""
 #include <cuda_runtime_api.h>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 namespace {
 std::mutex mu;
@@ -446,6 +447,13 @@ extern "C" void tracker_attach() {
         std::lock_guard<std::mutex> lock(mu);
         seen += std::string(name(te.action_)) + " " + std::to_string(te.addr_) + " " +
                 std::to_string(te.size_) + " " + std::to_string(free_bytes) + "\n";
+      });
+}
+extern "C" void tracker_attach_refusing() {   // throws at every segment_free
+  c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker(
+      [](const c10::CachingDeviceAllocator::TraceEntry& te) {
+        if (te.action_ == c10::CachingDeviceAllocator::TraceEntry::SEGMENT_FREE)
+          throw std::runtime_error("the tracker refused a segment_free");
       });
 }
 extern "C" size_t tracker_entries(char* out, size_t n) {   // the length; copied when it fits
@@ -547,6 +555,32 @@ def test_a_trace_tracker_hears_of_a_segment_free_while_its_memory_is_still_held(
         assert free_after - free_when_told >= nbytes, (free_after, free_when_told, seen)
         print("told first", free_after - free_when_told)
     """, prelude=prelude + build)
+
+
+@pytest.mark.parametrize("allocator", ["pytorch", "mempool"])
+def test_a_trace_trackers_error_at_a_segment_free_fails_empty_cache(allocator):
+    # PyTorch's empty_cache lets a tracker's error through (NCCL's hook refuses to deregister
+    # a segment it never registered). Under the pool the trackers are told from the core's
+    # release, which an exception cannot cross: the glue keeps it and empty_cache raises it
+    # once the segments have gone (Note [Release observer]). Allocation goes on after it.
+    build = f"SOURCE = {TRACKER_SOURCE!r}\n" + TRACKER_BUILD
+    prelude = NATIVE_PRELUDE if allocator == "pytorch" else PRELUDE
+    out = run("""
+        torch.cuda.init()
+        tracker.tracker_attach_refusing()
+        a = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")   # a segment of its own
+        del a
+        try:
+            torch.cuda.empty_cache()
+        except RuntimeError as e:
+            assert "the tracker refused a segment_free" in str(e), e
+        else:
+            raise AssertionError("empty_cache hid the tracker's error")
+        b = torch.ones(1 << 20, device="cuda")
+        assert b.sum().item() == 1 << 20
+        print("tracker error raised")
+    """, prelude=prelude + build)
+    assert "tracker error raised" in out
 
 
 @pytest.mark.parametrize("allocator", ["pytorch", "mempool"])

@@ -32,6 +32,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <deque>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -40,6 +41,7 @@
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 extern "C" {
@@ -415,6 +417,9 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
     if (mempool_id == MempoolId_t{0, 0}) {
       for (int d = 0; d < api->max_devices && d < device_limit(); d++) api->empty_cache(d);
     }
+    // A tracker that threw as the segments went (Note [Release observer]) fails this call
+    // after the trace has them, as PyTorch's empty_cache lets its trackers' errors through.
+    std::exception_ptr tracker_error = std::exchange(tracker_error_, nullptr);
     // Trackers (NCCL's registration hook) learn of the freed segments now, each with this
     // call's stacks where history records them for every action (Note [Segment event
     // stacks]).
@@ -424,6 +429,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
       ctx = gather_context(RecordContext::ALL, &when);
     }
     flush_segments(nullptr, std::move(ctx));
+    if (tracker_error) std::rethrow_exception(tracker_error);
   }
 
   void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
@@ -1697,6 +1703,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   // not use (a CuPy pool of the same process, say) are dropped.
   void flush_segments(std::shared_ptr<c10::GatheredContext> grown = nullptr,
                       std::shared_ptr<c10::GatheredContext> released = nullptr) {
+    warn_tracker_error();
     // history_mu_ first, held from taking the events to pushing them: another thread whose
     // allocation made one of these segments then records its alloc only after them.
     std::lock_guard<std::mutex> lock(history_mu_);
@@ -1765,8 +1772,30 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
         for (auto& tracker : trackers_) tracker(entry);
       }
     } catch (...) {
-      // Called from C: a tracker's exception (or no host memory) cannot reach the caller
-      // whose release this is; the release goes on, as a failed record would let it.
+      // Called from C, the exception cannot pass through the core: the release goes on,
+      // and the thread keeps the first error for the glue call that made the release.
+      if (!tracker_error_) tracker_error_ = std::current_exception();
+    }
+  }
+
+  // A tracker's error from tell_trackers_first on this thread. emptyCache throws it; a
+  // release made inside an allocation or a free (a retry after OOM, the release threshold)
+  // cannot fail that call once the pool has served it, so the next flush on the thread
+  // warns with it instead. PyTorch's allocator would throw it from the call that released.
+  static inline thread_local std::exception_ptr tracker_error_;
+
+  static void warn_tracker_error() noexcept {
+    if (!tracker_error_) return;
+    std::exception_ptr error = std::exchange(tracker_error_, nullptr);
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      try {
+        TORCH_WARN(cat("a trace tracker failed while the pool gave segments back: ",
+                       e.what()));
+      } catch (...) {
+      }
+    } catch (...) {
     }
   }
 
