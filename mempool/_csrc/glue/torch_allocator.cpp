@@ -1732,11 +1732,16 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
         if (a->action == TraceEntry::SEGMENT_FREE && it != segment_contexts_.end())
           segment_contexts_.erase(it);
       }
-      push_trace_locked(a->name, entry_locked(a->action, e.device, e.ptr, e.nbytes,
-                                     reinterpret_cast<void*>(e.stream), e.owner, e.time,
-                                     std::move(ctx)),
+      push_trace_locked(a->name, segment_entry_locked(e, *a, std::move(ctx)),
                         /*tell_trackers=*/!e.told);
     }
+  }
+
+  // A segment event's trace entry, with the stacks given. history_mu_ held.
+  TraceEntry segment_entry_locked(const SegmentEvent& e, const SegmentAction& a,
+                                  std::shared_ptr<c10::GatheredContext> ctx) {
+    return entry_locked(a.action, e.device, e.ptr, e.nbytes, reinterpret_cast<void*>(e.stream),
+                        e.owner, e.time, std::move(ctx));
   }
 
   // Note [Release observer] (mp_core.h): a pool is about to give the driver segments whose
@@ -1766,9 +1771,7 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
           auto it = segment_contexts_.find(e.ptr);
           if (it != segment_contexts_.end()) ctx = it->second;
         }
-        TraceEntry entry = entry_locked(a->action, e.device, e.ptr, e.nbytes,
-                                        reinterpret_cast<void*>(e.stream), e.owner, e.time,
-                                        std::move(ctx));
+        TraceEntry entry = segment_entry_locked(e, *a, std::move(ctx));
         for (auto& tracker : trackers_) tracker(entry);
       }
     } catch (...) {
@@ -1791,8 +1794,8 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
       std::rethrow_exception(error);
     } catch (const std::exception& e) {
       try {
-        TORCH_WARN(cat("a trace tracker failed while the pool gave segments back: ",
-                       e.what()));
+        TORCH_WARN(cat("mempool: a trace tracker (attachAllocatorTraceTracker) failed while "
+                       "the pool gave segments back to the device: ", e.what()));
       } catch (...) {
       }
     } catch (...) {
