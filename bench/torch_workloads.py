@@ -17,7 +17,9 @@ weights, built from a config; nothing here defines a model):
   infer   the GPT model's forward under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs);
   batch   the largest batch of the GPT step (length 512) that fits under a fixed cap;
   empty   ``torch.empty`` + drop, six pairs of processes (one per allocator, side by side
-          on one CPU, their rounds interleaved: empty_pairs.py).
+          on one CPU, their rounds interleaved: empty_pairs.py); ``--empty-control
+          caching`` adds as many pairs of PyTorch's allocator against itself, the spread
+          that two processes of one allocator show.
 Allocators: PyTorch's default, PyTorch with ``expandable_segments:True``, mempool's default
 and mempool with expandable segments (``mempool.torch.install``). For each: ms per step
 (median over the timed steps, after warm-up), peak reserved, and the losses or outputs, so
@@ -438,7 +440,7 @@ def allocator_shares(pair_caching, pair_mempool, size):
         return None
 
 
-def run_empty(outdir, procs=6, rounds=15, pairs=2000):
+def run_empty(outdir, procs=6, rounds=15, pairs=2000, controls=()):
     """torch.empty + drop: `procs` pairs of processes, one of each allocator, each pair's
     two children at once on one CPU (the fastest just before they start), their rounds
     interleaved (bench/empty_pairs.py says why). Before, children ran one after the other,
@@ -475,7 +477,32 @@ def run_empty(outdir, procs=6, rounds=15, pairs=2000):
             pair["caching"]["rounds"][size], pair["mempool"]["rounds"][size])
             for size in EMPTY_SIZES})
         results["cpus"].append({"cpu": cpu, "paces": paces})
+    for name in controls:
+        results.setdefault("control", {})[name] = run_empty_control(child, env, name, procs,
+                                                                     rounds, pairs)
     return results
+
+
+def run_empty_control(child, env, name, procs, rounds, pairs):
+    """The same pairs with one allocator on both sides (an A/A control): how far two
+    processes of one allocator, side by side on one CPU, differ from each other. Per pair,
+    the second child's median ns over the first's for each size, as the mixed pairs' ratio;
+    what a per-process target can resolve is bounded by this spread."""
+    import empty_pairs
+
+    out = []
+    for _ in range(procs):
+        (cpu,), _paces = fastest_cpus(1)
+        argv = [child, name, "--lockstep", str(pairs)]
+        try:
+            pair = empty_pairs.run_pair({"a": argv, "b": list(argv)}, cpu, EMPTY_SIZES, rounds,
+                                        env, floor=EMPTY_FLOOR)
+        except RuntimeError as e:
+            out.append({"error": str(e)})
+            continue
+        out.append({"cpu": cpu, **{str(size): pair["b"]["ns_per_pair"][size] /
+                                   pair["a"]["ns_per_pair"][size] for size in EMPTY_SIZES}})
+    return out
 
 
 def summarize(rows):
@@ -530,6 +557,10 @@ def main(argv=None):
                          "history) into OUTDIR/snapshot-WORKLOAD-ALLOCATOR-N.pickle.gz, for "
                          "`python -m mempool replay`; its times are not comparable")
     ap.add_argument("--snapshot-path", help=argparse.SUPPRESS)   # the child's file
+    ap.add_argument("--empty-control", default="", metavar="ALLOCATORS",
+                    help="after the empty workload's pairs, as many pairs of one allocator "
+                         "against itself, for each of these (caching, mempool): the spread "
+                         "between two processes of one allocator")
     ap.add_argument("--order-seed", type=int, default=1,
                     help="seed of the bucketed workloads' order of timed steps (1)")
     args = ap.parse_args(argv)
@@ -554,7 +585,8 @@ def main(argv=None):
 
     for w in workloads:
         if w == "empty":
-            extra["torch_empty"] = run_empty(args.outdir)
+            extra["torch_empty"] = run_empty(args.outdir, controls=[
+                c for c in args.empty_control.split(",") if c])
             save()
             continue
         reps = 1 if w in ("batch", "infer") else args.reps
@@ -617,6 +649,13 @@ def main(argv=None):
                 print(f"torch.empty {size} B, the allocator's own ns (each round less the "
                       "0 B round after it, median) per pair, "
                       "PyTorch / mempool: " + ", ".join(f"{c:.0f} / {m:.0f}" for c, m in shares))
+            for name, pairs in te.get("control", {}).items():
+                spread = [r[size] for r in pairs if size in r]
+                if spread:
+                    print(f"torch.empty {size} B, {name} / {name} per pair of processes (the "
+                          "control: one allocator on both sides): "
+                          + ", ".join(f"{r:.2f}" for r in spread)
+                          + f" (from {min(spread):.2f} to {max(spread):.2f})")
             per_round = [x for pair in te.get("ratios", []) for x in pair.get(size, [])]
             if per_round:
                 print(f"torch.empty {size} B, mempool / caching round by round: median "

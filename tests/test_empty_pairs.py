@@ -106,3 +106,41 @@ def test_the_torch_empty_child_speaks_the_protocol(tmp_path):
         assert [len(out[name]["rounds"][size]) for size in (512, 65536)] == [3, 3]
         assert all(ns > 0 for ns in out[name]["rounds"][512] + out[name]["rounds"][65536])
         assert set(out[name]["result"]["context"]) == {"start", "before", "after"}
+
+
+def test_the_control_runs_one_allocator_on_both_sides_and_reports_their_ratio(monkeypatch):
+    """bench/torch_workloads.py --empty-control: each control pair is two children of the
+    same allocator, and its figure per size is the second child's median over the first's."""
+    import torch_workloads
+
+    seen = []
+
+    def fake_run_pair(children, cpu, sizes, rounds, env=None, floor=None):
+        seen.append((children, cpu, floor))
+        k = len(seen)
+        return {"a": {"ns_per_pair": {size: 100.0 * k for size in sizes}},
+                "b": {"ns_per_pair": {size: 100.0 * k + size % 7 for size in sizes}}}
+
+    monkeypatch.setattr(empty_pairs, "run_pair", fake_run_pair)
+    monkeypatch.setattr(torch_workloads, "fastest_cpus", lambda n: ({3}, {3: 12.0}))
+    out = torch_workloads.run_empty_control("child.py", {}, "caching", 2, 5, 100)
+    assert len(seen) == 2
+    for children, cpu, floor in seen:
+        assert children["a"] == children["b"] == ["child.py", "caching", "--lockstep", "100"]
+        assert children["a"] is not children["b"]
+        assert (cpu, floor) == (3, torch_workloads.EMPTY_FLOOR)
+    assert out[1]["cpu"] == 3
+    for size in torch_workloads.EMPTY_SIZES:
+        assert out[1][str(size)] == (200.0 + size % 7) / 200.0
+
+
+def test_a_control_pair_that_fails_is_kept_as_its_error(monkeypatch):
+    import torch_workloads
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("b ended (exit status 1) before printing 'READY': no device")
+
+    monkeypatch.setattr(empty_pairs, "run_pair", failing)
+    monkeypatch.setattr(torch_workloads, "fastest_cpus", lambda n: ({0}, {0: 12.0}))
+    out = torch_workloads.run_empty_control("child.py", {}, "mempool", 1, 5, 100)
+    assert out == [{"error": "b ended (exit status 1) before printing 'READY': no device"}]
