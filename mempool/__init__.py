@@ -14,11 +14,13 @@ from mempool._core import live_pools   # every live Pool, weakly (mempool.promet
 from mempool._core import Buffer   # sharing: Pool.empty's result (mempool/_buffer.pxi)
 from mempool._errors import InvariantError, OutOfMemoryError
 from mempool._config import ConfigWarning   # a conf setting accepted but not applied
+from mempool._config import OptionError   # an option's value that is not valid
 from mempool.tools import _install_old_paths
 
 _install_old_paths()   # mempool.trace, mempool.replay, ...: the offline tools' former names
 
 __all__ = ["Pool", "Buffer", "OutOfMemoryError", "InvariantError", "ConfigWarning",
+           "OptionError",
            "default_pool", "round_size", "segment_size", "stream_handle", "SimDevice",
            "HostDevice", "live_pools"]
 __version__ = "0.1.0"

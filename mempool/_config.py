@@ -86,17 +86,19 @@ UNLIMITED_END = 2 ** 64 - 1
 DEVICE_END = 2 ** 31
 
 
-class _OptionError(ValueError):
-    """A bad option value; keeps the reason so that a wrapper can restate what it accepts."""
+class OptionError(ValueError):
+    """A pool option's value that is not valid: the message names the option, the value and
+    what is accepted. A ValueError, so code that catches that keeps working; `why` keeps the
+    reason alone, so that a wrapper (a conf string's parser) can restate it."""
 
     def __init__(self, message: str, why: str):
         super().__init__(message)
         self.why = why
 
 
-def _error(key: str, value: Any, accepted: str, why: str = "") -> _OptionError:
+def _error(key: str, value: Any, accepted: str, why: str = "") -> OptionError:
     shown = f" ({why})" if why else ""
-    return _OptionError(f"option {key!r}: {value!r} is not valid{shown}; accepted: {accepted}", why)
+    return OptionError(f"option {key!r}: {value!r} is not valid{shown}; accepted: {accepted}", why)
 
 
 class ConfigWarning(UserWarning):
@@ -206,7 +208,7 @@ def _size_or_none(value: Any, key: str, accepted: str) -> int | None:
         return None
     try:
         n = parse_size(value, key)
-    except _OptionError as e:
+    except OptionError as e:
         raise _error(key, value, accepted, e.why) from None
     if n >= UNLIMITED_END:
         raise _error(key, value, accepted,

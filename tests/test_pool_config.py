@@ -287,3 +287,15 @@ def test_default_pool_is_one_per_ordinal(monkeypatch):
     monkeypatch.setattr(mempool, "_default_pools", {})
     assert mempool.default_pool("3") is mempool.default_pool(3)
     assert mempool.default_pool(3).device_id == 3
+
+
+def test_a_bad_option_raises_mempool_option_error_a_value_error_naming_the_option():
+    import mempool
+
+    assert "OptionError" in mempool.__all__
+    with pytest.raises(mempool.OptionError, match=r"option 'backend': 'simm' is not valid; "
+                                                  r"accepted: 'sim', 'host' or 'cuda'") as info:
+        mempool.Pool(backend="simm")
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(mempool.OptionError, match=r"option 'keep': -5 is not valid \(negative\)"):
+        mempool.Pool(backend="sim").trim(keep=-5)
