@@ -91,9 +91,13 @@ class OptionError(ValueError):
     what is accepted. A ValueError, so code that catches that keeps working; `why` keeps the
     reason alone, so that a wrapper (a conf string's parser) can restate it."""
 
-    def __init__(self, message: str, why: str):
+    def __init__(self, message: str, why: str = ""):
         super().__init__(message)
         self.why = why
+
+    def __reduce__(self):
+        # Pickled whole (a Dask or multiprocessing worker's error crosses processes).
+        return (type(self), (str(self), self.why))
 
 
 def _error(key: str, value: Any, accepted: str, why: str = "") -> OptionError:

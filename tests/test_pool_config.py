@@ -299,3 +299,14 @@ def test_a_bad_option_raises_mempool_option_error_a_value_error_naming_the_optio
     assert isinstance(info.value, ValueError)
     with pytest.raises(mempool.OptionError, match=r"option 'keep': -5 is not valid \(negative\)"):
         mempool.Pool(backend="sim").trim(keep=-5)
+
+
+def test_an_option_error_crosses_processes_whole():
+    import pickle
+
+    with pytest.raises(mempool.OptionError) as info:
+        mempool.Pool(backend="sim", release_threshold="4XB")
+    again = pickle.loads(pickle.dumps(info.value))
+    assert type(again) is mempool.OptionError
+    assert str(again) == str(info.value)
+    assert again.why == info.value.why == "unknown unit 'XB'"
