@@ -454,14 +454,12 @@ def run_empty(outdir, procs=6, rounds=15, pairs=2000, controls=()):
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     results = {"caching": [], "mempool": [], "cpus": [], "ratios": []}
     for _ in range(procs):
-        (cpu,), paces = fastest_cpus(1)
-        try:
-            pair = empty_pairs.run_pair(
-                {name: [child, name, "--lockstep", str(pairs)] for name in ("caching", "mempool")},
-                cpu, EMPTY_SIZES, rounds, env, floor=EMPTY_FLOOR)
-        except RuntimeError as e:
-            results["caching"].append({"error": str(e)})
-            results["mempool"].append({"error": str(e)})
+        cpu, paces, pair = empty_pair_on_fastest_cpu(
+            {name: [child, name, "--lockstep", str(pairs)] for name in ("caching", "mempool")},
+            rounds, env)
+        if "error" in pair:
+            results["caching"].append(pair)
+            results["mempool"].append(dict(pair))
             continue
         for name in ("caching", "mempool"):
             r = dict(pair[name]["result"])
@@ -488,21 +486,30 @@ def run_empty_control(child, env, name, procs, rounds, pairs):
     processes of one allocator, side by side on one CPU, differ from each other. Per pair,
     the second child's median ns over the first's for each size, as the mixed pairs' ratio;
     what a per-process target can resolve is bounded by this spread."""
-    import empty_pairs
-
     out = []
     for _ in range(procs):
-        (cpu,), _paces = fastest_cpus(1)
         argv = [child, name, "--lockstep", str(pairs)]
-        try:
-            pair = empty_pairs.run_pair({"a": argv, "b": list(argv)}, cpu, EMPTY_SIZES, rounds,
-                                        env, floor=EMPTY_FLOOR)
-        except RuntimeError as e:
-            out.append({"error": str(e)})
+        cpu, _paces, pair = empty_pair_on_fastest_cpu({"a": argv, "b": list(argv)}, rounds, env)
+        if "error" in pair:
+            out.append(pair)
             continue
         out.append({"cpu": cpu, **{str(size): pair["b"]["ns_per_pair"][size] /
                                    pair["a"]["ns_per_pair"][size] for size in EMPTY_SIZES}})
     return out
+
+
+def empty_pair_on_fastest_cpu(children, rounds, env):
+    """(cpu, every CPU's pace, empty_pairs.run_pair's result) for one pair of children on
+    the CPU fastest just before they start; the result is {"error": ...} when a child
+    failed."""
+    import empty_pairs
+
+    (cpu,), paces = fastest_cpus(1)
+    try:
+        return cpu, paces, empty_pairs.run_pair(children, cpu, EMPTY_SIZES, rounds, env,
+                                                floor=EMPTY_FLOOR)
+    except RuntimeError as e:
+        return cpu, paces, {"error": str(e)}
 
 
 def summarize(rows):
@@ -568,6 +575,9 @@ def main(argv=None):
     ORDER_SEED = args.order_seed
     if args.child:
         return child(args.child[0], args.child[1], args.steps, args.snapshot_path)
+    controls = [c for c in args.empty_control.split(",") if c]
+    if set(controls) - {"caching", "mempool"}:
+        ap.error(f"--empty-control: takes caching and/or mempool; got {args.empty_control!r}")
     os.makedirs(args.outdir, exist_ok=True)
     workloads = args.workloads.split(",")
     allocators = args.allocators.split(",")
@@ -585,8 +595,7 @@ def main(argv=None):
 
     for w in workloads:
         if w == "empty":
-            extra["torch_empty"] = run_empty(args.outdir, controls=[
-                c for c in args.empty_control.split(",") if c])
+            extra["torch_empty"] = run_empty(args.outdir, controls=controls)
             save()
             continue
         reps = 1 if w in ("batch", "infer") else args.reps

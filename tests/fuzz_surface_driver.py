@@ -217,8 +217,8 @@ def module_functions():
     out = []
     for label, module, names in (
             ("mempool", mempool, [n for n in mempool.__all__ if n not in (
-                "Pool", "Buffer", "OutOfMemoryError", "InvariantError", "OptionError", "SimDevice",
-                "HostDevice")]),
+                "Pool", "Buffer", "OutOfMemoryError", "InvariantError", "OptionError",
+                "SimDevice", "HostDevice")]),
             ("mempool._config", _config, [n for n in _config.__all__ if n not in (
                 "OPTIONS", "Option")]),
             ("mempool.torch", mtorch, [n for n in dir(mtorch) if not n.startswith("_")

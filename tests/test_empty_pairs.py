@@ -144,3 +144,15 @@ def test_a_control_pair_that_fails_is_kept_as_its_error(monkeypatch):
     monkeypatch.setattr(torch_workloads, "fastest_cpus", lambda n: ({0}, {0: 12.0}))
     out = torch_workloads.run_empty_control("child.py", {}, "mempool", 1, 5, 100)
     assert out == [{"error": "b ended (exit status 1) before printing 'READY': no device"}]
+
+
+def test_an_unknown_control_allocator_is_refused_before_anything_runs(tmp_path, capsys):
+    import torch_workloads
+
+    with pytest.raises(SystemExit) as info:
+        torch_workloads.main([str(tmp_path / "out"), "--workloads", "empty",
+                              "--empty-control", "caching,rmm"])
+    assert info.value.code == 2
+    assert "--empty-control: takes caching and/or mempool; got 'caching,rmm'" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

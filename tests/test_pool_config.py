@@ -290,8 +290,6 @@ def test_default_pool_is_one_per_ordinal(monkeypatch):
 
 
 def test_a_bad_option_raises_mempool_option_error_a_value_error_naming_the_option():
-    import mempool
-
     assert "OptionError" in mempool.__all__
     with pytest.raises(mempool.OptionError, match=r"option 'backend': 'simm' is not valid; "
                                                   r"accepted: 'sim', 'host' or 'cuda'") as info:
