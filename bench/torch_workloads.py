@@ -440,6 +440,31 @@ def allocator_shares(pair_caching, pair_mempool, size):
         return None
 
 
+def process_bound(pair_caching, pair_mempool, size):
+    """A pair's ratio were the allocator's share nil: the median of the mempool process's 0
+    B rounds timed after its rounds of `size`, over its PyTorch partner's median at `size`.
+    The 0 B call runs the same Python, dispatch and tensor code with no allocation, so this
+    is how far that process's own pace (the same CPU, the same minutes) lets any allocator
+    bring the pair; the pair's ratio less it is what the pool's allocate and free add. None
+    where either process lacks the rounds."""
+    try:
+        floor = statistics.median(pair_mempool[size]["floor_rounds"])
+        return floor / pair_caching[size]["ns_per_pair"]
+    except (KeyError, statistics.StatisticsError):
+        return None
+
+
+def worst_over_median(te, size):
+    """The slowest mempool process's ns at `size` over the median of PyTorch's processes
+    (each allocator's figure as the README states it: the median and the worst process).
+    None when either side has no process with that size."""
+    mine = [r[size]["ns_per_pair"] for r in te["mempool"] if size in r]
+    theirs = [r[size]["ns_per_pair"] for r in te["caching"] if size in r]
+    if not mine or not theirs:
+        return None
+    return max(mine) / statistics.median(theirs)
+
+
 def run_empty(outdir, procs=6, rounds=15, pairs=2000, controls=()):
     """torch.empty + drop: `procs` pairs of processes, one of each allocator, each pair's
     two children at once on one CPU (the fastest just before they start), their rounds
@@ -551,6 +576,81 @@ def compare_values(rows):
     return "\n".join(lines)
 
 
+def print_empty_summary(te):
+    """The torch.empty lines of a run: each allocator's median and worst process, each
+    process, then per size the pairs' ratios, what a nil allocator share would give, the
+    allocator's own ns, the controls and the rounds."""
+    for name in ("caching", "mempool"):
+        rs = te[name]
+        for size in map(str, EMPTY_SIZES):
+            vals = [r[size]["ns_per_pair"] for r in rs if size in r]
+            if vals:
+                print(f"torch.empty {name} {size} B: median {statistics.median(vals):.0f} ns, "
+                      f"worst {max(vals):.0f} ns over {len(vals)} processes")
+    for name in ("caching", "mempool"):
+        for i, r in enumerate(te[name]):
+            if "error" in r:
+                print(f"torch.empty {name} process {i + 1}: {r['error']}")
+                continue
+            sizes = "; ".join(f"{size} B {r[size]['ns_per_pair']:.0f} ns"
+                              for size in map(str, EMPTY_SIZES) if size in r)
+            print(f"torch.empty {name} process {i + 1} on CPU {r.get('cpu')} (empty loop "
+                  f"{r.get('cpu_pace_ns', float('nan')):.1f} ns): {sizes}")
+    # The two children of a pair ran side by side on one CPU: their ratio is the fair one.
+    for size in map(str, EMPTY_SIZES):
+        ratios = [m[size]["ns_per_pair"] / c[size]["ns_per_pair"]
+                  for m, c in zip(te["mempool"], te["caching"]) if size in m and size in c]
+        if ratios:
+            print(f"torch.empty {size} B, mempool / caching per pair of processes: "
+                  + ", ".join(f"{r:.2f}" for r in ratios) + f" (worst {max(ratios):.2f})")
+        bounds = [process_bound(c, m, size) for m, c in zip(te["mempool"], te["caching"])]
+        bounds = [b for b in bounds if b is not None]
+        if bounds:
+            print(f"torch.empty {size} B, per pair with no allocator cost (the mempool "
+                  "process's 0 B rounds over its partner's rounds at this size): "
+                  + ", ".join(f"{b:.2f}" for b in bounds) + f" (worst {max(bounds):.2f})")
+        worst = worst_over_median(te, size)
+        if worst is not None:
+            print(f"torch.empty {size} B, the slowest mempool process over PyTorch's "
+                  f"median process: {worst:.2f}")
+        shares = [allocator_shares(c, m, size) for m, c in zip(te["mempool"], te["caching"])]
+        shares = [s for s in shares if s and size != "0"]
+        if shares:
+            print(f"torch.empty {size} B, the allocator's own ns (each round less the "
+                  "0 B round after it, median) per pair, "
+                  "PyTorch / mempool: " + ", ".join(f"{c:.0f} / {m:.0f}" for c, m in shares))
+        for name, pairs in te.get("control", {}).items():
+            spread = [r[size] for r in pairs if size in r]
+            if spread:
+                print(f"torch.empty {size} B, {name} / {name} per pair of processes (the "
+                      "control: one allocator on both sides): "
+                      + ", ".join(f"{r:.2f}" for r in spread)
+                      + f" (from {min(spread):.2f} to {max(spread):.2f})")
+        per_round = [x for pair in te.get("ratios", []) for x in pair.get(size, [])]
+        if per_round:
+            print(f"torch.empty {size} B, mempool / caching round by round: median "
+                  f"{statistics.median(per_round):.2f}, worst {max(per_round):.2f} "
+                  f"over {len(per_round)} rounds")
+
+
+
+def summarize_saved_empty(path):
+    """--empty-summary: the torch.empty lines of a saved run; 2 with a message on stderr when
+    the file cannot be read or holds no torch.empty pairs."""
+    try:
+        with open(path) as f:
+            te = json.load(f).get("torch_empty")
+    except (OSError, ValueError) as e:
+        print(f"--empty-summary: cannot read {path}: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(te, dict) or not te.get("caching") or not te.get("mempool"):
+        print(f"--empty-summary: {path} holds no torch.empty pairs (run with --workloads "
+              "empty to make them)", file=sys.stderr)
+        return 2
+    print_empty_summary(te)
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("outdir", nargs="?")
@@ -568,6 +668,9 @@ def main(argv=None):
                     help="after the empty workload's pairs, as many pairs of one allocator "
                          "against itself, for each of these (caching, mempool): the spread "
                          "between two processes of one allocator")
+    ap.add_argument("--empty-summary", metavar="JSON",
+                    help="print the torch.empty lines of a run's workloads.json again (with "
+                         "what this version derives from its rounds), and run nothing")
     ap.add_argument("--order-seed", type=int, default=1,
                     help="seed of the bucketed workloads' order of timed steps (1)")
     args = ap.parse_args(argv)
@@ -575,6 +678,8 @@ def main(argv=None):
     ORDER_SEED = args.order_seed
     if args.child:
         return child(args.child[0], args.child[1], args.steps, args.snapshot_path)
+    if args.empty_summary:
+        return summarize_saved_empty(args.empty_summary)
     controls = [c for c in args.empty_control.split(",") if c]
     if set(controls) - {"caching", "mempool"}:
         ap.error(f"--empty-control: takes caching and/or mempool; got {args.empty_control!r}")
@@ -628,48 +733,7 @@ def main(argv=None):
             print(f"{r['workload']} {r['allocator']}: steps {r['ms_min']:.2f}-{r['ms_max']:.2f} ms; "
                   f"over the timed steps {r['timed_steps_counters']}")
     if "torch_empty" in extra:
-        for name in ("caching", "mempool"):
-            rs = extra["torch_empty"][name]
-            for size in map(str, EMPTY_SIZES):
-                vals = [r[size]["ns_per_pair"] for r in rs if size in r]
-                if vals:
-                    print(f"torch.empty {name} {size} B: median {statistics.median(vals):.0f} ns, "
-                          f"worst {max(vals):.0f} ns over {len(vals)} processes")
-        te = extra["torch_empty"]
-        for name in ("caching", "mempool"):
-            for i, r in enumerate(te[name]):
-                if "error" in r:
-                    print(f"torch.empty {name} process {i + 1}: {r['error']}")
-                    continue
-                sizes = "; ".join(f"{size} B {r[size]['ns_per_pair']:.0f} ns"
-                                  for size in map(str, EMPTY_SIZES) if size in r)
-                print(f"torch.empty {name} process {i + 1} on CPU {r.get('cpu')} (empty loop "
-                      f"{r.get('cpu_pace_ns', float('nan')):.1f} ns): {sizes}")
-        # The two children of a pair ran side by side on one CPU: their ratio is the fair one.
-        for size in map(str, EMPTY_SIZES):
-            ratios = [m[size]["ns_per_pair"] / c[size]["ns_per_pair"]
-                      for m, c in zip(te["mempool"], te["caching"]) if size in m and size in c]
-            if ratios:
-                print(f"torch.empty {size} B, mempool / caching per pair of processes: "
-                      + ", ".join(f"{r:.2f}" for r in ratios) + f" (worst {max(ratios):.2f})")
-            shares = [allocator_shares(c, m, size) for m, c in zip(te["mempool"], te["caching"])]
-            shares = [s for s in shares if s and size != "0"]
-            if shares:
-                print(f"torch.empty {size} B, the allocator's own ns (each round less the "
-                      "0 B round after it, median) per pair, "
-                      "PyTorch / mempool: " + ", ".join(f"{c:.0f} / {m:.0f}" for c, m in shares))
-            for name, pairs in te.get("control", {}).items():
-                spread = [r[size] for r in pairs if size in r]
-                if spread:
-                    print(f"torch.empty {size} B, {name} / {name} per pair of processes (the "
-                          "control: one allocator on both sides): "
-                          + ", ".join(f"{r:.2f}" for r in spread)
-                          + f" (from {min(spread):.2f} to {max(spread):.2f})")
-            per_round = [x for pair in te.get("ratios", []) for x in pair.get(size, [])]
-            if per_round:
-                print(f"torch.empty {size} B, mempool / caching round by round: median "
-                      f"{statistics.median(per_round):.2f}, worst {max(per_round):.2f} "
-                      f"over {len(per_round)} rounds")
+        print_empty_summary(extra["torch_empty"])
     return 0
 
 

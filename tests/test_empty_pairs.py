@@ -156,3 +156,62 @@ def test_an_unknown_control_allocator_is_refused_before_anything_runs(tmp_path, 
     assert "--empty-control: takes caching and/or mempool; got 'caching,rmm'" in \
         capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def saved_process(ns, floor_rounds=None):
+    """A process of a saved torch.empty run: its median ns per size, and for 512 B the 0 B
+    rounds timed after its rounds."""
+    r = {str(size): {"ns_per_pair": ns[size], "rounds": [ns[size]] * 3}
+         for size in (0, 512)}
+    if floor_rounds is not None:
+        r["512"]["floor_rounds"] = floor_rounds
+    return r
+
+
+def test_the_bound_of_a_pair_is_its_mempool_processs_floor_over_its_partners_size():
+    """process_bound: the ratio the pair would show were the allocator's share nil."""
+    import torch_workloads
+
+    caching = saved_process({0: 1800, 512: 2400})
+    mempool = saved_process({0: 1700, 512: 2000}, floor_rounds=[1900, 1800, 2500])
+    assert torch_workloads.process_bound(caching, mempool, "512") == 1900 / 2400
+    assert torch_workloads.process_bound(caching, saved_process({0: 1, 512: 2}), "512") is None
+    assert torch_workloads.process_bound(caching, mempool, "65536") is None
+    assert torch_workloads.process_bound(caching, {"error": "no device"}, "512") is None
+
+
+def test_the_slowest_mempool_process_is_set_against_pytorchs_median_process():
+    import torch_workloads
+
+    te = {"caching": [saved_process({0: 1, 512: n}) for n in (2000, 2400, 2200)],
+          "mempool": [saved_process({0: 1, 512: n}) for n in (1700, 1990, 1800)]
+          + [{"error": "no device"}]}
+    assert torch_workloads.worst_over_median(te, "512") == 1990 / 2200
+    assert torch_workloads.worst_over_median(te, "65536") is None
+
+
+def test_a_saved_run_is_summarized_again_and_a_file_without_pairs_is_refused(tmp_path,
+                                                                              capsys):
+    import json
+    import torch_workloads
+
+    te = {"caching": [saved_process({0: 1800, 512: 2400})],
+          "mempool": [saved_process({0: 1700, 512: 2000}, floor_rounds=[1900, 1800, 2500])],
+          "ratios": [{"512": [0.8, 0.9, 0.85]}]}
+    run = tmp_path / "workloads.json"
+    run.write_text(json.dumps({"rows": [], "torch_empty": te}))
+    assert torch_workloads.main(["--empty-summary", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "torch.empty 512 B, mempool / caching per pair of processes: 0.83 (worst 0.83)" in out
+    assert ("torch.empty 512 B, per pair with no allocator cost (the mempool process's 0 B "
+            "rounds over its partner's rounds at this size): 0.79 (worst 0.79)") in out
+    assert "torch.empty 512 B, the slowest mempool process over PyTorch's median process: " \
+        "0.83" in out
+    assert "round by round: median 0.85, worst 0.90 over 3 rounds" in out
+
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"rows": []}))
+    assert torch_workloads.main(["--empty-summary", str(other)]) == 2
+    assert "holds no torch.empty pairs" in capsys.readouterr().err
+    assert torch_workloads.main(["--empty-summary", str(tmp_path / "missing.json")]) == 2
+    assert "--empty-summary: cannot read" in capsys.readouterr().err
