@@ -465,19 +465,21 @@ def worst_over_median(te, size):
     return max(mine) / statistics.median(theirs)
 
 
-def run_empty(outdir, procs=6, rounds=15, pairs=2000, controls=()):
+def run_empty(outdir, procs=6, rounds=15, pairs=2000, controls=(), on_pair=None):
     """torch.empty + drop: `procs` pairs of processes, one of each allocator, each pair's
     two children at once on one CPU (the fastest just before they start), their rounds
     interleaved (bench/empty_pairs.py says why). Before, children ran one after the other,
     each on the CPU fastest as it started, and the host's pace moved between them: one
     pair's mempool child ran where an empty loop took 25-29 ns, another pair's PyTorch
-    child where it took 12-15 (bench/results/2026-12-05-h100-replays.md)."""
+    child where it took 12-15 (bench/results/2026-12-05-h100-replays.md). on_pair(results)
+    is called after every pair, mixed or control, so a run cut short keeps its pairs."""
     import empty_pairs
 
     child = os.path.join(ROOT, "mempool", "bench", "torch_empty_child.py")
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     results = {"caching": [], "mempool": [], "cpus": [], "ratios": []}
+    kept = on_pair or (lambda results: None)
     for _ in range(procs):
         cpu, paces, pair = empty_pair_on_fastest_cpu(
             {name: [child, name, "--lockstep", str(pairs)] for name in ("caching", "mempool")},
@@ -485,6 +487,7 @@ def run_empty(outdir, procs=6, rounds=15, pairs=2000, controls=()):
         if "error" in pair:
             results["caching"].append(pair)
             results["mempool"].append(dict(pair))
+            kept(results)
             continue
         for name in ("caching", "mempool"):
             r = dict(pair[name]["result"])
@@ -500,26 +503,31 @@ def run_empty(outdir, procs=6, rounds=15, pairs=2000, controls=()):
             pair["caching"]["rounds"][size], pair["mempool"]["rounds"][size])
             for size in EMPTY_SIZES})
         results["cpus"].append({"cpu": cpu, "paces": paces})
+        kept(results)
     for name in controls:
-        results.setdefault("control", {})[name] = run_empty_control(child, env, name, procs,
-                                                                     rounds, pairs)
+        results.setdefault("control", {})[name] = []
+        run_empty_control(child, env, name, procs, rounds, pairs,
+                          out=results["control"][name], on_pair=lambda: kept(results))
     return results
 
 
-def run_empty_control(child, env, name, procs, rounds, pairs):
+def run_empty_control(child, env, name, procs, rounds, pairs, out=None, on_pair=None):
     """The same pairs with one allocator on both sides (an A/A control): how far two
     processes of one allocator, side by side on one CPU, differ from each other. Per pair,
     the second child's median ns over the first's for each size, as the mixed pairs' ratio;
-    what a per-process target can resolve is bounded by this spread."""
-    out = []
+    what a per-process target can resolve is bounded by this spread. Each pair is appended
+    to `out` (a new list if None, returned) and on_pair() called after it."""
+    out = [] if out is None else out
     for _ in range(procs):
         argv = [child, name, "--lockstep", str(pairs)]
         cpu, _paces, pair = empty_pair_on_fastest_cpu({"a": argv, "b": list(argv)}, rounds, env)
         if "error" in pair:
             out.append(pair)
-            continue
-        out.append({"cpu": cpu, **{str(size): pair["b"]["ns_per_pair"][size] /
-                                   pair["a"]["ns_per_pair"][size] for size in EMPTY_SIZES}})
+        else:
+            out.append({"cpu": cpu, **{str(size): pair["b"]["ns_per_pair"][size] /
+                                       pair["a"]["ns_per_pair"][size] for size in EMPTY_SIZES}})
+        if on_pair:
+            on_pair()
     return out
 
 
@@ -700,8 +708,10 @@ def main(argv=None):
 
     for w in workloads:
         if w == "empty":
-            extra["torch_empty"] = run_empty(args.outdir, controls=controls)
-            save()
+            def keep_empty(results):   # after every pair, as save() after every row
+                extra["torch_empty"] = results
+                save()
+            keep_empty(run_empty(args.outdir, controls=controls, on_pair=keep_empty))
             continue
         reps = 1 if w in ("batch", "infer") else args.reps
         for rep in range(reps):

@@ -215,3 +215,26 @@ def test_a_saved_run_is_summarized_again_and_a_file_without_pairs_is_refused(tmp
     assert "holds no torch.empty pairs" in capsys.readouterr().err
     assert torch_workloads.main(["--empty-summary", str(tmp_path / "missing.json")]) == 2
     assert "--empty-summary: cannot read" in capsys.readouterr().err
+
+
+def test_each_pair_is_kept_as_it_ends_so_a_run_cut_short_keeps_its_pairs(monkeypatch):
+    """run_empty's on_pair hears of the results after every mixed and every control pair
+    (torch_workloads.py saves workloads.json there)."""
+    import torch_workloads
+
+    def fake_run_pair(children, cpu, sizes, rounds, env=None, floor=None):
+        def child(ns):
+            return {"result": {}, "ns_per_pair": {size: ns for size in sizes},
+                    "rounds": {size: [ns] * rounds for size in sizes}}
+        return {name: child(100.0 + i) for i, name in enumerate(children)}
+
+    monkeypatch.setattr(empty_pairs, "run_pair", fake_run_pair)
+    monkeypatch.setattr(torch_workloads, "fastest_cpus", lambda n: ({2}, {2: 12.0}))
+    seen = []
+    results = torch_workloads.run_empty(
+        "out", procs=2, rounds=3, controls=("caching",),
+        on_pair=lambda r: seen.append((len(r["mempool"]), len(r.get("control", {}).get(
+            "caching", [])))))
+    assert seen == [(1, 0), (2, 0), (2, 1), (2, 2)]
+    assert [r["512"]["ns_per_pair"] for r in results["mempool"]] == [101.0, 101.0]
+    assert results["control"]["caching"][0]["512"] == 101.0 / 100.0
