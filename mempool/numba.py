@@ -319,6 +319,25 @@ class _HeldFrees:
             return len(self._held)
 
 
+def _context_device(context):
+    """The ordinal of the device of a Numba context. A context Numba makes holds its Device
+    (``.id``); one built around a handle someone else retained, as ``driver.Context(dev,
+    handle)`` with the driver's own ``CUdevice`` (how Numba's tests attach a primary
+    context another library made), holds that ``CUdevice``, whose ``int()`` is the
+    ordinal."""
+    device = context.device
+    for value in (getattr(device, "id", None), device):
+        if value is None or isinstance(value, bool) or callable(value):
+            continue
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            continue
+    raise TypeError(f"mempool.numba: cannot tell the device of Numba context {context!r}: its "
+                    f"device is a {type(device).__name__}, with no integer id (expected a "
+                    f"numba Device or a CUdevice)")
+
+
 def _finalizer(allocations, held, pool, ptr):
     def free():
         allocations.pop(ptr, None)
@@ -357,7 +376,7 @@ def _build_manager_class():
             self._pool()
 
         def _pool(self):
-            pool = pool_for(self.context.device.id)
+            pool = pool_for(_context_device(self.context))
             if pool.backend != "cuda" and isinstance(self.context, driver.Context):
                 raise ValueError(
                     f"mempool.numba: the pool of device {pool.device_id} has backend "

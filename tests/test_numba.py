@@ -232,6 +232,42 @@ def test_the_pool_follows_the_context_device(pools):
     assert p1.used_bytes() == 0
 
 
+class HandleContext:
+    """A context built around a handle another library retained: Numba's tests make one as
+    driver.Context(CUdevice(0), handle), whose device is the driver's CUdevice."""
+
+    def __init__(self, device):
+        self.device = device
+
+
+def test_a_context_made_around_a_handle_finds_its_pool_by_the_cudevice(pools):
+    """Numba's own test_attached_primary: the context's device is a CUdevice, with no .id."""
+    from cuda.bindings.driver import CUdevice
+
+    p0, p1 = pools(0), pools(1)
+    mgr = mn.MempoolNumbaManager(context=HandleContext(CUdevice(1)))
+    mgr.initialize()
+    mem = mgr.memalloc(512)
+    assert p1.used_bytes() == 512 and p0.used_bytes() == 0
+    del mem
+    gc.collect()
+    assert p1.used_bytes() == 0
+
+
+def test_a_context_whose_device_has_no_ordinal_is_refused_saying_what_it_got(pools):
+    pool = pools(0)
+
+    class Unknown:
+        def id(self):     # a method, as a unittest.TestCase's: not an ordinal
+            return "x"
+
+    mgr = mn.MempoolNumbaManager(context=HandleContext(Unknown()))
+    with pytest.raises(TypeError, match="cannot tell the device.*device is a Unknown, with "
+                                        "no integer id"):
+        mgr.memalloc(512)
+    assert pool.used_bytes() == 0
+
+
 def test_a_block_goes_back_to_its_own_pool_after_use_changes(pools, manager):
     first = pools()
     mem = manager.memalloc(512)

@@ -111,6 +111,32 @@ def test_device_arrays_and_kernels_on_pool_memory(numba_kernels):
     assert out["used"] == 8 * MiB and out["used_view"] == 4 * MiB and out["used_end"] == 0
 
 
+def test_a_primary_context_another_library_retained_allocates_from_the_pool():
+    """As Numba's own test_attached_primary: a context built around the primary context's
+    handle, driver.Context(CUdevice(0), handle), whose device is the driver's CUdevice."""
+    out = run("""
+        from numba.cuda.cudadrv import driver
+        dev = driver.binding.CUdevice(0)
+        handle = driver.driver.cuDevicePrimaryCtxRetain(dev)
+        try:
+            ctx = driver.Context(dev, handle)
+            ctx.push()
+            try:
+                mem = ctx.memalloc(4096)
+                block = pool.block_info(mem.device_pointer_value)
+                manager = type(ctx.memory_manager).__name__
+                del mem
+                gc.collect()
+            finally:
+                ctx.pop()
+        finally:
+            driver.driver.cuDevicePrimaryCtxRelease(dev)
+        print(json.dumps({"block": block, "manager": manager, "used": pool.used_bytes()}))
+    """)
+    assert out["manager"] == "MempoolNumbaManager"
+    assert out["block"][1] == 4096 and out["used"] == 0
+
+
 def test_env_var_installs_the_plugin_and_default_pool_follows_mempool_conf():
     code = textwrap.dedent("""
         import json, numpy as np, mempool
