@@ -37,7 +37,8 @@ T_SNAPSHOT=${T_SNAPSHOT:-240}   # six processes of 14-28 s each, and start-up
 T_OWNTESTS=${T_OWNTESTS:-500}   # both runs of PyTorch's own tests together
 T_ALLOCPAIRS=${T_ALLOCPAIRS:-150}   # twelve processes of 6-8 s each, and the probe's build
 T_COLDPAIRS=${T_COLDPAIRS:-90}   # eight processes of a few seconds each, and the build
-STAGES=" ${STAGES:-build tests sanitizer bench churn vmm fragmentation torch allocpairs coldpairs snapshot owntests} "
+T_NUMBAOWN=${T_NUMBAOWN:-240}   # both runs of numba-cuda's cudadrv tests (13-15 s each on an H100)
+STAGES=" ${STAGES:-build tests sanitizer bench churn vmm fragmentation torch allocpairs coldpairs snapshot owntests numbaown} "
 # SANITIZER_GROUPS: a file with one line of pytest arguments per memcheck process (default:
 # one process per file of tests/gpu, and one for the upstream contract's cuda cases; not
 # the three files of examples and scripts run in child processes, which were never in this
@@ -271,11 +272,17 @@ else
         ${OWNTESTS_BASELINE:+--baseline "$OWNTESTS_BASELINE"}
 fi
 
+# ---- Numba's own CUDA tests (numba-cuda ships them) under Numba's manager and mempool's;
+# numba.cuda.testing needs `filecheck`, whose wheel travels in .whl/ (installed above).
+stage numbaown "$OUT/numba-own.log" timeout "$T_NUMBAOWN" "$PY" bench/numba_own_tests.py \
+    "$OUT/numba-own" --suite "${NUMBAOWN_SUITE:-numba.cuda.tests.cudadrv}" \
+    --timeout $((T_NUMBAOWN / 2 - 15))
+
 # ---- summary
 {
     cat "$OUT/versions.txt"
     echo
-    for name in build tests sanitizer bench churn vmm fragmentation torch allocpairs coldpairs snapshot owntests; do
+    for name in build tests sanitizer bench churn vmm fragmentation torch allocpairs coldpairs snapshot owntests numbaown; do
         echo "stage $name: ${STATUS[$name]:-not run} (0 = passed; 124 = over its time limit)"
     done
     echo
