@@ -11,8 +11,9 @@ error or the skip's reason. A test that fails or skips under both says nothing a
 pool. Writes OUTDIR/numba-own-tests.json and each run's log; exits 1 when a run ran no
 test, or when the run under mempool was not on mempool's manager.
 
-Both runs have tests/data/numpy_compat on their path (see NUMPY_COMPAT). The runs are serial: Numba's parallel runner (-m) stops at a test of numba-cuda's whose
-subtests hold local functions it cannot pickle. numba.cuda.testing imports `filecheck`; a
+Both runs have tests/data/numpy_compat on their path (see NUMPY_COMPAT). The runs are
+serial: Numba's parallel runner (-m) stops at a test of numba-cuda's whose subtests hold
+local functions it cannot pickle. numba.cuda.testing imports `filecheck`; a
 machine without it collects no test (carry its wheel, as bench/gpu_run.sh does for .whl/).
 """
 import argparse
@@ -131,7 +132,9 @@ def run(name, suite, outdir, timeout):
                               timeout=timeout, cwd=outdir)
         text, status = proc.stdout, proc.returncode
     except subprocess.TimeoutExpired as e:
-        text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        text = e.stdout or ""
+        if isinstance(text, bytes):
+            text = text.decode(errors="replace")
         status = "timeout"
     with open(log, "w") as f:
         f.write(text)

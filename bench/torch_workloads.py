@@ -641,7 +641,6 @@ def print_empty_summary(te):
                   f"over {len(per_round)} rounds")
 
 
-
 def summarize_saved_empty(path):
     """--empty-summary: the torch.empty lines of a saved run; 2 with a message on stderr when
     the file cannot be read or holds no torch.empty pairs."""
