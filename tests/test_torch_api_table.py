@@ -1,6 +1,6 @@
 """The C table the C++ PyTorch allocator reaches the pools through (mp_torch.h), on `sim`.
 
-The glue itself needs PyTorch's CUDA headers and a GPU (tests/gpu/test_gpu_torch_dropin.py);
+The glue itself needs PyTorch's CUDA headers and a GPU (tests/gpu/test_gpu_torch_*.py);
 everything it asks of the core goes through this table, so the table is checked here, with
 ctypes playing the glue: routing by device, the codes instead of NULLs, statistics that match
 ``Pool.stats()``, the figures of an OOM report, and the layout that snapshots are built from.
