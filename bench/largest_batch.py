@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import make_traces  # noqa: E402
 from bench.provenance import commit  # noqa: E402
 from mempool.tools import replay as rp  # noqa: E402
-from mempool.bench.largest_batch import (CHECK_ABOVE, MAX_BATCH, MEMPOOL_CONFS,  # noqa: E402
+from mempool.bench.batch_search import (CHECK_ABOVE, MAX_BATCH, MEMPOOL_CONFS,  # noqa: E402
                                           _sim_options, live_bound, mempool_rows,
                                           mempool_trial, search)
 from mempool._config import format_size, parse_size  # noqa: E402
@@ -98,7 +98,7 @@ class Traces:
 
 
 # ---------------------------------------------------------------------------------------
-# PyTorch's rows (the search and mempool's rows: mempool/bench/largest_batch.py)
+# PyTorch's rows (the search and mempool's rows: mempool/bench/batch_search.py)
 
 
 def torch_trial(traces: Traces):

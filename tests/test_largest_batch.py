@@ -1,4 +1,4 @@
-"""bench/largest_batch.py on sim: its search (mempool/bench/largest_batch.py), its records, and
+"""bench/largest_batch.py on sim: its search (mempool/bench/batch_search.py), its records, and
 the relations its report claims.
 
 The script runs as a user runs it, in a child process, on a small transformer (4 layers,
@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from _support import ROOT
-from mempool.bench.largest_batch import MEMPOOL_CONFS, search
+from mempool.bench.batch_search import MEMPOOL_CONFS, search
 
 MiB = 1 << 20
 LIMIT = 768 * MiB
