@@ -3,7 +3,7 @@
     python bench/expandable_recordings.py [--conf CONF] [--json OUT]
 
 Replays, with cuda's 8 MiB pages (or CONF, a PyTorch-style string), each snapshot a GPU run
-recorded under mempool's or PyTorch's expandable segments in bench/results/ (the program's
+recorded under mempool's or PyTorch's expandable segments in tests/data/recordings/ (the program's
 requests, whichever allocator served them; docs/traces.md) and the shipped traces, and
 prints per input the peak reserved bytes, peak reserved / peak live, the physical
 allocations, unmaps and stream syncs of the whole replay. A rule of the expandable core
@@ -26,17 +26,13 @@ from mempool.cli.trace import TRACES_DIR  # noqa: E402
 
 CUDA_PAGES = "expandable_segments:True,granularity:8MiB"
 # One recording per program run: the allocator that served it does not change its requests.
-RECORDINGS = ["2026-12-04-h200-evening/snapshot-resnet-mempool-expandable-b16338f.pickle.gz",
-              "2026-12-05-h100-replays/snapshot-resnet-mempool-expandable-d80e541.pickle.gz",
-              "2026-12-04-h200-evening/snapshot-gpt-torch-expandable-0af1316.pickle.gz",
-              "2026-12-05-h100-night/snapshot-gpt-bucketed-mempool-expandable-3f31ddf.pickle.gz",
-              "2026-12-05-late/snapshot-*-mempool-expandable-1.pickle.gz"]
+RECORDINGS = ["snapshot-*.pickle.gz"]   # tests/data/recordings/: one per program run
 
 
 def inputs():
     paths = []
     for pattern in RECORDINGS:
-        paths += sorted(glob.glob(os.path.join(HERE, "results", pattern)))
+        paths += sorted(glob.glob(os.path.join(os.path.dirname(HERE), "tests", "data", "recordings", pattern)))
     return paths + sorted(glob.glob(os.path.join(TRACES_DIR, "*.jsonl*")))
 
 

@@ -8,11 +8,9 @@ variable resolution) is replayed on the simulated device, at GPU scale, under th
 users reach for. The figure of merit is peak reserved bytes over peak live (requested)
 bytes: 1.0 means the pool held nothing beyond what the program used at its peak.
 
-Targets: at most 1.02 with expandable segments and 1.10 without. For comparison, on the
-transformer loop of ANCHORS.md PyTorch's allocator measures 1.241 by default, 1.016 with
-expandable segments, CuPy's pool 1.228 and the driver's pool (cudaMallocAsync) 1.077. The
-same figures for these traces, measured on a GPU by bench/fragmentation_gpu.py, are in
-bench/results/fragmentation_gpu_h200.json; the table's footer quotes them.
+Targets: at most 1.02 with expandable segments and 1.10 without. PyTorch's and CuPy's
+figures for these traces, measured on a GPU by bench/fragmentation_gpu.py, are in
+bench/results/h200.json (BENCHMARKS.md); the table's footer quotes them.
 """
 from __future__ import annotations
 
@@ -47,13 +45,6 @@ SETTINGS = [
 ]
 TARGET_EXPANDABLE = 1.02
 TARGET = 1.10
-# PyTorch's and CuPy's figures on the transformer loop, from ANCHORS.md.
-ANCHORS = {
-    "default": 1.241,
-    "roundup_power2_divisions:4": 1.320,
-    "max_split_size:64MB": 3.044,
-    "expandable_segments:True": 1.016,
-}
 
 
 def target_for(options: dict) -> float:
@@ -112,9 +103,6 @@ def table(rows: list) -> str:
     lines.append("")
     lines.append("upstream: segment allocs and frees (expandable: page maps and unmaps); later: "
                  "the most upstream calls in one step after the first three")
-    lines.append("PyTorch on ANCHORS.md's transformer loop: " + ", ".join(
-        f"{k} {v:.3f}" for k, v in ANCHORS.items()) + "; CuPy MemoryPool 1.228, "
-        "cudaMallocAsync 1.077")
     measured = _gpu_results()
     for trace in dict.fromkeys(r["trace"] for r in rows):
         got = [r for r in measured if r.get("trace") == trace and "ratio" in r
@@ -126,13 +114,19 @@ def table(rows: list) -> str:
 
 
 def _gpu_results() -> list:
-    """Rows of the last GPU run of bench/fragmentation_gpu.py kept in bench/results/."""
-    path = os.path.join(HERE, "results", "fragmentation_gpu_h200.json")
+    """The device's trace replays kept in bench/results/h200.json (bench/render_benchmarks.py),
+    as rows of trace, allocator and peak reserved / peak live."""
+    from bench.collect_results import TRACES
+    path = os.path.join(HERE, "results", "h200.json")
     try:
         with open(path) as f:
-            return json.load(f).get("rows", [])
+            figures = json.load(f).get("figures", [])
     except (OSError, ValueError):
         return []
+    names = {short: name for name, short in TRACES.items()}
+    return [{"trace": names.get(f["column"].split()[0]), "allocator": f["row"],
+             "ratio": f["median"]} for f in figures
+            if f.get("unit") == "ratio" and f.get("column", "").endswith("reserved / live")]
 
 
 def main(argv=None) -> int:

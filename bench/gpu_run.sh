@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The GPU run: build, test every tier's gpu-marked tests, test them again under
-# compute-sanitizer's memcheck, run the benchmarks, and write OUTDIR/summary.txt.
+# compute-sanitizer's memcheck, run the benchmarks, and write OUTDIR/summary.txt and the
+# run's figures as OUTDIR/<card>.json (bench/collect_results.py; the schema is at the top of
+# bench/render_benchmarks.py): a file that can replace bench/results/<card>.json, from which
+# BENCHMARKS.md is rendered.
 #
 #   bench/gpu_run.sh OUTDIR
 #
@@ -41,9 +44,8 @@ T_NUMBAOWN=${T_NUMBAOWN:-240}   # both runs of numba-cuda's cudadrv tests (13-15
 STAGES=" ${STAGES:-build tests sanitizer bench churn vmm fragmentation torch allocpairs coldpairs snapshot owntests numbaown} "
 # SANITIZER_GROUPS: a file with one line of pytest arguments per memcheck process (default:
 # one process per file of tests/gpu, and one for the upstream contract's cuda cases; not
-# the three files of examples and scripts run in child processes, which were never in this
-# stage before they moved to tests/gpu; in one process for all of them a test hung under
-# the sanitizer after others had run, bench/results/2026-12-02-h200-evening.md). A group
+# the three files of examples and scripts run in child processes; in one process for all of
+# them a test hung under the sanitizer after others had run). A group
 # that hangs or runs over its limit then costs only its own results; pytest prints every
 # thread's stack of a test still running after 3/4 of the limit, so a hang shows where.
 SANITIZER_GROUPS=${SANITIZER_GROUPS:-}
@@ -113,8 +115,7 @@ fi
 # ---- the GPU tests of every tier
 # TESTS_ARGS narrows it to some files or tests (default: every gpu-marked test of tests/, in
 # pytest processes of their own, tests/gpu then the gpu-marked tests of tests/test_*.py, each
-# with T_TESTS: a process cut at its limit loses the failure reports it prints at its end;
-# in one process the whole tier took over 440 s on an H200 in 2026-12).
+# with T_TESTS: a process cut at its limit loses the failure reports it prints at its end).
 gpu_tests() {
     local rc=0
     if [ -n "${TESTS_ARGS:-}" ]; then
@@ -145,8 +146,7 @@ stage tests "$OUT/tests.log" gpu_tests
 # frees, anywhere in kernels that touch pool memory. Failing API calls are not reported:
 # the tests make them on purpose (out of memory, invalid handles). Host backtraces are off:
 # taking one, the sanitizer takes the GIL inside the driver's launch and keeps a Python frame
-# of the launch alive, which pins the arrays of that frame's callers
-# (bench/results/2026-12-03-h200-evening.md); device backtraces stay.
+# of the launch alive, which pins the arrays of that frame's callers; device backtraces stay.
 if ! wants sanitizer; then
     STATUS[sanitizer]="not selected"
 elif command -v compute-sanitizer >/dev/null; then
@@ -315,3 +315,6 @@ if reports:
     print("memcheck:", "; ".join(sorted(set(errors))) or "no summary line (cut short?)")
 EOF
 } 2>&1 | tee "$OUT/summary.txt"
+
+# ---- the run's figures in the schema of bench/results/<card>.json
+"$PY" bench/collect_results.py "$OUT" 2>&1 | tee -a "$OUT/summary.txt"

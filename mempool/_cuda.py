@@ -195,18 +195,13 @@ def _bool_attrs(rt):
 # The Pool is the cache. What it gives back (segments beyond need, over the limit or the GC
 # threshold, empty_cache, trim) it means to give back, so with release_threshold None the
 # cudaMemPool the Pool created keeps nothing freed: the driver returns it to the device at
-# the next synchronization, CUDA's own default for a pool. Until 2026-12 that pool kept
-# everything, so memory given back stayed on the device until empty_cache. A threshold
-# given is set on the cudaMemPool too, as the option documents. A shared cudaMemPool
-# ("default", "current", a handle) keeps its owner's threshold unless one is given: that is
-# someone else's policy (set_release_threshold(None) then leaves the last one given).
-# What the threshold does not change: the cudaMemPool's own high watermark. On an H200 it
-# peaked at 1.084 / 1.119 of peak live on the shipped transformer / vision traces while
-# the Pool's reserved bytes peaked at 1.036 / 1.041, alike with this threshold, with
-# everything kept, with the device synchronized at every step, and with every growth
-# waiting for the segments given back before it (bench/results/2026-12-03-h200-late.md):
-# the driver's own overhead over the segments it hands out, which only expandable segments
-# (cuMemCreate, no cudaMemPool) avoid.
+# the next synchronization, CUDA's own default for a pool. A threshold given is set on the
+# cudaMemPool too, as the option documents. A shared cudaMemPool ("default", "current", a
+# handle) keeps its owner's threshold unless one is given: that is someone else's policy
+# (set_release_threshold(None) then leaves the last one given). The threshold does not
+# change the cudaMemPool's own high watermark, which includes the driver's overhead over the
+# segments it hands out; only expandable segments (cuMemCreate, no cudaMemPool) avoid it,
+# and Note [The cudaMemPool's unit] keeps it to nothing on the default path.
 def driver_release_threshold(pool_handle, release_threshold):
     """The cudaMemPool release threshold a Pool sets for its ``release_threshold`` option
     (None: leave the cudaMemPool's own as it is); Note [The driver keeps nothing given
@@ -218,23 +213,18 @@ def driver_release_threshold(pool_handle, release_threshold):
 
 
 # Note [The cudaMemPool's unit]
-# A cudaMemPool backs what it hands out with physical chunks of its own: on an H200 (driver
-# 580, CUDA 13) any allocation up to 32 MiB held a 32 MiB chunk, larger ones the next multiple
-# of 32 MiB, and a run of them the smallest multiple of 32 MiB covering their total
-# (bench/driver_granularity.py; bench/results/2026-12-03-h200-unit.md). Fixed segments of other
-# sizes share chunks with each other, and a chunk goes back only when every segment in it has:
-# the pieces of chunks that freed segments leave are the driver's, out of the Pool's sight
-# and count. The device held 1.084 / 1.119 of peak live on the shipped transformer / vision
-# traces while the Pool reserved 1.036 / 1.041. So by default the Pool rounds its segments
-# to the unit, the small ones included (Note [Segment rounding], mp_core.c): each segment is
-# whole chunks and starts on a chunk boundary, and what the Pool reserves is what the device
-# holds for it. With large segments rounded and 2 MiB small ones, the device held 1.059 /
-# 1.089 on those traces against the Pool's 1.047 / 1.042: a 2 MiB segment among the large
-# ones set those after it off the boundaries. A model of the cudaMemPool that reproduces
-# these figures (bench/driver_model.py) has the device hold the Pool's own 1.050 / 1.044
-# with small segments of one unit. The tails of rounded segments serve later requests. The
-# unit is read from the driver, not assumed: one 1-byte allocation from a cudaMemPool made
-# for the purpose, once per device and process.
+# A cudaMemPool backs what it hands out with physical chunks of its own: any allocation up
+# to the chunk holds one chunk, larger ones the next multiple, and a run of them the smallest
+# multiple covering their total (bench/driver_granularity.py measures it). Fixed segments of
+# other sizes share chunks with each other, and a chunk goes back only when every segment in
+# it has: the pieces of chunks that freed segments leave are the driver's, out of the Pool's
+# sight and count. So by default the Pool rounds its segments to the unit, the small ones
+# included (Note [Segment rounding], mp_core.c): each segment is whole chunks and starts on a
+# chunk boundary, and what the Pool reserves is what the device holds for it. Small segments
+# are rounded too, as one small segment among the large ones sets those after it off the
+# boundaries. The tails of rounded segments serve later requests. The unit is read from the
+# driver, not assumed: one 1-byte allocation from a cudaMemPool made for the purpose, once
+# per device and process.
 _units = {}
 
 

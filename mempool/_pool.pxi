@@ -86,9 +86,9 @@ cdef object _limit_bytes(object limit, size_t capacity):
 # The pool cannot tell a live stream handle from a destroyed one (asking the driver about a
 # destroyed handle is itself the crash), and it does use handles long after the call that named
 # them: the owner of a cached block gets an event recorded on it when another stream takes the
-# block, and a cached segment is freed on its stream. The first GPU runs crashed in exactly this
-# way: threads made CuPy streams, allocated and freed on them and returned, CuPy destroyed the
-# streams with their objects, and the next thread's allocation took one of their blocks.
+# block, and a cached segment is freed on its stream. Threads that make CuPy streams, allocate
+# and free on them and return let CuPy destroy the streams with their objects, and the next
+# thread's allocation may take one of their blocks: the event would go to a dead stream.
 #
 # So `Pool` keeps a reference to every stream *object* it is given (a CuPy stream, an object
 # with `__cuda_stream__`, CuPy's current stream when `stream=None`), by handle, in

@@ -17,31 +17,30 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import steady_steps  # noqa: E402
 
 MiB = 1 << 20
-RESULTS = os.path.join(ROOT, "bench", "results")
+RECORDINGS = os.path.join(ROOT, "tests", "data", "recordings")
 # Hugging Face GPT-2 and Llama trained on lengths padded to multiples of 64, recorded on an
 # H100 (bench/torch_workloads.py --workloads gpt-bucketed|llama-bucketed --snapshot): the
 # file, its timed steps and its --order-seed. Before Note [Layout records] their timed steps
 # made 61 allocations, 26 unmaps and 5 syncs (GPT-2), 207, 56 and 8 (GPT-2, another order),
 # 289, 61 and 8 (Llama).
 RUNS = {
-    "gpt2": ("2026-12-05-h100-night/snapshot-gpt-bucketed-mempool-expandable-3f31ddf.pickle.gz",
+    "gpt2": ("snapshot-gpt-bucketed-mempool-expandable-3f31ddf.pickle.gz",
              30, 1),
-    "gpt2-seed5": ("2026-12-05-late/snapshot-gpt-bucketed-seed5-mempool-expandable-1.pickle.gz",
+    "gpt2-seed5": ("snapshot-gpt-bucketed-seed5-mempool-expandable-1.pickle.gz",
                    60, 5),
-    "llama": ("2026-12-05-late/snapshot-llama-bucketed-seed3-mempool-expandable-1.pickle.gz",
+    "llama": ("snapshot-llama-bucketed-seed3-mempool-expandable-1.pickle.gz",
               60, 3),
 }
 # PyTorch's expandable segments' peak reserved bytes on the device in a run of the same
 # workload and order (the requests do not depend on the allocator: both runs' peak allocated
-# bytes are equal): GPT-2 on an H100 (2026-12-05-h100-night), Llama on an H200, orders 1 and
-# 3 alike (2026-12-05-late). For GPT-2's order 5 PyTorch held 7,432,306,688 bytes in another
+# bytes are equal): GPT-2 on an H100, Llama on an H200, orders 1 and 3 alike. For GPT-2's order 5 PyTorch held 7,432,306,688 bytes in another
 # run, whose mempool process held 7,440,695,296; its replay here holds 7,499,415,552.
 TORCH_EXPANDABLE_PEAK = {"gpt2": 7_474_249_728, "llama": 7_189_037_056}
 
 
 def recorded_run(name):
     path, steps, seed = RUNS[name]
-    events = mtrace.load_any(os.path.join(RESULTS, path))
+    events = mtrace.load_any(os.path.join(RECORDINGS, path))
     lengths = steady_steps.gpt_lengths(steps, 16, bucketed=True, seed=seed)
     events.meta["step_starts"] = steady_steps.step_starts(events, lengths)
     return events

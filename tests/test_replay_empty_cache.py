@@ -19,7 +19,7 @@ from mempool.tools.trace import Event
 from _trace_data import trace_entry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(REPO, "bench", "results")
+RECORDINGS = os.path.join(REPO, "tests", "data", "recordings")
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import replay_check  # noqa: E402
 MiB = 1 << 20
@@ -166,7 +166,7 @@ def test_a_damaged_segment_entry_is_named():
 
 # ---------------------------------------------------------------- recorded ResNet-50 runs
 
-# Recorded on an H200 at b16338f (bench/results/2026-12-04-h200-evening): ResNet-50 training
+# Recorded on an H200 (tests/data/recordings/, the *-b16338f files): ResNet-50 training
 # with cudnn.benchmark=True under mempool.torch.install, expandable segments with cuda's
 # defaults and with one physical allocation per page. torch.cuda.max_memory_reserved() of
 # each process, from snapshot-resnet-b16338f.log, and what Note [Large growths]
@@ -179,7 +179,7 @@ RESNET_RUNS = [
     ("snapshot-resnet-mempool-expandable-page-b16338f.pickle.gz",
      CUDA_PAGES + ",max_map_size:8MiB", 10_980_687_872, 40 * MiB),
 ]
-# The same workload recorded on an H100 at d80e541 (bench/results/2026-12-05-h100-replays),
+# The same workload recorded on an H100 (the *-d80e541 files),
 # the default path too, whose segments cuda rounds to 32 MiB (Note [The cudaMemPool's unit]).
 H100_RUNS = [
     ("snapshot-resnet-mempool-d80e541.pickle.gz", "segment_rounding:32MiB", 11_240_734_720, 0),
@@ -188,12 +188,10 @@ H100_RUNS = [
 ]
 
 
-@pytest.mark.parametrize("folder,name,conf,device_peak,large_growths_saved",
-                         [("2026-12-04-h200-evening",) + run for run in RESNET_RUNS]
-                         + [("2026-12-05-h100-replays",) + run for run in H100_RUNS])
-def test_a_recorded_resnet_run_replays_to_the_devices_peak(folder, name, conf, device_peak,
+@pytest.mark.parametrize("name,conf,device_peak,large_growths_saved", RESNET_RUNS + H100_RUNS)
+def test_a_recorded_resnet_run_replays_to_the_devices_peak(name, conf, device_peak,
                                                             large_growths_saved):
-    path = os.path.join(RESULTS, folder, name)
+    path = os.path.join(RECORDINGS, name)
     events = mt.from_torch_snapshot(path)
     assert events.meta["empty_cache_events"] >= 60          # cuDNN benchmark's calls
     r = rp.replay(events, conf=conf)
@@ -250,7 +248,7 @@ def test_the_replay_check_finds_the_device_run(tmp_path, capsys):
              "snapshot": RESNET_RUNS[0][0], "peak_reserved": 1}]   # not mempool's: left out
     path = tmp_path / "workloads.json"
     path.write_text(json.dumps({"rows": rows}))
-    assert replay_check.main([str(path), os.path.join(RESULTS, "2026-12-04-h200-evening")]) == 0
+    assert replay_check.main([str(path), RECORDINGS]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2
     assert out[0].endswith(": equal") and "mempool-expandable:" in out[0]

@@ -194,7 +194,7 @@ def test_rounding_does_not_combine_with_expandable_segments():
 
 
 def test_the_shipped_traces_make_fewer_segments():
-    """The figures of Note [Segment rounding] (bench/results/history.md): about half the
+    """The figures of Note [Segment rounding] (docs/decisions.md): about half the
     segment allocations, at a cost of at most 0.003 peak reserved over peak live, and
     under 1.05 on both traces (mid-size segments of 64 MiB; one unit held 1.0502 on the
     transformer trace, with 131 segments)."""

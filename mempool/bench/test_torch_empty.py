@@ -23,8 +23,8 @@ ROWS = {"caching": "torch.empty, PyTorch caching allocator (own process)",
 
 
 #: Child processes per allocator, run alternately: a child's pace depends on the machine
-#: as it starts (one ran pure Python at half speed inside the full suite while its
-#: neighbour did not, bench/results/2026-12-02-h200-night.md), so each allocator's figure
+#: as it starts (one may run pure Python at half speed inside the full suite while its
+#: neighbour does not), so each allocator's figure
 #: is the best of its children and every child's figures are kept.
 REPEATS = 3
 

@@ -441,20 +441,16 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
  * segment_rounding option makes every fixed segment a whole multiple of its value: large
  * ones rounded up to one, small ones exactly one. Fewer and larger segments, so fewer
  * upstream calls, and tails that later requests split. On cuda the segments come from a
- * cudaMemPool that backs them with chunks of its own (32 MiB on an H200), and by default
+ * cudaMemPool that backs them with chunks of its own, and by default
  * the Pool rounds to that chunk (Note [The cudaMemPool's unit], mempool/_cuda.py), so that
  * each segment is whole chunks and what the Pool reserves is what the device holds. Small
  * segments are rounded too because one 2 MiB segment among the large ones sets every large
  * segment after it off the chunk boundaries, where each shares a chunk with its neighbour
  * and a freed one leaves a piece of chunk the driver holds and the Pool does not count
- * (bench/driver_model.py, a model of the cudaMemPool that reproduces the H200's figures;
- * figures in bench/results/history.md). Mid-size requests (1-10 MiB, a 20 MiB plain
- * segment) take MP_ROUNDED_MID_SEGMENT (64 MiB) rounded up to the unit, where one unit held
- * them before: they come in runs, and one segment for twice as many of them left fewer
- * part-used tails at the peak. With 32 MiB units that took the shipped traces from 1.050 /
- * 1.044 of peak live to 1.038 / 1.044 and two traces of PyTorch workloads recorded on the
- * H200 (GPT, ResNet-50) from 1.083 / 1.088 to 1.078 / 1.084, with fewer segments on all four
- * (bench/results/2026-12-05-cpu-sim-mid-segments.md; 96 and 128 MiB did no better on any).
+ * (bench/driver_model.py models the cudaMemPool; docs/decisions.md). Mid-size requests
+ * (1-10 MiB, a 20 MiB plain segment) take MP_ROUNDED_MID_SEGMENT (64 MiB) rounded up to the
+ * unit rather than one unit: they come in runs, and one segment for twice as many of them
+ * leaves fewer part-used tails at the peak.
  * The initial_pool_size segment is rounded too; with
  * max_split_size, only segments that stay below it are. 2 MiB asks for plain segments.
  * Under a limit below the device's capacity every segment is plain, whatever the option

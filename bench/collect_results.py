@@ -1,0 +1,221 @@
+"""The figures of one run of bench/gpu_run.sh as OUTDIR/<card>.json (bench/render_benchmarks.py
+documents the schema), so that they can replace bench/results/<card>.json.
+
+    python bench/collect_results.py OUTDIR [--card h100]
+
+Reads what the run's stages wrote, each where present: versions.txt (date, commit, device),
+junit-gpu-*.xml (the GPU tier), bench/bench.json (the latency suite), fragmentation_gpu.json
+(trace replays), torch/workloads.json (torch.empty pairs), allocator_pairs.json (the
+allocators timed from C++) and numba-own/numba-own-tests.json (Numba's own tests). A stage that
+did not run adds nothing. The median and worst are over processes (rounds where one process
+ran them all, and then n_processes is 1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import xml.etree.ElementTree as ET
+
+SIZES = {"0": "0 B", "512": "512 B", "65536": "64 KiB", "1048576": "1 MiB",
+         "67108864": "64 MiB"}
+LATENCY_COLUMNS = ("512 B", "64 KiB", "1 MiB", "64 MiB")
+TRACES = {"transformer_train.jsonl.gz": "transformer", "vision_train.jsonl.gz": "vision"}
+JUNIT = {"junit-gpu-1.xml": "tests/gpu", "junit-gpu-1x.xml": "tests/gpu, gpu_exclusive",
+         "junit-gpu-2.xml": "gpu-marked tests of tests/test_*.py",
+         "junit-gpu.xml": "gpu-marked tests (TESTS_ARGS)"}
+
+
+def _fig(run, table, row, column, unit, values, command, n_processes=None):
+    """One figure: the median and the largest (the worst, for times and ratios) of values,
+    one per process. n_processes, where given, is for a value every process shares (a peak
+    that each process reached alike): no spread is recorded then."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    spread = len(values) > 1 and n_processes is None
+    return {"table": table, "row": row, "column": column, "unit": unit,
+            "median": round(statistics.median(values), 3),
+            "worst": round(max(values), 3) if spread else None,
+            "n_processes": n_processes or len(values), "date": run["date"],
+            "commit": run["commit"], "command": command}
+
+
+def read_versions(outdir: str) -> dict:
+    run = {"date": "unknown", "commit": "unknown", "card": "unknown GPU", "environment": ""}
+    try:
+        with open(os.path.join(outdir, "versions.txt"), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return run
+    env = []
+    for line in lines:
+        if line.startswith("date: "):
+            run["date"] = line[6:16]
+        elif line.startswith("commit: "):
+            run["commit"] = line[8:].split()[0][:7]
+        elif "," in line and run["card"] == "unknown GPU" and "NVIDIA" in line:
+            run["card"] = line.split(",")[0].strip()
+            env.append("driver " + line.split(",")[1].strip())
+        elif re.match(r"^(Python|cupy|torch|jax|numpy) ", line):
+            env.append(line.strip())
+    run["environment"] = ", ".join(env)
+    return run
+
+
+def card_key(name: str) -> str:
+    for key in ("h200", "h100", "a100", "l40", "b200"):
+        if key in name.lower():
+            return key
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
+def from_junit(run: dict, outdir: str) -> list:
+    figs = []
+    for name, label in JUNIT.items():
+        path = os.path.join(outdir, name)
+        try:
+            root = ET.parse(path).getroot()
+        except (OSError, ET.ParseError):
+            continue
+        t = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
+        for suite in ([root] if root.tag == "testsuite" else root.iter("testsuite")):
+            for key in t:
+                t[key] += int(suite.get(key, 0))
+        counts = {"passed": t["tests"] - t["failures"] - t["errors"] - t["skipped"],
+                  "failed": t["failures"] + t["errors"], "skipped": t["skipped"]}
+        for column, n in counts.items():
+            figs.append(_fig(run, "GPU tier", label, column, "tests", [n],
+                             "STAGES=tests bench/gpu_run.sh OUT"))
+    return figs
+
+
+def from_latency(run: dict, path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    figs = []
+    for b in data.get("benchmarks", []):
+        info = b.get("extra_info", {})
+        if info.get("section") != "latency" or info.get("column") not in LATENCY_COLUMNS:
+            continue
+        if info.get("backend") in ("sim", "host"):
+            continue
+        figs.append(_fig(run, "Allocate + free from Python, one process", info["row"],
+                         info["column"], "ns per pair", [info.get("ns_per_pair")],
+                         "python -m mempool bench"))
+    return figs
+
+
+def from_fragmentation(run: dict, path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        rows = json.load(f).get("rows", [])
+    figs = []
+    for r in rows:
+        trace = TRACES.get(r.get("trace"), r.get("trace"))
+        runs = r.get("ns_per_event_runs") or [r.get("ns_per_event")]
+        command = "python bench/fragmentation_gpu.py --out FILE"
+        figs.append(_fig(run, "Trace replay: peak reserved / peak live, ns per event",
+                         r["allocator"], f"{trace} reserved / live", "ratio",
+                         [r.get("ratio")], command, n_processes=len(runs)))
+        figs.append(_fig(run, "Trace replay: peak reserved / peak live, ns per event",
+                         r["allocator"], f"{trace} ns per event", "ns per event", runs,
+                         command))
+    return figs
+
+
+def _per_process(run, table, groups, command, rename=None):
+    figs = []
+    for key, procs in groups.items():
+        if not isinstance(procs, list):
+            continue
+        for size, column in SIZES.items():
+            values = [p[size]["ns_per_pair"] for p in procs
+                      if isinstance(p.get(size), dict) and "ns_per_pair" in p[size]]
+            figs.append(_fig(run, table, (rename or {}).get(key, key), column, "ns per pair",
+                             values, command))
+    return figs
+
+
+def from_torch_empty(run: dict, path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        te = json.load(f).get("torch_empty") or {}
+    table = "torch.empty + drop, processes side by side"
+    command = "python bench/torch_workloads.py OUT --workloads empty --empty-control caching"
+    groups = {k: te.get(k) for k in ("caching", "mempool")}
+    figs = _per_process(run, table, groups, command,
+                        {"caching": "PyTorch's caching allocator", "mempool": "mempool"})
+    # Pair by pair: process i of each allocator ran side by side on one CPU.
+    pairs = list(zip(te.get("caching") or [], te.get("mempool") or []))
+    control = (te.get("control") or {}).get("caching") or []
+    for size, column in SIZES.items():
+        ratios = [m[size]["ns_per_pair"] / c[size]["ns_per_pair"] for c, m in pairs
+                  if isinstance(c.get(size), dict) and isinstance(m.get(size), dict)]
+        figs.append(_fig(run, table, "mempool / PyTorch, pair by pair", column, "ratio",
+                         ratios, command))
+        figs.append(_fig(run, table, "PyTorch / PyTorch (control), pair by pair", column,
+                         "ratio", [c.get(size) for c in control], command))
+    return figs
+
+
+def from_allocator_pairs(run: dict, path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    groups = {k: data.get(k) for k in ("caching", "mempool")}
+    return _per_process(run, "Allocate + free timed from C++, behind PyTorch's interface",
+                        groups, "python bench/torch_allocator_pairs.py --json FILE",
+                        {"caching": "PyTorch's caching allocator", "mempool": "mempool"})
+
+
+def from_numba_own(run: dict, path: str) -> list:
+    with open(path, encoding="utf-8") as f:
+        runs = json.load(f).get("runs", {})
+    figs = []
+    for key, label in (("numba", "under Numba's manager"), ("mempool", "under mempool")):
+        tests = (runs.get(key) or {}).get("tests", {})
+        for column in ("passed", "failed", "skipped"):
+            n = sum(1 for status in tests.values() if status[0] == column)
+            figs.append(_fig(run, "Numba's own cudadrv tests", label, column, "tests", [n],
+                             "python bench/numba_own_tests.py OUT"))
+    return figs
+
+
+SOURCES = (("bench/bench.json", from_latency),
+           ("fragmentation_gpu.json", from_fragmentation),
+           ("torch/workloads.json", from_torch_empty),
+           ("allocator_pairs.json", from_allocator_pairs),
+           ("numba-own/numba-own-tests.json", from_numba_own))
+
+
+def collect(outdir: str) -> dict:
+    run = read_versions(outdir)
+    figs = from_junit(run, outdir)
+    for rel, parse in SOURCES:
+        path = os.path.join(outdir, rel)
+        if os.path.exists(path):
+            try:
+                figs += parse(run, path)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                print(f"{rel}: not read ({exc})", file=sys.stderr)
+    return {"card": run["card"], "environment": run["environment"],
+            "figures": [f for f in figs if f is not None]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("outdir", help="the folder bench/gpu_run.sh wrote")
+    ap.add_argument("--card", help="the file's name, e.g. h100 (default: from the device name)")
+    args = ap.parse_args(argv)
+    data = collect(args.outdir)
+    path = os.path.join(args.outdir, f"{args.card or card_key(data['card'])}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path} ({len(data['figures'])} figures)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
