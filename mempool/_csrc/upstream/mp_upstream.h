@@ -10,7 +10,7 @@
  *     CUDA driver is thread-safe.
  * Handles (pointers, streams, events, address ranges) are plain uintptr_t values.
  *
- * Implementations: mp_sim.c (simulated device), mp_host.c (host memory), mp_cuda.c
+ * Implementations: mp_sim*.c (simulated device), mp_host.c (host memory), mp_cuda*.c
  * (cudaMemPool segments and CUDA virtual memory, resolved at run time from libcuda).
  */
 #ifndef MP_UPSTREAM_H
