@@ -7,7 +7,7 @@
  * of physical allocations, not their bytes (bench/vmm_costs.py), and a physical allocation can
  * only be mapped and unmapped whole (cuMemMap at an offset into a larger handle is refused as
  * not supported, cuMemUnmap refuses part of a mapping), so the core remembers what each map
- * call covered and unmaps only whole ones (Note [Growth extents] in core/mp_expand.c); an
+ * call covered and unmaps only whole ones (Note [Growth extents] in core/mp_expand_range.c); an
  * unmap may cover several, each unmapped and released in turn. The table per reservation
  * marks each mapped page as the head of its allocation (holding the handle) or a page after
  * it. The page, the unit of addresses and of growth, is the driver's granularity (2 MiB on

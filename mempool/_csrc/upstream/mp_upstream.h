@@ -92,7 +92,7 @@ typedef struct mp_upstream {
      *      or several adjacent ones, each as one map call made it (a driver maps and unmaps
      *      physical allocations only whole): MP_EINVAL, nothing changed, when it would cut
      *      one. It does not wait for queued work: the caller synchronizes the streams that
-     *      used the range first (Note [Growth extents] in core/mp_expand.c).
+     *      used the range first (Note [Growth extents] in core/mp_expand_range.c).
      * va_release: give back a reservation with nothing mapped in it. */
     size_t granularity;
     int (*va_reserve)(void *ctx, size_t nbytes, uintptr_t *out);
