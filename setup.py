@@ -10,7 +10,7 @@ import os
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-LAYERS = ("core", "upstream", "glue")
+LAYERS = ("common", "core", "upstream", "glue", "testing")
 DEBUG = os.environ.get("MEMPOOL_DEBUG", "").strip() not in ("", "0")
 
 core = Extension(

@@ -38,10 +38,10 @@ def build(outdir):
         sys.exit("cold_lines.py: gcc not found; it builds cold_pairs.c with the core's sources")
     exe = os.path.join(outdir, "cold_pairs")
     sources = [os.path.join(ROOT, "bench", "cold_pairs.c")]
-    for layer in ("core", "upstream"):
+    for layer in ("common", "core", "upstream"):
         sources += sorted(glob.glob(os.path.join(CSRC, layer, "*.c")))
     cmd = ["gcc", "-O3", "-g", "-std=gnu11", "-fno-semantic-interposition",
-           "-I", os.path.join(CSRC, "core"), "-I", os.path.join(CSRC, "upstream"),
+           *(f"-I{os.path.join(CSRC, layer)}" for layer in ("common", "core", "upstream")),
            *sources, "-o", exe, "-ldl", "-lpthread"]
     subprocess.run(cmd, check=True)
     return exe

@@ -1,3 +1,6 @@
+# A benchmark control, not part of the product: the Python faces of the compiled loops of
+# mempool/_csrc/testing/mp_bench.c. No product path uses it.
+#
 # Compiled loops for the benchmarks (see bench/).
 #
 # Included into _core.pyx after _pool.pxi, whose Pool it takes. The loops run in C with the

@@ -1,6 +1,7 @@
-# The pool's capture counter (docs/architecture.md, Note [Graph capture]). Native glue
-# (PyTorch's) calls mp_capture_begin/mp_capture_end itself; these are their Python faces,
-# for tests and for code that captures on one thread while others allocate.
+# A test control, not part of the product (no product path uses it): the Python faces of
+# the pool's capture counter (docs/architecture.md, Note [Graph capture]), for tests and for
+# code that captures on one thread while others allocate. Native glue (PyTorch's) calls
+# mp_capture_begin/mp_capture_end itself.
 
 
 def _capture_begin(Pool pool not None):

@@ -40,7 +40,7 @@ cdef extern from *:
     void mp_py_blocking_end(void *state) noexcept nogil
 
 
-cdef extern from "mp_upstream.h" nogil:
+cdef extern from "mp_errors.h" nogil:
     enum:
         MP_OK
         MP_ENOMEM
@@ -55,6 +55,8 @@ cdef extern from "mp_upstream.h" nogil:
         MP_EBUSY
         MP_ERETIRED
 
+
+cdef extern from "mp_upstream.h" nogil:
     ctypedef struct mp_upstream:
         void *ctx
         const char *name

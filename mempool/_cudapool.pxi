@@ -78,7 +78,7 @@ cdef int _cuda_set_release_threshold(object handle, object pool_handle,
 cdef dict _cuda_stats(object handle):
     """The cudaMemPool's own Reserved/Used Current/High attributes."""
     from mempool import _cuda
-    # Note [Set-up during a capture] (mp_cuda.c): read in the thread's relaxed capture mode,
+    # Note [Set-up during a capture] (mp_cuda_capture.c): read in the thread's relaxed capture mode,
     # as a metrics thread (mempool.prometheus) may read them while another thread captures.
     cdef int capture_mode = mp_cuda_relax_capture_mode()
     try:

@@ -1,6 +1,8 @@
-# Test controls of the simulated and host devices: pool.device. Each holds a reference on the
-# C pool (not on the Python Pool, so no reference cycle), which keeps the upstream alive.
-# Uses _common.pxi; made from the C pool, never the Pool.
+# A test control, apart from the product's allocation paths (none uses it): pool.device, what
+# tests and the demo do to the simulated and host devices (complete streams, inject failures,
+# hold calls, read counters); the C side is upstream/mp_sim*.c and upstream/mp_host.c. Each
+# holds a reference on the C pool (not on the Python Pool, so no reference cycle), which keeps
+# the upstream alive. Uses _common.pxi; made from the C pool, never the Pool.
 from libc.stdint cimport uint64_t, uintptr_t
 
 

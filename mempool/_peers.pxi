@@ -1,8 +1,8 @@
 # Several devices: which device a simulated pool is, and peer access (another device reading
 # and writing a pool's memory) on every backend. The Pool methods enable_peer_access,
 # peer_devices and access_devices (mempool/_pool.pxi) call the functions here with the C pool,
-# its backend kind and device; the C side is mp_sim.c (the simulated record) and mp_cuda.c
-# ("Note [Peer access]"). See docs/multigpu.md. Uses _common.pxi.
+# its backend kind and device; the C side is mp_sim_peers.c (the simulated record) and
+# mp_cuda_peers.c ("Note [Peer access]"). See docs/multigpu.md. Uses _common.pxi.
 from libc.stdint cimport uint64_t, uintptr_t
 
 

@@ -28,7 +28,7 @@ SOURCE = HERE / "_csrc" / "glue" / "torch_allocator.cpp"
 # The glue includes mp_torch.h, which reaches the core's public headers by their bare names:
 # the same layer folders the extension is built with (setup.py). Every header of those
 # folders keys the cache, so an edit to any header the glue may reach rebuilds it.
-INCLUDE_DIRS = [HERE / "_csrc" / layer for layer in ("glue", "core", "upstream")]
+INCLUDE_DIRS = [HERE / "_csrc" / layer for layer in ("glue", "core", "upstream", "common")]
 HEADERS = sorted(h for d in INCLUDE_DIRS for h in d.glob("*.h"))
 LIBRARY = "mempool_torch_glue.so"
 

@@ -1,4 +1,4 @@
-"""The CUDA upstream during a graph capture (mp_cuda.c, Note [Capture segments]), on the
+"""The CUDA upstream during a graph capture (mp_cuda_capture.c, Note [Capture segments]), on the
 stand-in driver of tests/_fake_cuda.py: a segment asked for on a capturing stream
 comes from cuMemAlloc in the relaxed capture mode, never from the stream-ordered pool, and
 goes back with cuMemFree, never with cuMemFreeAsync. What the real driver does is the GPU

@@ -1,4 +1,5 @@
-"""Peer access in the CUDA upstream (mempool/_csrc/upstream/mp_cuda.c), on a stand-in driver.
+"""Peer access in the CUDA upstream (mempool/_csrc/upstream/mp_cuda_peers.c), on a stand-in
+driver.
 
 The upstream resolves its driver calls from libcuda.so.1 at run time, so a fake driver
 (tests/data/fake_libcuda.c: four devices, of which 0, 1 and 3 are peers, with access recorded

@@ -354,7 +354,8 @@ def test_the_debug_build_knows_which_thread_holds_a_pool_lock(tmp_path, debug):
     exe = tmp_path / "held"
     flags = [f"-DMP_DEBUG={debug}"] if debug else []
     subprocess.run([CC, "-std=gnu11", "-Wall", "-Werror", "-Wno-unused-function", "-pthread",
-                    *flags, "-I", os.path.join(ROOT, "mempool", "_csrc", "core"), str(src),
+                    *flags, "-I", os.path.join(ROOT, "mempool", "_csrc", "core"),
+                    "-I", os.path.join(ROOT, "mempool", "_csrc", "common"), str(src),
                     "-o", str(exe)], check=True)
     before, during, other, after, size = subprocess.run(
         [str(exe)], capture_output=True, text=True, timeout=30, check=True).stdout.split()

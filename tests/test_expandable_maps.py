@@ -1,5 +1,5 @@
 """One physical allocation per growth, released only whole (Note [Growth extents] in
-mempool/_csrc/core/mp_expand.c), on the simulated device, where every call is counted.
+mempool/_csrc/core/mp_expand_range.c), on the simulated device, where every call is counted.
 
 A driver's cost follows the number of physical allocations, and it maps and unmaps only
 whole ones. So a growth of N pages is one map call (one allocation, or one per

@@ -467,7 +467,7 @@ def test_assert_grades(tmp_path, debug):
     exe = tmp_path / "grades"
     flags = [f"-DMP_DEBUG={debug}"] if debug else []
     subprocess.run([os.environ.get("CC", "cc"), "-std=gnu11", "-Wall", "-Werror", "-Wno-unused-function", *flags,
-                    "-I", os.path.join(ROOT, "mempool", "_csrc", "core"), str(src), "-o", str(exe)],
+                    "-I", os.path.join(ROOT, "mempool", "_csrc", "common"), str(src), "-o", str(exe)],
                    check=True)
     for grade in ("check", "assert", "expensive"):
         proc = subprocess.run([str(exe), grade], capture_output=True, text=True, timeout=30)

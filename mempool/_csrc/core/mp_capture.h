@@ -26,8 +26,8 @@
  * What it does meanwhile, as PyTorch's caching allocator does: allocations are served from
  * the free lists as usual; a miss asks the upstream for a segment, which for a capturing
  * stream comes from outside the graph (cuda: plain cuMemAlloc in the thread's relaxed mode,
- * remembered and freed with cuMemFree, Note [Capture segments] in mp_cuda.c; sim: the same,
- * counted in capture_allocs); expandable segments map pages as usual (PyTorch maps them for
+ * remembered and freed with cuMemFree, Note [Capture segments] in mp_cuda_capture.c; sim:
+ * the same, counted in capture_allocs); expandable segments map pages as usual (PyTorch maps them for
  * its graph pools). Skipped: cross-stream reuse (its event would cross the capture's edge),
  * every release (idle segments, release threshold, garbage collection, beyond need, trim,
  * empty_cache, page unmaps), every sync of pending frees, the OOM retries; and above the

@@ -1,6 +1,6 @@
 /* Expandable segments: one growing address range per (stream, small/large), mapped in pages
  * of the upstream's granularity as blocks need them, one physical allocation per growth. See
- * "Note [Expandable segments]" and "Note [Growth extents]" in mp_expand.c and
+ * "Note [Expandable segments]" in mp_expand.c, "Note [Growth extents]" in mp_expand_range.c and
  * docs/expandable.md. */
 #ifndef MP_EXPAND_H
 #define MP_EXPAND_H
@@ -31,7 +31,8 @@ void mp_expand_drop_empty_locked(mp_pool *p, mp_release_list *out);
 int mp_expand_check_extents_locked(const mp_pool *p, const mp_segment *seg, char *why, size_t n);
 /* Give a detached (or, at destroy, any) segment back to the upstream. Without the lock. */
 void mp_segment_release_upstream(mp_pool *p, mp_segment *seg);
-/* Note [Segment events at destroy] (mp_expand.c): the events of a segment freed by destroy. */
+/* Note [Segment events at destroy] (mp_expand_range.c): the events of a segment freed by
+ * destroy. */
 void mp_trace_segment_gone_locked(mp_pool *p, const mp_segment *seg);
 
 #endif

@@ -13,7 +13,7 @@
  * Threads: every function of the upstream may be called from any thread, without the GIL,
  * concurrently (the expandable-segment bookkeeping has its own mutex). Each call makes the
  * device's primary context current on the calling thread first; see "Note [Context]" in
- * mp_cuda.c.
+ * mp_cuda_driver.c.
  */
 #ifndef MP_CUDA_H
 #define MP_CUDA_H
@@ -35,7 +35,7 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
  * Never fails otherwise; safe to call at any time. */
 int mp_cuda_available(void);
 
-/* Note [Set-up during a capture] (mp_cuda.c): put the calling thread in CUDA's relaxed
+/* Note [Set-up during a capture] (mp_cuda_capture.c): put the calling thread in CUDA's relaxed
  * capture mode and return the mode to restore with mp_cuda_restore_capture_mode; -1 (nothing
  * changed) when the driver is not there, lacks capture support or refuses the exchange. */
 int mp_cuda_relax_capture_mode(void);
@@ -60,7 +60,7 @@ void mp_cuda_own_pool(mp_upstream *up);
 /* "CUDA_ERROR_NAME: description" for a CUresult (or -1, see mp_cuda_last_error), into buf. */
 void mp_cuda_error_string(int code, char *buf, size_t buflen);
 
-/* ---- Peer access (see "Note [Peer access]" in mp_cuda.c and docs/multigpu.md) ---- */
+/* ---- Peer access (see "Note [Peer access]" in mp_cuda_peers.c and docs/multigpu.md) ---- */
 
 /* Let device ordinal `peer` read and write the upstream's memory: the cudaMemPool's (through
  * cuMemPoolSetAccess, which covers every allocation of the pool, made or to be made) and
@@ -93,7 +93,7 @@ int mp_cuda_owns(const mp_upstream *up);
 
 /* A cuda upstream for the same device as `like` (a cuda upstream) whose segments are plain
  * cuMemAlloc allocations: legal while a stream captures a CUDA graph (stream-ordered
- * allocation there would become a node of the graph), released with cuMemFree (mp_cuda.c). */
+ * allocation there would become a node of the graph), released with cuMemFree (mp_cuda_capture.c). */
 int mp_cuda_plain_upstream(const mp_upstream *like, mp_upstream *out);
 
 #endif

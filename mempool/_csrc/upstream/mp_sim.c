@@ -1,102 +1,11 @@
 /* The simulated device (see mp_sim.h). Thread-safe: one mutex guards the whole context,
- * since tests complete streams from Python while other threads allocate. */
-#include "mp_sim.h"
+ * since tests complete streams from Python while other threads allocate. This file is the
+ * device model: segments, events, streams and pages. Fault injection and held calls are in
+ * mp_sim_faults.c, graph capture in mp_sim_graphs.c, several devices in mp_sim_peers.c. */
+#include "mp_sim_internal.h"
 
-#include <errno.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-
-#include "mp_ptrmap.h"
-
-typedef struct sim_wait {
-    size_t other;    /* index into streams */
-    uint64_t seq;    /* work of `other` up to here ... */
-    uint64_t at;     /* ... comes before this stream's work after position `at` */
-} sim_wait;
-
-typedef struct sim_stream {
-    uintptr_t id;
-    uint64_t submitted, completed;
-    int capturing;   /* between mp_sim_begin_capture and mp_sim_end_capture */
-    int broken;      /* its capture was invalidated by an illegal call */
-    /* Note [Sim capture graphs]: the capture it takes part in, and the nodes its next
-     * captured work depends on. */
-    uint64_t capture_id;
-    uint32_t *frontier;
-    size_t nfrontier, cap_frontier;
-    sim_wait *waits;
-    size_t nwaits, cap_waits;
-} sim_stream;
-
-typedef struct sim_dep {
-    size_t other;    /* index into streams */
-    uint64_t seq;    /* work of `other` up to here */
-} sim_dep;
-
-/* Note [Frees the driver keeps]: a segment freed behind work not yet complete. */
-typedef struct sim_kept {
-    size_t stream;   /* index into streams */
-    uint64_t seq;    /* its work up to here must complete first */
-    size_t nbytes;
-} sim_kept;
-
-typedef struct sim_event {
-    size_t stream;   /* index into streams, SIZE_MAX until recorded */
-    uint64_t target;
-    int in_use;
-    int captured;    /* last recorded on a capturing stream: a graph node, never queried */
-    /* Waits the stream had pending when the event was recorded: the event completes only
-     * after them too, as a CUDA event recorded after cudaStreamWaitEvent does. */
-    sim_dep *deps;
-    size_t ndeps, cap_deps;
-} sim_event;
-
-struct mp_sim {
-    pthread_mutex_t mu;
-    mp_budget budget;
-    size_t granularity;
-    uintptr_t next_addr;
-    mp_ptrmap segments;       /* ptr -> size */
-    mp_ptrmap reservations;   /* va -> size */
-    mp_ptrmap pages;          /* mapped page address -> access mask (own device's bit set) */
-    mp_ptrmap mappings;       /* physical allocations: one per map call (mp_mappings_whole) */
-    sim_stream *streams;
-    size_t nstreams, cap_streams;
-    /* Stream id -> index + 1 (0: empty), open addressing; and the slots of destroyed
-     * streams, reused with their counters, so that old events and waits stay complete. */
-    size_t *shash, shash_mask, shash_count;
-    size_t *free_slots, nfree_slots, cap_free_slots;
-    unsigned fail_events;     /* the next N event records fail (mp_sim_fail_events) */
-    sim_event *events;
-    size_t nevents, cap_events, live_events;
-    uint64_t num_syncs, num_records, num_waits, num_errors, num_queries, num_creates;
-    uint64_t num_split_unmaps;   /* unmaps refused for cutting a physical allocation */
-    int device;               /* the simulated device's ordinal */
-    uint64_t peers;           /* devices granted access (bit d = device d) */
-    /* mp_sim_hold_allocs: segment allocations still to hold, those waiting now, the
-     * release generation they wait for a change of, and those that gave up waiting. */
-    unsigned hold_next, held, hold_timeout_ms;
-    unsigned hold_syncs_next;     /* mp_sim_hold_syncs: stream syncs still to hold */
-    unsigned hold_events_next;    /* mp_sim_hold_event_creates: event creations to hold */
-    unsigned hold_va_next;        /* mp_sim_hold_va_reserves: address reservations to hold */
-    uint64_t release_gen, hold_timeouts;
-    pthread_cond_t hold_cv;
-    /* Graph capture (mp_sim_begin_capture): streams capturing now, calls a real driver
-     * would refuse or that would break a capture, segments allocated outside a capture's
-     * graph for a capturing stream. */
-    size_t ncapturing;
-    uint64_t capture_violations, capture_allocs;
-    /* Note [Sim capture graphs]: node i + 1's dependencies, and the last capture's id. */
-    struct sim_node { uint32_t *parents; uint32_t nparents; } *nodes;
-    size_t nnodes, cap_nodes;
-    uint64_t last_capture;
-    /* Note [Frees the driver keeps]: segments freed behind incomplete work, their bytes, and
-     * the most the device held (handed out plus kept) at any allocation. */
-    sim_kept *kept;
-    size_t nkept, cap_kept, kept_bytes, held_peak;
-};
 
 /* Note [Frees the driver keeps]
  * A cudaMemPool frees a segment in stream order (cuMemFreeAsync): until the work queued
@@ -107,7 +16,7 @@ struct mp_sim {
  * against the capacity too: a segment allocation or page map that fits only in them fails
  * as out of memory, as the driver's would. The core's answer is
  * Note [Released before a growth] in core/mp_core.c. */
-static void drop_completed_kept_locked(mp_sim *s) {
+void sim_drop_completed_kept_locked(mp_sim *s) {
     size_t i = 0;
     while (i < s->nkept) {
         const sim_kept *k = &s->kept[i];
@@ -124,18 +33,15 @@ static void drop_completed_kept_locked(mp_sim *s) {
  * that fits only in them is out of memory (the caller counts the failure). */
 static int kept_refuses_locked(mp_sim *s, size_t nbytes) {
     if (!s->nkept) return 0;
-    drop_completed_kept_locked(s);
+    sim_drop_completed_kept_locked(s);
     return s->kept_bytes && s->budget.used + s->kept_bytes + nbytes > s->budget.capacity;
 }
 
 static void note_held_locked(mp_sim *s) {
-    drop_completed_kept_locked(s);
+    sim_drop_completed_kept_locked(s);
     size_t held = s->budget.used + s->kept_bytes;
     if (held > s->held_peak) s->held_peak = held;
 }
-
-/* The access a page gets when mapped: the device itself and every peer granted so far. */
-static uint64_t own_access(const mp_sim *s) { return s->peers | (uint64_t)1 << s->device; }
 
 static size_t shash_home(const mp_sim *s, uintptr_t id) {
     return (size_t)(((uint64_t)id * 0x9E3779B97F4A7C15ull) >> 17) & s->shash_mask;
@@ -177,7 +83,7 @@ static void shash_remove(mp_sim *s, size_t *slot) {
     s->shash_count--;
 }
 
-static size_t stream_index(mp_sim *s, uintptr_t id) {
+size_t sim_stream_index(mp_sim *s, uintptr_t id) {
     if ((s->shash_count + 1) * 2 > (s->shash ? s->shash_mask + 1 : 0) && !shash_grow(s))
         return SIZE_MAX;
     size_t *slot = shash_find(s, id);
@@ -203,27 +109,12 @@ static size_t stream_index(mp_sim *s, uintptr_t id) {
     return i;
 }
 
-/* A call that CUDA refuses during a capture, or that invalidates it (the driver's global
- * capture mode, the strictest): it fails, is counted, and every capture under way is
- * invalidated, as the driver invalidates them. */
-static int capture_violation(mp_sim *s) {
-    s->capture_violations++;
-    for (size_t i = 0; i < s->nstreams; i++)
-        if (s->streams[i].capturing) s->streams[i].broken = 1;
-    return MP_EUPSTREAM;
-}
-
 /* The live stream of that handle, or NULL: through the hash, since a destroyed stream's slot
  * keeps its old handle until it is reused. */
-static sim_stream *live_stream(mp_sim *s, uintptr_t stream) {
+sim_stream *sim_live_stream(mp_sim *s, uintptr_t stream) {
     if (!s->shash) return NULL;
     size_t *slot = shash_find(s, stream);
     return *slot ? &s->streams[*slot - 1] : NULL;
-}
-
-static int is_capturing(mp_sim *s, uintptr_t stream) {
-    sim_stream *st = live_stream(s, stream);
-    return st ? st->capturing : 0;
 }
 
 static uintptr_t bump(mp_sim *s, size_t nbytes, size_t align) {
@@ -232,38 +123,14 @@ static uintptr_t bump(mp_sim *s, size_t nbytes, size_t align) {
     return p;
 }
 
-/* ---------------------------------------------------------------- upstream functions */
-
-/* A held call (segment allocation, page map, stream sync, event creation, address
- * reservation): wait, the sim's mutex let go meanwhile, for
- * mp_sim_release_held or the timeout. */
-static void hold_locked(mp_sim *s, unsigned *next) {
-    (*next)--;
-    s->held++;
-    uint64_t gen = s->release_gen;
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_sec += s->hold_timeout_ms / 1000;
-    until.tv_nsec += (long)(s->hold_timeout_ms % 1000) * 1000000L;
-    if (until.tv_nsec >= 1000000000L) {
-        until.tv_sec++;
-        until.tv_nsec -= 1000000000L;
-    }
-    int rc = 0;
-    while (s->release_gen == gen && rc != ETIMEDOUT)
-        rc = pthread_cond_timedwait(&s->hold_cv, &s->mu, &until);
-    if (s->release_gen == gen) s->hold_timeouts++;
-    s->held--;
-}
-
 /* On a capturing stream the segment is allocated outside the graph, as the CUDA upstream
  * does with cuMemAlloc (a stream-ordered allocation there would be a graph node): legal,
  * counted in capture_allocs. */
 static int sim_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr_t *out) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
-    int plain = s->ncapturing && is_capturing(s, stream);
-    if (s->hold_next) hold_locked(s, &s->hold_next);
+    int plain = s->ncapturing && sim_is_capturing(s, stream);
+    if (s->hold_next) sim_hold_locked(s, &s->hold_next);
     int rc;
     if (kept_refuses_locked(s, nbytes)) {
         s->budget.num_failed++;
@@ -293,7 +160,7 @@ static int sim_segment_free(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t s
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
     if (s->ncapturing) {
-        int rc = capture_violation(s);
+        int rc = sim_capture_violation(s);
         pthread_mutex_unlock(&s->mu);
         return rc;
     }
@@ -306,7 +173,7 @@ static int sim_segment_free(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t s
         mp_budget_give(&s->budget, nbytes);
         s->budget.num_frees++;
         /* Note [Frees the driver keeps] (best effort without host memory: not kept) */
-        size_t si = stream_index(s, stream);
+        size_t si = sim_stream_index(s, stream);
         if (si != SIZE_MAX && s->streams[si].completed < s->streams[si].submitted) {
             if (s->nkept == s->cap_kept) {
                 size_t cap = s->cap_kept ? 2 * s->cap_kept : 8;
@@ -329,7 +196,7 @@ static int sim_segment_free(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t s
 static int sim_event_create(void *ctx, uintptr_t *out) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
-    if (s->hold_events_next) hold_locked(s, &s->hold_events_next);
+    if (s->hold_events_next) sim_hold_locked(s, &s->hold_events_next);
     s->num_creates++;
     size_t i = 0;
     while (i < s->nevents && s->events[i].in_use) i++;
@@ -374,7 +241,7 @@ static int sim_event_record(void *ctx, uintptr_t ev, uintptr_t stream) {
         return MP_EUPSTREAM;
     }
     sim_event *e = event_at(s, ev);
-    size_t si = stream_index(s, stream);
+    size_t si = sim_stream_index(s, stream);
     int rc = e && si != SIZE_MAX ? MP_OK : MP_EINVAL;
     if (rc == MP_OK) {
         sim_stream *st = &s->streams[si];
@@ -424,7 +291,7 @@ static int sim_event_query(void *ctx, uintptr_t ev) {
     pthread_mutex_lock(&s->mu);
     sim_event *e = event_at(s, ev);
     int rc = !e ? MP_EINVAL : event_done(s, e) ? MP_OK : MP_ENOTREADY;
-    if (e && (e->captured || s->ncapturing)) rc = capture_violation(s);
+    if (e && (e->captured || s->ncapturing)) rc = sim_capture_violation(s);
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
@@ -433,12 +300,12 @@ static int sim_stream_wait_event(void *ctx, uintptr_t stream, uintptr_t ev) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
     sim_event *e = event_at(s, ev);
-    size_t si = stream_index(s, stream);
+    size_t si = sim_stream_index(s, stream);
     int rc = e && si != SIZE_MAX ? MP_OK : MP_EINVAL;
     /* Across a capture's edge: a capturing stream waiting on an event from outside
      * (isolation), or a stream outside waiting on a captured event (it would join the
      * capture and leave it unjoined). */
-    if (rc == MP_OK && e->captured != s->streams[si].capturing) rc = capture_violation(s);
+    if (rc == MP_OK && e->captured != s->streams[si].capturing) rc = sim_capture_violation(s);
     s->num_waits += rc == MP_OK;
     if (rc == MP_OK && !event_done(s, e)) {
         /* The stream now waits for the event's work and for what that work waited on. */
@@ -511,12 +378,12 @@ static int sim_stream_synchronize(void *ctx, uintptr_t stream) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
     if (s->ncapturing) {   /* a sync during a capture: refused, and it breaks the capture */
-        int rc = capture_violation(s);
+        int rc = sim_capture_violation(s);
         pthread_mutex_unlock(&s->mu);
         return rc;
     }
-    if (s->hold_syncs_next) hold_locked(s, &s->hold_syncs_next);
-    size_t si = stream_index(s, stream);
+    if (s->hold_syncs_next) sim_hold_locked(s, &s->hold_syncs_next);
+    size_t si = sim_stream_index(s, stream);
     if (si != SIZE_MAX) complete_upto(s, si, s->streams[si].submitted);
     s->num_syncs++;
     pthread_mutex_unlock(&s->mu);
@@ -529,10 +396,10 @@ static int sim_stream_query(void *ctx, uintptr_t stream) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
     s->num_queries++;
-    size_t si = stream_index(s, stream);
+    size_t si = sim_stream_index(s, stream);
     int rc = si == SIZE_MAX ? MP_ENOMEM : MP_OK;
     if (rc == MP_OK && s->streams[si].completed < s->streams[si].submitted) rc = MP_ENOTREADY;
-    if (s->ncapturing) rc = capture_violation(s);
+    if (s->ncapturing) rc = sim_capture_violation(s);
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
@@ -541,7 +408,7 @@ static int sim_device_synchronize(void *ctx) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
     if (s->ncapturing) {
-        int rc = capture_violation(s);
+        int rc = sim_capture_violation(s);
         pthread_mutex_unlock(&s->mu);
         return rc;
     }
@@ -563,7 +430,7 @@ static int sim_mem_info(void *ctx, size_t *free_bytes, size_t *total) {
 static int sim_va_reserve(void *ctx, size_t nbytes, uintptr_t *out) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
-    if (s->hold_va_next) hold_locked(s, &s->hold_va_next);
+    if (s->hold_va_next) sim_hold_locked(s, &s->hold_va_next);
     uintptr_t va = bump(s, nbytes, s->granularity);
     int rc = mp_ptrmap_insert(&s->reservations, va, (void *)(uintptr_t)nbytes);
     if (rc == MP_OK) *out = va;
@@ -587,7 +454,7 @@ static int sim_map(void *ctx, uintptr_t va, size_t nbytes) {
         pthread_mutex_unlock(&s->mu);
         return MP_EINVAL;
     }
-    if (s->hold_next) hold_locked(s, &s->hold_next);
+    if (s->hold_next) sim_hold_locked(s, &s->hold_next);
     int rc = MP_OK;
     if (s->budget.fail_next) {
         s->budget.fail_next--;
@@ -615,7 +482,7 @@ static int sim_map(void *ctx, uintptr_t va, size_t nbytes) {
             rc = MP_ENOMEM;
             break;
         }
-        if (mp_ptrmap_insert(&s->pages, page, (void *)(uintptr_t)own_access(s)) != MP_OK) {
+        if (mp_ptrmap_insert(&s->pages, page, (void *)(uintptr_t)sim_own_access(s)) != MP_OK) {
             rc = MP_ENOMEM;
             break;
         }
@@ -641,7 +508,7 @@ static int sim_unmap(void *ctx, uintptr_t va, size_t nbytes) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
     if (s->ncapturing) {
-        int rc = capture_violation(s);
+        int rc = sim_capture_violation(s);
         pthread_mutex_unlock(&s->mu);
         return rc;
     }
@@ -664,7 +531,7 @@ static int sim_va_release(void *ctx, uintptr_t va, size_t nbytes) {
     mp_sim *s = ctx;
     pthread_mutex_lock(&s->mu);
     if (s->ncapturing) {
-        int rc = capture_violation(s);
+        int rc = sim_capture_violation(s);
         pthread_mutex_unlock(&s->mu);
         return rc;
     }
@@ -672,113 +539,6 @@ static int sim_va_release(void *ctx, uintptr_t va, size_t nbytes) {
     if (!v || (size_t)(uintptr_t)v != nbytes) s->num_errors++;
     pthread_mutex_unlock(&s->mu);
     return MP_OK;
-}
-
-static int sim_stream_capturing(void *ctx, uintptr_t stream, int *capturing) {
-    mp_sim *s = ctx;
-    pthread_mutex_lock(&s->mu);
-    *capturing = is_capturing(s, stream);
-    pthread_mutex_unlock(&s->mu);
-    return MP_OK;
-}
-
-/* Note [Sim capture graphs]
- * What the driver's graph says of the order of captured work, for Note [Capture reuse]
- * (core/mp_stream.c): a stream that captures has a frontier, the nodes its next captured
- * work depends on (cudaStreamGetCaptureInfo's dependencies). mp_sim_launch on it adds a node
- * that depends on the frontier and becomes it; mp_sim_capture_join(stream, from), the
- * capture's form of `stream` waiting for `from` (an event recorded on `from`, waited on by
- * `stream`), adds from's frontier to stream's, and makes a stream that did not capture
- * join from's capture (as the driver does); ending the capture ends it on every stream
- * that joined. capture_follows walks the dependencies back from the frontier. */
-
-static int sim_capture_frontier(void *ctx, uintptr_t stream, uint64_t *graph, uintptr_t *nodes,
-                                size_t cap, size_t *n) {
-    mp_sim *s = ctx;
-    pthread_mutex_lock(&s->mu);
-    sim_stream *st = live_stream(s, stream);
-    int rc = st && st->capturing ? MP_OK : MP_EINVAL;
-    if (rc == MP_OK) {
-        *graph = st->capture_id;
-        *n = st->nfrontier;
-        for (size_t i = 0; i < cap && i < st->nfrontier; i++) nodes[i] = st->frontier[i];
-    }
-    pthread_mutex_unlock(&s->mu);
-    return rc;
-}
-
-static int sim_capture_follows(void *ctx, uintptr_t stream, const uintptr_t *nodes, size_t n,
-                               unsigned char *followed) {
-    mp_sim *s = ctx;
-    pthread_mutex_lock(&s->mu);
-    sim_stream *st = live_stream(s, stream);
-    int rc = st && st->capturing ? MP_OK : MP_EINVAL;
-    unsigned char *seen = rc == MP_OK ? calloc(s->nnodes + 1, 1) : NULL;
-    uint32_t *stack = rc == MP_OK ? malloc((s->nnodes + 1) * sizeof *stack) : NULL;
-    if (rc == MP_OK && (!seen || !stack)) rc = MP_ENOMEM;
-    if (rc == MP_OK) {
-        size_t top = 0;
-        for (size_t i = 0; i < st->nfrontier; i++) {
-            uint32_t v = st->frontier[i];
-            if (!seen[v]) {
-                seen[v] = 1;
-                stack[top++] = v;
-            }
-        }
-        while (top) {
-            struct sim_node *node = &s->nodes[stack[--top] - 1];
-            for (uint32_t j = 0; j < node->nparents; j++) {
-                uint32_t u = node->parents[j];
-                if (!seen[u]) {
-                    seen[u] = 1;
-                    stack[top++] = u;
-                }
-            }
-        }
-        for (size_t i = 0; i < n; i++)
-            followed[i] = nodes[i] >= 1 && nodes[i] <= s->nnodes && seen[nodes[i]];
-    }
-    free(seen);
-    free(stack);
-    pthread_mutex_unlock(&s->mu);
-    return rc;
-}
-
-/* st's frontier := the nodes given (replace) or ∪= them (merge). 0 when out of memory. */
-static int frontier_set(sim_stream *st, const uint32_t *nodes, size_t n, int merge) {
-    if (!merge) st->nfrontier = 0;
-    if (st->nfrontier + n > st->cap_frontier) {
-        size_t cap = (st->nfrontier + n) * 2;
-        uint32_t *grown = realloc(st->frontier, cap * sizeof *grown);
-        if (!grown) return 0;
-        st->frontier = grown;
-        st->cap_frontier = cap;
-    }
-    for (size_t i = 0; i < n; i++) {
-        size_t k = 0;
-        while (k < st->nfrontier && st->frontier[k] != nodes[i]) k++;
-        if (k == st->nfrontier) st->frontier[st->nfrontier++] = nodes[i];
-    }
-    return 1;
-}
-
-/* A captured node on stream si, after its frontier, which it becomes. */
-static void capture_node(mp_sim *s, size_t si) {
-    sim_stream *st = &s->streams[si];
-    if (s->nnodes == s->cap_nodes) {
-        size_t cap = s->cap_nodes ? 2 * s->cap_nodes : 64;
-        struct sim_node *grown = realloc(s->nodes, cap * sizeof *grown);
-        if (!grown) return;
-        s->nodes = grown;
-        s->cap_nodes = cap;
-    }
-    struct sim_node *node = &s->nodes[s->nnodes];
-    node->nparents = 0;
-    node->parents = st->nfrontier ? malloc(st->nfrontier * sizeof *node->parents) : NULL;
-    if (st->nfrontier && !node->parents) return;
-    for (size_t i = 0; i < st->nfrontier; i++) node->parents[node->nparents++] = st->frontier[i];
-    uint32_t id = (uint32_t)++s->nnodes;
-    frontier_set(st, &id, 1, 0);
 }
 
 static void sim_destroy(void *ctx) {
@@ -847,8 +607,6 @@ int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
     return MP_OK;
 }
 
-/* ---------------------------------------------------------------- test controls */
-
 /* The free-slot list with room for one more, or NULL (the list unchanged). */
 static size_t *realloc_slots(mp_sim *s) {
     size_t cap = s->cap_free_slots ? 2 * s->cap_free_slots : 16;
@@ -859,16 +617,17 @@ static size_t *realloc_slots(mp_sim *s) {
 
 uint64_t mp_sim_launch(mp_sim *s, uintptr_t stream) {
     pthread_mutex_lock(&s->mu);
-    size_t si = stream_index(s, stream);
+    size_t si = sim_stream_index(s, stream);
     uint64_t seq = si == SIZE_MAX ? 0 : ++s->streams[si].submitted;
-    if (si != SIZE_MAX && s->streams[si].capturing) capture_node(s, si);   /* Note [Sim capture graphs] */
+    if (si != SIZE_MAX && s->streams[si].capturing)
+        sim_capture_node(s, si);   /* Note [Sim capture graphs] */
     pthread_mutex_unlock(&s->mu);
     return seq;
 }
 
 void mp_sim_complete(mp_sim *s, uintptr_t stream) {
     pthread_mutex_lock(&s->mu);
-    size_t si = stream_index(s, stream);
+    size_t si = sim_stream_index(s, stream);
     if (si != SIZE_MAX) complete_upto(s, si, s->streams[si].submitted);
     pthread_mutex_unlock(&s->mu);
 }
@@ -881,7 +640,7 @@ void mp_sim_complete_all(mp_sim *s) {
 
 int mp_sim_ordered(mp_sim *s, uintptr_t stream, uintptr_t other, uint64_t seq) {
     pthread_mutex_lock(&s->mu);
-    size_t si = stream_index(s, stream), oi = stream_index(s, other);
+    size_t si = sim_stream_index(s, stream), oi = sim_stream_index(s, other);
     int ok = 0;
     if (si != SIZE_MAX && oi != SIZE_MAX) {
         ok = s->streams[oi].completed >= seq || si == oi;
@@ -894,7 +653,7 @@ int mp_sim_ordered(mp_sim *s, uintptr_t stream, uintptr_t other, uint64_t seq) {
 
 void mp_sim_stream_info(mp_sim *s, uintptr_t stream, uint64_t *submitted, uint64_t *completed) {
     pthread_mutex_lock(&s->mu);
-    size_t si = stream_index(s, stream);
+    size_t si = sim_stream_index(s, stream);
     *submitted = si == SIZE_MAX ? 0 : s->streams[si].submitted;
     *completed = si == SIZE_MAX ? 0 : s->streams[si].completed;
     pthread_mutex_unlock(&s->mu);
@@ -930,226 +689,9 @@ int mp_sim_destroy_stream(mp_sim *s, uintptr_t stream) {
     return rc;
 }
 
-void mp_sim_fail_events(mp_sim *s, unsigned n) {
-    pthread_mutex_lock(&s->mu);
-    s->fail_events = n;
-    pthread_mutex_unlock(&s->mu);
-}
-
 size_t mp_sim_num_streams(mp_sim *s) {
     pthread_mutex_lock(&s->mu);
     size_t n = s->shash_count;
     pthread_mutex_unlock(&s->mu);
     return n;
-}
-
-mp_budget *mp_sim_budget(mp_sim *s) { return &s->budget; }
-void mp_sim_lock(mp_sim *s) { pthread_mutex_lock(&s->mu); }
-void mp_sim_unlock(mp_sim *s) { pthread_mutex_unlock(&s->mu); }
-static void set_hold(mp_sim *s, unsigned *next, unsigned n, unsigned timeout_ms) {
-    pthread_mutex_lock(&s->mu);
-    *next = n;
-    s->hold_timeout_ms = timeout_ms;
-    pthread_mutex_unlock(&s->mu);
-}
-
-void mp_sim_hold_allocs(mp_sim *s, unsigned n, unsigned timeout_ms) {
-    set_hold(s, &s->hold_next, n, timeout_ms);
-}
-
-void mp_sim_hold_syncs(mp_sim *s, unsigned n, unsigned timeout_ms) {
-    set_hold(s, &s->hold_syncs_next, n, timeout_ms);
-}
-
-void mp_sim_hold_event_creates(mp_sim *s, unsigned n, unsigned timeout_ms) {
-    set_hold(s, &s->hold_events_next, n, timeout_ms);
-}
-
-void mp_sim_hold_va_reserves(mp_sim *s, unsigned n, unsigned timeout_ms) {
-    set_hold(s, &s->hold_va_next, n, timeout_ms);
-}
-
-unsigned mp_sim_held(mp_sim *s) {
-    pthread_mutex_lock(&s->mu);
-    unsigned n = s->held;
-    pthread_mutex_unlock(&s->mu);
-    return n;
-}
-
-void mp_sim_release_held(mp_sim *s) {
-    pthread_mutex_lock(&s->mu);
-    s->release_gen++;
-    pthread_cond_broadcast(&s->hold_cv);
-    pthread_mutex_unlock(&s->mu);
-}
-
-uint64_t mp_sim_hold_timeouts(mp_sim *s) {
-    pthread_mutex_lock(&s->mu);
-    uint64_t n = s->hold_timeouts;
-    pthread_mutex_unlock(&s->mu);
-    return n;
-}
-size_t mp_sim_live_segments(mp_sim *s) { return s->segments.count; }
-size_t mp_sim_mapped_bytes(mp_sim *s) { return s->pages.count * s->granularity; }
-size_t mp_sim_live_maps(mp_sim *s) { return s->mappings.count; }
-uint64_t mp_sim_num_split_unmaps(mp_sim *s) { return s->num_split_unmaps; }
-uint64_t mp_sim_num_syncs(mp_sim *s) { return s->num_syncs; }
-uint64_t mp_sim_num_queries(mp_sim *s) { return s->num_queries; }
-uint64_t mp_sim_num_event_records(mp_sim *s) { return s->num_records; }
-uint64_t mp_sim_num_event_creates(mp_sim *s) { return s->num_creates; }
-uint64_t mp_sim_num_waits(mp_sim *s) { return s->num_waits; }
-uint64_t mp_sim_num_errors(mp_sim *s) { return s->num_errors; }
-size_t mp_sim_live_events(mp_sim *s) { return s->live_events; }
-size_t mp_sim_held_peak(mp_sim *s) { return s->held_peak; }
-
-/* Note [Frees the driver keeps]: the kept frees whose work has run are dropped first. */
-size_t mp_sim_held_bytes(mp_sim *s) {
-    pthread_mutex_lock(&s->mu);
-    drop_completed_kept_locked(s);
-    size_t held = s->budget.used + s->kept_bytes;
-    pthread_mutex_unlock(&s->mu);
-    return held;
-}
-
-/* ---------------------------------------------------------------- several devices */
-
-int mp_sim_set_device(mp_sim *s, int device) {
-    if (device < 0 || device >= MP_SIM_MAX_DEVICES) return MP_EINVAL;
-    pthread_mutex_lock(&s->mu);
-    /* Addresses already handed out would lie outside the new device's window. */
-    int rc = s->next_addr != MP_SIM_BASE + (uintptr_t)s->device * MP_SIM_DEVICE_SPAN
-                 ? MP_EBUSY : MP_OK;
-    if (rc == MP_OK) {
-        s->device = device;
-        s->peers &= ~((uint64_t)1 << device);
-        s->next_addr = MP_SIM_BASE + (uintptr_t)device * MP_SIM_DEVICE_SPAN;
-    }
-    pthread_mutex_unlock(&s->mu);
-    return rc;
-}
-
-int mp_sim_device(mp_sim *s) { return s->device; }
-
-int mp_sim_enable_peer(mp_sim *s, int peer) {
-    if (peer < 0 || peer >= MP_SIM_MAX_DEVICES) return MP_EINVAL;
-    pthread_mutex_lock(&s->mu);
-    int rc = peer == s->device ? MP_EINVAL : MP_OK;
-    if (rc == MP_OK && !(s->peers & (uint64_t)1 << peer)) {
-        s->peers |= (uint64_t)1 << peer;
-        /* Pages mapped so far get the peer too, as cuMemSetAccess over every mapped range. */
-        for (size_t i = 0; i <= s->pages.mask; i++)
-            if (s->pages.slots[i].key)
-                s->pages.slots[i].value =
-                    (void *)((uintptr_t)s->pages.slots[i].value | (uintptr_t)1 << peer);
-    }
-    pthread_mutex_unlock(&s->mu);
-    return rc;
-}
-
-uint64_t mp_sim_peer_mask(mp_sim *s) {
-    pthread_mutex_lock(&s->mu);
-    uint64_t m = s->peers;
-    pthread_mutex_unlock(&s->mu);
-    return m;
-}
-
-uint64_t mp_sim_access_mask(mp_sim *s, uintptr_t addr, size_t nbytes) {
-    if (nbytes == 0) nbytes = 1;
-    uint64_t mask = 0;
-    pthread_mutex_lock(&s->mu);
-    /* A segment: the whole device's access, as a cudaMemPool's setting covers all of it. */
-    for (size_t i = 0; i <= s->segments.mask; i++) {
-        uintptr_t p = s->segments.slots[i].key;
-        size_t n = (size_t)(uintptr_t)s->segments.slots[i].value;
-        if (p && addr >= p && addr - p < n && nbytes <= n - (addr - p)) {
-            mask = own_access(s);
-            goto out;
-        }
-    }
-    /* Expandable pages: each keeps what it was granted. */
-    const size_t g = s->granularity;
-    mask = ~(uint64_t)0;
-    for (uintptr_t page = addr / g * g; page < addr + nbytes; page += g) {
-        void *v = mp_ptrmap_get(&s->pages, page);
-        mask &= (uint64_t)(uintptr_t)v;   /* an unmapped page makes the range inaccessible */
-        if (!mask) break;
-    }
-out:
-    pthread_mutex_unlock(&s->mu);
-    return mask;
-}
-
-/* ---------------------------------------------------------------- graph capture */
-
-int mp_sim_begin_capture(mp_sim *s, uintptr_t stream) {
-    if (stream == 0 || stream == 1) return MP_EINVAL;   /* the legacy stream cannot capture */
-    pthread_mutex_lock(&s->mu);
-    size_t si = stream_index(s, stream);
-    int rc = si == SIZE_MAX ? MP_ENOMEM : s->streams[si].capturing ? MP_EBUSY : MP_OK;
-    if (rc == MP_OK) {
-        s->streams[si].capturing = 1;
-        s->streams[si].broken = 0;
-        s->streams[si].capture_id = ++s->last_capture;
-        s->streams[si].nfrontier = 0;
-        s->ncapturing++;
-    }
-    pthread_mutex_unlock(&s->mu);
-    return rc;
-}
-
-int mp_sim_end_capture(mp_sim *s, uintptr_t stream) {
-    pthread_mutex_lock(&s->mu);
-    int rc = MP_EINVAL;
-    sim_stream *st = live_stream(s, stream);
-    if (st && st->capturing) {
-        uint64_t id = st->capture_id;
-        rc = st->broken ? MP_EUPSTREAM : MP_OK;
-        for (size_t i = 0; i < s->nstreams; i++) {   /* and the streams that joined it */
-            sim_stream *o = &s->streams[i];
-            if (!o->capturing || o->capture_id != id) continue;
-            o->capturing = 0;
-            o->broken = 0;
-            o->nfrontier = 0;
-            s->ncapturing--;
-        }
-    }
-    pthread_mutex_unlock(&s->mu);
-    return rc;
-}
-
-int mp_sim_capture_join(mp_sim *s, uintptr_t stream, uintptr_t from) {
-    if (stream == 0 || stream == 1 || stream == from) return MP_EINVAL;
-    pthread_mutex_lock(&s->mu);
-    size_t si = stream_index(s, stream), fi = stream_index(s, from);
-    int rc = si == SIZE_MAX || fi == SIZE_MAX ? MP_ENOMEM : MP_OK;
-    if (rc == MP_OK && !s->streams[fi].capturing) rc = MP_EINVAL;
-    if (rc == MP_OK && s->streams[si].capturing &&
-        s->streams[si].capture_id != s->streams[fi].capture_id)
-        rc = MP_EINVAL;   /* two captures cannot be ordered against each other */
-    if (rc == MP_OK) {
-        sim_stream *st = &s->streams[si], *f = &s->streams[fi];
-        if (!st->capturing) {
-            st->capturing = 1;
-            st->broken = f->broken;
-            st->capture_id = f->capture_id;
-            st->nfrontier = 0;
-            s->ncapturing++;
-        }
-        if (!frontier_set(st, f->frontier, f->nfrontier, 1)) rc = MP_ENOMEM;
-    }
-    pthread_mutex_unlock(&s->mu);
-    return rc;
-}
-
-int mp_sim_is_capturing(mp_sim *s, uintptr_t stream) {
-    int capturing = 0;
-    sim_stream_capturing(s, stream, &capturing);
-    return capturing;
-}
-
-void mp_sim_capture_counts(mp_sim *s, uint64_t *violations, uint64_t *allocs) {
-    pthread_mutex_lock(&s->mu);
-    *violations = s->capture_violations;
-    *allocs = s->capture_allocs;
-    pthread_mutex_unlock(&s->mu);
 }

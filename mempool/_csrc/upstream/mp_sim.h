@@ -80,7 +80,7 @@ int mp_sim_begin_capture(mp_sim *sim, uintptr_t stream);
  * either way), MP_EINVAL when the stream was not capturing. */
 int mp_sim_end_capture(mp_sim *sim, uintptr_t stream);
 int mp_sim_is_capturing(mp_sim *sim, uintptr_t stream);
-/* `stream` waits for `from` within from's capture (Note [Sim capture graphs], mp_sim.c):
+/* `stream` waits for `from` within from's capture (Note [Sim capture graphs], mp_sim_graphs.c):
  * its next captured work depends on from's too; a stream that did not capture joins
  * from's capture. MP_EINVAL when `from` does not capture, the two capture apart, or
  * `stream` is the legacy stream or `from`. */

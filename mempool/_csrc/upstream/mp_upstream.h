@@ -10,7 +10,7 @@
  *     CUDA driver is thread-safe.
  * Handles (pointers, streams, events, address ranges) are plain uintptr_t values.
  *
- * Implementations: mp_sim.c (simulated device), mp_host.c (host memory), mp_cuda.c
+ * Implementations: mp_sim*.c (simulated device), mp_host.c (host memory), mp_cuda*.c
  * (cudaMemPool segments and CUDA virtual memory, resolved at run time from libcuda).
  */
 #ifndef MP_UPSTREAM_H
@@ -19,21 +19,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Error codes shared by upstreams and the core. */
-enum {
-    MP_OK = 0,
-    MP_ENOMEM = 1,       /* the upstream (device) has no memory for the request */
-    MP_ELIMIT = 2,       /* the pool's own limit refuses the request */
-    MP_EINVAL = 3,       /* a bad argument (size, stream, option) */
-    MP_ENOTFOUND = 4,    /* a pointer the pool never handed out */
-    MP_EINTERIOR = 5,    /* a pointer inside a block, not at its start */
-    MP_EDOUBLEFREE = 6,  /* a pointer whose block is already free */
-    MP_ENOTREADY = 7,    /* event_query: the event has not completed yet (not an error) */
-    MP_EUPSTREAM = 8,    /* any other upstream failure; see mp_upstream.last_error */
-    MP_EUNSUPPORTED = 9, /* the upstream lacks the operation (e.g. expandable segments) */
-    MP_EBUSY = 10,       /* the pool is in use (e.g. blocks still live at destroy) */
-    MP_ERETIRED = 11,    /* mp_alloc_tallied: the tally is closed (the pool left a table) */
-};
+#include "mp_errors.h"   /* MP_OK and the MP_E* codes every function returns */
 
 typedef struct mp_upstream {
     void *ctx;
@@ -106,7 +92,7 @@ typedef struct mp_upstream {
      *      or several adjacent ones, each as one map call made it (a driver maps and unmaps
      *      physical allocations only whole): MP_EINVAL, nothing changed, when it would cut
      *      one. It does not wait for queued work: the caller synchronizes the streams that
-     *      used the range first (Note [Growth extents] in core/mp_expand.c).
+     *      used the range first (Note [Growth extents] in core/mp_expand_range.c).
      * va_release: give back a reservation with nothing mapped in it. */
     size_t granularity;
     int (*va_reserve)(void *ctx, size_t nbytes, uintptr_t *out);

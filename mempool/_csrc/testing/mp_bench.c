@@ -1,4 +1,4 @@
-/* Compiled benchmark loops (see mp_bench.h). */
+/* Compiled benchmark loops, a test and benchmark control (see mp_bench.h). */
 #include "mp_bench.h"
 
 #include <stdlib.h>

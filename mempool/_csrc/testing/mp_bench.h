@@ -1,4 +1,7 @@
-/* Compiled benchmark loops: allocate/free round trips timed inside C, so that the figure is
+/* A test and benchmark control, not part of the product: the testing layer, which may use
+ * any layer and which no product code uses (docs/architecture.md).
+ *
+ * Compiled benchmark loops: allocate/free round trips timed inside C, so that the figure is
  * the allocator's own cost with no interpreter in the loop (see bench/README.md).
  *
  * Each loop returns the elapsed nanoseconds (CLOCK_MONOTONIC), at least 1, or 0 when any

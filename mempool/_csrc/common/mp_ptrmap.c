@@ -2,7 +2,7 @@
 
 #include <stdlib.h>
 
-#include "mp_upstream.h"
+#include "mp_errors.h"
 
 int mp_ptrmap_init(mp_ptrmap *m, size_t capacity_pow2) {
     int bits = 0;
