@@ -1,7 +1,7 @@
 """Build of the compiled core: one extension, the Cython layer plus the C data plane.
 
 ``MEMPOOL_DEBUG=1`` at build time makes the debug build: ``MP_DEBUG`` is defined, which turns
-on the expensive internal asserts of the C core (mempool/_csrc/core/mp_assert.h), and the code is
+on the expensive internal asserts of the C core (mempool/_csrc/common/mp_assert.h), and the code is
 built with -O1 -g. See docs/reliability.md.
 """
 import glob
