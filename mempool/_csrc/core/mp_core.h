@@ -275,6 +275,15 @@ size_t mp_oom_message(mp_pool *p, const mp_oom *rec, const char *backend, int de
  * (4,284,481,536 bytes)"): mempool._units.format_bytes in C. Returns as snprintf. */
 size_t mp_format_bytes(size_t nbytes, int exact, char *buf, size_t buflen);
 
+/* ---- A pool's upstream, for front ends (mp_upstream_ops.c) -------------------------------
+ * A capture-safe upstream for the same device as p's (plain segments: legal while a stream
+ * captures a CUDA graph), owned by the caller; MP_EINVAL when p's upstream has none (sim,
+ * host), MP_EUNSUPPORTED when the driver lacks the calls. */
+int mp_pool_plain_upstream(mp_pool *p, mp_upstream *out);
+/* Let device `peer` read and write p's memory; MP_EUNSUPPORTED when p's upstream has no
+ * peers to grant (sim, host). A message is in err on failure (when errlen > 0). */
+int mp_pool_enable_peer_access(mp_pool *p, int peer, char *err, size_t errlen);
+
 void mp_get_stats(mp_pool *p, mp_stats *out);
 void mp_reset_peak_stats(mp_pool *p);
 /* Note [Peak windows]: the stats with each peak taken over the current window only (since
