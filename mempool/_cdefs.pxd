@@ -194,6 +194,15 @@ cdef extern from "mp_core.h" nogil:
         uint64_t num_ooms
     int mp_oom_take(mp_oom *out)
     void mp_oom_snapshot(mp_pool *p, int code, size_t nbytes, uintptr_t stream, mp_oom *out)
+    enum:
+        MP_OOM_WORDS_POOL
+        MP_OOM_WORDS_TORCH
+    ctypedef struct mp_oom_diagnosis:
+        int refused_by, advice, fragmented
+    void mp_oom_explain(const mp_oom *rec, const mp_config *cfg, mp_oom_diagnosis *out)
+    size_t mp_oom_message(mp_pool *p, const mp_oom *rec, const char *backend, int device,
+                          int words, char *buf, size_t buflen)
+    size_t mp_format_bytes(size_t nbytes, int exact, char *buf, size_t buflen)
 
     enum:
         MP_BLOCK_FREE

@@ -541,47 +541,19 @@ cdef class Pool:
         cdef mp_oom rec
         if mp_oom_take(&rec) != MP_OK or rec.pool != self._pool or rec.nbytes != nbytes:
             mp_oom_snapshot(self._pool, rc, nbytes, stream, &rec)   # refused before the pool
-        rounded, reserved, used, cached = rec.rounded, rec.reserved_bytes, rec.used_bytes, rec.cached_bytes
-        largest = rec.largest_free_block
-        # The limit that applied: the pool's own, or that of the pool whose limit it shares.
-        limit = None if rec.limit == MP_UNLIMITED else rec.limit
+        rec.code = rc   # what the caller was told, should a record disagree
+        # Note [One OOM explainer] (core/mp_oom.c): the PyTorch glue explains its refusals
+        # with the same rules and words.
+        cdef char text[1024]
+        backend = self.backend.encode()
+        mp_oom_message(self._pool, &rec, backend, self.device_id, MP_OOM_WORDS_POOL, text,
+                       sizeof(text))
+        message = text.decode()
         if rc not in (MP_ENOMEM, MP_ELIMIT):
-            err = mp_pool_upstream(self._pool).last_error
-            return OutOfMemoryError(
-                f"allocating {_fmt(nbytes, exact=True)} on stream {stream:#x} failed in the "
-                f"{self.backend} upstream (error {rc}, native error {err})")
-        capacity = f"capacity {_fmt(self.capacity)}"
-        if rc == MP_ELIMIT:
-            where = f"the pool's limit of {_fmt(limit, exact=True)}, on a device of {capacity}"
-        elif nbytes > MP_MAX_ALLOC:
-            where = f"the largest request accepted ({_fmt(MP_MAX_ALLOC)})"
-        else:
-            where = f"{self.backend} device {self.device_id} ({capacity}"
-            where += ")" if limit is None else f", pool limit {_fmt(limit)})"
-        fragmented = cached >= rounded and largest < rounded
-        if fragmented and not self.options["expandable_segments"]:
-            advice = (f"free memory is fragmented ({_fmt(cached)} cached, but no free block "
-                      f"holds {_fmt(rounded)}): expandable_segments=True lets free "
-                      f"neighbours merge")
-            if rc == MP_ELIMIT:
-                advice += ", or raise 'limit'"
-        elif rc == MP_ELIMIT:
-            advice = "raise 'limit', or free memory"
-        elif self.options["max_split_size"] is not None and cached >= rounded:
-            advice = "cached blocks are held by max_split_size; raise it or call empty_cache()"
-        elif nbytes > MP_MAX_ALLOC:
-            advice = "reduce the request"
-        else:
-            advice = "free memory, reduce the request, or set 'limit' on other pools sharing the device"
-        if rec.capturing:   # Note [Graph capture]
-            advice = (f"a CUDA graph capture was under way, during which the pool releases "
-                      f"no cached memory and waits for no stream; allocate what the graph "
-                      f"needs before capturing (a warm-up run), or free memory first")
-        error = OutOfMemoryError(
-            f"out of memory: tried to allocate {_fmt(nbytes, exact=True)}, rounded to "
-            f"{_fmt(rounded)}, on stream {stream:#x}; refused by {where}; the pool has "
-            f"{_fmt(reserved)} reserved, {_fmt(used)} used, {_fmt(cached)} cached, largest free "
-            f"block {_fmt(largest)}. Hint: {advice}.")
+            return OutOfMemoryError(message)
+        reserved, used, cached = rec.reserved_bytes, rec.used_bytes, rec.cached_bytes
+        largest = rec.largest_free_block
+        error = OutOfMemoryError(message)
         error.record = dict(nbytes=rec.nbytes, rounded=rec.rounded, reserved_bytes=reserved,
                             used_bytes=used, pending_bytes=rec.pending_bytes, cached_bytes=cached,
                             largest_free_block=largest, num_ooms=rec.num_ooms)

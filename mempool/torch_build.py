@@ -25,6 +25,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "_csrc" / "glue" / "torch_allocator.cpp"
+# The parts SOURCE includes, one concern each (its opening comment says why one unit); they
+# key the cache with it.
+PARTS = sorted(p for p in SOURCE.parent.glob("torch_*.cpp") if p != SOURCE)
 # The glue includes mp_torch.h, which reaches the core's public headers by their bare names:
 # the same layer folders the extension is built with (setup.py). Every header of those
 # folders keys the cache, so an edit to any header the glue may reach rebuilds it.
@@ -128,7 +131,7 @@ def compile_command(cxx: str, std: str, torch_includes: list[str], cuda_includes
 
 def _key(torch, cxx: str) -> str:
     h = hashlib.sha256()
-    for path in [SOURCE, *HEADERS, Path(__file__)]:   # this file holds the flags
+    for path in [SOURCE, *PARTS, *HEADERS, Path(__file__)]:   # this file holds the flags
         h.update(path.read_bytes())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     for part in (torch.__version__, getattr(torch.version, "git_version", ""),

@@ -71,7 +71,7 @@ FIELDS = [
     ("reset_peak_stats", F(i32, i32)),
     ("reset_accumulated_stats", F(i32, i32)),
     ("empty_cache", F(i32, i32)),
-    ("memory_figures", F(i32, i32, ctypes.POINTER(sz * 7))),
+    ("memory_figures", F(i32, i32, ctypes.c_void_p)),   # mp_torch_figures *, below
     ("set_limit", F(i32, i32, sz)),
     ("mem_info", F(i32, i32, ctypes.POINTER(sz), ctypes.POINTER(sz))),
     ("layout", F(i32, i32, ctypes.POINTER(Layout))),
@@ -116,16 +116,33 @@ ReleaseObserver = F(None, vp, vp)
 RELEASE_FIELDS = [("set_release_observer", F(None, ReleaseObserver, vp))]
 
 
+class Figures(ctypes.Structure):   # mp_torch_figures
+    _fields_ = [(f, sz) for f in ("reserved", "used", "cached", "largest_free_block", "limit",
+                                  "capacity", "max_split_size")]
+
+
+class OomRecord(ctypes.Structure):   # mp_oom (mp_core.h)
+    _fields_ = [("pool", vp), ("code", i32), ("nbytes", sz), ("rounded", sz), ("stream", u),
+                ("reserved_bytes", sz), ("used_bytes", sz), ("pending_bytes", sz),
+                ("cached_bytes", sz), ("largest_free_block", sz), ("limit", sz),
+                ("capacity", sz), ("capturing", i32), ("num_ooms", u)]
+
+
+# Note [One OOM explainer] (core/mp_oom.c).
+OOM_FIELDS = [("oom_message", F(i32, i32, vp, i32, sz, u, ctypes.POINTER(OomRecord),
+                                ctypes.c_char_p, sz))]
+
+
 class Api(ctypes.Structure):
     _fields_ = (FIELDS + [(f"pool_fn_{i}", vp) for i in range(N_POOL_FUNCTIONS)]
                 + DEVICE_PEAK_FIELDS + OBSERVER_FIELDS + CONFIG_FIELDS + CUSTOM_FIELDS
-                + RELEASE_FIELDS)
+                + RELEASE_FIELDS + OOM_FIELDS)
 
 
 @pytest.fixture
 def api():
     table = Api.from_address(_core._torch_api_address())
-    assert table.version == 9
+    assert table.version == 10
     assert table.struct_size == ctypes.sizeof(Api), "the table's layout changed: update Api"
     yield table
 
@@ -192,12 +209,13 @@ def test_oom_codes_and_the_figures_of_the_report(api, routed):
     out = u()
     assert api.alloc(DEVICE, 128 * MiB, 0, ctypes.byref(out)) == MP_ELIMIT
     assert routed.used_bytes() == 0
-    fig = (sz * 7)()
-    assert api.memory_figures(DEVICE, ctypes.byref(fig)) == MP_OK
-    reserved, used, cached, largest, limit, capacity, max_split = list(fig)
-    assert (limit, capacity) == (64 * MiB, 1 << 30)
-    assert used == 0 and reserved == routed.reserved_bytes()
-    assert max_split == (1 << 64) - 1            # unlimited, read by PyTorch as -1
+    fig = Figures()
+    assert api.memory_figures(DEVICE, ctypes.addressof(fig)) == MP_OK
+    assert (fig.limit, fig.capacity) == (64 * MiB, 1 << 30)
+    assert fig.used == 0 and fig.reserved == routed.reserved_bytes()
+    assert fig.cached == routed.cached_bytes()
+    assert fig.largest_free_block == routed.largest_free_block()
+    assert fig.max_split_size == (1 << 64) - 1   # unlimited, read by PyTorch as -1
     assert api.set_limit(DEVICE, (1 << 64) - 1) == MP_OK
     assert api.alloc(DEVICE, 128 * MiB, 0, ctypes.byref(out)) == MP_OK
     api.free(DEVICE, out.value)

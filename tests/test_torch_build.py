@@ -3,6 +3,7 @@
 The compile itself needs PyTorch's headers and runs in the GPU tier; here, a fake PyTorch
 module tree checks the search for headers and the messages a user sees.
 """
+import re
 import types
 from pathlib import Path
 
@@ -118,3 +119,13 @@ def test_the_glue_is_compiled_in_the_standard_its_pytorchs_headers_need(version,
 def test_an_unreadable_pytorch_version_is_a_clear_error():
     with pytest.raises(torch_build.BuildError, match="cannot read PyTorch's version"):
         torch_build.torch_version("nightly")
+
+
+def test_the_glues_parts_key_the_cache_and_each_stays_small():
+    # torch_allocator.cpp includes its parts (one unit, by concern): an edit to any part
+    # must rebuild the cached library, and no part may grow back into one large file.
+    glue = torch_build.SOURCE.parent
+    included = re.findall(r'#include "(torch_\w+\.cpp)"', torch_build.SOURCE.read_text())
+    assert sorted(glue / name for name in included) == torch_build.PARTS
+    for path in [torch_build.SOURCE, *torch_build.PARTS, glue / "torch_allocator.h"]:
+        assert len(path.read_text().splitlines()) <= 800, path.name

@@ -3,13 +3,20 @@
 c10::str of several arguments instantiates iostream code in the glue's library, and on the
 GPU machines every message built that way crashed the process inside that code (a
 segmentation fault where PyTorch's allocator raises a RuntimeError: the glue's raw_delete
-did so for a bad pointer). The glue builds its messages with cat() (torch_allocator.cpp).
+did so for a bad pointer). The glue builds its messages with cat() (torch_allocator.h).
 This reads the source, so it needs neither PyTorch nor a GPU.
 """
 import re
 from pathlib import Path
 
-GLUE = Path(__file__).resolve().parent.parent / "mempool" / "_csrc" / "glue" / "torch_allocator.cpp"
+GLUE_DIR = Path(__file__).resolve().parent.parent / "mempool" / "_csrc" / "glue"
+
+
+def glue_source():
+    """The C++ glue: torch_allocator.cpp, its header and the parts it includes."""
+    files = [GLUE_DIR / "torch_allocator.h", *sorted(GLUE_DIR.glob("torch_*.cpp"))]
+    assert len(files) > 2, "the glue's parts are missing: the parse is stale"
+    return "\n".join(p.read_text() for p in files)
 
 # The macro and how many arguments it takes before its message.
 CHECKS = {"TORCH_CHECK": 1, "TORCH_CHECK_WITH": 2, "TORCH_INTERNAL_ASSERT": 1,
@@ -61,7 +68,7 @@ def checks_with_several_message_parts(source):
 
 
 def test_each_check_of_the_glue_passes_one_message():
-    source = GLUE.read_text()
+    source = glue_source()
     assert re.search(r"\bTORCH_CHECK\s*\(", source), "no TORCH_CHECK found: the parse is stale"
     assert checks_with_several_message_parts(source) == []
 
@@ -72,7 +79,7 @@ SEVERAL_PARTS_INSIDE = ("C10_CUDA_CHECK_WARN", "TORCH_CHECK_EQ", "TORCH_CHECK_NE
 
 
 def test_the_glue_uses_no_macro_that_builds_its_message_in_parts():
-    code = re.sub(r"//[^\n]*", "", GLUE.read_text())
+    code = re.sub(r"//[^\n]*", "", glue_source())
     used = [m for m in SEVERAL_PARTS_INSIDE if re.search(r"\b" + m + r"\s*\(", code)]
     assert used == []
 

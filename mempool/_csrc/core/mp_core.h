@@ -239,6 +239,51 @@ int mp_oom_take(mp_oom *out);
  * memory before the pool was asked). Takes the lock. */
 void mp_oom_snapshot(mp_pool *p, int code, size_t nbytes, uintptr_t stream, mp_oom *out);
 
+/* ---- Out-of-memory diagnosis (mp_oom.c, Note [One OOM explainer]) ----------------------
+ * What refused a request and which option would help, from its record and the pool's
+ * options: the one rule set behind the Pool's OutOfMemoryError and PyTorch's. */
+enum {
+    MP_OOM_BY_DEVICE = 0,      /* the device (or the upstream's capacity) is full */
+    MP_OOM_BY_LIMIT = 1,       /* the pool's limit, or the limit it shares */
+    MP_OOM_BY_MAX_ALLOC = 2,   /* larger than any request accepted (MP_MAX_ALLOC) */
+    MP_OOM_BY_UPSTREAM = 3,    /* an upstream error, not a lack of memory */
+};
+enum {
+    MP_OOM_ADVICE_NONE = 0,                /* an upstream error: nothing to advise */
+    MP_OOM_ADVICE_FREE_MEMORY = 1,         /* free memory or make room on the device */
+    MP_OOM_ADVICE_RAISE_LIMIT = 2,
+    MP_OOM_ADVICE_EXPANDABLE = 3,          /* fragmented: expandable segments would merge */
+    MP_OOM_ADVICE_EXPANDABLE_OR_LIMIT = 4, /* the same under a limit that refused */
+    MP_OOM_ADVICE_MAX_SPLIT = 5,           /* enough is cached, in blocks max_split_size keeps */
+    MP_OOM_ADVICE_REDUCE_REQUEST = 6,
+    MP_OOM_ADVICE_CAPTURE = 7,             /* a graph capture kept the cache from release */
+};
+typedef struct mp_oom_diagnosis {
+    int refused_by;   /* MP_OOM_BY_* */
+    int advice;       /* MP_OOM_ADVICE_* */
+    int fragmented;   /* enough is cached for the block, but no free block holds it */
+} mp_oom_diagnosis;
+void mp_oom_explain(const mp_oom *rec, const mp_config *cfg, mp_oom_diagnosis *out);
+/* The options a message names: a Pool's keyword arguments, or PyTorch's ways to set them. */
+enum { MP_OOM_WORDS_POOL = 0, MP_OOM_WORDS_TORCH = 1 };
+/* The refusal in `rec` (of pool p, on `backend` device `device`) as one sentence: the
+ * request, what refused it, the pool's figures and a hint. Always NUL-terminated; returns
+ * the length the whole message needs, as snprintf. */
+size_t mp_oom_message(mp_pool *p, const mp_oom *rec, const char *backend, int device,
+                      int words, char *buf, size_t buflen);
+/* A byte count as every message spells it ("20.00 MiB", "512 bytes"; with exact, "3.99 GiB
+ * (4,284,481,536 bytes)"): mempool._units.format_bytes in C. Returns as snprintf. */
+size_t mp_format_bytes(size_t nbytes, int exact, char *buf, size_t buflen);
+
+/* ---- A pool's upstream, for front ends (mp_upstream_ops.c) -------------------------------
+ * A capture-safe upstream for the same device as p's (plain segments: legal while a stream
+ * captures a CUDA graph), owned by the caller; MP_EINVAL when p's upstream has none (sim,
+ * host), MP_EUNSUPPORTED when the driver lacks the calls. */
+int mp_pool_plain_upstream(mp_pool *p, mp_upstream *out);
+/* Let device `peer` read and write p's memory; MP_EUNSUPPORTED when p's upstream has no
+ * peers to grant (sim, host). A message is in err on failure (when errlen > 0). */
+int mp_pool_enable_peer_access(mp_pool *p, int peer, char *err, size_t errlen);
+
 void mp_get_stats(mp_pool *p, mp_stats *out);
 void mp_reset_peak_stats(mp_pool *p);
 /* Note [Peak windows]: the stats with each peak taken over the current window only (since

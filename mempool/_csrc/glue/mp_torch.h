@@ -137,15 +137,27 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
  *   - MemPool(no_split=True) hands out whole blocks (Note [No split], mp_core.c).
  *   - Refused with a message naming the feature: exporting a tensor to another process
  *     (pool memory has no legacy IPC handle; receiving works). */
-#define MP_TORCH_API_VERSION 9   /* 2: mp_layout lists each segment's physical allocations;
+#define MP_TORCH_API_VERSION 10  /* 2: mp_layout lists each segment's physical allocations;
                                     3: the device's peaks with its private pools;
                                     4: the segment observer;
                                     5: the device pool's options;
                                     6: a block's last requested size in mp_layout;
                                     7: private pools over a custom segment source;
                                     8: pool_set_no_split, block_info;
-                                    9: the release observer */
-#define MP_TORCH_FIGURES 7
+                                    9: the release observer;
+                                    10: mp_torch_figures, oom_message */
+
+/* A device pool's figures for PyTorch's reports (cacheInfo, the memory fraction, the
+ * profiler, max_split_size in the statistics). */
+typedef struct mp_torch_figures {
+    size_t reserved;
+    size_t used;
+    size_t cached;
+    size_t largest_free_block;
+    size_t limit;             /* MP_UNLIMITED: none */
+    size_t capacity;          /* the device's total memory as the upstream reports it */
+    size_t max_split_size;    /* MP_UNLIMITED: none (PyTorch reads -1) */
+} mp_torch_figures;
 
 /* Note [Custom segment sources] (mp_torch.c): where a private pool for a MemPool given its own
  * allocator gets its segments. alloc: MP_OK with a non-zero, 512-byte aligned *out, or
@@ -175,9 +187,7 @@ typedef struct mp_torch_api {
     int (*reset_peak_stats)(int device);
     int (*reset_accumulated_stats)(int device);
     int (*empty_cache)(int device);
-    /* Figures for reports, in this order: reserved, used, cached, largest free block,
-     * limit, capacity, max_split_size (MP_UNLIMITED for none). */
-    int (*memory_figures)(int device, size_t figures[MP_TORCH_FIGURES]);
+    int (*memory_figures)(int device, mp_torch_figures *out);
     int (*set_limit)(int device, size_t limit);
     int (*mem_info)(int device, size_t *free_bytes, size_t *total_bytes);
     int (*layout)(int device, mp_layout *out);
@@ -235,6 +245,13 @@ typedef struct mp_torch_api {
     /* Note [Release observer] (mp_core.h): the function told, with no lock held, just before
      * a pool gives back segments whose events the segment observer was told. */
     void (*set_release_observer)(mp_release_observer fn, void *ctx);
+    /* Note [One OOM explainer] (core/mp_oom.c): a refusal of `code` for nbytes on stream,
+     * by the device's pool (p NULL) or by private pool p, explained as the Pool's
+     * OutOfMemoryError explains it, with PyTorch's names for the options. *rec gets the
+     * record: the calling thread's last refusal when it is this one, else the pool as it
+     * stands. MP_EINVAL when no pool is registered for the device (p NULL). */
+    int (*oom_message)(int device, mp_pool *p, int code, size_t nbytes, uintptr_t stream,
+                       mp_oom *rec, char *msg, size_t msglen);
 } mp_torch_api;
 
 /* The table (static storage, never freed). */
