@@ -1,22 +1,20 @@
 """Recorded runs to corpus traces: step marks taken out, ids made small, the size capped.
 
 A recorded workload marks the start of each step with two allocations of sizes no tensor
-of a model takes (``MARKS``), freed at once. :func:`take_marks` removes them and keeps where
-they stood as the trace's ``step_starts``; :func:`compact` renames buffers and streams to
-small integers in order of appearance (a one-to-one renaming: the replay sees the same
-trace) and rounds times to microseconds, which is what makes a trace of tens of thousands
-of events a file of a few hundred KB; :func:`finish` does both and writes the file, cut at
-a step start where it would be too large.
+of a model takes (``workloads.MARKS``), freed at once. :func:`take_marks` removes them and
+keeps where they stood as the trace's ``step_starts``; :func:`compact` renames buffers and
+streams to small integers in order of appearance (a one-to-one renaming: the replay sees
+the same trace) and rounds times to microseconds, which is what makes a trace of tens of
+thousands of events a file of a few hundred KB; :func:`finish` does both and writes the
+file, cut at a step start where it would be too large.
 """
 from __future__ import annotations
 
 import os
 
 from mempool.tools import trace as mtrace
+from workloads import MARKS
 
-# Bytes of the two step-mark allocations: primes, so that no tensor (whose sizes are
-# multiples of an element size and mostly of powers of two) has them.
-MARKS = (4093, 8179)
 MAX_EVENTS = 40_000
 MAX_BYTES = 300 * 1024
 

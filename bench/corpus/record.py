@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, ROOT]
 
-from workloads import WORKLOADS  # noqa: E402
+from workloads import MARKS, WORKLOADS  # noqa: E402
 
 SCRIPT = "bench/corpus/record.py"
 MAX_ENTRIES = 2_000_000         # history entries kept: far more than any workload makes
@@ -75,8 +75,6 @@ def child_env() -> dict:
 
 def _torch_child(w, workdir: str) -> dict:
     import torch
-
-    from convert import MARKS
 
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: recording needs one (--cpu-check runs on the CPU)")
@@ -112,7 +110,6 @@ def _cupy_child(w, workdir: str) -> dict:
     import cupy
 
     import mempool
-    from convert import MARKS
     from mempool import cupy as mcupy
 
     pool = mempool.Pool(backend="cuda")

@@ -16,6 +16,11 @@ import random
 from typing import Callable, NamedTuple
 
 SEED = 0
+# Bytes of the two allocations that mark a step's start in a recording (record.py makes
+# them, convert.py takes them out): primes, so that no tensor, whose size is a multiple of
+# its element size and mostly of a power of two, has them. Defined here, with nothing to
+# import, so that a recording child needs no mempool.
+MARKS = (4093, 8179)
 
 
 class Workload(NamedTuple):

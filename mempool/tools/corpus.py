@@ -229,9 +229,10 @@ def format_report(report: dict) -> str:
     out.append("summary: geometric mean and worst of peak reserved / peak live, OOMs, mean "
                "ns per event, each half side by side")
     width = 8 + 8 + 6 + 8
-    out.append(f"{'':<34}" + "".join(
-        f"  {f'{h} ({report['summary'][h]['traces']} traces)':<{width}}" for h in HALVES))
-    out.append(f"{'column':<34}" + f"  {'geomean   worst  OOMs   ns/ev':<{width}}" * len(HALVES))
+    titles = [f"{h} ({report['summary'][h]['traces']} traces)" for h in HALVES]
+    out.append((f"{'':<34}" + "".join(f"  {t:<{width}}" for t in titles)).rstrip())
+    out.append((f"{'column':<34}" + f"  {'geomean   worst  OOMs   ns/ev':<{width}}"
+                * len(HALVES)).rstrip())
     for c in cols:
         line = f"{c[:34]:<34}"
         for h in HALVES:
