@@ -308,3 +308,18 @@ def test_record_refuses_unknown_workloads(capsys):
         record.main(["/tmp/nowhere", "--only", "bert_finetune,nope"])
     assert e.value.code == 2
     assert "unknown workloads ['nope']" in capsys.readouterr().err
+
+
+def test_cli_corpus_leaves_fixed_segment_options_out_of_the_expandable_column(tmp_path,
+                                                                               capsys):
+    make_corpus(tmp_path, absent=())
+    args = ["--corpus", str(tmp_path), "--conf", "segment_rounding:32MiB"]
+    assert cli_trace.main("replay", args + ["--json"]) == 0
+    cells = json.loads(capsys.readouterr().out)["rows"][0]["cells"]
+    path = str(tmp_path / "a.jsonl.gz")
+    assert cells["mempool"]["peak_reserved_bytes"] == rp.replay(
+        path, conf={"segment_rounding": "32MiB"}).peak_reserved_bytes
+    assert cells["mempool expandable"]["peak_reserved_bytes"] == rp.replay(
+        path, expandable_segments=True).peak_reserved_bytes
+    assert cli_trace.main("replay", args) == 0
+    assert "mempool expandable: without segment_rounding" in capsys.readouterr().out

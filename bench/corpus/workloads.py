@@ -238,8 +238,10 @@ def gpt2_serving(device, tiny, mark):
                          bos_token_id=0, eos_token_id=0)
         batches, prompts, new, requests = (1, 3), (4, 16), (3, 5), 2
     else:
-        cfg = GPT2Config(n_positions=1024)    # gpt2 (124M): 12 layers, hidden 768
-        batches, prompts, new, requests = (1, 32), (16, 512), (16, 48), 8
+        # distilgpt2's shape (6 layers, hidden 768): each token decoded is ~40 allocations
+        # and frees a layer, so that 8 requests fit a trace's size.
+        cfg = GPT2Config(n_positions=1024, n_layer=6)
+        batches, prompts, new, requests = (1, 32), (16, 512), (8, 24), 8
     dtype = torch.float32 if device == "cpu" else torch.float16
     model = GPT2LMHeadModel(cfg).to(device=device, dtype=dtype).eval()
     with torch.inference_mode():
@@ -375,7 +377,7 @@ def rl_ppo(device, tiny, mark):
 
     _seed(torch)
     envs, obs_dim, acts, horizon, iters, epochs, minibatches = (
-        (4, 8, 3, 8, 2, 1, 2) if tiny else (64, 32, 6, 128, 8, 4, 4))
+        (4, 8, 3, 8, 2, 1, 2) if tiny else (64, 32, 6, 64, 8, 2, 4))
     policy = nn.Sequential(nn.Linear(obs_dim, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
                            nn.Linear(256, acts + 1)).to(device)
     opt = torch.optim.Adam(policy.parameters(), lr=3e-4)
@@ -530,13 +532,13 @@ WORKLOADS = {w.name: w for w in (
              "autocast, channels_last, batch 64 at 224 px, cudnn.benchmark on",
              resnet50_train, ("torch", "torchvision"), 150),
     Workload("gpt2_serving", "tuning",
-             "Hugging Face GPT2LMHeadModel (gpt2 config, random weights, fp16) serving "
-             "requests: greedy decoding with a growing KV cache, batch 1..32 and prompt "
-             "16..512 tokens per request, 16..48 new tokens each",
+             "Hugging Face GPT2LMHeadModel (gpt2 config with 6 layers, random weights, fp16) "
+             "serving requests: greedy decoding with a growing KV cache, batch 1..32 and "
+             "prompt 16..512 tokens per request, 8..24 new tokens each",
              gpt2_serving, ("torch", "transformers"), 150),
     Workload("rl_ppo", "tuning",
              "a PPO loop on small tensors: 64 vectorised environments simulated on the GPU, "
-             "128-step rollouts, GAE, 4 epochs of 4 minibatches through a 256-wide MLP",
+             "64-step rollouts, GAE, 2 epochs of 4 minibatches through a 256-wide MLP",
              rl_ppo, ("torch",), 150),
     Workload("moe_train", "held-out",
              "4 transformer blocks with 8-expert top-2 mixture-of-experts layers (hidden "

@@ -288,10 +288,11 @@ def _corpus(ap, args) -> int:
         if given:
             ap.error(f"--corpus replays the corpus's traces: give {flag} without --corpus")
     conf = parse_conf(args.conf, "--conf") if args.conf else {}
+    # As --compare: options of fixed segments only are left out of the expandable column.
     fixed_only = [k for k in conf if k in FIXED_SEGMENT_OPTIONS]
-    modes = [("mempool", conf),
-             ("mempool expandable", {**{k: v for k, v in conf.items() if k not in fixed_only},
-                                     "expandable_segments": True})]
+    plain = {k: v for k, v in conf.items() if k not in fixed_only}
+    modes = [(label, {**(plain if kw.get("expandable_segments") else conf), **kw})
+             for label, kw in corpus.DEFAULT_MODES]
     torch_rows, note = [], None
     if args.backend != "cuda":
         note = "PyTorch's columns need a GPU: give --backend cuda on a machine with PyTorch"
@@ -314,8 +315,8 @@ def _corpus(ap, args) -> int:
         return 0
     print(corpus.format_report(report))
     if fixed_only:
-        print(f"mempool expandable: without {', '.join(fixed_only)} (an option of fixed "
-              "segments)")
+        print(f"{corpus.DEFAULT_MODES[1][0]}: without {', '.join(fixed_only)} (an option of "
+              "fixed segments)")
     if note:
         print(note)
     return 0
