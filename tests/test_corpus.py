@@ -184,6 +184,7 @@ def test_shipped_manifest_matches_the_workloads_and_its_files():
     for name, w in WORKLOADS.items():
         assert by_name[name]["half"] == w.half
         assert by_name[name]["args"] == f"--only {name}"
+        assert by_name[name]["description"] == w.description
     assert by_name["transformer_train"]["half"] == by_name["vision_train"]["half"] == "tuning"
     assert set(by_name) == set(WORKLOADS) | {"transformer_train", "vision_train"}
     recorded = [e for e in entries if e.recorded]
