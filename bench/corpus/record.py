@@ -323,7 +323,7 @@ def main(argv=None) -> int:
     ap.add_argument("outdir", nargs="?", help="folder for the traces and manifest.json")
     ap.add_argument("--only", default=None, help="comma-separated workloads (default: all: "
                     + ", ".join(WORKLOADS) + ")")
-    ap.add_argument("--budget", type=float, default=540,
+    ap.add_argument("--budget", type=float, default=420,
                     help="seconds for all the recordings; workloads not started within it "
                          "are listed as not run (default %(default)s)")
     ap.add_argument("--cpu-check", action="store_true",
