@@ -1,7 +1,7 @@
 """Command line for traces: ``python -m mempool replay|tune|plot``.
 
     python -m mempool replay [TRACE] [--conf CONF] [--backend sim|cuda|host] [--limit N]
-                             [--plot FILE] [--json] [--compare]
+                             [--plot FILE] [--json] [--compare] [--corpus [DIR]]
     python -m mempool tune   [TRACE] [--limit N] [--top N] [--quiet] [--segment-rounding SIZE]
     python -m mempool plot   [SNAPSHOT_OR_TRACE] [--out FILE.png] [--conf CONF] [--segments]
 
@@ -86,7 +86,14 @@ def _replay(argv) -> int:
                          "--backend cuda with PyTorch installed also through PyTorch's "
                          "caching allocator, default and expandable_segments:True (each in "
                          "a process of its own)")
+    ap.add_argument("--corpus", nargs="?", const="", default=None, metavar="DIR",
+                    help="replay every trace of a corpus (a folder with manifest.json; "
+                         "default: the shipped mempool/traces/corpus) under both modes, and "
+                         "on --backend cuda PyTorch's, its tuning and held-out halves side "
+                         "by side")
     args = ap.parse_args(argv)
+    if args.corpus is not None:
+        return _corpus(ap, args)
     if args.compare and args.plot:
         ap.error("--compare draws no plot: give --plot without --compare")
     path = args.trace or default_trace()
@@ -265,6 +272,53 @@ def _compare(path: str, events, args, extra: dict) -> int:
     print("ns/event: " + ("the GPU's allocators against device memory" if args.backend == "cuda"
                           else f"this machine's CPU with the {args.backend} device's upstream; "
                                "compare the calls, not the ns, with a GPU's"))
+    return 0
+
+
+def _corpus(ap, args) -> int:
+    """replay --corpus: every trace of a corpus under the pool's two modes (and PyTorch's
+    allocator on cuda), the halves side by side (mempool/tools/corpus.py)."""
+    import importlib.util
+
+    from mempool._config import parse_conf
+    from mempool.tools import corpus
+
+    for flag, given in (("a TRACE", args.trace), ("--compare", args.compare),
+                        ("--plot", args.plot)):
+        if given:
+            ap.error(f"--corpus replays the corpus's traces: give {flag} without --corpus")
+    conf = parse_conf(args.conf, "--conf") if args.conf else {}
+    # As --compare: options of fixed segments only are left out of the expandable column.
+    fixed_only = [k for k in conf if k in FIXED_SEGMENT_OPTIONS]
+    plain = {k: v for k, v in conf.items() if k not in fixed_only}
+    modes = [(label, {**(plain if kw.get("expandable_segments") else conf), **kw})
+             for label, kw in corpus.DEFAULT_MODES]
+    torch_rows, note = [], None
+    if args.backend != "cuda":
+        note = "PyTorch's columns need a GPU: give --backend cuda on a machine with PyTorch"
+    elif args.limit is not None:
+        note = "PyTorch's columns are left out under --limit (PyTorch has no such cap)"
+    elif importlib.util.find_spec("torch") is None:
+        note = "PyTorch's columns are left out: PyTorch is not installed"
+    else:
+        torch_rows = [(label, lambda path, c=torch_conf: _torch_row(path, c))
+                      for label, torch_conf in TORCH_COMPARED]
+    capacity = args.capacity
+    if capacity is None and args.backend == "host":
+        capacity = SIM_CAPACITY
+    extra = {} if capacity is None else {"capacity": capacity}
+    report = corpus.replay_corpus(args.corpus or None, modes=modes, backend=args.backend,
+                                  limit=args.limit, torch_rows=torch_rows, **extra)
+    report["note"] = note
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+        return 0
+    print(corpus.format_report(report))
+    if fixed_only:
+        print(f"{corpus.DEFAULT_MODES[1][0]}: without {', '.join(fixed_only)} (an option of "
+              "fixed segments)")
+    if note:
+        print(note)
     return 0
 
 
