@@ -98,10 +98,12 @@ int mp_pool_create(const mp_config *cfg, const mp_upstream *up, mp_pool **out) {
     mp_pool *p = mp_calloc_lines(sizeof *p);   /* Note [Hot lines] */
     if (!p) return MP_ENOMEM;
     mp_lock_init(&p->lock);
+    mp_fork_register(p);   /* Note [Pools across fork] */
     p->refcount = 1;
     p->cfg = *cfg;
     p->up = *up;
     if (mp_ptrmap_init(&p->live, 1024) != MP_OK) {
+        mp_fork_unregister(p);
         free(p);
         return MP_ENOMEM;
     }
@@ -119,6 +121,8 @@ int mp_pool_create(const mp_config *cfg, const mp_upstream *up, mp_pool **out) {
 }
 
 void mp_pool_destroy(mp_pool *p) {
+    mp_fork_unregister(p);
+    if (p->inherited) return;   /* Note [Pools across fork]: the parent's; nothing is ours */
     mp_lock_acquire(&p->lock);
     mp_hot_flush_locked(p);
     /* Every block is dropped with its segment: nothing may use the pool's memory now.
@@ -617,7 +621,7 @@ static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, mp_tal
                              uintptr_t *out) {
     mp_release_list rel = {0};
     int rc = MP_OK;
-    mp_lock_acquire(&p->lock);
+    if (!mp_lock_own(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     /* Under the lock: the size policy may change at run time (Note [Size policy at run
      * time]). */
     size_t size = nbytes > MP_MAX_ALLOC ? nbytes : mp_round_size(&p->cfg, nbytes);
@@ -712,7 +716,7 @@ int64_t mp_tally_blocks(mp_pool *p, const mp_tally *t) {
 int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
     mp_release_list rel = {0};
     int tries = 0;
-    mp_lock_acquire(&p->lock);
+    if (!mp_lock_own(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     p->tick++;
 again:;
     mp_block *b = mp_live_block_locked(p, ptr);

@@ -186,6 +186,9 @@ struct mp_pool {
     size_t nevent_cache;         /* events in event_cache (Note [Events outside the lock]) */
 
     mp_ptrmap live __attribute__((aligned(64)));   /* allocated blocks by address */
+    int inherited;               /* Note [Pools across fork]: this process is a forked child
+                                    of the pool's creator (on the map's line, which every
+                                    allocate and free reads already) */
     mp_config cfg __attribute__((aligned(64)));
     mp_upstream up;
     size_t capacity;             /* device total as the upstream reports it */
@@ -246,6 +249,10 @@ struct mp_pool {
     int64_t closed_peak[MP_NSTATS];   /* Note [Peak windows]: peaks of closed windows */
 
     uint8_t keep_struct;         /* mp_pool_keep_struct: destroy leaves the struct */
+    /* Note [Pools across fork] (mp_fork.c): the process that made the pool, and its links
+     * in the registry of live pools (guarded by the registry's mutex). */
+    long creator_pid;
+    mp_pool *reg_prev, *reg_next;
 
     size_t trace_cap, trace_len, trace_head, trace_max;   /* the ring of `trace` (above) */
 };
@@ -450,6 +457,21 @@ static inline void mp_apply_release_threshold_locked(mp_pool *p, mp_release_list
 }
 void mp_segment_idle_push_locked(mp_pool *p, mp_segment *s);
 void mp_segment_idle_remove_locked(mp_pool *p, mp_segment *s);
+
+/* Note [Pools across fork]: take the lock of a pool that this process may use; 0, with the
+ * lock not held, for a pool inherited through fork (the entry point fails with MP_EFORKED). */
+static inline int mp_lock_own(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    if (MP_UNLIKELY(p->inherited)) {
+        mp_lock_release(&p->lock);
+        return 0;
+    }
+    return 1;
+}
+/* mp_fork.c: Note [Pools across fork]. Register a new pool (and, once per process, the
+ * fork handlers); take it out of the registry at its destroy. */
+void mp_fork_register(mp_pool *p);
+void mp_fork_unregister(mp_pool *p);
 
 /* mp_trace.c */
 void mp_trace_record_locked(mp_pool *p, int action, uintptr_t ptr, size_t nbytes,

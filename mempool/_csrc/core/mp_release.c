@@ -238,7 +238,7 @@ void mp_apply_release_threshold_slow_locked(mp_pool *p, mp_release_list *out) {
 
 int mp_trim(mp_pool *p, size_t keep) {
     mp_release_list rel = {0};
-    mp_lock_acquire(&p->lock);
+    if (!mp_lock_own(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     mp_trace_locked(p, MP_TRACE_TRIM, 0, keep, 0);
     mp_process_pending_locked(p);
@@ -256,7 +256,7 @@ int mp_trim(mp_pool *p, size_t keep) {
  * mp_detach_segment_locked); expandable pages sync their owners before the unmap. */
 int mp_empty_cache(mp_pool *p) {
     mp_release_list rel = {0};
-    mp_lock_acquire(&p->lock);
+    if (!mp_lock_own(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     mp_trace_locked(p, MP_TRACE_EMPTY_CACHE, 0, 0, 0);
     mp_process_pending_locked(p);
@@ -293,6 +293,7 @@ int mp_empty_cache(mp_pool *p) {
  * is returned. The wait counts in num_sync_all_streams, as PyTorch's empty_cache counts
  * its own. */
 int mp_give_back(mp_pool *p, size_t keep) {
+    if (mp_pool_inherited(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     if (mp_capture_known(p)) return MP_EBUSY;
     if (p->up.device_synchronize &&
         __atomic_exchange_n(&p->released_since_give_back, 0, __ATOMIC_RELAXED)) {
@@ -386,7 +387,7 @@ int mp_set_limit(mp_pool *p, size_t limit) {
 
 int mp_set_release_threshold(mp_pool *p, size_t threshold) {
     mp_release_list rel = {0};
-    mp_lock_acquire(&p->lock);
+    if (!mp_lock_own(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     p->cfg.release_threshold = threshold;
     p->threshold_skip = p->threshold_backoff = 0;   /* a new threshold is checked at once */

@@ -508,7 +508,7 @@ void mp_free_pending_locked(mp_pool *p, mp_block *b, uintptr_t *events) {
 }
 
 int mp_record_stream(mp_pool *p, uintptr_t ptr, uintptr_t stream) {
-    mp_lock_acquire(&p->lock);
+    if (!mp_lock_own(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     mp_block *b = mp_live_block_locked(p, ptr);
     int rc = MP_OK;
     if (!b) {
@@ -627,7 +627,7 @@ int mp_forget_stream(mp_pool *p, uintptr_t handle) {
     if (handle == 0) return MP_OK;   /* the legacy stream is never destroyed */
     mp_release_list rel = {0};
     size_t i;
-    mp_lock_acquire(&p->lock);
+    if (!mp_lock_own(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     reap_dead_locked(p, &rel);
     mp_stream *known = find_stream_locked(p, handle, &i);
     /* Note [Graph capture]: a capturing stream cannot be synchronized. */
