@@ -222,6 +222,8 @@ struct mp_pool {
     mp_block_slab *slabs;
 
     size_t inflight_bytes;       /* segments being allocated with the lock dropped */
+    size_t releasing_bytes;      /* Note [Releases in flight] (mp_release.c): segments
+                                    detached whose upstream free has not returned yet */
     int released_unwaited;       /* atomic; Note [The last try waits for the device] */
     int released_since_give_back; /* atomic; a plain segment was freed to the upstream since
                                      the last mp_give_back (Note [Giving back to the device]) */
@@ -426,6 +428,8 @@ typedef struct mp_release_list {
      * streams of these segments right after they go (a growth does), so nothing they held
      * stays the device's. */
     int waited;
+    /* Note [Releases in flight]: the bytes of this list counted in releasing_bytes. */
+    size_t counted;
 } mp_release_list;
 /* Note [Forgotten streams]: detach an expandable range that holds nothing but unmapped pages
  * and free blocks of `only` (NULL: of nobody): its mapped runs are unmapped and its address
@@ -441,6 +445,16 @@ size_t mp_release_idle_locked(mp_pool *p, size_t target, mp_release_list *out);
  * but only when that kind's idle segments hold that much: "release beyond need"; target 0:
  * all of them. May drop and retake the lock (an event to make). */
 size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_release_list *out);
+/* Note [Releases in flight] (mp_release.c): mp_limit_excess_locked for a caller whose own detached
+ * segments (`own`) go upstream before anything it asks of the upstream; and the wait for
+ * other threads' releases after a refusal (1: one returned: ask again). */
+size_t mp_limit_excess_own_locked(mp_pool *p, size_t extra, const mp_release_list *own);
+int mp_wait_releases_locked(mp_pool *p, mp_release_list *own);
+#define MP_RELEASE_WAITS 64   /* waits of one request, each for another thread's release */
+/* Add h to the distinct handles (*v)[0 .. *n), growing the array (0: no host memory, the
+ * array as it was); and the distinct streams the fixed segments of a list are freed on. */
+int mp_add_distinct_handle(uintptr_t **v, size_t *n, size_t *cap, uintptr_t h);
+uintptr_t *mp_release_streams(const mp_release_list *rel, size_t *n);
 void mp_release_finish_slow(mp_pool *p, mp_release_list *list);
 /* Free what was detached, upstream; call WITHOUT the lock. Inline: usually nothing to do. */
 static inline void mp_release_finish(mp_pool *p, mp_release_list *list) {
