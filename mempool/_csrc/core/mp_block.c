@@ -241,8 +241,8 @@ void mp_hot_flush_stream_locked(mp_pool *p, mp_stream *s) {
 }
 
 void mp_hot_flush_locked(mp_pool *p) {
-    for (size_t i = 0; p->nhot && i < p->nstreams; i++) mp_hot_flush_stream_locked(p, p->streams[i]);
-    for (mp_stream *d = p->dead; p->nhot && d; d = d->next_dead) mp_hot_flush_stream_locked(p, d);
+    /* Note [Streams without end]: every stream with a hot block is in `holding`. */
+    for (mp_stream *t = p->holding; p->nhot && t; t = t->hnext) mp_hot_flush_stream_locked(p, t);
 }
 
 

@@ -166,6 +166,7 @@ void mp_pool_destroy(mp_pool *p) {
     free(p->event_cache);
     for (size_t i = 0; i < p->nstreams; i++) free(p->streams[i]);
     free(p->streams);
+    free(p->stab);
     while (p->dead) {
         mp_stream *d = p->dead;
         p->dead = d->next_dead;

@@ -135,6 +135,13 @@ struct mp_stream {
     mp_block *hot;               /* Note [Hot blocks]: at most one per stream */
     uint64_t frees;              /* frees completed into this stream's lists, ever */
     uint64_t hot_frees;          /* `frees` when `hot` was parked */
+    /* Note [Streams without end] (mp_stream.c): links in the pool's list of streams that may
+     * hold free or hot blocks, its place in `streams` (MP_STREAM_DEAD once forgotten), and
+     * the mark of a sweep. */
+    mp_stream *hprev, *hnext;
+    uint32_t index;
+    uint8_t holding;
+    uint8_t mark;
     mp_freelist lists[2];        /* KIND_SMALL, KIND_LARGE */
     mp_segment *expandable[2];   /* the growing segment per kind, when expandable */
     mp_stream *next_dead;        /* in mp_pool.dead (Note [Forgotten streams]) */
@@ -196,6 +203,13 @@ struct mp_pool {
     mp_stream **streams;         /* the streams in use; forget_stream frees one (Note
                                     [Forgotten streams]) */
     size_t nstreams, cap_streams;
+    /* Note [Streams without end]: the streams by handle (open addressing, NULL when free),
+     * those that may hold blocks, and the count of streams at which the next new one sweeps
+     * away the idle ones. */
+    mp_stream **stab;
+    size_t stab_mask;
+    mp_stream *holding;
+    size_t sweep_at;
     /* Note [Forgotten streams]: operations that dropped the lock in their middle while
      * holding stream pointers, and the forgotten streams whose struct waits for them. */
     uint32_t nunlocked;
@@ -330,6 +344,9 @@ int mp_event_stock_locked(mp_pool *p, size_t want);
 #define MP_EVENT_TRIES 3   /* stockings before a path takes its fallback (another thread
                               may draw on the cache while the lock is dropped) */
 mp_stream *mp_stream_lookup_locked(mp_pool *p, uintptr_t handle);
+/* Note [Streams without end]: s may hold blocks from now on (in the pool's `holding` list). */
+void mp_stream_hold_locked(mp_pool *p, mp_stream *s);
+#define MP_STREAM_DEAD UINT32_MAX   /* mp_stream.index of a forgotten stream kept in `dead` */
 /* The pool's struct for a stream handle, created on first use (NULL: out of host memory).
  * Inline for its one-entry cache: every allocation asks. */
 static inline mp_stream *mp_stream_get_locked(mp_pool *p, uintptr_t handle) {
