@@ -148,6 +148,8 @@ cdef extern from "mp_core.h" nogil:
     int mp_pool_create(const mp_config *cfg, const mp_upstream *up, mp_pool **out)
     void mp_pool_retain(mp_pool *p)
     void mp_pool_release(mp_pool *p)
+    int MP_EFORKED
+    long mp_pool_inherited(const mp_pool *p)
     ctypedef void *(*mp_blocking_begin_fn)()
     ctypedef void (*mp_blocking_end_fn)(void *state)
     void mp_set_blocking_hooks(mp_blocking_begin_fn begin, mp_blocking_end_fn end)

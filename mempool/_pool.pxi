@@ -310,7 +310,14 @@ cdef class Pool:
         call the base's __init__): its C pool is NULL, which the core would dereference."""
         if self._pool == NULL:
             raise _not_initialised(self)
+        if mp_pool_inherited(self._pool):
+            raise self._forked_error()
         return 0
+
+    cdef object _forked_error(self):
+        # Note [Pools across fork] (mp_fork.c): a child may only drop what it inherited.
+        return RuntimeError(f"this pool was created in process {mp_pool_inherited(self._pool)}; "
+                            f"a forked child (process {_os.getpid()}) must create its own pool")
 
     cdef inline int _stream_of(self, object stream, uintptr_t *out) except -1:
         if stream is None:
@@ -532,6 +539,8 @@ cdef class Pool:
     # ---- end sharing ----
 
     cdef object _pointer_error(self, int rc, str op, uintptr_t p):
+        if rc == MP_EFORKED:
+            return self._forked_error()
         return _pointer_error(rc, op, p)
 
     cdef object _alloc_error(self, int rc, size_t nbytes, uintptr_t stream):
@@ -539,6 +548,8 @@ cdef class Pool:
         # what is cached then is what no release could return (free blocks inside segments
         # that hold live ones), so "cached but no block big enough" means fragmentation.
         cdef mp_oom rec
+        if rc == MP_EFORKED:
+            return self._forked_error()
         if mp_oom_take(&rec) != MP_OK or rec.pool != self._pool or rec.nbytes != nbytes:
             mp_oom_snapshot(self._pool, rc, nbytes, stream, &rec)   # refused before the pool
         rec.code = rc   # what the caller was told, should a record disagree

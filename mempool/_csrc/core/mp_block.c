@@ -241,8 +241,8 @@ void mp_hot_flush_stream_locked(mp_pool *p, mp_stream *s) {
 }
 
 void mp_hot_flush_locked(mp_pool *p) {
-    for (size_t i = 0; p->nhot && i < p->nstreams; i++) mp_hot_flush_stream_locked(p, p->streams[i]);
-    for (mp_stream *d = p->dead; p->nhot && d; d = d->next_dead) mp_hot_flush_stream_locked(p, d);
+    /* Note [Streams without end]: every stream with a hot block is in `holding`. */
+    for (mp_stream *t = p->holding; p->nhot && t; t = t->hnext) mp_hot_flush_stream_locked(p, t);
 }
 
 
@@ -272,7 +272,7 @@ int mp_alloc_at(mp_pool *p, uintptr_t ptr, size_t nbytes, uintptr_t stream) {
     if (nbytes == 0 || (ptr & (MP_MIN_BLOCK - 1)) || nbytes > MP_MAX_ALLOC) return MP_EINVAL;
     size_t size = (nbytes + MP_MIN_BLOCK - 1) & ~(MP_MIN_BLOCK - 1);
     int rc = MP_OK;
-    mp_lock_acquire(&p->lock);
+    if (!mp_lock_own(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     mp_stream *s = mp_stream_get_locked(p, stream);
     if (!s || mp_ptrmap_reserve(&p->live, 1) != MP_OK) {
         rc = MP_ENOMEM;

@@ -62,6 +62,7 @@ static inline void mp_park_hot_locked(mp_pool *p, mp_block *b) {
     b->requested = 0;
     mp_stream *s = b->stream;
     if (s->hot) mp_hot_flush_stream_locked(p, s);
+    if (MP_UNLIKELY(!s->holding)) mp_stream_hold_locked(p, s);   /* Note [Streams without end] */
     s->hot = b;
     s->hot_frees = s->frees;
     p->nhot++;

@@ -98,10 +98,12 @@ int mp_pool_create(const mp_config *cfg, const mp_upstream *up, mp_pool **out) {
     mp_pool *p = mp_calloc_lines(sizeof *p);   /* Note [Hot lines] */
     if (!p) return MP_ENOMEM;
     mp_lock_init(&p->lock);
+    mp_fork_register(p);   /* Note [Pools across fork] */
     p->refcount = 1;
     p->cfg = *cfg;
     p->up = *up;
     if (mp_ptrmap_init(&p->live, 1024) != MP_OK) {
+        mp_fork_unregister(p);
         free(p);
         return MP_ENOMEM;
     }
@@ -119,6 +121,8 @@ int mp_pool_create(const mp_config *cfg, const mp_upstream *up, mp_pool **out) {
 }
 
 void mp_pool_destroy(mp_pool *p) {
+    mp_fork_unregister(p);
+    if (p->inherited) return;   /* Note [Pools across fork]: the parent's; nothing is ours */
     mp_lock_acquire(&p->lock);
     mp_hot_flush_locked(p);
     /* Every block is dropped with its segment: nothing may use the pool's memory now.
@@ -162,6 +166,7 @@ void mp_pool_destroy(mp_pool *p) {
     free(p->event_cache);
     for (size_t i = 0; i < p->nstreams; i++) free(p->streams[i]);
     free(p->streams);
+    free(p->stab);
     while (p->dead) {
         mp_stream *d = p->dead;
         p->dead = d->next_dead;
@@ -223,34 +228,6 @@ void mp_pool_release(mp_pool *p) {
  * steady loop (PyTorch's allocator synchronizes the device at every cudaFree). The sim
  * keeps frees behind queued work as the driver does (Note [Frees the driver keeps],
  * mp_sim.c), so tests see the difference. */
-/* Add h to the distinct handles (*v)[0 .. *n), growing the array; 0 when there was no host
- * memory for it (the array stays as it was). */
-static int add_distinct_handle(uintptr_t **v, size_t *n, size_t *cap, uintptr_t h) {
-    for (size_t j = 0; j < *n; j++)
-        if ((*v)[j] == h) return 1;
-    if (*n == *cap) {
-        size_t grown_cap = *cap ? 2 * *cap : 4;
-        uintptr_t *grown = realloc(*v, grown_cap * sizeof *grown);
-        if (!grown) return 0;
-        *v = grown;
-        *cap = grown_cap;
-    }
-    (*v)[(*n)++] = h;
-    return 1;
-}
-
-/* The distinct streams the fixed segments of `rel` are freed on, in a malloc'd array (best
- * effort: without host memory fewer, or none, are synchronized, as before this rule). */
-static uintptr_t *release_streams(const mp_release_list *rel, size_t *n) {
-    uintptr_t *out = NULL;
-    size_t cap = 0;
-    *n = 0;
-    for (const mp_segment *seg = rel->head; seg; seg = seg->inext)
-        if (!seg->expandable)   /* expandable pages are unmapped after their streams' syncs */
-            (void)add_distinct_handle(&out, n, &cap, seg->release_stream);
-    return out;
-}
-
 /* Drop the lock, free what `rel` detached, ask the upstream for a segment, take the lock
  * again. The bytes in flight count against the limit meanwhile. */
 static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
@@ -262,7 +239,7 @@ static int upstream_segment_unlocked(mp_pool *p, mp_stream *s, size_t nbytes,
     void *blocking = mp_blocking_begin();
     if (rel->head) {   /* Note [Released before a growth] */
         size_t n;
-        uintptr_t *streams = release_streams(rel, &n);   /* before the segments are gone */
+        uintptr_t *streams = mp_release_streams(rel, &n);   /* before the segments are gone */
         rel->waited = streams != NULL;   /* their streams are waited for below */
         mp_release_finish(p, rel);
         rel->waited = 0;
@@ -290,7 +267,7 @@ void mp_sync_pending_unlocked(mp_pool *p) {
     uintptr_t *handles = NULL;   /* best effort without host memory: fewer streams synced */
     for (mp_block *b = p->pending_head; b; b = b->fnext)
         for (uint16_t i = 0; i < b->nuses; i++)
-            (void)add_distinct_handle(&handles, &n, &cap, b->uses[i]->handle);
+            (void)mp_add_distinct_handle(&handles, &n, &cap, b->uses[i]->handle);
     p->stats.num_sync_all_streams++;
     mp_lock_drop(p);
     void *blocking = mp_blocking_begin();
@@ -326,7 +303,8 @@ static void sync_device_unlocked(mp_pool *p) {
 }
 
 size_t mp_reserved_now_locked(const mp_pool *p) {
-    return (size_t)mp_stat3_current(p->stats.reserved_bytes) + p->inflight_bytes;
+    return (size_t)mp_stat3_current(p->stats.reserved_bytes) + p->inflight_bytes +
+           p->releasing_bytes;   /* Note [Releases in flight] */
 }
 
 mp_block *mp_search_lists_locked(mp_pool *p, mp_stream *s, int kind, size_t size) {
@@ -501,18 +479,18 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
     size_t threshold = mp_gc_threshold_bytes(p);
     if (may_release && mp_reserved_now_locked(p) + seg_size > threshold)
         mp_release_idle_locked(p, mp_reserved_now_locked(p) + seg_size - threshold, rel);
-    size_t excess = mp_limit_excess_locked(p, seg_size);   /* Note [Shared limit] */
+    size_t excess = mp_limit_excess_own_locked(p, seg_size, rel);   /* Note [Shared limit] */
     if (excess) {
         if (!may_release) return MP_ELIMIT;
         mp_release_idle_locked(p, excess, rel);
-        if (mp_limit_excess_locked(p, seg_size)) {
+        if (mp_limit_excess_own_locked(p, seg_size, rel)) {
             if (mp_capture_call_locked(p, rel)) return MP_ELIMIT;
             if (p->npending) {
                 mp_sync_pending_unlocked(p);
                 if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
             }
             mp_release_idle_locked(p, SIZE_MAX, rel);
-            if (mp_limit_excess_locked(p, seg_size)) return MP_ELIMIT;
+            if (mp_limit_excess_own_locked(p, seg_size, rel)) return MP_ELIMIT;
         }
     }
 
@@ -531,7 +509,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
         mp_release_idle_kind_locked(p, kind, 0, rel);
     /* Note [Events outside the lock]: those releases may have dropped the lock to make an
      * event, and other threads grown meanwhile: the limit holds still (it did, else). */
-    if (mp_limit_excess_locked(p, seg_size)) return MP_ELIMIT;
+    if (mp_limit_excess_own_locked(p, seg_size, rel)) return MP_ELIMIT;
 
     uintptr_t ptr = 0;
     int rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);
@@ -552,6 +530,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
             mp_release_idle_locked(p, attempt == 0 ? seg_size : SIZE_MAX, rel);
             if ((*out = mp_search_lists_locked(p, s, kind, size))) return MP_OK;
             if (attempt == 1) sync_device_unlocked(p);   /* Note [The last try waits for the device] */
+            if (mp_limit_excess_own_locked(p, seg_size, rel)) return MP_ELIMIT;   /* others grew */
             rc = upstream_segment_unlocked(p, s, seg_size, rel, &ptr);
         }
     }
@@ -596,6 +575,11 @@ __attribute__((noinline)) static int alloc_from_lists_locked(mp_pool *p, mp_stre
     } else {
         b = mp_search_lists_locked(p, s, kind, size);
         if (!b) rc = grow_locked(p, s, kind, size, rel, &b);
+        /* Note [Releases in flight]: refused while other threads' releases still count. */
+        for (int w = 0; rc == MP_ELIMIT && w < MP_RELEASE_WAITS && mp_wait_releases_locked(p, rel); w++) {
+            b = mp_search_lists_locked(p, s, kind, size);
+            rc = b ? MP_OK : grow_locked(p, s, kind, size, rel, &b);
+        }
     }
     if (rc != MP_OK) return rc;
     b = mp_carve_locked(p, b, size, nbytes, s);
@@ -613,7 +597,7 @@ static inline int alloc_impl(mp_pool *p, size_t nbytes, uintptr_t stream, mp_tal
                              uintptr_t *out) {
     mp_release_list rel = {0};
     int rc = MP_OK;
-    mp_lock_acquire(&p->lock);
+    if (!mp_lock_own(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     /* Under the lock: the size policy may change at run time (Note [Size policy at run
      * time]). */
     size_t size = nbytes > MP_MAX_ALLOC ? nbytes : mp_round_size(&p->cfg, nbytes);
@@ -708,7 +692,7 @@ int64_t mp_tally_blocks(mp_pool *p, const mp_tally *t) {
 int mp_free(mp_pool *p, uintptr_t ptr, uintptr_t stream, int has_stream) {
     mp_release_list rel = {0};
     int tries = 0;
-    mp_lock_acquire(&p->lock);
+    if (!mp_lock_own(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     p->tick++;
 again:;
     mp_block *b = mp_live_block_locked(p, ptr);

@@ -16,6 +16,10 @@
 
 #define MP_MAX_RECORDED_STREAMS 32768            /* record_stream: streams per block */
 
+/* The core's own error code beyond mp_upstream.h's: the pool was made by another process,
+ * of which this one is a forked child (Note [Pools across fork], mp_fork.c). */
+#define MP_EFORKED 12
+
 typedef struct mp_config {
     /* The fields every allocate and free reads come first, on one line with the divisions
      * of requests under 64 MiB (Note [Hot lines] in mp_internal.h). */
@@ -105,6 +109,10 @@ void mp_pool_destroy(mp_pool *p);
  * and destroys the pool at zero. Both are safe from any thread, without the GIL. */
 void mp_pool_retain(mp_pool *p);
 void mp_pool_release(mp_pool *p);
+/* Note [Pools across fork] (mp_fork.c): the id of the process that made the pool when the
+ * caller is a forked child of it (every other call on the pool then fails with MP_EFORKED,
+ * and its destroy gives nothing back), else 0. No lock. */
+long mp_pool_inherited(const mp_pool *p);
 
 /* Note [Blocking upstream calls]
  * A segment allocation can take tens of microseconds when the driver maps new memory, a

@@ -17,6 +17,7 @@ uint32_t mp_freelist_next_class(const mp_freelist *fl, uint32_t cls) {
 void mp_insert_free_locked(mp_pool *p, mp_block *b) {
     b->state = MP_BLOCK_FREE;
     mp_freelist_insert(&b->stream->lists[b->kind], b);
+    if (MP_UNLIKELY(!b->stream->holding)) mp_stream_hold_locked(p, b->stream);
     if (b->prev || b->next) {
         b->split_counted = 1;
         mp_stat3_inc(p->stats.inactive_split, b->kind, 1);

@@ -135,6 +135,13 @@ struct mp_stream {
     mp_block *hot;               /* Note [Hot blocks]: at most one per stream */
     uint64_t frees;              /* frees completed into this stream's lists, ever */
     uint64_t hot_frees;          /* `frees` when `hot` was parked */
+    /* Note [Streams without end] (mp_stream.c): links in the pool's list of streams that may
+     * hold free or hot blocks, its place in `streams` (MP_STREAM_DEAD once forgotten), and
+     * the mark of a sweep. */
+    mp_stream *hprev, *hnext;
+    uint32_t index;
+    uint8_t holding;
+    uint8_t mark;
     mp_freelist lists[2];        /* KIND_SMALL, KIND_LARGE */
     mp_segment *expandable[2];   /* the growing segment per kind, when expandable */
     mp_stream *next_dead;        /* in mp_pool.dead (Note [Forgotten streams]) */
@@ -186,6 +193,9 @@ struct mp_pool {
     size_t nevent_cache;         /* events in event_cache (Note [Events outside the lock]) */
 
     mp_ptrmap live __attribute__((aligned(64)));   /* allocated blocks by address */
+    int inherited;               /* Note [Pools across fork]: this process is a forked child
+                                    of the pool's creator (on the map's line, which every
+                                    allocate and free reads already) */
     mp_config cfg __attribute__((aligned(64)));
     mp_upstream up;
     size_t capacity;             /* device total as the upstream reports it */
@@ -193,6 +203,13 @@ struct mp_pool {
     mp_stream **streams;         /* the streams in use; forget_stream frees one (Note
                                     [Forgotten streams]) */
     size_t nstreams, cap_streams;
+    /* Note [Streams without end]: the streams by handle (open addressing, NULL when free),
+     * those that may hold blocks, and the count of streams at which the next new one sweeps
+     * away the idle ones. */
+    mp_stream **stab;
+    size_t stab_mask;
+    mp_stream *holding;
+    size_t sweep_at;
     /* Note [Forgotten streams]: operations that dropped the lock in their middle while
      * holding stream pointers, and the forgotten streams whose struct waits for them. */
     uint32_t nunlocked;
@@ -219,6 +236,8 @@ struct mp_pool {
     mp_block_slab *slabs;
 
     size_t inflight_bytes;       /* segments being allocated with the lock dropped */
+    size_t releasing_bytes;      /* Note [Releases in flight] (mp_release.c): segments
+                                    detached whose upstream free has not returned yet */
     int released_unwaited;       /* atomic; Note [The last try waits for the device] */
     int released_since_give_back; /* atomic; a plain segment was freed to the upstream since
                                      the last mp_give_back (Note [Giving back to the device]) */
@@ -246,6 +265,10 @@ struct mp_pool {
     int64_t closed_peak[MP_NSTATS];   /* Note [Peak windows]: peaks of closed windows */
 
     uint8_t keep_struct;         /* mp_pool_keep_struct: destroy leaves the struct */
+    /* Note [Pools across fork] (mp_fork.c): the process that made the pool, and its links
+     * in the registry of live pools (guarded by the registry's mutex). */
+    long creator_pid;
+    mp_pool *reg_prev, *reg_next;
 
     size_t trace_cap, trace_len, trace_head, trace_max;   /* the ring of `trace` (above) */
 };
@@ -321,6 +344,9 @@ int mp_event_stock_locked(mp_pool *p, size_t want);
 #define MP_EVENT_TRIES 3   /* stockings before a path takes its fallback (another thread
                               may draw on the cache while the lock is dropped) */
 mp_stream *mp_stream_lookup_locked(mp_pool *p, uintptr_t handle);
+/* Note [Streams without end]: s may hold blocks from now on (in the pool's `holding` list). */
+void mp_stream_hold_locked(mp_pool *p, mp_stream *s);
+#define MP_STREAM_DEAD UINT32_MAX   /* mp_stream.index of a forgotten stream kept in `dead` */
 /* The pool's struct for a stream handle, created on first use (NULL: out of host memory).
  * Inline for its one-entry cache: every allocation asks. */
 static inline mp_stream *mp_stream_get_locked(mp_pool *p, uintptr_t handle) {
@@ -419,6 +445,8 @@ typedef struct mp_release_list {
      * streams of these segments right after they go (a growth does), so nothing they held
      * stays the device's. */
     int waited;
+    /* Note [Releases in flight]: the bytes of this list counted in releasing_bytes. */
+    size_t counted;
 } mp_release_list;
 /* Note [Forgotten streams]: detach an expandable range that holds nothing but unmapped pages
  * and free blocks of `only` (NULL: of nobody): its mapped runs are unmapped and its address
@@ -434,6 +462,16 @@ size_t mp_release_idle_locked(mp_pool *p, size_t target, mp_release_list *out);
  * but only when that kind's idle segments hold that much: "release beyond need"; target 0:
  * all of them. May drop and retake the lock (an event to make). */
 size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_release_list *out);
+/* Note [Releases in flight] (mp_release.c): mp_limit_excess_locked for a caller whose own detached
+ * segments (`own`) go upstream before anything it asks of the upstream; and the wait for
+ * other threads' releases after a refusal (1: one returned: ask again). */
+size_t mp_limit_excess_own_locked(mp_pool *p, size_t extra, const mp_release_list *own);
+int mp_wait_releases_locked(mp_pool *p, mp_release_list *own);
+#define MP_RELEASE_WAITS 64   /* waits of one request, each for another thread's release */
+/* Add h to the distinct handles (*v)[0 .. *n), growing the array (0: no host memory, the
+ * array as it was); and the distinct streams the fixed segments of a list are freed on. */
+int mp_add_distinct_handle(uintptr_t **v, size_t *n, size_t *cap, uintptr_t h);
+uintptr_t *mp_release_streams(const mp_release_list *rel, size_t *n);
 void mp_release_finish_slow(mp_pool *p, mp_release_list *list);
 /* Free what was detached, upstream; call WITHOUT the lock. Inline: usually nothing to do. */
 static inline void mp_release_finish(mp_pool *p, mp_release_list *list) {
@@ -450,6 +488,21 @@ static inline void mp_apply_release_threshold_locked(mp_pool *p, mp_release_list
 }
 void mp_segment_idle_push_locked(mp_pool *p, mp_segment *s);
 void mp_segment_idle_remove_locked(mp_pool *p, mp_segment *s);
+
+/* Note [Pools across fork]: take the lock of a pool that this process may use; 0, with the
+ * lock not held, for a pool inherited through fork (the entry point fails with MP_EFORKED). */
+static inline int mp_lock_own(mp_pool *p) {
+    mp_lock_acquire(&p->lock);
+    if (MP_UNLIKELY(p->inherited)) {
+        mp_lock_release(&p->lock);
+        return 0;
+    }
+    return 1;
+}
+/* mp_fork.c: Note [Pools across fork]. Register a new pool (and, once per process, the
+ * fork handlers); take it out of the registry at its destroy. */
+void mp_fork_register(mp_pool *p);
+void mp_fork_unregister(mp_pool *p);
 
 /* mp_trace.c */
 void mp_trace_record_locked(mp_pool *p, int action, uintptr_t ptr, size_t nbytes,

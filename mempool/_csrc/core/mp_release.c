@@ -25,11 +25,14 @@
  * queries; tests check that a busy stream's pages stay without a sync, go once it is idle,
  * and that a stream waiting on another stream's event counts as busy. */
 
+#include <sched.h>
 #include <stdlib.h>
 
 #include "mp_capture.h"
 #include "mp_expand.h"
 #include "mp_internal.h"
+
+#define MP_RELEASE_WAIT_YIELDS (1u << 20)   /* Note [Releases in flight]: a wait's bound */
 
 void mp_segment_idle_push_locked(mp_pool *p, mp_segment *s) {
     if (s->expandable) return;   /* expandable segments release pages, never whole */
@@ -107,7 +110,9 @@ void mp_detach_segment_locked(mp_pool *p, mp_segment *seg, mp_release_list *out)
     p->stats.num_device_free++;
     mp_stat3_dec(p->stats.segment, seg->kind, 1);
     mp_stat3_dec(p->stats.reserved_bytes, seg->kind, (int64_t)seg->nbytes);
-    mp_publish_held_locked(p);
+    /* Note [Releases in flight]: still the upstream's until its free returns. */
+    __atomic_add_fetch(&p->releasing_bytes, seg->nbytes, __ATOMIC_RELAXED);
+    out->counted += seg->nbytes;
     if (seg->oversize) mp_stat_dec(&p->stats.oversize_segments, 1);
     mp_trace_segment_locked(p, MP_TRACE_SEGMENT_FREE, seg->ptr, seg->nbytes, seg->stream->handle);
     seg->inext = out->head;
@@ -176,6 +181,35 @@ size_t mp_release_idle_kind_locked(mp_pool *p, int kind, size_t target, mp_relea
     return released;
 }
 
+/* Add h to the distinct handles (*v)[0 .. *n), growing the array; 0 when there was no host
+ * memory for it (the array stays as it was). */
+int mp_add_distinct_handle(uintptr_t **v, size_t *n, size_t *cap, uintptr_t h) {
+    for (size_t j = 0; j < *n; j++)
+        if ((*v)[j] == h) return 1;
+    if (*n == *cap) {
+        size_t grown_cap = *cap ? 2 * *cap : 4;
+        uintptr_t *grown = realloc(*v, grown_cap * sizeof *grown);
+        if (!grown) return 0;
+        *v = grown;
+        *cap = grown_cap;
+    }
+    (*v)[(*n)++] = h;
+    return 1;
+}
+
+/* The distinct streams the fixed segments of `rel` are freed on, in a malloc'd array (best
+ * effort: without host memory fewer, or none, are synchronized: Note [Released before a
+ * growth], mp_core.c). */
+uintptr_t *mp_release_streams(const mp_release_list *rel, size_t *n) {
+    uintptr_t *out = NULL;
+    size_t cap = 0;
+    *n = 0;
+    for (const mp_segment *seg = rel->head; seg; seg = seg->inext)
+        if (!seg->expandable)   /* expandable pages are unmapped after their streams' syncs */
+            (void)mp_add_distinct_handle(&out, n, &cap, seg->release_stream);
+    return out;
+}
+
 void mp_release_finish_slow(mp_pool *p, mp_release_list *list) {
     mp_segment *seg = list->head;
     mp_tell_release_observer(p);   /* Note [Release observer] (mp_core.h) */
@@ -197,6 +231,13 @@ void mp_release_finish_slow(mp_pool *p, mp_release_list *list) {
         free(seg->extents);
         free(seg);
         seg = next;
+    }
+    if (list->counted) {   /* Note [Releases in flight]: before the GIL is asked for again */
+        mp_lock_acquire(&p->lock);
+        __atomic_sub_fetch(&p->releasing_bytes, list->counted, __ATOMIC_RELAXED);
+        mp_publish_held_locked(p);
+        mp_lock_release(&p->lock);
+        list->counted = 0;
     }
     mp_blocking_end(blocking);
     list->head = NULL;
@@ -238,7 +279,7 @@ void mp_apply_release_threshold_slow_locked(mp_pool *p, mp_release_list *out) {
 
 int mp_trim(mp_pool *p, size_t keep) {
     mp_release_list rel = {0};
-    mp_lock_acquire(&p->lock);
+    if (!mp_lock_own(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     mp_trace_locked(p, MP_TRACE_TRIM, 0, keep, 0);
     mp_process_pending_locked(p);
@@ -256,7 +297,7 @@ int mp_trim(mp_pool *p, size_t keep) {
  * mp_detach_segment_locked); expandable pages sync their owners before the unmap. */
 int mp_empty_cache(mp_pool *p) {
     mp_release_list rel = {0};
-    mp_lock_acquire(&p->lock);
+    if (!mp_lock_own(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     mp_trace_locked(p, MP_TRACE_EMPTY_CACHE, 0, 0, 0);
     mp_process_pending_locked(p);
@@ -293,6 +334,7 @@ int mp_empty_cache(mp_pool *p) {
  * is returned. The wait counts in num_sync_all_streams, as PyTorch's empty_cache counts
  * its own. */
 int mp_give_back(mp_pool *p, size_t keep) {
+    if (mp_pool_inherited(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     if (mp_capture_known(p)) return MP_EBUSY;
     if (p->up.device_synchronize &&
         __atomic_exchange_n(&p->released_since_give_back, 0, __ATOMIC_RELAXED)) {
@@ -345,7 +387,11 @@ static size_t over_by(size_t held, size_t extra, size_t limit) {
 }
 
 size_t mp_limit_excess_locked(mp_pool *p, size_t extra) {
-    size_t now = mp_reserved_now_locked(p);
+    return mp_limit_excess_own_locked(p, extra, NULL);
+}
+
+size_t mp_limit_excess_own_locked(mp_pool *p, size_t extra, const mp_release_list *own) {
+    size_t now = mp_reserved_now_locked(p) - (own ? own->counted : 0);
     mp_pool *owner = p->limit_owner ? p->limit_owner : p;
     size_t limit = __atomic_load_n(&owner->cfg.limit, __ATOMIC_RELAXED);
     int64_t held = __atomic_load_n(&owner->limit_held, __ATOMIC_RELAXED) - p->limit_published +
@@ -356,6 +402,39 @@ size_t mp_limit_excess_locked(mp_pool *p, size_t extra) {
         if (own > excess) excess = own;
     }
     return excess;
+}
+
+/* Note [Releases in flight]
+ * A segment taken off the books (mp_detach_segment_locked) is freed upstream only after the
+ * lock is dropped (mp_release_finish), and meanwhile other threads allocate: counting only
+ * reserved bytes, 16 threads under a 64 MiB limit had the upstream hold up to 122 MiB at
+ * once while the pool's own peak said 64. So the bytes of detached segments count in
+ * releasing_bytes, part of the reserved-now figure every limit check and Note [Shared
+ * limit] use, from the detach until their upstream free has returned (mp_release_finish
+ * takes the lock once more for that, before it asks for the GIL back, so a thread waiting
+ * with the GIL held cannot stop it). A caller's own detached segments are not counted
+ * against its own growth (mp_limit_excess_own_locked): they go upstream before its
+ * allocation does (upstream_segment_unlocked). A request that the limit refuses while other
+ * threads' releases are in flight waits, with the lock and the GIL let go, for one of them
+ * to return, and asks again (at most MP_RELEASE_WAITS times): what would fit once they are
+ * gone is not refused. It frees its own detached segments first: two threads each waiting
+ * for the other's would otherwise wait out the bound. Expandable pools count their unmaps in flight as inflight_bytes
+ * already (mp_expand.c). tests/test_limit_threads.py checks the device's peak on sim and
+ * host with 16 threads. */
+int mp_wait_releases_locked(mp_pool *p, mp_release_list *own) {
+    size_t start = p->releasing_bytes, own_counted = own->counted;
+    if (start <= own_counted) return 0;   /* none but the caller's own */
+    mp_lock_drop(p);
+    /* The caller's own go first: another thread may be waiting for them, as for its own. */
+    mp_release_finish(p, own);
+    start -= own_counted;
+    void *blocking = mp_blocking_begin();
+    for (unsigned i = 0; i < MP_RELEASE_WAIT_YIELDS &&
+                         __atomic_load_n(&p->releasing_bytes, __ATOMIC_RELAXED) >= start; i++)
+        sched_yield();
+    mp_blocking_end(blocking);
+    mp_lock_retake(p);
+    return p->releasing_bytes < start;
 }
 
 int mp_share_limit(mp_pool *member, mp_pool *owner) {
@@ -386,7 +465,7 @@ int mp_set_limit(mp_pool *p, size_t limit) {
 
 int mp_set_release_threshold(mp_pool *p, size_t threshold) {
     mp_release_list rel = {0};
-    mp_lock_acquire(&p->lock);
+    if (!mp_lock_own(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     mp_hot_flush_locked(p);   /* Note [Hot blocks] */
     p->cfg.release_threshold = threshold;
     p->threshold_skip = p->threshold_backoff = 0;   /* a new threshold is checked at once */

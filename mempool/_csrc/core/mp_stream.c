@@ -158,24 +158,6 @@ int mp_event_stock_locked(mp_pool *p, size_t want) {
 
 /* ---------------------------------------------------------------- streams */
 
-mp_stream *mp_stream_lookup_locked(mp_pool *p, uintptr_t handle) {
-    for (size_t i = 0; i < p->nstreams; i++) {
-        if (p->streams[i]->handle == handle) return p->last_stream = p->streams[i];
-    }
-    if (p->nstreams == p->cap_streams) {
-        size_t cap = p->cap_streams ? p->cap_streams * 2 : 8;
-        mp_stream **grown = realloc(p->streams, cap * sizeof *grown);
-        if (!grown) return NULL;
-        p->streams = grown;
-        p->cap_streams = cap;
-    }
-    mp_stream *s = mp_calloc_lines(sizeof *s);
-    if (!s) return NULL;
-    s->handle = handle;
-    p->streams[p->nstreams++] = s;
-    return p->last_stream = s;
-}
-
 /* Cross-stream reuse without a host sync (Note [Stream reuse]): the best fit among other
  * streams' free blocks, made safe for `s` by an event recorded on its owner that `s` waits
  * on. */
@@ -185,9 +167,14 @@ mp_block *mp_take_from_other_stream_locked(mp_pool *p, mp_stream *s, int kind, s
         /* After a stocking the lock was dropped: s's own lists come first again. */
         if (tries && (best = mp_freelist_find_fit(p, &s->lists[kind], size))) return best;
         best = NULL;
-        for (size_t i = 0; i < p->nstreams; i++) {
-            mp_stream *t = p->streams[i];
-            if (t == s) continue;
+        /* Note [Streams without end]: the streams that may hold blocks, not all of them. */
+        for (mp_stream *t = p->holding, *next; t; t = next) {
+            next = t->hnext;
+            if (!mp_stream_holds(t)) {
+                mp_stream_unhold_locked(p, t);
+                continue;
+            }
+            if (t == s || t->index == MP_STREAM_DEAD) continue;
             mp_block *b = mp_freelist_find_fit(p, &t->lists[kind], size);
             if (b && (!best || b->nbytes < best->nbytes)) best = b;
         }
@@ -508,7 +495,7 @@ void mp_free_pending_locked(mp_pool *p, mp_block *b, uintptr_t *events) {
 }
 
 int mp_record_stream(mp_pool *p, uintptr_t ptr, uintptr_t stream) {
-    mp_lock_acquire(&p->lock);
+    if (!mp_lock_own(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     mp_block *b = mp_live_block_locked(p, ptr);
     int rc = MP_OK;
     if (!b) {
@@ -609,27 +596,17 @@ static void reap_dead_locked(mp_pool *p, mp_release_list *rel) {
         p->dead = d->next_dead;
         p->ndead--;
         hand_over_stream_locked(p, d, legacy, rel);
+        mp_stream_unhold_locked(p, d);
         free(d);
     }
-}
-
-static mp_stream *find_stream_locked(mp_pool *p, uintptr_t handle, size_t *index) {
-    for (size_t i = 0; i < p->nstreams; i++) {
-        if (p->streams[i]->handle == handle) {
-            *index = i;
-            return p->streams[i];
-        }
-    }
-    return NULL;
 }
 
 int mp_forget_stream(mp_pool *p, uintptr_t handle) {
     if (handle == 0) return MP_OK;   /* the legacy stream is never destroyed */
     mp_release_list rel = {0};
-    size_t i;
-    mp_lock_acquire(&p->lock);
+    if (!mp_lock_own(p)) return MP_EFORKED;   /* Note [Pools across fork] */
     reap_dead_locked(p, &rel);
-    mp_stream *known = find_stream_locked(p, handle, &i);
+    mp_stream *known = mp_stream_find_locked(p, handle);
     /* Note [Graph capture]: a capturing stream cannot be synchronized. */
     int capture = known && mp_capture_stream_locked(p, known);
     if (known && !capture && p->capture_seen == known) p->capture_seen = NULL;   /* may die */
@@ -644,7 +621,7 @@ int mp_forget_stream(mp_pool *p, uintptr_t handle) {
     mp_blocking_end(blocking);
     mp_lock_acquire(&p->lock);
     /* Found again: another thread may have forgotten it meanwhile. */
-    mp_stream *s = find_stream_locked(p, handle, &i);
+    mp_stream *s = mp_stream_find_locked(p, handle);
     mp_stream *legacy = s && rc == MP_OK ? mp_stream_get_locked(p, 0) : NULL;
     if (!legacy) {
         mp_lock_release(&p->lock);
@@ -655,15 +632,13 @@ int mp_forget_stream(mp_pool *p, uintptr_t handle) {
     /* Its pending frees may have dropped the lock (an event to make, a stream to sync), and
      * other threads added or forgotten streams meanwhile: its index is found again, and a
      * forget of the same handle that took it then has handed it over already. */
-    i = 0;
-    while (i < p->nstreams && p->streams[i] != s) i++;
-    if (i == p->nstreams) {
+    if (s->index == MP_STREAM_DEAD) {
         mp_lock_release(&p->lock);
         mp_release_finish(p, &rel);
         return MP_OK;
     }
-    p->streams[i] = p->streams[--p->nstreams];
-    if (p->last_stream == s) p->last_stream = NULL;
+    mp_stream_remove_locked(p, s);
+    mp_stream_unhold_locked(p, s);   /* holds nothing now; a dead one is linked again if it gets some */
     if (p->nunlocked) {
         /* Another operation dropped the lock holding stream pointers, maybe this one:
          * keep the struct until none does, on the legacy handle, which never dies. */

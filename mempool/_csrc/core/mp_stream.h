@@ -8,6 +8,14 @@
 
 #include "mp_internal.h"
 
+/* mp_stream_table.c (Note [Streams without end]): the struct of a handle, or NULL; whether
+ * s holds a free or hot block; s out of `holding`; s out of the table and of `streams`
+ * (index MP_STREAM_DEAD after), not freed. */
+mp_stream *mp_stream_find_locked(const mp_pool *p, uintptr_t handle);
+int mp_stream_holds(const mp_stream *s);
+void mp_stream_unhold_locked(mp_pool *p, mp_stream *s);
+void mp_stream_remove_locked(mp_pool *p, mp_stream *s);
+
 /* Note [Stream reuse]: the best fit among other streams' free blocks for s, made safe for s
  * by an event wait; NULL when none may serve. */
 mp_block *mp_take_from_other_stream_locked(mp_pool *p, mp_stream *s, int kind, size_t size);
