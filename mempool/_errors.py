@@ -10,6 +10,11 @@ class OutOfMemoryError(MemoryError):
     """
 
 
+class PoolClosedError(RuntimeError):
+    """A call on a :class:`~mempool.Pool` after :meth:`~mempool.Pool.close`: a closed pool
+    holds no memory and serves no call; make a new one."""
+
+
 class InvariantError(AssertionError):
     """The pool's bookkeeping breached an invariant (a bug in mempool; please report it)."""
 
