@@ -167,9 +167,11 @@ A stream-ordered device memory pool.
 
     Parameters
     ----------
-    backend : {"cuda", "sim", "host"}
+    backend : {"cuda", "sim", "host"}, default "cuda"
         Where segments come from: a ``cudaMemPool`` on a real GPU, a simulated device with
-        fake addresses, or host memory.
+        fake addresses, or host memory. The default is ``"cuda"`` on every machine: without
+        CuPy and a CUDA device, ``Pool()`` raises ``RuntimeError``. (:func:`mempool.default_pool`
+        is the one that falls back to ``"sim"`` when no GPU is usable.)
     device : int
         The device the pool allocates on.
     capacity : int or str, optional
@@ -186,6 +188,11 @@ A stream-ordered device memory pool.
     Streams: a block allocated on stream S may be used on S at once; freed, it serves S's
     next allocation at once. Use on other streams must be declared with
     :meth:`record_stream`. See docs/architecture.md, "The stream contract".
+
+    Closing: :meth:`close` gives the memory back and makes every later call raise
+    :class:`~mempool.PoolClosedError`; it refuses while blocks are live unless
+    ``force=True``. ``with Pool(...) as pool:`` closes at the end of the block (by force only
+    when an exception ends it). See docs/production.md, "Closing a pool".
     """
 
     cdef mp_pool *_pool
@@ -498,6 +505,8 @@ A stream-ordered device memory pool.
     @property
     def pinned_streams(self):
         """The stream objects this pool keeps alive, by handle (Note [Pinned streams])."""
+        if self._closed:
+            raise _closed_error(self)
         return dict(self._pinned_streams)
 
     def alloc(self, nbytes, stream=None):

@@ -8,7 +8,7 @@ called.
 """
 import contextlib
 
-from mempool._errors import require_instance
+from mempool._errors import require_instance, require_open
 
 
 def _cupy():
@@ -23,6 +23,7 @@ def _cupy():
 def _check_pool(pool):
     from mempool import _core
     require_instance(pool, _core.Pool, "pool")
+    require_open(pool, "pool")
 
 
 def set_allocator(pool):

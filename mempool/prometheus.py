@@ -115,6 +115,8 @@ def samples(pools=None):
         numbered = [(number.get(id(p), -1), p) for p in pools]
     out = []
     for n, pool in numbered:
+        if pool.closed:   # it holds nothing, and answers no call
+            continue
         st = pool.stats()
         reserved, allocated = pool.reserved_bytes(), pool.used_bytes()
         out.append({

@@ -34,6 +34,7 @@ shared object at ``mempool._core.__file__``); they never take the GIL. This modu
 torch only when one of its functions is called.
 """
 from mempool import _core, _torch_settings
+from mempool._errors import require_open
 
 _HOOKS = ("record_stream", "reset", "memory_fraction", "base_alloc")
 _SETTERS = {
@@ -70,6 +71,7 @@ def _torch_cuda():
 def _check_pool(pool):
     if not isinstance(pool, _core.Pool):
         raise TypeError(f"pool: expected a mempool.Pool, got {type(pool).__name__}")
+    require_open(pool, "pool")
     if pool.backend != "cuda":
         raise ValueError(f"pool: PyTorch needs device memory; this pool's backend is "
                          f"{pool.backend!r} (use Pool(backend='cuda'))")
