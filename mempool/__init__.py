@@ -25,11 +25,11 @@ __all__ = ["Pool", "Buffer", "OutOfMemoryError", "InvariantError", "PoolClosedEr
            "HostDevice", "live_pools"]
 __version__ = "0.1.0"
 
-_default_pools = {}
+_default_pools: dict[int, Pool] = {}
 _default_lock = _threading.Lock()
 
 
-def default_pool(device=0):
+def default_pool(device: int = 0) -> Pool:
     """The process-wide pool of ``device``, created on first use.
 
     Built from the ``MEMPOOL_CONF`` environment variable when set (the same syntax as
