@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from mempool import _core, _torch_settings
-from mempool._errors import require_open
+from mempool._errors import require_open as _require_open
 
 if TYPE_CHECKING:
     from mempool._core import Pool
@@ -80,7 +80,7 @@ def _torch_cuda():
 def _check_pool(pool: object) -> None:
     if not isinstance(pool, _core.Pool):
         raise TypeError(f"pool: expected a mempool.Pool, got {type(pool).__name__}")
-    require_open(pool, "pool")
+    _require_open(pool, "pool")
     if pool.backend != "cuda":
         raise ValueError(f"pool: PyTorch needs device memory; this pool's backend is "
                          f"{pool.backend!r} (use Pool(backend='cuda'))")
