@@ -4,17 +4,21 @@ import argparse
 import importlib
 import os
 import sys
+from types import ModuleType
+from typing import Any
 
+from mempool import Pool
 from mempool._units import format_bytes
 
 
-def gpu_available():
+def gpu_available() -> bool:
     """True when backend="cuda" can run here: the Pool's own probe (never raises)."""
     from mempool import _cuda
     return _cuda.available()
 
 
-def parse_backend(description, cpu_backend, argv=None):
+def parse_backend(description: str, cpu_backend: str,
+                  argv: list[str] | None = None) -> argparse.Namespace:
     """--backend cuda|<cpu_backend>; the default is cuda when there is a GPU."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--backend", choices=("cuda", cpu_backend),
@@ -22,7 +26,7 @@ def parse_backend(description, cpu_backend, argv=None):
     return ap.parse_args(argv)
 
 
-def require(module, what, install):
+def require(module: str, what: str, install: str) -> ModuleType:
     """Import `module`; without it, say in one line what to install and exit (status 0: the
     example does not apply to this machine, nothing failed)."""
     try:
@@ -34,11 +38,11 @@ def require(module, what, install):
         sys.exit(0)
 
 
-def size_text(nbytes):
+def size_text(nbytes: int) -> str:
     return f"{format_bytes(nbytes):>10}"
 
 
-def report(pool, title):
+def report(pool: Pool, title: str) -> None:
     st = pool.stats()
     print(f"-- {title}")
     print(f"   used {size_text(pool.used_bytes())}  cached {size_text(pool.cached_bytes())}  "
@@ -48,7 +52,7 @@ def report(pool, title):
           f"segments {st['segment.all.current']}")
 
 
-def train_mlp(torch, steps, batch, width, hidden):
+def train_mlp(torch: Any, steps: int, batch: int, width: int, hidden: int) -> tuple[Any, Any]:
     """A few AdamW steps of a Linear-GELU-Linear MLP on random data (seed 0); returns the
     last loss and the last hidden activations (detached)."""
     torch.manual_seed(0)

@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +34,7 @@ from _common import gpu_available, require, size_text, train_mlp   # noqa: E402
 BATCH, WIDTH, HIDDEN = 1024, 2048, 8192
 
 
-def run(mode, steps):
+def run(mode: str, steps: int) -> None:
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     if mode == "mempool":
         os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] = "cuda_async"
@@ -55,7 +56,7 @@ def run(mode, steps):
     free0, total = torch.cuda.mem_get_info(0)
     phases = {}
 
-    def mark(name):
+    def mark(name: str) -> None:
         if pool is not None:
             st = pool.stats()
             phases[name] = (st["allocation.all.allocated"], st["allocated_bytes.all.allocated"])
@@ -123,7 +124,7 @@ def run(mode, steps):
     print(json.dumps(out))
 
 
-def table(results):
+def table(results: dict[str, Any]) -> None:
     m, n = results["mempool"], results["native"]
     print("\n== one pool (mempool) ==")
     for name, d in m["per_framework"].items():
@@ -151,7 +152,7 @@ def table(results):
     print(f"\n   results agree across modes: {same} (loss {m['loss']:.5f} vs {n['loss']:.5f})")
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--mode", choices=("both", "mempool", "native"), default="both")

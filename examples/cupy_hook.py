@@ -9,6 +9,7 @@ On a GPU, CuPy arrays (and the temporaries of its kernels) come from the pool wh
 """
 import os
 import sys
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,7 +18,7 @@ import mempool.cupy as mc           # noqa: E402
 from _common import parse_backend, report, require   # noqa: E402
 
 
-def on_gpu(stream):
+def on_gpu(stream: Any) -> None:
     import cupy
     pool = mempool.Pool(backend="cuda", device=0)
     with mc.use(pool):
@@ -38,7 +39,7 @@ def on_gpu(stream):
     pool.check_invariants()
 
 
-def on_sim():
+def on_sim() -> None:
     pool = mempool.Pool(backend="sim", capacity="80GB")
     ptrs = [pool.malloc(n) for n in (512, 1 << 20, 64 << 20)]
     for mp in ptrs:
@@ -50,7 +51,7 @@ def on_sim():
     pool.check_invariants()
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     args = parse_backend(__doc__.splitlines()[0], "sim", argv)
     # pool.malloc builds CuPy's MemoryPointer, so CuPy is needed even on sim (it imports
     # without a GPU).

@@ -19,6 +19,7 @@ import argparse
 import os
 import socket
 import sys
+from typing import Any
 
 # Before NCCL initialises: in this process and, through the environment, in every worker.
 os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -26,30 +27,30 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def say(line):
+def say(line: str) -> None:
     """One write per line, so that the workers' lines do not interleave."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
 
-def _free_port():
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
-def _join(rank, world, port, backend):
+def _join(rank: int, world: int, port: int, backend: str) -> Any:
     import torch.distributed as dist
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     return dist
 
 
-def _expected_sum(world):
+def _expected_sum(world: int) -> float:
     return world * (world + 1) / 2   # ranks contribute 1, 2, ..., world
 
 
-def worker_cuda(rank, world, port, steps, expandable):
+def worker_cuda(rank: int, world: int, port: int, steps: int, expandable: bool) -> None:
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     # This process's GPU current first, so that the CUDA runtime calls made while the pool
     # is set up start no context on GPU 0 (a context costs hundreds of MiB per process).
@@ -112,7 +113,7 @@ def worker_cuda(rank, world, port, steps, expandable):
     dist.destroy_process_group()
 
 
-def worker_host(rank, world, port, steps, expandable):
+def worker_host(rank: int, world: int, port: int, steps: int, expandable: bool) -> None:
     import mempool
     import torch
     pool = mempool.Pool(backend="host", capacity="1GiB", expandable_segments=expandable)
@@ -144,7 +145,7 @@ def worker_host(rank, world, port, steps, expandable):
     dist.destroy_process_group()
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     from _common import gpu_available
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=("cuda", "host"),

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,7 +32,7 @@ NEEDED = {"cupy": "pip install cupy-cuda12x", "torch": "pip install torch",
           "numba.cuda": "pip install numba-cuda"}
 
 
-def _missing():
+def _missing() -> list[str]:
     import importlib.util
     out = []
     for module, hint in NEEDED.items():
@@ -44,7 +45,7 @@ def _missing():
     return out
 
 
-def run(steps):
+def run(steps: int) -> None:
     try:
         import jax
     except ImportError:
@@ -74,7 +75,7 @@ def run(steps):
 
     phases = []
 
-    def mark(name):
+    def mark(name: str) -> None:
         st = pool.stats()
         phases.append((name, st["allocation.all.allocated"], st["allocated_bytes.all.allocated"]))
 
@@ -88,8 +89,8 @@ def run(steps):
     energy = float(energy_map.sum(dtype=cupy.float64))
     mark("CuPy")
 
-    @cuda.jit
-    def scale_rows(src, factor, dst):
+    @cuda.jit   # type: ignore[untyped-decorator]
+    def scale_rows(src: Any, factor: float, dst: Any) -> None:
         i, j = cuda.grid(2)
         if i < src.shape[0] and j < src.shape[1]:
             dst[i, j] = src[i, j] * factor
@@ -134,7 +135,7 @@ def run(steps):
                       "torch_counters": mempool.torch.counters(0)}))
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)

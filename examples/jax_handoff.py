@@ -12,6 +12,7 @@ import gc
 import os
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,7 +23,7 @@ import mempool.jax as mj            # noqa: E402
 from _common import parse_backend, report, require   # noqa: E402
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     args = parse_backend(__doc__.splitlines()[0], "host", argv)
     require("jax", "JAX", "'jax[cpu]'" if args.backend == "host" else "'jax[cuda12]'")
     if args.backend == "cuda":
@@ -49,8 +50,8 @@ def main(argv=None):
     addr = x.unsafe_buffer_pointer()
     print(f"buffer at {ptr:#x}; JAX array at {addr:#x}; same memory: {addr == ptr}")
 
-    @jax.jit
-    def step(a):
+    @jax.jit   # type: ignore[untyped-decorator]
+    def step(a: Any) -> Any:
         return jnp.tanh(a @ a.T).sum()
 
     print(f"jit result {float(step(x)):.4f}")

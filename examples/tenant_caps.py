@@ -23,16 +23,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import gpu_available   # noqa: E402
 
+if TYPE_CHECKING:
+    from mempool import Pool
+
 AFTER_PEER_OOM = 5          # rounds the steady tenant runs once the greedy one hit its cap
 TIMEOUT_S = 60.0
 
 
-def _wait_for(path, what):
+def _wait_for(path: str, what: str) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while not os.path.exists(path):
         if time.monotonic() > deadline:
@@ -40,12 +44,12 @@ def _wait_for(path, what):
         time.sleep(0.01)
 
 
-def _signal(path):
+def _signal(path: str) -> None:
     with open(path, "w"):
         pass
 
 
-def _fill_and_check(pool, nbytes, seed):
+def _fill_and_check(pool: "Pool", nbytes: int, seed: int) -> int:
     """Write a pattern over a pool block and read it back; the number of wrong words."""
     if pool.backend == "cuda":
         import cupy
@@ -63,7 +67,7 @@ def _fill_and_check(pool, nbytes, seed):
     return int((arr != (numpy.arange(arr.size, dtype=numpy.uint32) ^ seed)).sum())
 
 
-def greedy(chunk, folder):
+def greedy(chunk: int, folder: str) -> dict[str, Any]:
     import mempool
     pool = mempool.default_pool(0)          # MEMPOOL_CONF: this tenant's cap
     _wait_for(os.path.join(folder, "steady-ready"), "start from the steady tenant")
@@ -82,7 +86,7 @@ def greedy(chunk, folder):
     return out
 
 
-def steady(chunk, folder):
+def steady(chunk: int, folder: str) -> dict[str, Any]:
     import mempool
     pool = mempool.default_pool(0)
     working_set = max(chunk, 4096)
@@ -103,7 +107,7 @@ def steady(chunk, folder):
             "peak_allocated": pool.stats()["allocated_bytes.all.peak"]}
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=("cuda", "host"),
                     default="cuda" if gpu_available() else "host")

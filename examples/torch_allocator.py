@@ -19,7 +19,7 @@ import mempool.torch as mt          # noqa: E402
 from _common import parse_backend, report, size_text   # noqa: E402
 
 
-def on_gpu():
+def on_gpu() -> None:
     pool = mempool.Pool(backend="cuda", device=0)
     mt.install(pool)                            # before any CUDA tensor
     import torch
@@ -47,7 +47,7 @@ def on_gpu():
     pool.check_invariants()
 
 
-def on_sim():
+def on_sim() -> None:
     ep = mt.entry_points()
     alloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int,
                              ctypes.c_void_p)(ep["alloc"])
@@ -69,7 +69,7 @@ def on_sim():
         pool.check_invariants()
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     args = parse_backend(__doc__.splitlines()[0], "sim", argv)
     print(f"backend: {args.backend}; entry points in {mt.library_path()}")
     on_gpu() if args.backend == "cuda" else on_sim()

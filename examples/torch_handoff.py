@@ -10,6 +10,7 @@ block (its deleter is C and may run on PyTorch's autograd threads).
 """
 import os
 import sys
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,7 +18,7 @@ import mempool                      # noqa: E402
 from _common import parse_backend, report, require   # noqa: E402
 
 
-def handoff(backend, producer):
+def handoff(backend: str, producer: Any) -> None:
     import torch
     pool = mempool.Pool(backend="cuda", device=0) if backend == "cuda" else \
         mempool.Pool(backend="host", capacity="1GB")
@@ -40,7 +41,7 @@ def handoff(backend, producer):
     pool.check_invariants()
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     args = parse_backend(__doc__.splitlines()[0], "host", argv)
     require("torch", "PyTorch (the CPU build is enough on host)", "torch")
     print(f"backend: {args.backend}")

@@ -57,8 +57,10 @@ def bench_core_roundtrips(Pool pool, nbytes, n, stream=None):
     cdef size_t c_n = _bench_count(n, "n")
     cdef uintptr_t c_stream = _bench_stream(stream)
     cdef uint64_t ns
+    pool._in_core += 1   # Note [Closing a pool]
     with nogil:
         ns = mp_bench_core_roundtrips(p, c_nbytes, c_n, c_stream)
+    pool._in_core -= 1
     if ns == 0:
         raise RuntimeError(f"mp_bench_core_roundtrips failed: an allocation of {nbytes} bytes "
                            f"or its free returned an error (pool.alloc gives the reason)")
@@ -96,8 +98,10 @@ def bench_core_mix(Pool pool, const uint64_t[::1] sizes not None, uint64_t[::1] 
         raise ValueError("sizes must hold at least one size, got an empty buffer")
     if live == 0:
         raise ValueError("ring must hold at least one slot, got an empty buffer")
+    pool._in_core += 1   # Note [Closing a pool]
     with nogil:
         ns = mp_bench_core_mix(p, &sizes[0], n, &ring[0], live, c_stream)
+    pool._in_core -= 1
     if ns == 0:
         raise RuntimeError("mp_bench_core_mix failed: an allocation or free returned an error "
                            "(pool.alloc gives the reason); the ring holds the live blocks")

@@ -19,9 +19,11 @@ def _capture_end(Pool pool not None):
     pool._ready()
     # Deferred frees make their events now, and releases free segments: the GIL goes
     # meanwhile (Note [Blocking upstream calls], Note [Events outside the lock]).
+    pool._in_core += 1   # Note [Closing a pool]
     mp_py_mark(1)
     cdef int rc = mp_capture_end(pool._pool)
     mp_py_mark(0)
+    pool._in_core -= 1
     if rc != MP_OK:
         raise ValueError("_capture_end: no capture was begun on this pool")
 

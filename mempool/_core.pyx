@@ -1,4 +1,4 @@
-# cython: language_level=3
+# cython: language_level=3, binding=True, embedsignature=True, embedsignature.format=clinic
 """The compiled core of mempool: the Pool class over the C data plane, and its devices.
 
 One extension (PyTorch's allocator glue loads the same .so), split by concern into include

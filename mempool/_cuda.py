@@ -69,7 +69,7 @@ def _check_handle(handle):
     return _check_int("handle", handle, low=1, high=2**64 - 1)
 
 
-def available():
+def available() -> bool:
     """Whether backend="cuda" can run here.
 
     True when CuPy imports, the CUDA runtime sees at least one device and, where the compiled

@@ -10,8 +10,21 @@ class OutOfMemoryError(MemoryError):
     """
 
 
+class PoolClosedError(RuntimeError):
+    """A call on a :class:`~mempool.Pool` after :meth:`~mempool.Pool.close`: a closed pool
+    holds no memory and serves no call; make a new one."""
+
+
 class InvariantError(AssertionError):
     """The pool's bookkeeping breached an invariant (a bug in mempool; please report it)."""
+
+
+def require_open(pool, name):
+    """Raise PoolClosedError naming argument `name` when the Pool `pool` is closed: for hooks
+    that hold a pool and would otherwise fail only at their first allocation."""
+    if pool.closed:
+        raise PoolClosedError(f"{name}: the pool (backend {pool.backend!r}, device "
+                              f"{pool.device_id}) is closed; make a new Pool")
 
 
 def require_instance(value, cls, name):

@@ -16,7 +16,7 @@ import weakref as _weakref
 
 from mempool import _config
 from mempool._units import format_bytes as _fmt
-from mempool._errors import InvariantError, OutOfMemoryError
+from mempool._errors import InvariantError, OutOfMemoryError, PoolClosedError
 
 cdef size_t _GiB = 1 << 30
 cdef size_t _DEFAULT_GRANULARITY = 2 << 20
@@ -68,6 +68,62 @@ cdef object _limit_bytes(object limit, size_t capacity):
     return nbytes
 
 
+cdef object _unusable(Pool pool):
+    """The error of a call on a Pool with no C pool: closed, or never initialised."""
+    if pool._closed:
+        return _closed_error(pool)
+    return _not_initialised(pool)
+
+
+cdef object _closed_error(Pool pool):
+    return PoolClosedError(f"this Pool (backend {pool.backend!r}, device {pool.device_id}) is "
+                           f"closed: it serves no call; make a new Pool (mempool.default_pool() "
+                           f"makes a fresh default pool)")
+
+
+cdef object _live_blocks_refusal(mp_pool *pool):
+    """close()'s message when `pool` has live blocks (None when it has none): their count,
+    their bytes and the first few addresses."""
+    if mp_used_bytes(pool) == 0:
+        return None
+    cdef mp_layout lay
+    if mp_layout_take(pool, &lay) != MP_OK:
+        raise MemoryError("close: out of host memory")
+    cdef size_t i, count = 0, nbytes = 0
+    first = []
+    try:
+        for i in range(lay.nblocks):
+            if lay.blocks[i].state == MP_BLOCK_ALLOCATED:
+                count += 1
+                nbytes += lay.blocks[i].nbytes
+                first.append(lay.blocks[i].ptr)
+    finally:
+        mp_layout_free(&lay)
+    if count == 0:
+        return None
+    first.sort()
+    shown = ", ".join(f"{ptr:#x}" for ptr in first[:4]) + (", ..." if count > 4 else "")
+    return (f"close: the pool has {count} live block(s) of {_fmt(nbytes, exact=True)} "
+            f"({shown}); free them first, or close(force=True) to give them up")
+
+
+# Note [Closing a pool]
+#
+# close() drops the Pool's reference on its C pool and leaves the Pool with none, so every
+# method meets a NULL pool in its first check and raises PoolClosedError (the check every
+# method makes already, for a Pool whose __init__ never ran: nothing is added to the hot
+# path for it). The C pool is reference-counted: when the Pool held the last reference the
+# core frees every segment, live blocks included, at once; Buffers, their DLPack tensors
+# and device controls the caller kept hold their own references, so their memory stays
+# valid (a consumer may still read it) and their deleters free into a pool that is still
+# there, and the C pool goes with the last of them. CuPy's memory objects hold the Pool,
+# not the C pool: their owner sees the NULL and frees nothing.
+#
+# A call that lets the GIL go inside the core (Note [Blocking upstream calls], and those in
+# `with nogil`) is counted in `_in_core` while it is there, and close() refuses while the
+# count is above zero: another thread closing then would free the pool under that call.
+# The count moves with the GIL held, so a plain int does.
+
 # Note [Hot address]
 #
 # A hot block comes back at the same address, and from Python an address is an int object:
@@ -104,13 +160,18 @@ cdef object _limit_bytes(object limit, size_t capacity):
 
 
 cdef class Pool:
-    """A stream-ordered device memory pool.
+    """Pool(backend='cuda', device=0, capacity=None, **options)
+--
+
+A stream-ordered device memory pool.
 
     Parameters
     ----------
-    backend : {"cuda", "sim", "host"}
+    backend : {"cuda", "sim", "host"}, default "cuda"
         Where segments come from: a ``cudaMemPool`` on a real GPU, a simulated device with
-        fake addresses, or host memory.
+        fake addresses, or host memory. The default is ``"cuda"`` on every machine: without
+        CuPy and a CUDA device, ``Pool()`` raises ``RuntimeError``. (:func:`mempool.default_pool`
+        is the one that falls back to ``"sim"`` when no GPU is usable.)
     device : int
         The device the pool allocates on.
     capacity : int or str, optional
@@ -127,6 +188,11 @@ cdef class Pool:
     Streams: a block allocated on stream S may be used on S at once; freed, it serves S's
     next allocation at once. Use on other streams must be declared with
     :meth:`record_stream`. See docs/architecture.md, "The stream contract".
+
+    Closing: :meth:`close` gives the memory back and makes every later call raise
+    :class:`~mempool.PoolClosedError`; it refuses while blocks are live unless
+    ``force=True``. ``with Pool(...) as pool:`` closes at the end of the block (by force only
+    when an exception ends it). See docs/production.md, "Closing a pool".
     """
 
     cdef mp_pool *_pool
@@ -135,7 +201,7 @@ cdef class Pool:
     cdef readonly int device_id
     cdef readonly size_t capacity
     cdef readonly dict options
-    cdef readonly object device
+    cdef object _device              # the device control (SimDevice, HostDevice; None on cuda)
     cdef object _cuda_handle
     # Note [Pinned streams]: every stream object the pool is given (a CuPy stream, an
     # object with __cuda_stream__, CuPy's current stream) is kept alive while the pool may
@@ -151,6 +217,10 @@ cdef class Pool:
     # same object again instead of making one, and free of that object needs no conversion.
     cdef object _hot_address
     cdef uintptr_t _hot_address_value
+    # Closed, and calls in the core (Note [Closing a pool]):
+    cdef bint _closed
+    cdef int _in_core                # calls under way that may have let the GIL go
+    cdef object _number              # the key in _live_pools
     cdef object __weakref__
 
     def __cinit__(self, *args, **kwargs):
@@ -166,6 +236,8 @@ cdef class Pool:
         # under a live Pool would strand every Buffer, CuPy allocation and device control
         # made from the first one, and a re-init that half failed left backend and options
         # describing another device than the one in use.
+        if self._closed:
+            raise _closed_error(self)
         if self._pool != NULL:
             raise RuntimeError(f"Pool.__init__: this Pool is already initialised (backend "
                                f"{self.backend!r}, device {self.device_id}); a pool's "
@@ -273,8 +345,9 @@ cdef class Pool:
             self._pool = pool
             if kind == _CUDA:
                 mp_cuda_bind_errors(mp_pool_upstream(pool))
-            self.device = _make_device(pool, kind)
-            _live_pools[next(_pool_numbers)] = self
+            self._device = _make_device(pool, kind)
+            self._number = next(_pool_numbers)
+            _live_pools[self._number] = self
             return 0
         # mp_pool_create destroys the upstream only when reserving initial_pool_size failed
         # (it has made a pool by then); every earlier failure leaves it to us.
@@ -291,6 +364,75 @@ cdef class Pool:
             # Buffers handed out may still hold references: the C pool lives until they go.
             mp_pool_release(self._pool)
             self._pool = NULL
+
+    # ------------------------------------------------------------------ closing
+
+    @property
+    def closed(self):
+        """True once :meth:`close` has run."""
+        return bool(self._closed)
+
+    def close(self, force=False):
+        """Give the pool's memory back to the upstream; every later call then raises
+        :class:`~mempool.PoolClosedError`. Closing a closed pool does nothing.
+
+        With live blocks (allocated and not freed: addresses from :meth:`alloc`, CuPy memory
+        from :meth:`malloc`, :class:`Buffer` objects from :meth:`empty`) it raises
+        ``RuntimeError`` naming them and changes nothing, unless ``force=True``: then those
+        blocks are given up with the rest, and their addresses must not be used again. A
+        ``Buffer`` (and any DLPack tensor made from one) keeps its memory valid until it is
+        released, as a consumer may still read it: the pool's memory goes upstream when the
+        last of them goes. CuPy memory of a force-closed pool frees nothing when CuPy drops
+        it. Refused, whatever ``force``, while the pool is PyTorch's allocator
+        (``mempool.torch``; unregister it first) or while another thread is inside a call on
+        it (Note [Closing a pool]).
+        """
+        if not isinstance(force, bool):
+            raise TypeError(f"close: 'force' must be True or False, got "
+                            f"{type(force).__name__} {force!r}")
+        if self._closed:
+            return
+        self._ready()
+        if self._in_core:
+            raise RuntimeError(f"close: {self._in_core} call(s) on this pool are under way in "
+                               f"other threads; close it once they have returned")
+        if 0 <= self.device_id < MP_TORCH_MAX_DEVICES \
+                and mp_torch_registered(self.device_id) == self._pool:
+            raise RuntimeError(f"close: the pool is PyTorch's allocator on device "
+                               f"{self.device_id} (mempool.torch); unregister it first "
+                               f"(mempool.torch.unregister({self.device_id}))")
+        if not force:
+            refusal = _live_blocks_refusal(self._pool)
+            if refusal is not None:
+                raise RuntimeError(refusal)
+        # What other holders of the C pool (Buffers, device controls kept by the caller)
+        # would keep cached goes now; the pool's own reference goes last.
+        mp_empty_cache(self._pool)
+        cdef mp_pool *pool = self._pool
+        self._pool = NULL
+        self._closed = True
+        self._device = None
+        _live_pools.pop(self._number, None)
+        mp_pool_release(pool)
+
+    def __enter__(self):
+        self._ready()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        """Close: ``close()`` when the block ends normally (so live blocks left behind raise,
+        and the pool stays open), ``close(force=True)`` when an exception leaves it (blocks
+        the interrupted code held are given up, and that exception propagates)."""
+        self.close(force=exc_type is not None)
+        return False
+
+    @property
+    def device(self):
+        """The device control: a :class:`SimDevice` (``sim``), a :class:`HostDevice`
+        (``host``), or None (``cuda``, and a Pool whose __init__ never ran)."""
+        if self._closed:
+            raise _closed_error(self)
+        return self._device
 
     @classmethod
     def from_conf(cls, conf, **overrides):
@@ -309,7 +451,7 @@ cdef class Pool:
         """Refuse a Pool whose __init__ never ran (Pool.__new__, or a subclass that did not
         call the base's __init__): its C pool is NULL, which the core would dereference."""
         if self._pool == NULL:
-            raise _not_initialised(self)
+            raise _unusable(self)
         if mp_pool_inherited(self._pool):
             raise self._forked_error()
         return 0
@@ -370,6 +512,8 @@ cdef class Pool:
     @property
     def pinned_streams(self):
         """The stream objects this pool keeps alive, by handle (Note [Pinned streams])."""
+        if self._closed:
+            raise _closed_error(self)
         return dict(self._pinned_streams)
 
     def alloc(self, nbytes, stream=None):
@@ -379,15 +523,17 @@ cdef class Pool:
         Raises :class:`OutOfMemoryError` when the device or ``limit`` refuses.
         """
         if self._pool == NULL:
-            raise _not_initialised(self)
+            raise _unusable(self)
         cdef size_t n = _as_nbytes(nbytes, "nbytes")
         cdef uintptr_t s = 0
         cdef uintptr_t ptr = 0
         if stream is not None or self._kind == _CUDA:
             self._stream_of(stream, &s)
+        self._in_core += 1   # Note [Closing a pool]
         mp_py_mark(1)
         cdef int rc = mp_alloc(self._pool, n, s, &ptr)
         mp_py_mark(0)
+        self._in_core -= 1
         if rc != MP_OK:
             raise self._alloc_error(rc, n, s)
         if ptr == self._hot_address_value:
@@ -404,7 +550,7 @@ cdef class Pool:
         The block then serves that stream at once and other streams after an event.
         """
         if self._pool == NULL:
-            raise _not_initialised(self)
+            raise _unusable(self)
         cdef uintptr_t p
         if ptr is self._hot_address:
             p = self._hot_address_value
@@ -419,9 +565,11 @@ cdef class Pool:
         if has_stream:
             saved = self._pins()
             self._stream_of(stream, &s)
+        self._in_core += 1   # Note [Closing a pool]
         mp_py_mark(1)
         cdef int rc = mp_free(self._pool, p, s, has_stream)
         mp_py_mark(0)
+        self._in_core -= 1
         if rc != MP_OK:
             if has_stream:
                 self._restore_pins(saved, s)
@@ -458,9 +606,11 @@ cdef class Pool:
         self._ready()
         cdef uintptr_t s = 0
         self._stream_of(stream, &s)
+        self._in_core += 1   # Note [Closing a pool]
         mp_py_mark(1)
         cdef int rc = mp_forget_stream(self._pool, s)
         mp_py_mark(0)
+        self._in_core -= 1
         if rc == MP_EBUSY:   # nothing changed: the stream stays pinned (Note [Graph capture])
             raise RuntimeError(f"forget_stream: stream {s:#x} cannot be synchronized while a "
                                f"CUDA graph capture is under way; call it after the capture")
@@ -530,8 +680,10 @@ cdef class Pool:
         cdef size_t n = nbytes
         cdef mp_dl_block *block = NULL
         cdef int rc
+        self._in_core += 1   # Note [Closing a pool]
         with nogil:
             rc = mp_dl_block_new(self._pool, n, handle, &block)
+        self._in_core -= 1
         if rc != MP_OK:
             raise self._alloc_error(rc, n, handle)
         return _buffer_wrap(block, dt, code, minor, dims, 0, False, self.backend,
@@ -591,7 +743,11 @@ cdef class Pool:
             The driver refused (no peer path between the devices, or a driver error).
         """
         self._ready()
-        _enable_peer_access(self._pool, self._kind, self.device_id, peer_device)
+        self._in_core += 1   # Note [Closing a pool]: the driver is called without the GIL
+        try:
+            _enable_peer_access(self._pool, self._kind, self.device_id, peer_device)
+        finally:
+            self._in_core -= 1
 
     def peer_devices(self):
         """The devices granted access by :meth:`enable_peer_access`, ascending (a tuple)."""
@@ -605,7 +761,11 @@ cdef class Pool:
         ``cuMemPoolGetAccess`` otherwise); what ``sim`` recorded; ``()`` on ``host``.
         """
         self._ready()
-        return _access_devices(self._pool, self._kind, ptr)
+        self._in_core += 1   # Note [Closing a pool]: the driver is called without the GIL
+        try:
+            return _access_devices(self._pool, self._kind, ptr)
+        finally:
+            self._in_core -= 1
     # ---- end several devices ----
 
     # ------------------------------------------------------------------ retention
@@ -626,9 +786,11 @@ cdef class Pool:
         error, when that sync or the trim fails (a kernel's earlier fault, say).
         """
         self._ready()
+        self._in_core += 1   # Note [Closing a pool]
         mp_py_mark(1)
         mp_empty_cache(self._pool)
         mp_py_mark(0)
+        self._in_core -= 1
         self._give_back(0)
 
     def trim(self, keep=0):
@@ -644,9 +806,11 @@ cdef class Pool:
         """
         self._ready()
         cdef size_t k = _as_nbytes(_config.parse_size(keep, "keep"), "keep")
+        self._in_core += 1   # Note [Closing a pool]
         mp_py_mark(1)
         mp_trim(self._pool, k)
         mp_py_mark(0)
+        self._in_core -= 1
         self._give_back(k)
 
     cdef int _give_back(self, size_t keep) except -1:
@@ -951,6 +1115,8 @@ cdef class Pool:
         return report.snapshot(self.layout(), self.history(), device=self.device_id)
 
     def __repr__(self):
+        if self._closed:
+            return f"<mempool.Pool backend={self.backend!r} device={self.device_id} closed>"
         if self._pool == NULL:
             return f"<mempool.Pool uninitialised>"
         return (f"<mempool.Pool backend={self.backend!r} device={self.device_id} "
@@ -1004,7 +1170,9 @@ cdef class _Allocation:
     cdef uintptr_t ptr
 
     def __dealloc__(self):
-        if self._owner is not None:
+        # A force-closed pool has let its C pool go, and the block with it (Note [Closing
+        # a pool]): there is nothing left to free.
+        if self._owner is not None and self._owner._pool != NULL:
             mp_free(self._owner._pool, self.ptr, 0, 0)
 
 
@@ -1021,9 +1189,11 @@ cdef object _cupy_malloc(Pool pool, object nbytes):
     cdef uintptr_t s = 0
     pool._stream_of(None, &s)
     cdef uintptr_t ptr = 0
+    pool._in_core += 1   # Note [Closing a pool]
     mp_py_mark(1)
     cdef int rc = mp_alloc(pool._pool, n, s, &ptr)
     mp_py_mark(0)
+    pool._in_core -= 1
     if rc != MP_OK:
         raise pool._alloc_error(rc, n, s)
     cdef _Allocation owner = _Allocation.__new__(_Allocation)

@@ -36,8 +36,10 @@ def _torch_register(device, Pool pool not None):
         raise ValueError(f"device {d}: the pool allocates on device {pool.device_id}; torch's "
                          f"allocations on device {d} need a pool of that device")
     cdef int rc
+    pool._in_core += 1   # Note [Closing a pool]
     with nogil:
         rc = mp_torch_register(d, pool._pool)
+    pool._in_core -= 1
     if rc == MP_EBUSY:
         raise RuntimeError(f"device {d}: torch still holds {mp_torch_live_blocks(d)} blocks "
                            f"of the pool registered there; free them before replacing it")

@@ -7,7 +7,8 @@ stderr says what was hooked; ``mempool.auto.installed`` holds the details.
 """
 import sys as _sys
 
+from mempool.run import Installed as _Installed
 from mempool.run import install_default as _install_default
 
-installed = _install_default()
+installed: _Installed = _install_default()
 print(f"mempool: {installed.describe()}", file=_sys.stderr, flush=True)

@@ -6,9 +6,16 @@ restores the previous allocator after. CuPy allocates on its current stream; blo
 CuPy go back to the pool in stream order. This module imports cupy only when a function is
 called.
 """
-import contextlib
+from __future__ import annotations
 
-from mempool._errors import require_instance
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from mempool._errors import require_instance, require_open
+
+if TYPE_CHECKING:
+    from mempool._core import Pool
 
 
 def _cupy():
@@ -20,12 +27,13 @@ def _cupy():
     return cupy
 
 
-def _check_pool(pool):
+def _check_pool(pool: object) -> None:
     from mempool import _core
     require_instance(pool, _core.Pool, "pool")
+    require_open(pool, "pool")
 
 
-def set_allocator(pool):
+def set_allocator(pool: Pool | None) -> None:
     """Route CuPy's allocations to `pool` (None: back to CuPy's default memory pool)."""
     if pool is not None:
         _check_pool(pool)
@@ -37,7 +45,7 @@ def set_allocator(pool):
 
 
 @contextlib.contextmanager
-def use(pool):
+def use(pool: Pool) -> Iterator[Pool]:
     """``with use(pool):`` CuPy allocates from `pool` (process-wide, as
     ``cupy.cuda.set_allocator``); the previous allocator is restored on exit. For a
     per-thread switch use ``cupy.cuda.using_allocator(pool.malloc)``."""
@@ -51,7 +59,7 @@ def use(pool):
         cupy.cuda.set_allocator(previous)
 
 
-def from_pool(pool, shape, dtype="float32"):
+def from_pool(pool: Pool, shape: int | tuple[int, ...], dtype: Any = "float32") -> Any:
     """A new, uninitialised ``cupy.ndarray`` on `pool`'s memory (on CuPy's current
     stream), whatever CuPy's allocator is."""
     _check_pool(pool)

@@ -24,7 +24,14 @@ joins later, so a restarted worker builds its pool again. Registering it again r
 
 This module imports ``distributed`` only when used.
 """
+from __future__ import annotations
+
 import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mempool._core import Pool
+    from mempool.prometheus import MetricsServer
 
 __all__ = ["MempoolPlugin", "FRAMEWORKS", "worker_pool", "gather", "report", "serve_metrics"]
 
@@ -45,7 +52,7 @@ def _distributed():
     return require("distributed", _INSTALL_HINT)
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     # The plugin must subclass distributed.WorkerPlugin (Client.register_plugin dispatches on
     # the type), so the class is built on first use; `import mempool.dask` needs no Dask.
     if name == "MempoolPlugin":
@@ -244,7 +251,7 @@ def _build_plugin_class():
 # ------------------------------------------------------------------ in the worker
 
 
-def worker_pool():
+def worker_pool() -> Pool:
     """This worker's pool (in a task). RuntimeError where no MempoolPlugin has run."""
     with _state_lock:
         pool = _state.get("pool")
@@ -285,7 +292,7 @@ def _check_client(client):
         raise TypeError(f"client: expected a distributed.Client, got {type(client).__name__}")
 
 
-def gather(client):
+def gather(client: Any) -> dict[str, Any]:
     """Every worker's pool, ``{worker address: info}``, where info holds ``pid``,
     ``backend``, ``device``, ``conf``, ``hooks`` (what each framework's hook did),
     ``stats`` (``Pool.stats()``), ``summary`` (``Pool.summary()``) and the reserved, used
@@ -294,7 +301,7 @@ def gather(client):
     return dict(sorted(client.run(_worker_info).items()))
 
 
-def report(client):
+def report(client: Any) -> str:
     """One text report of every worker's pool: a line per worker, the cluster's totals,
     then each worker's ``summary()``."""
     from mempool._units import format_bytes as size
@@ -350,7 +357,8 @@ class _ClusterCollector:
         return []
 
 
-def serve_metrics(client, port=9400, addr="127.0.0.1", labels=None):
+def serve_metrics(client: Any, port: int = 9400, addr: str = "127.0.0.1",
+                  labels: dict[str, str] | None = None) -> MetricsServer:
     """Serve every worker's pool metrics on one endpoint, ``http://addr:port/metrics``, from
     this (the client's) process: each scrape asks the workers (``Client.run``), and every
     series carries a ``worker`` label. Returns a ``mempool.prometheus.MetricsServer``."""

@@ -33,7 +33,13 @@ of the device) when it starts; the last of XLA and mempool to set it wins, so cr
 after JAX's first GPU operation if mempool's ``release_threshold`` should apply. Memory the
 cudaMemPool caches is then shared by both; mempool's own free lists stay mempool's.
 """
+from __future__ import annotations
+
 import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mempool._core import Buffer, Pool
 
 #: Bytes of alignment XLA needs to view imported memory in place (below it jaxlib copies).
 #: Pool blocks are 512-byte aligned, so only an offset view can miss it.
@@ -46,7 +52,7 @@ SHARING_ENV = {
 }
 
 
-def configure(overwrite=False):
+def configure(overwrite: bool = False) -> dict[str, str]:
     """Set :data:`SHARING_ENV` in ``os.environ`` (keeping values already set unless
     `overwrite`). Call before JAX's first GPU operation; returns the values in force.
 
@@ -76,14 +82,14 @@ def _backend_initialised(jax):
     return bool(getattr(xla_bridge, "_backends", None))
 
 
-def shared_pool(device=0, **options):
+def shared_pool(device: int = 0, **options: Any) -> Pool:
     """A ``Pool(backend="cuda", pool_handle="default")`` on `device`: segments from the
     device's default cudaMemPool, the one JAX uses under ``cuda_async``."""
     from mempool import Pool
     return Pool(backend="cuda", device=device, pool_handle="default", **options)
 
 
-def check_importable(buf, allow_copy=False):
+def check_importable(buf: Buffer, allow_copy: bool = False) -> None:
     """Raise ValueError if JAX cannot view `buf` in place: a simulated pool's memory, or
     (unless `allow_copy`) data that is not :data:`JAX_ALIGNMENT`-byte aligned, which JAX
     would copy."""
@@ -101,7 +107,7 @@ def check_importable(buf, allow_copy=False):
                          f"that is a multiple of {JAX_ALIGNMENT}, or allow_copy=True")
 
 
-def from_buffer(buf, allow_copy=False):
+def from_buffer(buf: Buffer, allow_copy: bool = False) -> Any:
     """``jax.dlpack.from_dlpack(buf)`` after :func:`check_importable`: a JAX array on the
     Buffer's memory (the array takes over the block).
 
@@ -113,7 +119,8 @@ def from_buffer(buf, allow_copy=False):
     return jax.dlpack.from_dlpack(buf)
 
 
-def from_pool(pool, shape, dtype="float32", stream=None):
+def from_pool(pool: Pool, shape: int | tuple[int, ...], dtype: Any = "float32",
+              stream: Any = None) -> Any:
     """A new, uninitialised JAX array on `pool`'s memory (``pool.empty`` + hand-off)."""
     from mempool import _core
     from mempool._errors import require_instance

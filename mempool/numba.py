@@ -33,9 +33,15 @@ and turns its refusal, and any request on a ``sim`` or ``host`` pool, into an
 
 This module imports Numba only when the manager class is first used.
 """
+from __future__ import annotations
+
 import contextlib
 import ctypes
 import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mempool._core import Pool
 
 __all__ = ["MempoolNumbaManager", "IpcNotSupportedError", "install", "use", "pool_for",
            "stream", "device_array", "to_device", "record_stream", "memory_info"]
@@ -57,7 +63,7 @@ def _numba_driver():
     return require("numba.cuda.cudadrv.driver", _INSTALL_HINT)
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     # Numba looks the plugin up as the module attribute _numba_memory_manager after
     # importing the module named by NUMBA_CUDA_MEMORY_MANAGER; building the class here, on
     # that first look-up, keeps `import mempool.numba` free of Numba.
@@ -69,7 +75,7 @@ def __getattr__(name):
 # ------------------------------------------------------------------ choosing the pool
 
 
-def use(pool):
+def use(pool: Pool) -> Pool:
     """Make `pool` the pool of Numba's allocations on ``pool.device_id`` (process-wide).
 
     Blocks allocated earlier stay with the pool they came from and go back to it. Returns
@@ -83,7 +89,7 @@ def use(pool):
     return pool
 
 
-def pool_for(device=0):
+def pool_for(device: int = 0) -> Pool:
     """The pool Numba's allocations on `device` come from: the one given to :func:`use`,
     else ``mempool.default_pool(device)``."""
     with _pools_lock:
@@ -94,7 +100,7 @@ def pool_for(device=0):
     return pool
 
 
-def install(pool=None):
+def install(pool: Pool | None = None) -> type:
     """Make mempool Numba's memory manager (``numba.cuda.set_memory_manager``), with `pool`
     for its device when given (:func:`use`). Returns the manager class.
 
@@ -177,7 +183,7 @@ def _as_pool_stream(s):
                     f"or an int handle; got {type(s).__name__}")
 
 
-def stream(s):
+def stream(s: Any) -> contextlib.AbstractContextManager[None]:
     """``with mempool.numba.stream(s):`` Numba's allocations in this thread are made on
     stream `s` (and freed on it). ``0`` or ``None``: Numba's default stream."""
     return _on_stream(s)
@@ -194,7 +200,8 @@ def _on_stream(s):
         _scope.stream = previous
 
 
-def device_array(shape, dtype=float, strides=None, order="C", stream=0):
+def device_array(shape: Any, dtype: Any = float, strides: Any = None, order: str = "C",
+                 stream: Any = 0) -> Any:
     """``numba.cuda.device_array`` whose block is allocated on `stream`, and so freed in
     that stream's order when the array goes."""
     import numba.cuda
@@ -203,7 +210,7 @@ def device_array(shape, dtype=float, strides=None, order="C", stream=0):
                                        stream=stream)
 
 
-def to_device(obj, stream=0, copy=True, to=None):
+def to_device(obj: Any, stream: Any = 0, copy: bool = True, to: Any = None) -> Any:
     """``numba.cuda.to_device`` whose block is allocated on `stream` (see
     :func:`device_array`)."""
     import numba.cuda
@@ -211,7 +218,7 @@ def to_device(obj, stream=0, copy=True, to=None):
         return numba.cuda.to_device(obj, stream=stream, copy=copy, to=to)
 
 
-def record_stream(array, stream):
+def record_stream(array: Any, stream: Any) -> None:
     """Declare that `array`'s memory (a Numba device array, or anything with
     ``__cuda_array_interface__`` on a pool block) is also used on `stream`: when it is
     freed, the pool waits for that stream's work queued until then before reusing it."""
@@ -249,7 +256,7 @@ def _owning_pool(ptr):
 # ------------------------------------------------------------------ memory info
 
 
-def memory_info(pool, device_free=None):
+def memory_info(pool: Pool, device_free: int | None = None) -> tuple[int, int]:
     """``(free, total)`` bytes as the pool sees them, for ``get_memory_info``.
 
     ``total`` is the pool's ``limit`` when it has one, else the device's capacity. ``free``

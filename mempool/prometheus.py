@@ -35,7 +35,14 @@ Counters restart from 0 after ``reset_accumulated_stats()``, which Prometheus re
 counter reset. ``mempool.dask.serve_metrics`` exports the same for every worker of a Dask
 cluster, with a ``worker`` label. This module imports ``prometheus_client`` only when used.
 """
+from __future__ import annotations
+
 import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mempool._core import Pool
 
 __all__ = ["MempoolCollector", "samples", "families", "register", "serve", "MetricsServer"]
 
@@ -103,7 +110,7 @@ def _check_labels(labels):
     return out
 
 
-def samples(pools=None):
+def samples(pools: Pool | Iterable[Pool] | None = None) -> list[dict[str, Any]]:
     """One plain dict per pool (every live pool when `pools` is None): the values the
     metrics export, with the pool's labels. Picklable, so a Dask worker can send them."""
     import mempool
@@ -115,6 +122,8 @@ def samples(pools=None):
         numbered = [(number.get(id(p), -1), p) for p in pools]
     out = []
     for n, pool in numbered:
+        if pool.closed:   # it holds nothing, and answers no call
+            continue
         st = pool.stats()
         reserved, allocated = pool.reserved_bytes(), pool.used_bytes()
         out.append({
@@ -138,7 +147,8 @@ def samples(pools=None):
     return out
 
 
-def families(pool_samples, labels=None):
+def families(pool_samples: list[dict[str, Any]],
+             labels: dict[str, str] | None = None) -> list[Any]:
     """The metric families of `pool_samples` (from :func:`samples`), each sample's labels
     extended by the constant `labels` and by its own ``"extra"`` labels if it has them."""
     _prometheus()
@@ -180,12 +190,13 @@ class MempoolCollector:
         Constant labels added to every series (``{"job": "trainer"}``).
     """
 
-    def __init__(self, pools=None, labels=None):
+    def __init__(self, pools: Pool | Iterable[Pool] | None = None,
+                 labels: dict[str, str] | None = None) -> None:
         _prometheus()
         self._pools = None if pools is None else _check_pools(pools)
         self._labels = _check_labels(labels)
 
-    def collect(self):
+    def collect(self) -> list[Any]:
         return families(samples(self._pools), self._labels)
 
     def describe(self):
@@ -194,7 +205,8 @@ class MempoolCollector:
         return families([], self._labels)
 
 
-def register(registry=None, pools=None, labels=None):
+def register(registry: Any = None, pools: Pool | Iterable[Pool] | None = None,
+             labels: dict[str, str] | None = None) -> MempoolCollector:
     """Add a :class:`MempoolCollector` to `registry` (default: prometheus_client's global
     ``REGISTRY``, the one an application's own ``/metrics`` serves). Returns the collector
     (``registry.unregister(collector)`` removes it)."""
@@ -210,7 +222,7 @@ class MetricsServer:
     ``url`` is the address to scrape, ``port`` the port bound (useful with port 0);
     ``close()`` stops it (also as a context manager)."""
 
-    def __init__(self, registry, addr, port):
+    def __init__(self, registry: Any, addr: str, port: int) -> None:
         from wsgiref.simple_server import WSGIRequestHandler
         prometheus_client = _prometheus()
         from prometheus_client.exposition import ThreadingWSGIServer
@@ -231,15 +243,15 @@ class MetricsServer:
                                         name="mempool-metrics", daemon=True)
         self._thread.start()
 
-    def close(self):
+    def close(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5)
 
-    def __enter__(self):
+    def __enter__(self) -> MetricsServer:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> bool:
         self.close()
         return False
 
@@ -255,7 +267,9 @@ def _check_port(port, addr):
                         f"loopback only), got {addr!r}")
 
 
-def serve(port=9400, addr="127.0.0.1", pools=None, labels=None, collector=None):
+def serve(port: int = 9400, addr: str = "127.0.0.1",
+          pools: Pool | Iterable[Pool] | None = None, labels: dict[str, str] | None = None,
+          collector: Any = None) -> MetricsServer:
     """Serve the pools' metrics at ``http://addr:port/metrics`` from a daemon thread.
 
     Parameters

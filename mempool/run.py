@@ -146,7 +146,8 @@ def _hook_cupy(pool):
     return list(range(count))
 
 
-def install_default(conf=None, torch=True, cupy=True):
+def install_default(conf: str | None = None, torch: bool = True,
+                    cupy: bool = True) -> Installed:
     """Make mempool's default pools the allocator of PyTorch and CuPy in this process.
 
     Does what ``python -m mempool run`` does before it runs the script, for code that is

@@ -33,7 +33,17 @@ The entry points PyTorch calls are C functions of the ``mempool._core`` extensio
 shared object at ``mempool._core.__file__``); they never take the GIL. This module imports
 torch only when one of its functions is called.
 """
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
 from mempool import _core, _torch_settings
+from mempool._errors import require_open as _require_open
+
+if TYPE_CHECKING:
+    from mempool._core import Pool
 
 _HOOKS = ("record_stream", "reset", "memory_fraction", "base_alloc")
 _SETTERS = {
@@ -45,12 +55,12 @@ _SETTERS = {
 _installed = None   # what install() made PyTorch's allocator: a Glue or a CUDAPluggableAllocator
 
 
-def library_path():
+def library_path() -> str:
     """Path of the shared object holding the entry points (``mempool._core.__file__``)."""
     return _core.__file__
 
 
-def entry_points():
+def entry_points() -> dict[str, int]:
     """Addresses of the C entry points: {"alloc", "free", "record_stream", "reset",
     "memory_fraction", "base_alloc"} -> int."""
     return _core._torch_entry_points()
@@ -67,22 +77,23 @@ def _torch_cuda():
     return torch
 
 
-def _check_pool(pool):
+def _check_pool(pool: object) -> None:
     if not isinstance(pool, _core.Pool):
         raise TypeError(f"pool: expected a mempool.Pool, got {type(pool).__name__}")
+    _require_open(pool, "pool")
     if pool.backend != "cuda":
         raise ValueError(f"pool: PyTorch needs device memory; this pool's backend is "
                          f"{pool.backend!r} (use Pool(backend='cuda'))")
 
 
-def register(pool):
+def register(pool: Pool) -> None:
     """Route PyTorch's allocations on ``pool.device_id`` to `pool` (one pool per device;
     the allocator serves every registered device)."""
     _check_pool(pool)
     _core._torch_register(pool.device_id, pool)
 
 
-def routed_devices():
+def routed_devices() -> tuple[int, ...]:
     """The devices whose PyTorch allocations reach a pool (registered), ascending."""
     return tuple(d for d in range(_core.TORCH_MAX_DEVICES) if _core._torch_is_registered(d))
 
@@ -127,7 +138,7 @@ def _pools_by_device(pools):
     return dict(sorted(out.items()))
 
 
-def install_all(pools=None, peer_access=True):
+def install_all(pools: Iterable[Pool] | None = None, peer_access: bool = True) -> Any:
     """Make mempool PyTorch's CUDA allocator on several devices, one pool per device.
 
     Parameters
@@ -192,12 +203,12 @@ def install_all(pools=None, peer_access=True):
     return alloc
 
 
-def unregister(device):
+def unregister(device: int) -> None:
     """Stop routing `device`. RuntimeError while PyTorch still holds blocks there."""
     _core._torch_unregister(device)
 
 
-def allocator(pool, *more_pools):
+def allocator(pool: Pool, *more_pools: Pool) -> Any:
     """A ``torch.cuda.memory.CUDAPluggableAllocator`` over `pool` (and `more_pools`, one
     per device), with the record_stream, empty_cache, memory-fraction and base-allocation
     hooks set.
@@ -243,15 +254,15 @@ class Glue:
         The compiled library (cached per PyTorch build).
     """
 
-    def __init__(self, path, library):
+    def __init__(self, path: pathlib.Path, library: Any) -> None:
         self.path = path
         self._library = library
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<mempool.torch.Glue {self.path}>"
 
 
-def build(force=False):
+def build(force: bool = False) -> pathlib.Path:
     """Compile mempool's C++ PyTorch allocator for the PyTorch imported here, or find it in
     the cache; returns the library's path. Raises :class:`mempool.torch_build.BuildError`."""
     _torch_cuda()
@@ -274,7 +285,7 @@ def _load_glue(path):
     return Glue(path, library)
 
 
-def install(pool, *more_pools, allocator="auto"):
+def install(pool: Pool, *more_pools: Pool, allocator: str = "auto") -> Any:
     """Make `pool` PyTorch's CUDA allocator for this process (see the module docstring).
 
     Parameters
@@ -357,7 +368,7 @@ def install(pool, *more_pools, allocator="auto"):
     return alloc
 
 
-def mem_pool(pool, use_on_oom=False):
+def mem_pool(pool: Pool, use_on_oom: bool = False) -> Any:
     """A ``torch.cuda.MemPool`` backed by `pool`, for ``torch.cuda.use_mem_pool``.
 
     Parameters
@@ -377,7 +388,8 @@ def mem_pool(pool, use_on_oom=False):
     return torch.cuda.MemPool(alloc.allocator(), use_on_oom=use_on_oom)
 
 
-def from_pool(pool, shape, dtype="float32", stream=None):
+def from_pool(pool: Pool, shape: int | tuple[int, ...], dtype: Any = "float32",
+              stream: Any = None) -> Any:
     """A torch tensor on `pool`'s memory, through a zero-copy DLPack hand-off.
 
     `dtype` is a NumPy-style dtype or a ``torch.dtype``; `stream` the stream the tensor is
@@ -397,7 +409,7 @@ def from_pool(pool, shape, dtype="float32", stream=None):
     return torch.from_dlpack(buf)
 
 
-def counters(device=0):
+def counters(device: int = 0) -> dict[str, int]:
     """{"live_blocks", "failed_allocs"} of PyTorch's allocations through mempool on
     `device` (failed_allocs counts the NULLs returned for want of memory)."""
     return _core._torch_counters(device)

@@ -195,6 +195,9 @@ SPECIAL = {
     "hold_syncs": "as hold_allocs, for stream synchronizations",
     "hold_event_creates": "as hold_allocs, for event creations",
     "hold_va_reserves": "as hold_allocs, for address-space reservations",
+    "close": "a closed pool answers every later call with PoolClosedError, which would end "
+             "the example (tests/test_close.py covers it): called with values of 'force' "
+             "that are not a bool only, which are refused and change nothing",
 }
 
 
@@ -354,6 +357,9 @@ def draw_args(data, world, fn, name):
     if name == "save_trace":
         return (data.draw(st.sampled_from([os.path.join(world.tmpdir, "t.jsonl"), None, 1.5,
                                            (), object()]), label="path"),), {}
+    if name == "close":
+        return (data.draw(st.sampled_from([None, 0, 1, "yes", 1.5, (), object()]),
+                          label="force"),), {}
     if name in ("hold_allocs", "hold_syncs", "hold_event_creates", "hold_va_reserves"):
         return (data.draw(st.sampled_from([0, 1, 2, -1, 2 ** 64, None]), label="n"),
                 data.draw(st.sampled_from([0.001, 0.01, 0, -1, math.nan, math.inf, 1e9,
