@@ -7,7 +7,6 @@ with benchmarks enabled, keeps pytest's own output in ``OUT/bench.log`` and the 
 mempool), and draws ``OUT/latency.png`` when matplotlib is installed. Without a CUDA device
 it runs the simulated-device part only, and says so.
 """
-import argparse
 import collections
 import contextlib
 import json
@@ -16,6 +15,7 @@ import sys
 from pathlib import Path
 
 from mempool import _cuda
+from mempool.cli._args import ArgumentParser
 
 SECTION_ORDER = ["latency", "torch.empty", "foundation", "streams", "scale", "threads", "first step"]
 SECTION_TEXT = {
@@ -259,7 +259,7 @@ class _Progress:
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m mempool bench",
+    p = ArgumentParser(prog="python -m mempool bench",
                                 description="Run the allocation latency suite (mempool.bench) and "
                                             "print one table of ns per malloc+free pair.")
     p.add_argument("--quick", action="store_true",

@@ -17,6 +17,7 @@ import os
 import sys
 
 from mempool._core import _DEFAULT_CAPACITY
+from mempool.cli._args import ArgumentParser
 
 __all__ = ["main", "default_trace"]
 
@@ -62,7 +63,7 @@ def _size_arg(text: str):
 def _replay(argv) -> int:
     from mempool.tools import replay as rp
 
-    ap = argparse.ArgumentParser(prog="python -m mempool replay",
+    ap = ArgumentParser(prog="python -m mempool replay",
                                  description="Replay an allocation trace through a pool and "
                                              "report peak live and reserved memory.")
     ap.add_argument("trace", nargs="?", help=f"trace file (default: the shipped {DEFAULT_TRACE})")
@@ -207,7 +208,7 @@ def _compare(path: str, events, args, extra: dict) -> int:
     from mempool.tools import replay as rp
 
     rows = []
-    # A bad --conf is refused as without --compare (main reports it, exit status 1).
+    # A bad --conf is refused as without --compare (one line, exit status 2).
     conf = parse_conf(args.conf, "--conf") if args.conf else {}
     # Options of fixed segments only: the expandable row leaves them out instead of refusing.
     fixed_only = sorted(k for k in conf if k in FIXED_SEGMENT_OPTIONS)
@@ -271,7 +272,7 @@ def _compare(path: str, events, args, extra: dict) -> int:
 def _tune(argv) -> int:
     from mempool.tools import tune as tn
 
-    ap = argparse.ArgumentParser(prog="python -m mempool tune",
+    ap = ArgumentParser(prog="python -m mempool tune",
                                  description="Replay a trace on the simulated device under a "
                                              "grid of settings and recommend the one that "
                                              "reserves least memory.")
@@ -306,7 +307,7 @@ def _plot(argv) -> int:
     from mempool.tools import plot as pl
     from mempool.tools import replay as rp
 
-    ap = argparse.ArgumentParser(prog="python -m mempool plot",
+    ap = ArgumentParser(prog="python -m mempool plot",
                                  description="Draw a snapshot's segment map, or a trace's live "
                                              "and reserved memory over time.")
     ap.add_argument("input", nargs="?",
@@ -343,8 +344,5 @@ def main(command: str, argv) -> int:
         print(f"mempool: {command!r} is not a trace command (accepted: "
               f"{', '.join(COMMANDS)})", file=sys.stderr)
         return 2
-    try:
-        return COMMANDS[command](list(argv))
-    except (ValueError, FileNotFoundError, ImportError) as e:
-        print(f"mempool {command}: {e}", file=sys.stderr)
-        return 1
+    # A bad input raises: mempool.cli.main makes it one line and exit status 2.
+    return COMMANDS[command](list(argv))
