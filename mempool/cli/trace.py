@@ -269,13 +269,21 @@ def _compare(path: str, events, args, extra: dict) -> int:
     return 0
 
 
+# tune's exit status when no setting fits under the limit: the report says so, and
+# recommends none. (2 is an error: bad arguments or an unreadable trace.)
+TUNE_NOTHING_FITS = 1
+
+
 def _tune(argv) -> int:
     from mempool.tools import tune as tn
 
     ap = ArgumentParser(prog="python -m mempool tune",
                                  description="Replay a trace on the simulated device under a "
                                              "grid of settings and recommend the one that "
-                                             "reserves least memory.")
+                                             "reserves least memory.",
+                        epilog="Exit status: 0 with a recommendation; 1 when no setting "
+                               "replays the trace without refused allocations (under "
+                               "--limit), so none is recommended; 2 on an error.")
     ap.add_argument("trace", nargs="?", help=f"trace file (default: the shipped {DEFAULT_TRACE})")
     ap.add_argument("--limit", type=_size_arg, default=None,
                     help="replay under this cap on reserved bytes (bytes, 40GB, or 0.5)")
@@ -300,7 +308,8 @@ def _tune(argv) -> int:
              if args.segment_rounding is not None and args.limit is None else "")
           + f" ({len(results) - replayed} refused, listed below)" * (replayed < len(results)))
     print(tn.report(results, top=args.top))
-    return 0
+    # Nothing fits: the run worked but found no setting to recommend (said in the report).
+    return 0 if tn.fits(results) else TUNE_NOTHING_FITS
 
 
 def _plot(argv) -> int:
