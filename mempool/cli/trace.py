@@ -153,8 +153,8 @@ def _replay(argv) -> int:
     if args.plot:
         from mempool.tools import plot
 
-        plot.plot_timeline(result, args.plot, title=os.path.basename(path))
-        print(f"plot           {args.plot}")
+        written = plot.plot_timeline(result, args.plot, title=os.path.basename(path))
+        print(f"plot           {written}")
     return 0
 
 
@@ -332,15 +332,15 @@ def _plot(argv) -> int:
         events = _load(path)
         pool, ptrs = rp.pool_at(events, conf=args.conf)
         try:
-            pl.plot_segments(pool.snapshot(), args.out,
+            written = pl.plot_segments(pool.snapshot(), args.out,
                              title=f"{os.path.basename(path)}, {args.conf or 'default settings'}"
                                    ", when reserved bytes reach their peak")
         finally:
             for p in ptrs:
                 pool.free(p)
     else:
-        pl.plot(path, args.out, conf=args.conf)
-    print(args.out)
+        written = pl.plot(path, args.out, conf=args.conf)
+    print(written)                   # the file written (.png added to a bare name)
     return 0
 
 
