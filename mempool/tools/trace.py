@@ -38,10 +38,10 @@ import operator
 import os
 import pickle
 import re
-import zlib
 from typing import Iterable, NamedTuple
 
 from mempool import _core
+from mempool.tools import _read
 
 __all__ = [
     "Event", "Trace", "FORMAT", "VERSION", "save", "load", "load_any", "from_pool_history",
@@ -185,127 +185,25 @@ def save(events: Iterable, path, meta: dict | None = None) -> int:
 MAX_INPUT_BYTES = 2 << 30       # the most bytes a file may hold, after decompression
 MAX_LINE_BYTES = 1 << 20        # the longest line (a header with its metadata included)
 MAX_NESTING = 64                # the deepest a header's or an entry's values may nest
-_CHUNK = 1 << 20                # bytes inflated at a time
-
-
-def _too_large(path: str) -> ValueError:
-    return ValueError(f"{path}: more than {MAX_INPUT_BYTES:,} bytes (after decompression): "
-                      "larger than mempool.tools.trace.MAX_INPUT_BYTES allows (a damaged "
-                      "file or a gzip bomb? raise the constant to read a larger trace)")
-
-
-def _open_checked(path: str):
-    """`path` opened for binary reading; a directory is a ValueError, as bad content is."""
-    if os.path.isdir(path):
-        raise ValueError(f"{path}: is a directory; a trace is a file")
-    return open(path, "rb")
 
 
 def _chunks(path: str):
-    """The file's bytes in chunks, inflated when it is gzip (by its magic bytes), at most
-    MAX_INPUT_BYTES in all; then ``None`` if a gzip stream was truncated or damaged."""
-    total = 0
-    with _open_checked(path) as f:
-        magic = f.read(2)
-        f.seek(0)
-        if magic != b"\x1f\x8b":
-            while True:
-                data = f.read(_CHUNK)
-                if not data:
-                    return
-                total += len(data)
-                if total > MAX_INPUT_BYTES:
-                    raise _too_large(path)
-                yield data
-        d = zlib.decompressobj(wbits=31)
-        pending = b""
-        at_end = False
-        while True:
-            if d.eof:
-                # Concatenated gzip members are one stream, as gzip reads them.
-                pending = d.unused_data or f.read(_CHUNK)
-                if not pending:
-                    return
-                d = zlib.decompressobj(wbits=31)
-            elif not pending:
-                pending = f.read(_CHUNK)
-                at_end = not pending
-            try:
-                # max_length bounds what one call inflates: a bomb is stopped at the cap.
-                data = d.decompress(pending, _CHUNK)
-            except zlib.error:
-                yield None
-                return
-            pending = d.unconsumed_tail
-            total += len(data)
-            if total > MAX_INPUT_BYTES:
-                raise _too_large(path)
-            if data:
-                yield data
-            elif at_end and not d.eof:
-                yield None                 # the file ends before the stream does
-                return
+    return _read.chunks(path, MAX_INPUT_BYTES)
 
 
 def _lines(path: str):
-    """The file's lines as str, without their newlines, read as a stream: each at most
-    MAX_LINE_BYTES, UTF-8; a damaged gzip stream is a ValueError naming the line where the
-    readable text ends."""
-    buf = b""
-    line = 1
-    for data in _chunks(path):
-        if data is None:
-            raise ValueError(f"{path}: line {line}: the gzip stream is truncated or damaged "
-                             "(readable text ends in this line)")
-        buf += data
-        parts = buf.split(b"\n")
-        buf = parts.pop()
-        for raw in parts:
-            yield _decoded(raw, path, line)
-            line += 1
-        if len(buf) > MAX_LINE_BYTES:
-            raise ValueError(f"{path}: line {line}: longer than {MAX_LINE_BYTES:,} bytes "
-                             "(mempool.tools.trace.MAX_LINE_BYTES); not a trace line")
-    if buf:
-        yield _decoded(buf, path, line)
-
-
-def _decoded(raw: bytes, path: str, line: int) -> str:
-    if len(raw) > MAX_LINE_BYTES:
-        raise ValueError(f"{path}: line {line}: longer than {MAX_LINE_BYTES:,} bytes "
-                         "(mempool.tools.trace.MAX_LINE_BYTES); not a trace line")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: line {line}: not UTF-8 text ({e.reason})") from None
+    return _read.lines(path, MAX_INPUT_BYTES, MAX_LINE_BYTES)
 
 
 def _json(text: str):
-    """json.loads, with nesting deeper than the parser's stack a ValueError too."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError(f"values nested deeper than {MAX_NESTING} levels") from None
+    return _read.json_value(text, MAX_NESTING)
 
 
-def _depth_ok(value, limit: int = MAX_NESTING) -> bool:
-    """Whether `value` (JSON or unpickled data) nests at most `limit` containers deep;
-    iterative, so a value nested beyond the interpreter's stack is answered too."""
-    stack = [(value, 0)]
-    seen = 0
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, (list, tuple)):
-            children = item
-        else:
-            continue
-        if depth >= limit:
-            return False
-        seen += 1
-        stack.extend((child, depth + 1) for child in children)
-    return True
+def _depth_ok(value) -> bool:
+    return _read.depth_ok(value, MAX_NESTING)
+
+
+_open_checked = _read.open_checked
 
 
 def _deep(reader):
