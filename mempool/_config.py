@@ -187,6 +187,9 @@ def _parse_size_unbounded(value: Any, key: str) -> int:
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m is None:
+            # "-1" is refused for its sign, as the int -1 is: one reason for both spellings.
+            if value.strip().startswith("-") and _SIZE_RE.match(value.strip()[1:]):
+                raise _error(key, value, _SIZE_ACCEPTED, "negative")
             raise _error(key, value, _SIZE_ACCEPTED, "not a number with an optional unit")
         number, unit = m.group(1), m.group(2).lower()
         if unit not in _UNITS:
@@ -299,7 +302,13 @@ def _parse_limit(value: Any, key: str) -> int | float | None:
                          "a fraction must lie in (0, 1]; write a byte limit as an int or "
                          "with a unit")
         return fraction
-    return _size_or_none(value, key, accepted)
+    n = _size_or_none(value, key, accepted)
+    if n is not None and n < SMALL_SEGMENT:
+        # The smallest segment the pool reserves: under a lower limit no allocation fits.
+        raise _error(key, value, accepted,
+                     f"below {format_bytes(SMALL_SEGMENT)}, the smallest segment the pool "
+                     "reserves, so no allocation could succeed")
+    return n
 
 
 def _parse_bool(value: Any, key: str) -> bool:
@@ -866,6 +875,18 @@ def _check_combination(out: dict[str, Any], given: Mapping[str, Any]) -> None:
 # --------------------------------------------------------------------------- conf strings
 
 
+# A conf string quoted in a message is cut here: a message stays one readable line, and
+# building it costs the same for a string of any length.
+_CONF_SHOWN = 120
+
+
+def _shown(conf: str) -> str:
+    """`conf` as a message quotes it: its repr, cut after _CONF_SHOWN characters."""
+    if len(conf) <= _CONF_SHOWN:
+        return repr(conf)
+    return f"{conf[:_CONF_SHOWN]!r}... ({len(conf):,} characters)"
+
+
 def _tokenize(conf: str) -> list[str]:
     # PyTorch's ConfigTokenizer: ',', ':', '[' and ']' are tokens of their own, whitespace
     # is dropped everywhere, everything else runs together.
@@ -893,18 +914,22 @@ def _entries(conf: str, source: str) -> list[tuple[str, str]]:
     while i < n:
         key = tokens[i]
         if key in ",:[]":
-            raise ValueError(f"{source}: expected an option name at {key!r} in {conf!r}; "
+            raise ValueError(f"{source}: expected an option name at {key!r} in {_shown(conf)}; "
                              "write key:value,key:value")
         if i + 1 >= n or tokens[i + 1] != ":":
-            raise ValueError(f"{source}: option {key!r} has no value in {conf!r}; write {key}:VALUE")
+            name, eq, given = key.partition("=")
+            spelled = f"{name}:{given}" if eq and name and given else f"{key}:VALUE"
+            raise ValueError(f"{source}: option {key!r:.80} has no value in {_shown(conf)}; "
+                             f"write {spelled:.80}" + (" (':' between a key and its value, "
+                                                       "not '=')" if eq else ""))
         i += 2
         if i >= n or tokens[i] in ",:]":
-            raise ValueError(f"{source}: option {key!r} has an empty value in {conf!r}")
+            raise ValueError(f"{source}: option {key!r} has an empty value in {_shown(conf)}")
         if tokens[i] == "[":
             try:
                 close = tokens.index("]", i)
             except ValueError:
-                raise ValueError(f"{source}: option {key!r}: unclosed '[' in {conf!r}") from None
+                raise ValueError(f"{source}: option {key!r}: unclosed '[' in {_shown(conf)}") from None
             value = "".join(tokens[i:close + 1])
             i = close + 1
         else:
@@ -912,7 +937,7 @@ def _entries(conf: str, source: str) -> list[tuple[str, str]]:
             i += 1
         if i < n:
             if tokens[i] != ",":
-                raise ValueError(f"{source}: expected ',' after {key}:{value} in {conf!r}, "
+                raise ValueError(f"{source}: expected ',' after {key}:{value} in {_shown(conf)}, "
                                  f"got {tokens[i]!r}")
             i += 1
         entries.append((key, value))
@@ -993,10 +1018,12 @@ def parse_conf(conf: str, source: str = "conf") -> dict[str, Any]:
             parsed = OPTIONS[target].parse(read(value, key) if read else value, key)
         except ValueError as e:
             raise ValueError(f"{source}: in '{key}:{value}': {e}") from None
-        if target in out:
+        if target in out and ("twice", target) not in _warned:
+            # The topic is checked first: a string that repeats a key thousands of times
+            # builds this message once, not once a repeat.
             _warn_once(("twice", target),
                        f"{source}: option {target!r} is given twice (as {spelled[target]!r} "
-                       f"and {key!r}) in {conf!r}; as in PyTorch, the later one "
+                       f"and {key!r}) in {_shown(conf)}; as in PyTorch, the later one "
                        f"('{key}:{value}') wins")
         out[target] = parsed
         spelled[target] = key

@@ -25,6 +25,7 @@ Run alone it fuzzes for ``--seconds``; the parent sets the budget from MEMPOOL_F
 """
 import argparse
 import faulthandler
+import functools
 import gc
 import inspect
 import math
@@ -263,6 +264,7 @@ POOL_CONFIGS = {
                   dict(backend="host", capacity="256MB", expandable_segments=True,
                        release_threshold=0)],
     "module": [dict(backend="sim", capacity="1GB")],
+    "inputs": [],           # no pool: hostile files, conf strings and command lines
 }
 
 
@@ -570,7 +572,40 @@ def finish(world):
     assert used == 0, f"{used} bytes still used once every holder was dropped: a leak"
 
 
+def sweep(target, tmpdir, functions):
+    """Every public name of the target called once, with no arguments, before the random
+    batches: the names are reached whatever the seed and however few batches the time
+    allows, so a check that every name is called depends on neither."""
+    LOG.write("sweep")
+    if target == "module":
+        for label, fn in functions:
+            if label.rsplit(".", 1)[1] not in SPECIAL:
+                call(None, label, fn, (), {}, "module")
+        return
+    world = World(POOL_CONFIGS[target][0], tmpdir)
+    try:
+        objs = {"pool": world.pool, "device": world.pool.device, "buffer": world.buffers[0]}
+        for kind, obj in objs.items():
+            for name in public_names(type(obj)):
+                what = f"{kind}.{name}"
+                if _is_data(type(obj), name):
+                    keep(world, call(world, what, functools.partial(getattr, obj, name), (), {}, kind))
+                elif name not in SPECIAL:
+                    keep(world, call(world, what, getattr(obj, name), (), {}, kind))
+                else:
+                    LOG.write(f"{what}(...) (special: {SPECIAL[name][:40]})")
+        del objs, obj                # the Buffer they hold would look like a leak
+        finish(world)
+    finally:
+        for p in world.pools:
+            if p.backend == "sim":
+                p.device.release_held()
+
+
 def make_test(target, tmpdir, functions):
+    if target == "inputs":
+        import fuzz_inputs                  # beside this file
+        return fuzz_inputs.make_test(tmpdir, LOG, conf_strings(), STRINGS)
     configs = POOL_CONFIGS[target]
 
     @given(st.data())
@@ -601,6 +636,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--first-batch", type=int, default=0)
+    ap.add_argument("--batches", type=int, default=None,
+                    help="run exactly this many batches, whatever the time (the work, and "
+                         "so what is called, then depends on the seed alone)")
     ap.add_argument("--examples", type=int, default=100, help="examples per batch")
     ap.add_argument("--log", default=None, help="append each call here before making it")
     ap.add_argument("--tmpdir", default=None)
@@ -609,10 +647,12 @@ def main(argv=None):
     LOG = Log(args.log)
     faulthandler.enable()
     tmpdir = args.tmpdir or os.getcwd()
-    functions = module_functions()
+    functions = module_functions() if args.target != "inputs" else []
     gc.freeze()                  # the imports' objects: a collection then walks only ours
     end = time.monotonic() + args.seconds
     batch = args.first_batch
+    if batch == 0 and args.target != "inputs":
+        sweep(args.target, tmpdir, functions)
     calls = 0
     while True:
         print(f"fuzz target={args.target} seed={args.seed} batch={batch}", flush=True)
@@ -626,7 +666,10 @@ def main(argv=None):
         test()
         calls += args.examples
         batch += 1
-        if time.monotonic() >= end:
+        if args.batches is not None:
+            if batch - args.first_batch >= args.batches:
+                break
+        elif time.monotonic() >= end:
             break
     print(f"fuzz target={args.target} done: {batch - args.first_batch} batches, "
           f"{calls} examples", flush=True)

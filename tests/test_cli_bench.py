@@ -132,3 +132,51 @@ def test_plot_latency_labels_ticks_around_the_fastest_row(tmp_path, monkeypatch)
     assert lo <= 32.0 and hi >= 83.0
     ticks = seen["ticks"]
     assert any(t <= 32.0 for t in ticks) and any(32.0 < t <= 41.0 for t in ticks)
+
+
+def _foundation(floor, empty, full):
+    return [
+        _info("bare C-method call x2 (floor)", "512 B", floor, section="foundation"),
+        _info("mempool alloc/free (sim), empty pool", "512 B", empty, section="foundation",
+              ref=1),
+        _info("mempool alloc/free (sim), 100k live + 10k cached", "512 B", full,
+              section="foundation"),
+    ]
+
+
+def test_figures_that_contradict_their_bounds_are_noise_not_results():
+    # A floor above the call it bounds, a populated pool faster than an empty one.
+    noisy = _foundation(268.0, 77.0, 40.0)
+    assert len(cli_bench.contradictions(noisy)) == 2
+    lines = cli_bench.foundation_lines(noisy)
+    assert len(lines) == 1 and "noisy" in lines[0], lines
+    assert " x the " not in lines[0]                       # no ratio given as a result
+
+
+def test_noisy_figures_are_measured_again():
+    runs = [_foundation(268.0, 77.0, 90.0), _foundation(70.0, 140.0, 175.0)]
+    again = cli_bench.remeasure_noisy(_foundation(268.0, 77.0, 40.0), lambda: runs.pop(0))
+    assert not runs and not cli_bench.contradictions(again)
+    assert cli_bench.foundation_lines(again)[0].startswith("sim round trip 512 B: 140 ns")
+    calls = []
+    cli_bench.remeasure_noisy(_foundation(268.0, 77.0, 90.0),
+                              lambda: calls.append(1) or _foundation(268.0, 77.0, 90.0))
+    assert len(calls) == cli_bench.NOISE_RETRIES
+
+
+def test_every_header_names_its_unit():
+    # The streams section holds ns per pair beside ns per stream (stream churn).
+    infos = [_info("mempool (sim)", "2 streams", 150.0, section="streams", ref=1),
+             _info("mempool (sim)", "stream churn", 900.0, section="streams", unit="stream")]
+    text = cli_bench.render_table(infos)
+    assert "2 streams [ns per pair]" in text and "stream churn [ns per stream]" in text, text
+    assert "[stream]" not in text
+    one_unit = cli_bench.render_table(INFOS)
+    assert "[ns per pair]" in one_unit and "[us per iteration]" in one_unit
+
+
+def test_an_out_folder_that_cannot_be_made_is_one_line(capsys):
+    pytest.importorskip("pytest_benchmark")
+    assert cli_bench.main("bench", ["--quick", "--out", "/proc/nope"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--out /proc/nope" in err, err

@@ -14,6 +14,8 @@ from mempool._config import (
     to_conf, to_pytorch_conf,
 )
 
+from mempool._core import SMALL_SEGMENT
+
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -285,8 +287,8 @@ GOOD_OPTIONS = [
     ("limit", ".25", 0.25),
     ("limit", 8 * GiB, 8 * GiB),
     ("limit", "8GiB", 8 * GiB),
-    ("limit", "1", 1),                    # no decimal point: bytes
-    ("limit", 1, 1),
+    ("limit", "2097152", 2 * MiB),        # no decimal point: bytes
+    ("limit", 2 * MiB, 2 * MiB),          # the smallest limit: one small segment
     ("limit", None, None),
     ("initial_pool_size", "1GiB", GiB),
     ("garbage_collection_threshold", 0, 0.0),
@@ -315,6 +317,11 @@ def test_normalize_good(key, value, expected):
 
 
 BAD_OPTIONS = [
+    ({"limit": 0}, "'limit'", "the smallest segment"),
+    ({"limit": "0GB"}, "'limit'", "the smallest segment"),
+    ({"limit": SMALL_SEGMENT - 1}, "'limit'", "below 2.00 MiB, the smallest segment"),
+    ({"limit": -1}, "'limit'", "(negative)"),
+    ({"limit": "-1"}, "'limit'", "(negative)"),
     ({"foo": 1}, "'foo'", "accepted options: backend, device"),
     ({"max_split_size_mb": 64}, "'max_split_size_mb'", "write 'max_split_size'"),
     ({"max_splt_size": 64}, "'max_splt_size'", "did you mean 'max_split_size'"),
@@ -405,7 +412,7 @@ GOOD_CONFS = [
     ("per_process_memory_fraction:0.5", {"limit": 0.5}),
     ("per_process_memory_fraction:1", {"limit": 1.0}),
     ("limit:512MB,", {"limit": 512 * MiB}),                     # trailing comma, as PyTorch
-    ("limit:1", {"limit": 1}),
+    ("limit:2097152", {"limit": 2 * MiB}),
     ("max_split_size:none", {"max_split_size": None}),
     ("max_split_size_mb:20", {"max_split_size": 20 * MiB}),
     ("pool_handle:current,reuse_allow_opportunistic:false",
@@ -593,3 +600,42 @@ def test_granularity_is_the_page_of_every_backend():
     assert parse_conf("backend:host,granularity:8MB") == {"backend": "host", "granularity": 8 << 20}
     # on cuda a multiple of the driver's granularity, which only the device can check
     assert normalize({"backend": "cuda", "granularity": "20MiB"})["granularity"] == 20 << 20
+
+
+def test_limit_refusals_read_the_same_in_every_spelling():
+    # Pool(limit=-1), Pool(limit="-1") and the conf string's limit:-1 give one reason, from
+    # one place; a conf string only says where it came from first.
+    reasons = []
+    for call in (lambda: cfg.normalize({"limit": -1}), lambda: cfg.normalize({"limit": "-1"}),
+                 lambda: cfg.parse_conf("limit:-1")):
+        with pytest.raises(ValueError) as info:
+            call()
+        reasons.append(str(info.value).split("option 'limit': ", 1)[1].split(" is not", 1)[1])
+    assert len(set(reasons)) == 1, reasons
+
+
+def test_an_equals_sign_is_answered_with_the_colon_spelling():
+    with pytest.raises(ValueError) as info:
+        cfg.parse_conf("expandable_segments=True")
+    text = str(info.value)
+    assert "write expandable_segments:True " in text and "VALUE" not in text, text
+
+
+def test_conf_parsing_is_linear_in_repeats(monkeypatch):
+    # A repeated key is warned once; its message (which quotes the string) is built once,
+    # not once a repeat: 16k repeats and a 1 MB string are as cheap a key as one.
+    built = []
+    shown = cfg._shown
+    monkeypatch.setattr(cfg, "_shown", lambda conf: built.append(len(conf)) or shown(conf))
+    monkeypatch.setattr(cfg, "_warned", set())
+    with pytest.warns(cfg.ConfigWarning, match="given twice"):
+        assert cfg.parse_conf(",".join(["release_threshold:1"] * 16384)) == \
+            {"release_threshold": 1}
+    assert len(built) == 1
+    monkeypatch.setattr(cfg, "_warned", set())
+    big = ",".join(["limit:4MiB", "limit_mb:4"] * ((1 << 20) // 22))
+    assert len(big) > 1 << 19
+    with pytest.warns(cfg.ConfigWarning, match="given twice") as caught:
+        assert cfg.parse_conf(big) == {"limit": 4 * MiB}
+    assert len(built) == 2 and len(caught) == 1
+    assert len(str(caught[0].message)) < 1000          # the string is quoted cut short

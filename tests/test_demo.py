@@ -50,3 +50,10 @@ def test_a_closed_pipe_ends_a_command_quietly():
     proc.stdout.close()                      # the reader gone before a line is written
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err
+
+
+def test_the_host_backend_is_not_called_a_simulated_device():
+    from mempool.cli import demo
+    assert "host memory" in demo._BACKEND_NOTE["host"]
+    assert "simulated" not in demo._BACKEND_NOTE["host"]
+    assert "simulated device" in demo._BACKEND_NOTE["sim"]

@@ -197,13 +197,15 @@ def test_what_cannot_run_is_refused_clearly(tmp_path, args, status, fragment):
     assert ran.returncode == status
     assert fragment in ran.stderr
     assert ran.stdout == ""
+    if status == 2:
+        assert len(ran.stderr.strip().splitlines()) == 1, ran.stderr     # one line
 
 
 def test_help(tmp_path):
     ran = child(["--help"], tmp_path)
     assert ran.returncode == 0 and ran.stdout.startswith("usage: python -m mempool run")
-    listed = child([], tmp_path, python=("-m", "mempool"))
-    assert re.search(r"^  run +run a script", listed.stdout, re.M)
+    listed = child([], tmp_path, python=("-m", "mempool"))    # no command: help, status 2
+    assert listed.returncode == 2 and re.search(r"^  run +run a script", listed.stderr, re.M)
 
 
 # --------------------------------------------------------------------------- settings

@@ -158,3 +158,29 @@ def test_segment_map_size_is_bounded_and_block_boundaries_are_drawn(tmp_path, mo
     assert height <= 1200 and width <= 1400
     assert len(drawn) == mplot.MAX_ROWS
     assert all(x == pytest.approx([1 / 3, 2 / 3]) for x in drawn)
+
+
+def test_plot_names_the_file_it_writes(tmp_path, capsys, monkeypatch):
+    # matplotlib adds .png to a name without an extension: the path reported is that file.
+    assert mplot.image_path(tmp_path / "NAME") == str(tmp_path / "NAME.png")
+    assert mplot.image_path("map.svg") == "map.svg"
+    from mempool.cli import trace as cli_trace
+    monkeypatch.setattr(mplot, "plot", lambda path, out, conf=None: mplot.image_path(out))
+    assert cli_trace.main("plot", [SMALL, "--out", str(tmp_path / "NAME")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "NAME.png")
+
+
+@pytest.mark.parametrize("segment", [
+    {"blocks": []},                                           # no total_size
+    {"total_size": "big", "blocks": []},
+    {"total_size": -1, "blocks": []},
+    {"total_size": 1 << 20, "blocks": [{"state": "active_allocated"}]},   # a block's size
+    {"total_size": 1 << 20, "blocks": 5},
+    {"total_size": 1 << 20, "stream": [1], "blocks": []},
+    [1, 2],
+])
+def test_plot_segments_with_bad_fields_is_a_value_error(tmp_path, segment):
+    snap = torch_snapshot()
+    snap["segments"].append(segment)
+    with pytest.raises(ValueError, match=r"segments\[\d+\]"):
+        mplot.plot_segments(snap, tmp_path / "map.png")

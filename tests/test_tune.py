@@ -229,3 +229,30 @@ def test_segment_rounding_replays_fixed_segments_as_the_device_rounds_them(trans
 def test_a_bad_segment_rounding_is_refused_naming_it(small):
     with pytest.raises(ValueError, match="tune: option 'segment_rounding'.*multiple of 2 MiB"):
         tn.tune(small, progress=False, segment_rounding="3MiB")
+
+
+def _fake(options, peak, ooms):
+    from types import SimpleNamespace
+    result = SimpleNamespace(peak_reserved_bytes=peak, ratio=1.0, num_ooms=ooms,
+                             num_device_alloc=1, num_device_free=0)
+    return tn.TuneResult(options, tn.to_conf(options) if options else "", None, result)
+
+
+def test_report_never_prints_negative_zero():
+    # 0.04% less than the default rounds to 0.0: printed +0.0%, not -0.0%.
+    results = [_fake({"release_threshold": 0}, 999_600, 0), _fake({}, 1_000_000, 0)]
+    text = tn.report(results)
+    assert "-0.0%" not in text and "+0.0%" in text, text
+
+
+def test_report_recommends_nothing_when_nothing_fits(capsys):
+    results = [_fake({"release_threshold": 0}, 1 << 20, 7490), _fake({}, 2 << 20, 7491)]
+    assert not tn.fits(results)
+    text = tn.report(results)
+    assert "MEMPOOL_CONF=" not in text and "no setting fits" in text, text
+    assert "7490 OOMs" in text
+    from mempool.cli import trace as cli_trace
+    assert cli_trace.main("tune", [SMALL, "--limit", "4MB", "--quiet", "--top", "2"]) == \
+        cli_trace.TUNE_NOTHING_FITS == 1
+    out = capsys.readouterr().out
+    assert "no setting fits" in out and "MEMPOOL_CONF=" not in out

@@ -5,11 +5,11 @@ Every figure printed says what it measures and which way is better; on the simul
 the demo also says what a GPU shows instead, since a simulated upstream costs nothing like a
 driver call.
 """
-import argparse
 import time
 
 import mempool
 from mempool._units import format_bytes
+from mempool.cli._args import ArgumentParser
 
 SIZES = (512, 64 << 10, 1 << 20, 64 << 20)
 # One NVIDIA H200, README "Measured" (python -m mempool bench): median ns per pair at 512 B.
@@ -19,6 +19,11 @@ GPU_FIGURES = (
     ("cudaMallocAsync + cudaFreeAsync", "1,000 ns"),
     ("cudaMalloc + cudaFree", "60,000 ns"),
 )
+
+
+# What the demo's device is, said after the backend's name.
+_BACKEND_NOTE = {"cuda": "", "sim": " (no GPU in use: simulated device)",
+                 "host": " (no GPU in use: host memory)"}
 
 
 def _pairs_ns(alloc, free, nbytes, pairs=20000):
@@ -107,14 +112,14 @@ def _fragmentation():
 
 
 def main(command="demo", argv=()):
-    parser = argparse.ArgumentParser(prog="python -m mempool demo", description=__doc__)
+    parser = ArgumentParser(prog="python -m mempool demo", description=__doc__)
     parser.add_argument("--backend", choices=("cuda", "sim", "host"), default=None,
                         help="default: cuda when a GPU is usable, else sim")
     args = parser.parse_args(list(argv))
     from mempool import _cuda
     backend = args.backend or ("cuda" if _cuda.available() else "sim")
     print(f"mempool {mempool.__version__} demo on backend {backend!r}"
-          + ("" if backend == "cuda" else " (no GPU in use: simulated device)"))
+          + _BACKEND_NOTE[backend])
     pool = mempool.Pool(backend=backend)
     _latency(pool)
     _streams()

@@ -217,7 +217,7 @@ def main(command, argv):
     try:
         args = _parse_args(list(argv))
     except _UsageError as exc:
-        print(f"mempool run: {exc}\n\n{USAGE}", file=sys.stderr)
+        print(f"mempool run: error: {exc} (--help shows the usage)", file=sys.stderr)
         return 2
     if args is None:
         print(USAGE)

@@ -17,6 +17,7 @@ import os
 import sys
 
 from mempool._core import _DEFAULT_CAPACITY
+from mempool.cli._args import ArgumentParser
 
 __all__ = ["main", "default_trace"]
 
@@ -62,7 +63,7 @@ def _size_arg(text: str):
 def _replay(argv) -> int:
     from mempool.tools import replay as rp
 
-    ap = argparse.ArgumentParser(prog="python -m mempool replay",
+    ap = ArgumentParser(prog="python -m mempool replay",
                                  description="Replay an allocation trace through a pool and "
                                              "report peak live and reserved memory.")
     ap.add_argument("trace", nargs="?", help=f"trace file (default: the shipped {DEFAULT_TRACE})")
@@ -159,8 +160,8 @@ def _replay(argv) -> int:
     if args.plot:
         from mempool.tools import plot
 
-        plot.plot_timeline(result, args.plot, title=os.path.basename(path))
-        print(f"plot           {args.plot}")
+        written = plot.plot_timeline(result, args.plot, title=os.path.basename(path))
+        print(f"plot           {written}")
     return 0
 
 
@@ -214,7 +215,7 @@ def _compare(path: str, events, args, extra: dict) -> int:
     from mempool.tools import replay as rp
 
     rows = []
-    # A bad --conf is refused as without --compare (main reports it, exit status 1).
+    # A bad --conf is refused as without --compare (one line, exit status 2).
     conf = parse_conf(args.conf, "--conf") if args.conf else {}
     # Options of fixed segments only: the expandable row leaves them out instead of refusing.
     fixed_only = sorted(k for k in conf if k in FIXED_SEGMENT_OPTIONS)
@@ -322,13 +323,21 @@ def _corpus(ap, args) -> int:
     return 0
 
 
+# tune's exit status when no setting fits under the limit: the report says so, and
+# recommends none. (2 is an error: bad arguments or an unreadable trace.)
+TUNE_NOTHING_FITS = 1
+
+
 def _tune(argv) -> int:
     from mempool.tools import tune as tn
 
-    ap = argparse.ArgumentParser(prog="python -m mempool tune",
+    ap = ArgumentParser(prog="python -m mempool tune",
                                  description="Replay a trace on the simulated device under a "
                                              "grid of settings and recommend the one that "
-                                             "reserves least memory.")
+                                             "reserves least memory.",
+                        epilog="Exit status: 0 with a recommendation; 1 when no setting "
+                               "replays the trace without refused allocations (under "
+                               "--limit), so none is recommended; 2 on an error.")
     ap.add_argument("trace", nargs="?", help=f"trace file (default: the shipped {DEFAULT_TRACE})")
     ap.add_argument("--limit", type=_size_arg, default=None,
                     help="replay under this cap on reserved bytes (bytes, 40GB, or 0.5)")
@@ -353,14 +362,15 @@ def _tune(argv) -> int:
              if args.segment_rounding is not None and args.limit is None else "")
           + f" ({len(results) - replayed} refused, listed below)" * (replayed < len(results)))
     print(tn.report(results, top=args.top))
-    return 0
+    # Nothing fits: the run worked but found no setting to recommend (said in the report).
+    return 0 if tn.fits(results) else TUNE_NOTHING_FITS
 
 
 def _plot(argv) -> int:
     from mempool.tools import plot as pl
     from mempool.tools import replay as rp
 
-    ap = argparse.ArgumentParser(prog="python -m mempool plot",
+    ap = ArgumentParser(prog="python -m mempool plot",
                                  description="Draw a snapshot's segment map, or a trace's live "
                                              "and reserved memory over time.")
     ap.add_argument("input", nargs="?",
@@ -376,15 +386,15 @@ def _plot(argv) -> int:
         events = _load(path)
         pool, ptrs = rp.pool_at(events, conf=args.conf)
         try:
-            pl.plot_segments(pool.snapshot(), args.out,
+            written = pl.plot_segments(pool.snapshot(), args.out,
                              title=f"{os.path.basename(path)}, {args.conf or 'default settings'}"
                                    ", when reserved bytes reach their peak")
         finally:
             for p in ptrs:
                 pool.free(p)
     else:
-        pl.plot(path, args.out, conf=args.conf)
-    print(args.out)
+        written = pl.plot(path, args.out, conf=args.conf)
+    print(written)                   # the file written (.png added to a bare name)
     return 0
 
 
@@ -397,8 +407,5 @@ def main(command: str, argv) -> int:
         print(f"mempool: {command!r} is not a trace command (accepted: "
               f"{', '.join(COMMANDS)})", file=sys.stderr)
         return 2
-    try:
-        return COMMANDS[command](list(argv))
-    except (ValueError, FileNotFoundError, ImportError) as e:
-        print(f"mempool {command}: {e}", file=sys.stderr)
-        return 1
+    # A bad input raises: mempool.cli.main makes it one line and exit status 2.
+    return COMMANDS[command](list(argv))

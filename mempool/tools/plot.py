@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["plot", "plot_segments", "plot_timeline"]
+__all__ = ["plot", "plot_segments", "plot_timeline", "image_path"]
 
 from mempool._units import format_bytes as _size
 
@@ -40,8 +40,31 @@ def _matplotlib():
     return Figure, FigureCanvasAgg, Patch
 
 
-def _save(fig, canvas_cls, out) -> str:
+def image_path(out) -> str:
+    """The file a plot is written to: `out`, with ``.png`` added when it has no extension
+    (as matplotlib adds it), so that what is reported is the file written."""
     out = os.fspath(out)
+    return out if os.path.splitext(out)[1] else out + ".png"
+
+
+def _check_segments(segments) -> None:
+    """Each segment a dict with an int ``total_size`` >= 0 and ``blocks``, dicts with an
+    int ``size`` >= 0: checked before anything is drawn, for a one-line ValueError."""
+    def size_ok(value):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    for k, seg in enumerate(segments):
+        blocks = seg.get("blocks") if isinstance(seg, dict) else None
+        if not (isinstance(seg, dict) and size_ok(seg.get("total_size"))
+                and size_ok(seg.get("stream", 0)) and size_ok(seg.get("address", 0))
+                and isinstance(blocks or [], list)
+                and all(isinstance(b, dict) and size_ok(b.get("size")) for b in blocks or ())):
+            raise ValueError(f"plot: segments[{k}]: a segment is a dict with 'total_size', "
+                             "'stream', 'address' (ints >= 0) and 'blocks' (dicts with an "
+                             f"int 'size' >= 0); got {seg!r:.200}")
+
+
+def _save(fig, canvas_cls, out) -> str:
+    out = image_path(out)
     canvas_cls(fig)
     fig.savefig(out, dpi=110)
     return out
@@ -56,9 +79,12 @@ def plot_segments(snapshot: dict, out, title: str | None = None, device: int | N
     blocks. Rows are grouped by stream, largest segment first; beyond MAX_ROWS (24) rows the
     smallest segments are summarised in the title, so the figure's size is bounded.
     """
-    Figure, Canvas, Patch = _matplotlib()
+    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments") or [], list):
+        raise ValueError("plot: a snapshot is a dict whose 'segments' is a list")
+    _check_segments(snapshot.get("segments") or ())
     segments = [s for s in snapshot.get("segments") or ()
                 if device is None or s.get("device", device) == device]
+    Figure, Canvas, Patch = _matplotlib()
     if not segments:
         raise ValueError("plot: the snapshot has no segments to draw (an empty pool?)")
     segments = sorted(segments, key=lambda s: (int(s.get("stream", 0)), -int(s["total_size"]),
@@ -217,7 +243,7 @@ def plot(snapshot_or_trace, out, title: str | None = None, conf=None) -> str:
     Returns
     -------
     str
-        `out`.
+        The file written: `out`, with ``.png`` added when it has no extension.
     """
     from . import replay as _replay
     from . import trace as _trace
@@ -225,7 +251,7 @@ def plot(snapshot_or_trace, out, title: str | None = None, conf=None) -> str:
     obj = snapshot_or_trace
     if isinstance(obj, (str, os.PathLike)):
         path = os.fspath(obj)
-        with open(path, "rb") as f:
+        with _trace._open_checked(path) as f:
             magic = f.read(2)
         if magic[:1] == b"\x80" or path.endswith((".pickle", ".pkl")):
             snap, _ = _trace._read_snapshot(path)

@@ -164,6 +164,8 @@ def prepare(events) -> Prepared:
     empties = []
     trims = []
     starts = (getattr(events, "meta", None) or {}).get("step_starts")
+    if isinstance(starts, list):
+        mtrace.check_step_starts(starts, "prepare: meta")
     step_events = set(starts) if isinstance(starts, list) and starts else None
     step_ops = [] if step_events else None
     for ev in events:

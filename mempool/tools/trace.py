@@ -29,16 +29,19 @@ pool's own recording), :func:`from_torch_snapshot` (``torch.cuda.memory._snapsho
 from __future__ import annotations
 
 import csv
+import functools
 import gzip
 import io
+import itertools
 import json
 import operator
 import os
 import pickle
-import zlib
+import re
 from typing import Iterable, NamedTuple
 
 from mempool import _core
+from mempool.tools import _read
 
 __all__ = [
     "Event", "Trace", "FORMAT", "VERSION", "save", "load", "load_any", "from_pool_history",
@@ -96,17 +99,17 @@ def _check_event(ev, where: str) -> Event:
     else:
         if not isinstance(ev, (list, tuple)) or len(ev) != 5:
             raise ValueError(f"{where}: an event must be [action, id, nbytes, stream, time_ns]"
-                             f" (5 fields); got {ev!r}")
+                             f" (5 fields); got {ev!r:.200}")
         action, ident, nbytes, stream, time_ns = ev
     if action not in ACTIONS:
-        raise ValueError(f"{where}: action must be {_ACTIONS_TEXT}; got {action!r}")
+        raise ValueError(f"{where}: action must be {_ACTIONS_TEXT}; got {action!r:.80}")
     if isinstance(ident, bool) or not isinstance(ident, (int, str)):
-        raise ValueError(f"{where}: id must be an int or a str; got {ident!r}")
+        raise ValueError(f"{where}: id must be an int or a str; got {ident!r:.80}")
     if action == "trim":
         _check_trim(ident, nbytes, where)
     for name, value in (("nbytes", nbytes), ("stream", stream), ("time_ns", time_ns)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{where}: {name} must be an int >= 0; got {value!r}")
+            raise ValueError(f"{where}: {name} must be an int >= 0; got {value!r:.80}")
     if action == "alloc" and nbytes == 0:
         raise ValueError(f"{where}: an alloc needs nbytes > 0; got 0")
     if action == "empty_cache" and (ident != 0 or nbytes != 0):
@@ -176,38 +179,91 @@ def save(events: Iterable, path, meta: dict | None = None) -> int:
     return len(checked)
 
 
-def _read_text_lines(path: str) -> list:
-    """The file's lines (gzip detected by its magic bytes); a damaged gzip stream becomes a
-    ValueError naming the line where the readable text ends."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    if raw[:2] == b"\x1f\x8b":
-        d = zlib.decompressobj(wbits=31)
+# Bounds on every file a reader takes, so that a hostile or damaged one (a gzip bomb, a line
+# of megabytes) is a clear ValueError rather than memory exhausted. Module constants: a
+# program reading larger traces raises them (``mempool.tools.trace.MAX_INPUT_BYTES = ...``).
+MAX_INPUT_BYTES = 2 << 30       # the most bytes a file may hold, after decompression
+MAX_LINE_BYTES = 1 << 20        # the longest line (a header with its metadata included)
+MAX_NESTING = 64                # the deepest a header's or an entry's values may nest
+
+
+def _chunks(path: str):
+    return _read.chunks(path, MAX_INPUT_BYTES)
+
+
+def _lines(path: str):
+    return _read.lines(path, MAX_INPUT_BYTES, MAX_LINE_BYTES)
+
+
+def _json(text: str):
+    return _read.json_value(text, MAX_NESTING)
+
+
+def _depth_ok(value) -> bool:
+    return _read.depth_ok(value, MAX_NESTING)
+
+
+_open_checked = _read.open_checked
+
+
+def _deep(reader):
+    """`reader`, with data nested beyond the interpreter's stack a ValueError (the reader's
+    own checks go through it recursively, as its messages' reprs do)."""
+    @functools.wraps(reader)
+    def read(path_or_data, *args, **kwargs):
         try:
-            text = d.decompress(raw)
-            complete = d.eof
-        except zlib.error:
-            complete = False
-            # Decompress what can be read, to say how far the file is intact.
-            d = zlib.decompressobj(wbits=31)
-            text = b""
-            for i in range(0, len(raw), 4096):
+            return reader(path_or_data, *args, **kwargs)
+        except RecursionError:
+            where = "<dict>" if isinstance(path_or_data, dict) else os.fspath(path_or_data)
+            raise ValueError(f"{where}: values nested too deeply to be a trace or snapshot"
+                             ) from None
+    return read
+
+
+def check_step_starts(value, where: str) -> list:
+    """A trace's ``meta["step_starts"]``: the indices of the events that begin training
+    steps, a list of ints >= 0 (or None)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value):
+        raise ValueError(f"{where}: 'step_starts' must be a list of event indices (ints "
+                         f">= 0); got {value!r:.80}")
+    return value
+
+
+def _rows(lines, path: str) -> list:
+    """The JSON values of the event lines (from line 2 on), a batch of lines at a time."""
+    rows = []
+    batch = []
+    number = 2                           # the line number of batch[0]
+    for text in itertools.chain(lines, [None]):
+        if text is not None:
+            batch.append(text)
+            if len(batch) < 8192:
+                continue
+        # Fast path: one json.loads over the batch; on failure, find the bad line.
+        try:
+            parsed = json.loads("[" + ",".join(batch) + "]")
+            if len(parsed) != len(batch):
+                raise ValueError("a line holds more than one value")
+        except (ValueError, RecursionError):
+            parsed = []
+            for i, line in enumerate(batch, start=number):
                 try:
-                    text += d.decompress(raw[i:i + 4096])
-                except zlib.error:
-                    break
-        if not complete:
-            line = text.count(b"\n") + 1
-            raise ValueError(f"{path}: line {line}: the gzip stream is truncated or damaged "
-                             f"({len(raw)} compressed bytes; readable text ends in this line)")
-        raw = text
-    try:
-        return raw.decode("utf-8").split("\n")
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise ValueError(f"{path}: line {line}: not UTF-8 text ({e.reason})") from None
+                    parsed.append(_json(line))
+                except ValueError as e:
+                    hint = " (the file looks truncated)" if text is None and \
+                        i == number + len(batch) - 1 else ""
+                    raise ValueError(f"{path}: line {i}: not a valid JSON event{hint}: {e}; "
+                                     f"the line starts {line[:60]!r}") from None
+        rows += parsed
+        number += len(batch)
+        batch = []
+    return rows
 
 
+@_deep
 def load(path) -> Trace:
     """Read a mempool trace written by :func:`save` (plain or gzip JSON lines).
 
@@ -220,41 +276,29 @@ def load(path) -> Trace:
         header declares (a truncated file), or a damaged gzip stream.
     """
     path = os.fspath(path)
-    lines = _read_text_lines(path)
-    if lines and lines[-1] == "":
-        lines.pop()                      # the newline that ends the last line
-    if not lines:
+    lines = _lines(path)
+    first = next(lines, None)
+    if first is None:
         raise ValueError(f"{path}: line 1: empty file; expected a mempool-trace header")
     try:
-        header = json.loads(lines[0])
+        header = _json(first)
     except ValueError as e:
         raise ValueError(f"{path}: line 1: the header is not valid JSON ({e})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ValueError(f"{path}: line 1: not a mempool trace (expected a header with "
                          f'"format": "{FORMAT}")')
+    if not _depth_ok(header):
+        raise ValueError(f"{path}: line 1: the header nests deeper than {MAX_NESTING} levels")
     if header.get("version") != VERSION:
-        raise ValueError(f"{path}: line 1: trace version {header.get('version')!r} is not "
+        raise ValueError(f"{path}: line 1: trace version {header.get('version')!r:.40} is not "
                          f"supported (this mempool reads version {VERSION})")
     declared = header.get("events")
     if declared is not None and (isinstance(declared, bool) or not isinstance(declared, int)
                                  or declared < 0):
         raise ValueError(f"{path}: line 1: header 'events' must be an int >= 0; "
-                         f"got {declared!r}")
-    body = lines[1:]
-    # Fast path: one json.loads over the whole body; on failure, find the bad line.
-    try:
-        rows = json.loads("[" + ",".join(body) + "]")
-        if len(rows) != len(body):
-            raise ValueError("a line holds more than one value")
-    except ValueError:
-        rows = []
-        for i, text in enumerate(body, start=2):
-            try:
-                rows.append(json.loads(text))
-            except ValueError as e:
-                hint = " (the file looks truncated)" if i == len(lines) else ""
-                raise ValueError(f"{path}: line {i}: not a valid JSON event{hint}: {e}; "
-                                 f"the line starts {text[:60]!r}") from None
+                         f"got {declared!r:.40}")
+    check_step_starts(header.get("step_starts"), f"{path}: line 1")
+    rows = _rows(lines, path)
     events = Trace(meta={k: v for k, v in header.items()
                          if k not in ("format", "version", "events", "fields")})
     append = events.append
@@ -356,20 +400,24 @@ def _read_snapshot(path_or_dict):
     if isinstance(path_or_dict, dict):
         return path_or_dict, "<dict>"
     path = os.fspath(path_or_dict)
-    with open(path, "rb") as f:
-        raw = f.read()
-    if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
+    raw = io.BytesIO()
+    for data in _chunks(path):
+        if data is None:
+            raise ValueError(f"{path}: the gzip stream is truncated or damaged")
+        raw.write(data)
+    raw.seek(0)
     try:
-        snap = _SnapshotUnpickler(io.BytesIO(raw)).load()
+        snap = _SnapshotUnpickler(raw).load()
     except Exception as e:  # noqa: BLE001 - any unpickling failure means "not a snapshot"
-        raise ValueError(f"{path}: not a readable torch memory snapshot pickle ({e})") from None
+        raise ValueError(f"{path}: not a readable torch memory snapshot pickle "
+                         f"({type(e).__name__}: {str(e):.200})") from None
     if not isinstance(snap, dict):
         raise ValueError(f"{path}: a torch memory snapshot is a dict; got "
                          f"{type(snap).__name__}")
     return snap, path
 
 
+@_deep
 def from_torch_snapshot(path_or_dict, device: int | None = None, complete: bool = True,
                         empty_cache: bool = True) -> Trace:
     """Events from a PyTorch memory snapshot (``torch.cuda.memory._snapshot()``, or the
@@ -411,6 +459,10 @@ def from_torch_snapshot(path_or_dict, device: int | None = None, complete: bool 
     if not isinstance(traces, list):
         raise ValueError(f"{where}: the snapshot has no 'device_traces' list (was it taken "
                          "with torch.cuda.memory._record_memory_history enabled?)")
+    for i, t in enumerate(traces):
+        if not isinstance(t, (list, tuple)):
+            raise ValueError(f"{where}: device_traces[{i}] must be a list of trace entries; "
+                             f"got {type(t).__name__}")
     if device is None:
         nonempty = [i for i, t in enumerate(traces) if t]
         if len(nonempty) > 1:
@@ -418,12 +470,11 @@ def from_torch_snapshot(path_or_dict, device: int | None = None, complete: bool 
             raise ValueError(f"{where}: the snapshot holds traces for several devices "
                              f"({counts}); pass device= to pick one")
         device = nonempty[0] if nonempty else 0
-    if not isinstance(device, int) or not 0 <= device < max(len(traces), 1):
-        raise ValueError(f"{where}: device must be an int in [0, {len(traces)}); got {device!r}")
+    if isinstance(device, bool) or not isinstance(device, int) or \
+            not 0 <= device < max(len(traces), 1):
+        raise ValueError(f"{where}: device must be an int in [0, {max(len(traces), 1)}); "
+                         f"got {device!r:.40}")
     entries = traces[device] if traces else []
-    if not isinstance(entries, (list, tuple)):
-        raise ValueError(f"{where}: device_traces[{device}] must be a list of trace entries; "
-                         f"got {type(entries).__name__}")
 
     events = []
     live = {}                 # addr -> nbytes of buffers allocated in the trace, still live
@@ -449,10 +500,12 @@ def from_torch_snapshot(path_or_dict, device: int | None = None, complete: bool 
             addr, size, stream = int(e["addr"]), int(e["size"]), int(e.get("stream", 0))
             t_us = e.get("time_us", 0) or 0
             t_ns = max(0, int((t_us - (t_us if t0 is None else t0)) * 1000))
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            if addr < 0 or stream < 0:
+                raise ValueError("a negative address or stream")
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
             raise ValueError(f"{where}: device_traces[{device}][{n}]: a trace entry needs "
-                             f"'action', 'addr', 'size' (and 'stream', 'time_us'), numbers; "
-                             f"got {e!r} ({exc})") from None
+                             f"'action', 'addr', 'size' (and 'stream', 'time_us') in a dict, "
+                             f"numbers >= 0; got {e!r:.200} ({exc})") from None
         seen.add(addr)
         if t0 is None:
             t0 = t_us
@@ -489,6 +542,8 @@ def from_torch_snapshot(path_or_dict, device: int | None = None, complete: bool 
                         continue
                     nbytes = int(b.get("requested_size") or b.get("size") or 0)
                     if nbytes > 0:
+                        if addr < 0 or stream < 0:
+                            raise ValueError("a negative address or stream")
                         start.append(Event("alloc", addr, nbytes, stream, 0))
                         known.add(addr)
             except (AttributeError, TypeError, ValueError, OverflowError) as exc:
@@ -560,9 +615,10 @@ def _empty_cache_entries(entries, where, device, settings) -> set:
             if not mapped or joined or apart_counts:
                 found.add(first)
             last = None
-    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
         raise ValueError(f"{where}: device_traces[{device}][{n}]: a segment entry needs "
-                         f"'action', 'addr' and 'size'; got {entries[n]!r} ({exc})") from None
+                         f"'action', 'addr' and 'size'; got {entries[n]!r:.200} "
+                         f"({exc})") from None
     return found
 
 
@@ -572,25 +628,32 @@ def _empty_cache_entries(entries, where, device, settings) -> set:
 _RMM_COLUMNS = ("Time", "Action", "Pointer", "Size", "Stream")
 
 
+_RMM_INT = re.compile(r"0[xX][0-9a-fA-F]+|[0-9]+", re.ASCII)
+_RMM_TIME = re.compile(r"(?:([0-9]+):([0-9]+):)?([0-9]+)(?:\.([0-9]*))?", re.ASCII)
+
+
 def _rmm_int(text: str) -> int:
+    """A pointer, size or stream: decimal or 0x hex, >= 0 (a sign is refused: save would
+    refuse the trace that a negative value makes)."""
     text = text.strip()
     if text in ("", "(nil)", "nullptr"):
         return 0
+    if not _RMM_INT.fullmatch(text):
+        raise ValueError(f"{text[:40]!r} is not an int >= 0 (decimal or 0x hex)")
     return int(text, 16) if text.lower().startswith("0x") else int(text)
 
 
 def _rmm_time_ns(text: str) -> int:
     """RMM writes ``HH:MM:SS.ffffff`` (spdlog ``%H:%M:%S.%f``); seconds as a float also pass."""
-    text = text.strip()
-    if ":" in text:
-        h, m, s = text.split(":")
-        sec, _, frac = s.partition(".")
-        frac = (frac + "000000000")[:9]
-        return ((int(h) * 60 + int(m)) * 60 + int(sec)) * 1_000_000_000 + int(frac)
-    whole, _, frac = text.partition(".")
-    return int(whole) * 1_000_000_000 + int((frac + "000000000")[:9])
+    m = _RMM_TIME.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"time {text[:40]!r} is neither HH:MM:SS.ffffff nor seconds")
+    h, mins, sec, frac = m.groups()
+    whole = (int(h or 0) * 60 + int(mins or 0)) * 60 + int(sec)
+    return whole * 1_000_000_000 + int(((frac or "") + "000000000")[:9])
 
 
+@_deep
 def from_rmm_csv(path) -> Trace:
     """Events from the CSV log of RMM's ``logging_resource_adaptor``.
 
@@ -606,56 +669,66 @@ def from_rmm_csv(path) -> Trace:
         does not parse.
     """
     path = os.fspath(path)
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.reader(f)
+    try:
+        return _rmm_events(path)
+    except csv.Error as e:
+        raise ValueError(f"{path}: not a readable CSV log ({e})") from None
+
+
+def _rmm_events(path: str) -> Trace:
+    # Lines from _lines: bounded, gzip allowed; a field longer than the csv module's limit
+    # (128 KiB) is a csv.Error, made a ValueError by the caller.
+    reader = csv.reader(_lines(path))
+    try:
+        header = next(reader)
+    except StopIteration:
+        raise ValueError(f"{path}: line 1: empty file; expected RMM's CSV header "
+                         "Thread,Time,Action,Pointer,Size,Stream") from None
+    names = [h.strip() for h in header]
+    missing = [c for c in _RMM_COLUMNS if c not in names]
+    if missing:
+        raise ValueError(f"{path}: line 1: not an RMM log: columns {missing} are missing "
+                         f"(header {names!r:.200}; expected Thread,Time,Action,Pointer,Size,"
+                         "Stream)")
+    col = {c: names.index(c) for c in _RMM_COLUMNS}
+    width = max(col.values()) + 1
+    events = []
+    ooms = 0
+    t0 = None
+    day = 0
+    last = None
+    for row in reader:
+        line = reader.line_num
+        if not row or (len(row) == 1 and not row[0].strip()):
+            continue
+        if len(row) < width:
+            raise ValueError(f"{path}: line {line}: expected {len(names)} columns, got "
+                             f"{len(row)} (the file looks truncated): {row!r:.200}")
+        action = row[col["Action"]].strip()
         try:
-            header = next(reader)
-        except StopIteration:
-            raise ValueError(f"{path}: line 1: empty file; expected RMM's CSV header "
-                             "Thread,Time,Action,Pointer,Size,Stream") from None
-        names = [h.strip() for h in header]
-        missing = [c for c in _RMM_COLUMNS if c not in names]
-        if missing:
-            raise ValueError(f"{path}: line 1: not an RMM log: columns {missing} are missing "
-                             f"(header {names}; expected Thread,Time,Action,Pointer,Size,Stream)")
-        col = {c: names.index(c) for c in _RMM_COLUMNS}
-        width = max(col.values()) + 1
-        events = []
-        ooms = 0
-        t0 = None
-        day = 0
-        last = None
-        for row in reader:
-            line = reader.line_num
-            if not row or (len(row) == 1 and not row[0].strip()):
-                continue
-            if len(row) < width:
-                raise ValueError(f"{path}: line {line}: expected {len(names)} columns, got "
-                                 f"{len(row)} (the file looks truncated): {row!r}")
-            action = row[col["Action"]].strip()
-            try:
-                ptr = _rmm_int(row[col["Pointer"]])
-                size = _rmm_int(row[col["Size"]])
-                stream = _rmm_int(row[col["Stream"]])
-                t = _rmm_time_ns(row[col["Time"]])
-            except ValueError as e:
-                raise ValueError(f"{path}: line {line}: a value does not parse ({e}): "
-                                 f"{row!r}") from None
-            if last is not None and t + day < last - 3600 * 10**9:
-                day += 86400 * 10**9       # the clock passed midnight
-            t += day
-            last = t
-            if t0 is None:
-                t0 = t
-            if action == "allocate":
-                events.append(Event("alloc", ptr, size, stream, t - t0))
-            elif action in ("free", "deallocate"):
-                events.append(Event("free", ptr, size, stream, t - t0))
-            elif action == "allocate failure":
-                ooms += 1
-            else:
-                raise ValueError(f"{path}: line {line}: unknown action {action!r} (RMM logs "
-                                 "'allocate', 'free' and 'allocate failure')")
+            ptr = _rmm_int(row[col["Pointer"]])
+            size = _rmm_int(row[col["Size"]])
+            stream = _rmm_int(row[col["Stream"]])
+            t = _rmm_time_ns(row[col["Time"]])
+        except ValueError as e:
+            raise ValueError(f"{path}: line {line}: a value does not parse ({e}): "
+                             f"{row!r:.200}") from None
+        if last is not None and t + day < last - 3600 * 10**9:
+            day += 86400 * 10**9       # the clock passed midnight
+        t += day
+        last = t
+        if t0 is None:
+            t0 = t
+        # Rows logged by several threads may step back a little: never before the first.
+        if action == "allocate":
+            events.append(Event("alloc", ptr, size, stream, max(0, t - t0)))
+        elif action in ("free", "deallocate"):
+            events.append(Event("free", ptr, size, stream, max(0, t - t0)))
+        elif action == "allocate failure":
+            ooms += 1
+        else:
+            raise ValueError(f"{path}: line {line}: unknown action {action!r:.40} (RMM logs "
+                             "'allocate', 'free' and 'allocate failure')")
     events = [ev for ev in events if ev.action == "free" or ev.nbytes > 0]
     return Trace(events, {"source": "rmm-csv", "source_ooms": ooms})
 
@@ -664,18 +737,24 @@ def from_rmm_csv(path) -> Trace:
 # any of the above, by content
 
 
+@_deep
 def load_any(path) -> Trace:
     """Load a trace in any supported format, recognised by content (not only the name):
-    a mempool trace (JSON lines, optionally gzip), a torch snapshot pickle or an RMM CSV."""
+    a mempool trace (JSON lines, optionally gzip), a torch snapshot pickle or an RMM CSV.
+
+    A file that cannot be opened is an OSError; anything else wrong with it (not a trace,
+    damaged, truncated, nested too deeply, larger than MAX_INPUT_BYTES once inflated, a line
+    over MAX_LINE_BYTES) is a ValueError naming the file, in one line.
+    """
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        head = f.read(4096)
-    if head[:2] == b"\x1f\x8b":
-        try:
-            with gzip.open(path, "rb") as f:
-                head = f.read(4096)
-        except (OSError, EOFError, zlib.error):
-            head = b"{"           # let load() report the damage with a line number
+    head = b""
+    for data in _chunks(path):
+        if data is None:
+            head = head or b"{"    # let load() report the damage with a line number
+            break
+        head += data
+        if len(head) >= 4096:
+            break
     if head[:1] == b"\x80" or path.endswith((".pickle", ".pkl")):
         return from_torch_snapshot(path)
     if head.lstrip()[:1] == b"{":

@@ -25,7 +25,7 @@ from mempool._config import to_conf, to_pytorch_conf
 from mempool._units import format_bytes
 from mempool.tools import replay as _replay
 
-__all__ = ["TuneResult", "tune", "report", "churn_limit", "DEFAULT_GRID", "to_conf",
+__all__ = ["TuneResult", "tune", "report", "fits", "churn_limit", "DEFAULT_GRID", "to_conf",
            "to_pytorch_conf"]
 
 MiB = 1 << 20
@@ -303,6 +303,12 @@ _LEGEND = (
     "cudaMalloc/cudaFree-class call on a GPU (fewer is better)")
 
 
+def fits(results: list) -> bool:
+    """Whether the best setting replayed the trace without refusing an allocation (under
+    the limit, or the device's capacity): only then does :func:`report` recommend one."""
+    return any(r.result is not None and r.result.num_ooms == 0 for r in results)
+
+
 def report(results: list, top: int = 10) -> str:
     """The best `top` results as a text table, the settings ranked down by a rule or
     refused (each with its reason), and the recommendation."""
@@ -318,6 +324,7 @@ def report(results: list, top: int = 10) -> str:
         rr = r.result
         vs = (rr.peak_reserved_bytes / default.result.peak_reserved_bytes - 1) * 100 \
             if default and default.result.peak_reserved_bytes else 0.0
+        vs = round(vs, 1) + 0.0      # a change that rounds to 0 reads +0.0%, never -0.0%
         calls = f"{_calls(rr):,}{'*' if r.churn else ''}"
         return (f"{rank_of[id(r)]:>4}  {format_bytes(rr.peak_reserved_bytes):>13}  "
                 f"{rr.ratio:>13.3f}  {vs:>+9.1f}%  {rr.num_ooms:>4}  {calls:>8}  "
@@ -358,7 +365,12 @@ def report(results: list, top: int = 10) -> str:
         lines.append(f"not replayed: {len(refused)} settings, by reason:")
         for reason, confs in by_reason.items():
             lines.append(f"  {len(confs)} like {confs[0]}: {reason}")
-    if ranked:
+    if ranked and not fits(results):
+        lines.append("")
+        lines.append(f"no setting fits: every setting replayed refused allocations (the best, "
+                     f"{ranked[0].conf or '(default)'}, {_ooms(ranked[0].result.num_ooms)}); "
+                     "none is recommended: raise the limit, or shrink the program's peak")
+    elif ranked:
         best = ranked[0]
         lines.append("")
         lines.append(f"MEMPOOL_CONF={best.conf}" if best.conf else
