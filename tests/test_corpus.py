@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import mempool
+import mempool.cli
 from mempool.cli import trace as cli_trace
 from mempool.tools import corpus
 from mempool.tools import replay as rp
@@ -164,12 +165,12 @@ def test_bad_manifest_is_a_clear_error(tmp_path, capsys, manifest, message):
             manifest if isinstance(manifest, str) else json.dumps(manifest))
     with pytest.raises(ValueError, match=message):
         corpus.load_manifest(tmp_path)
-    assert cli_trace.main("replay", ["--corpus", str(tmp_path)]) == 1
+    assert mempool.cli.main(["replay", "--corpus", str(tmp_path)]) == 2
     assert message.split('"')[-1].strip() in capsys.readouterr().err
 
 
 def test_corpus_that_is_no_folder(tmp_path, capsys):
-    assert cli_trace.main("replay", ["--corpus", str(tmp_path / "none")]) == 1
+    assert mempool.cli.main(["replay", "--corpus", str(tmp_path / "none")]) == 2
     assert "is not a folder" in capsys.readouterr().err
 
 
