@@ -73,7 +73,7 @@ def test_the_recordings_script_replays_every_recording_and_trace(tmp_path):
     out = tmp_path / "rows.json"
     assert expandable_recordings.main(["--json", str(out)]) == 0
     rows = {r["input"]: r for r in json.loads(out.read_text())}
-    assert len(rows) == len(expandable_recordings.inputs()) >= 14
+    assert len(rows) == len(expandable_recordings.inputs()) >= 10   # 7 recordings, 3 traces
     resnet = rows["snapshot-resnet-mempool-expandable-d80e541.pickle.gz"]
     assert resnet["peak_reserved"] == 11_031_019_520 - 56 * MiB
     assert rows["transformer_train.jsonl.gz"]["stream_syncs"] == 1

@@ -477,8 +477,8 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
     /* Note [Keep idle]: such a pool grows or fails; it gives nothing back on its own. */
     int may_release = !p->cfg.keep_idle;
     size_t threshold = mp_gc_threshold_bytes(p);
-    if (may_release && mp_reserved_now_locked(p) + seg_size > threshold)
-        mp_release_idle_locked(p, mp_reserved_now_locked(p) + seg_size - threshold, rel);
+    if (may_release && mp_reserved_now_own_locked(p, rel) + seg_size > threshold)
+        mp_release_idle_locked(p, mp_reserved_now_own_locked(p, rel) + seg_size - threshold, rel);
     size_t excess = mp_limit_excess_own_locked(p, seg_size, rel);   /* Note [Shared limit] */
     if (excess) {
         if (!may_release) return MP_ELIMIT;
@@ -505,7 +505,7 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, mp_relea
      * the request, so a new peak is not set with idle segments beside it. */
     if (may_release && p->idle_bytes >= MP_HIGH_WATER_MIN_IDLE &&
         p->idle_bytes >= p->reserved_high_water / MP_HIGH_WATER_IDLE_DIV &&
-        mp_reserved_now_locked(p) + seg_size > p->reserved_high_water)
+        mp_reserved_now_own_locked(p, rel) + seg_size > p->reserved_high_water)
         mp_release_idle_kind_locked(p, kind, 0, rel);
     /* Note [Events outside the lock]: those releases may have dropped the lock to make an
      * event, and other threads grown meanwhile: the limit holds still (it did, else). */

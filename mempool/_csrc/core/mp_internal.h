@@ -448,6 +448,13 @@ typedef struct mp_release_list {
     /* Note [Releases in flight]: the bytes of this list counted in releasing_bytes. */
     size_t counted;
 } mp_release_list;
+/* Reserved-now bytes less the caller's own detached segments (`own`, may be NULL): those go
+ * upstream before anything the caller asks of the upstream, so the caller's policy (the
+ * limit, the garbage collection threshold, the high water mark) does not count them; other
+ * threads' releases in flight still count (Note [Releases in flight], mp_release.c). */
+static inline size_t mp_reserved_now_own_locked(const mp_pool *p, const mp_release_list *own) {
+    return mp_reserved_now_locked(p) - (own ? own->counted : 0);
+}
 /* Note [Forgotten streams]: detach an expandable range that holds nothing but unmapped pages
  * and free blocks of `only` (NULL: of nobody): its mapped runs are unmapped and its address
  * space released by mp_release_finish. 0 when it holds anything else (nothing changes). */

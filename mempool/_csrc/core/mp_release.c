@@ -391,7 +391,7 @@ size_t mp_limit_excess_locked(mp_pool *p, size_t extra) {
 }
 
 size_t mp_limit_excess_own_locked(mp_pool *p, size_t extra, const mp_release_list *own) {
-    size_t now = mp_reserved_now_locked(p) - (own ? own->counted : 0);
+    size_t now = mp_reserved_now_own_locked(p, own);
     mp_pool *owner = p->limit_owner ? p->limit_owner : p;
     size_t limit = __atomic_load_n(&owner->cfg.limit, __ATOMIC_RELAXED);
     int64_t held = __atomic_load_n(&owner->limit_held, __ATOMIC_RELAXED) - p->limit_published +
