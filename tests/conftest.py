@@ -42,7 +42,16 @@ def pytest_cmdline_main(config):
             config.option.dist = "worksteal"
 
 
+# Files every test of which is marked slow here rather than in the file: the surface fuzzer
+# runs for MEMPOOL_FUZZ_SECONDS of wall time whatever the machine.
+SLOW_FILES = ("test_fuzz_surface.py",)
+
+
+@pytest.hookimpl(tryfirst=True)   # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
     if not gpu_available():
         skip = pytest.mark.skip(reason="needs a CUDA device (none found)")
         for item in items:
