@@ -83,8 +83,8 @@ class BuildExt(build_ext):
     def finalize_options(self):
         super().finalize_options()
         kind = "debug" if DEBUG else "release"
-        self.build_temp = os.path.join(
-            HERE, "build", f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}-{kind}")
+        folder = f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}-{kind}"
+        self.build_temp = os.path.join(HERE, "build", folder)
 
     def build_extension(self, ext):
         compiler, force, jobs = self.compiler, self.force, _jobs()
