@@ -26,16 +26,48 @@ def parse_backend(description: str, cpu_backend: str,
     return ap.parse_args(argv)
 
 
+def _example_name() -> str:
+    return os.path.basename(sys.argv[0]) or "this example"
+
+
+def _not_installed(error: BaseException, module: str) -> bool:
+    """True when `error` says that `module` itself (or a package above it) is absent, rather
+    than that it is installed and something it imports is missing or broken."""
+    missing = getattr(error, "name", None)
+    return (isinstance(error, ModuleNotFoundError) and missing is not None
+            and (module == missing or module.startswith(missing + ".")))
+
+
 def require(module: str, what: str, install: str) -> ModuleType:
     """Import `module`; without it, say in one line what to install and exit (status 0: the
-    example does not apply to this machine, nothing failed)."""
+    example does not apply to this machine, nothing failed). An installation that fails to
+    import (a library missing under it, a NumPy it does not support) is said in one line too,
+    with the error, and exits the same way."""
     try:
         return importlib.import_module(module)
-    except ImportError:
-        name = os.path.basename(sys.argv[0]) or "this example"
-        print(f"{name}: skipped, it needs {what}, which is not installed here "
-              f"(pip install {install})")
+    except Exception as error:   # noqa: BLE001 - any failure of a third-party import
+        if _not_installed(error, module):
+            print(f"{_example_name()}: skipped, it needs {what}, which is not installed here "
+                  f"(pip install {install})")
+        else:
+            print(f"{_example_name()}: skipped, {what} is installed but `import {module}` "
+                  f"fails here ({first_line(error)})")
         sys.exit(0)
+
+
+def first_line(error: BaseException) -> str:
+    """`error` in one line: its type and the first line of its message."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def numpy_names_for_numba() -> None:
+    """Call before importing numba-cuda. Its 0.x releases register typing for np.row_stack,
+    which NumPy 2.5 removed, so on such an installation `from numba import cuda` fails before
+    any kernel is compiled; row_stack was always vstack under another name."""
+    import numpy as np
+    if not hasattr(np, "row_stack"):
+        np.row_stack = np.vstack
 
 
 def size_text(nbytes: int) -> str:

@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     require("torch", "PyTorch (the CPU build is enough on host)", "torch")
     import torch.multiprocessing as tmp
     if args.backend == "cuda":
+        require("cupy", "CuPy (it counts the devices)", "cupy-cuda12x")
         from cupy.cuda import runtime   # counting devices must not start CUDA in torch
         count = runtime.getDeviceCount()
         procs = args.procs or count

@@ -25,7 +25,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import gpu_available, size_text, train_mlp   # noqa: E402
+from _common import (first_line, gpu_available, numpy_names_for_numba, size_text,  # noqa: E402
+                     train_mlp)
 
 BATCH, WIDTH, HIDDEN = 512, 1024, 4096
 NEEDED = {"cupy": "pip install cupy-cuda12x", "torch": "pip install torch",
@@ -148,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"four_frameworks: needs {', '.join(missing)}; nothing was run.")
         return 0
+    numpy_names_for_numba()
+    for module in NEEDED:
+        try:
+            __import__(module)
+        except Exception as error:   # noqa: BLE001 - installed, but broken here
+            print(f"four_frameworks: {module} is installed but fails to import here "
+                  f"({first_line(error)}); nothing was run.")
+            return 0
     run(args.steps)
     return 0
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import gpu_available   # noqa: E402
+from _common import gpu_available, require   # noqa: E402
 
 if TYPE_CHECKING:
     from mempool import Pool
@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         print("tenant_caps: --backend cuda needs a GPU (CuPy and a CUDA device); run with "
               "--backend host here")
         return 0
+    if args.backend == "cuda":
+        require("cupy", "CuPy (each tenant fills its blocks with it)", "cupy-cuda12x")
     conf = f"backend:{args.backend},limit:{args.limit}"
     if args.backend == "host":
         conf += ",capacity:8GiB"            # the host device's size, above both caps

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mempool                      # noqa: E402
 import mempool.torch as mt          # noqa: E402
-from _common import parse_backend, report, size_text   # noqa: E402
+from _common import parse_backend, report, require, size_text   # noqa: E402
 
 
 def on_gpu() -> None:
@@ -71,6 +71,8 @@ def on_sim() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_backend(__doc__.splitlines()[0], "sim", argv)
+    if args.backend == "cuda":
+        require("torch", "PyTorch with CUDA", "torch")
     print(f"backend: {args.backend}; entry points in {mt.library_path()}")
     on_gpu() if args.backend == "cuda" else on_sim()
     return 0

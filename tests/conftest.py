@@ -22,13 +22,49 @@ def pytest_unconfigure(config):
         faulthandler.dump_traceback_later(float(seconds), exit=True, file=sys.stderr)
 
 
-def pytest_collection_modifyitems(config, items):
-    if gpu_available():
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """With pytest-xdist installed, the run is spread over one process per CPU unless the
+    command line says how (`-n N`, `-n 0` for one process) or asks for a debugger. Set here
+    rather than in addopts so that a pytest without pytest-xdist still runs the tests."""
+    if not config.pluginmanager.hasplugin("xdist") or config.option.usepdb:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (none found)")
+    # Neither a worker nor a pytest that a test starts (they inherit the variable) starts
+    # workers of its own.
+    if hasattr(config, "workerinput") or os.environ.get("MEMPOOL_TEST_PARALLEL_STARTED"):
+        return
+    os.environ["MEMPOOL_TEST_PARALLEL_STARTED"] = "1"
+    if getattr(config.option, "numprocesses", None) is None:
+        config.option.numprocesses = "auto"
+        if config.option.dist == "no":
+            # Idle workers take tests queued for busy ones: a few tests take far longer
+            # than the rest.
+            config.option.dist = "worksteal"
+
+
+# Files every test of which is marked slow here rather than in the file: the surface fuzzer
+# runs for MEMPOOL_FUZZ_SECONDS of wall time whatever the machine.
+SLOW_FILES = ("test_fuzz_surface.py",)
+
+
+@pytest.hookimpl(tryfirst=True)   # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+    if not gpu_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device (none found)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+        return
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        # Another worker's test may hold device memory at any time.
+        skip = pytest.mark.skip(reason="gpu_exclusive: needs the device alone, not shared "
+                                       "with other pytest-xdist workers (run with -n 0 or -n 1)")
+        for item in items:
+            if "gpu_exclusive" in item.keywords:
+                item.add_marker(skip)
 
 
 def _pool_factory(backend):

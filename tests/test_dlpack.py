@@ -296,6 +296,7 @@ def test_a_buffer_exports_any_number_of_times(pool):
     assert (c == 7).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", list(itertools.permutations(["buf", "a", "b", "cap"])))
 def test_repeated_exports_free_the_block_once_whatever_the_order(pool, order):
     n0, live0 = freed(pool), _core._dl_live_blocks()

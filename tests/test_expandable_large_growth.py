@@ -58,6 +58,7 @@ def test_a_large_growth_of_a_small_pool_keeps_the_share():
     assert pool.reserved_bytes() == (512 + 16 + 8 + 200) * MiB
 
 
+@pytest.mark.slow
 def test_the_recordings_script_replays_every_recording_and_trace(tmp_path):
     # bench/expandable_recordings.py, which judged the rule: the ResNet-50 rows are the
     # replays tests/test_replay_empty_cache.py pins, the others as before the rule.

@@ -146,6 +146,7 @@ def test_a_reset_between_allocate_and_free_counts_the_free_alone():
 
 @pytest.mark.skipif(shutil.which("valgrind") is None or shutil.which("gcc") is None,
                     reason="counting cache lines needs valgrind's cachegrind and gcc")
+@pytest.mark.slow
 def test_a_cold_round_trip_touches_few_cache_lines():
     """Note [Hot lines]: before the layout, a cold allocate + free through a hot block missed
     26-27 lines of data and 33 of code in the first-level caches (bench/cold_lines.py at

@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import torch_own_tests  # noqa: E402
@@ -42,6 +44,7 @@ def run_both(tmp_path, capsys, source, name="test_sample.py"):
     return out, capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_the_two_runs_and_what_differs(tmp_path, capsys):
     out, printed = run_both(tmp_path, capsys, TESTS)
     assert "pytorch: 2 passed, 2 failed, 1 skipped" in printed
@@ -62,6 +65,7 @@ def test_a_missing_file_is_named(tmp_path, capsys):
     assert "test_file: no file" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_run_without_its_junit_file_is_read_from_its_log(tmp_path):
     """A run cut at its limit (or crashed) writes no JUnit file: the -v log gives the same
     outcomes under the same names."""
@@ -107,6 +111,7 @@ def fake_package(root):
     (root / "fakepkg" / "testing.py").write_text("present = 1\n")
 
 
+@pytest.mark.slow
 def test_names_a_newer_file_imports_get_the_same_stand_ins_in_both_runs(tmp_path, capsys,
                                                                          monkeypatch):
     fake_package(tmp_path)
@@ -141,6 +146,7 @@ def test_names_a_newer_file_imports_get_the_same_stand_ins_in_both_runs(tmp_path
             "new_helper": "raises NotImplementedError when called"}
 
 
+@pytest.mark.slow
 def test_a_file_that_does_not_collect_is_a_failed_run(tmp_path, capsys, monkeypatch):
     """Without stand-ins (its package not named), the file stops at collection under both
     allocators: no test ran, and the script says so and exits 1 instead of reporting two
@@ -157,6 +163,7 @@ def test_a_file_that_does_not_collect_is_a_failed_run(tmp_path, capsys, monkeypa
     assert "mempool: the file's tests were not collected (see own-tests-mempool.log)" in printed
 
 
+@pytest.mark.slow
 def test_a_baseline_stands_for_the_run_under_pytorchs_allocator(tmp_path, capsys):
     test_file = tmp_path / "test_sample.py"
     test_file.write_text(TESTS)
@@ -218,6 +225,7 @@ def test_e_fails_otherwise():
 '''
 
 
+@pytest.mark.slow
 def test_tests_failing_after_a_sticky_cuda_error_run_again_alone(tmp_path, capsys):
     out, printed = run_both(tmp_path, capsys, POISONING_TESTS, "test_poison.py")
     result = json.loads((out / "own-tests.json").read_text())

@@ -152,6 +152,7 @@ def transformer_tuned(transformer):
     return tn.tune(transformer, stream=out), out.getvalue()
 
 
+@pytest.mark.slow
 def test_fewer_ooms_always_rank_first_under_a_limit(transformer):
     # At 9% of the simulated 80 GiB, settings with 3 OOMs once ranked above expandable
     # segments with 1, because reserving more than the default kept a setting below it.
