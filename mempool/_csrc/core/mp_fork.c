@@ -78,6 +78,11 @@ void mp_fork_unregister(mp_pool *p) {
     pthread_mutex_unlock(&registry_lock);
 }
 
+__attribute__((cold, noinline)) int mp_lock_refuse_inherited(mp_pool *p) {
+    mp_lock_release(&p->lock);
+    return 0;
+}
+
 long mp_pool_inherited(const mp_pool *p) {
     return __atomic_load_n(&p->inherited, __ATOMIC_RELAXED) ? p->creator_pid : 0;
 }

@@ -498,12 +498,12 @@ void mp_segment_idle_remove_locked(mp_pool *p, mp_segment *s);
 
 /* Note [Pools across fork]: take the lock of a pool that this process may use; 0, with the
  * lock not held, for a pool inherited through fork (the entry point fails with MP_EFORKED). */
+int mp_lock_refuse_inherited(mp_pool *p);   /* mp_fork.c: releases the lock, returns 0 */
 static inline int mp_lock_own(mp_pool *p) {
     mp_lock_acquire(&p->lock);
-    if (MP_UNLIKELY(p->inherited)) {
-        mp_lock_release(&p->lock);
-        return 0;
-    }
+    /* The refusal is out of line: the allocate/free path keeps one compare of a field on a
+     * line it reads anyway (Note [Hot lines]). */
+    if (MP_UNLIKELY(p->inherited)) return mp_lock_refuse_inherited(p);
     return 1;
 }
 /* mp_fork.c: Note [Pools across fork]. Register a new pool (and, once per process, the
