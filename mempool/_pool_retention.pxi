@@ -3,7 +3,8 @@
 # (_pool.pxi) check the pool is usable, count the call in the core (Note [Closing a pool])
 # and call these with the C pool.
 #
-# Uses the CUDA upstream's error text (_cuda), the limits' conversion (_pool_create).
+# Uses backend kinds (_common), the CUDA upstream's error text (_cuda), the limits' conversion
+# (_pool_create).
 from mempool import _config
 
 # The options Pool.set_size_policy changes on a live pool.
