@@ -1,7 +1,8 @@
-# A test control, not part of the product (no product path uses it): the Python faces of
+# Test controls, not part of the product (no product path uses them): the Python faces of
 # the pool's capture counter (docs/architecture.md, Note [Graph capture]), for tests and for
-# code that captures on one thread while others allocate. Native glue (PyTorch's) calls
-# mp_capture_begin/mp_capture_end itself.
+# code that captures on one thread while others allocate, and of a limit shared between
+# pools (Note [Shared limit]). Native glue (PyTorch's) calls mp_capture_begin/mp_capture_end
+# and mp_share_limit itself.
 
 
 def _capture_begin(Pool pool not None):
@@ -34,3 +35,19 @@ def _capture_known(Pool pool not None):
     it never used is not known (Note [Graph capture])."""
     pool._ready()
     return bool(mp_capture_known(pool._pool))
+
+
+def _share_limit(Pool member not None, Pool owner not None):
+    """For tests of Note [Shared limit] (mp_release.c): make `member` count its reserved
+    bytes against `owner`'s limit too, as the torch glue does with the private pools of a
+    device (the pool of a CUDA graph or a MemPool, which needs CUDA). Raises ValueError
+    where the core refuses (see mp_share_limit in mp_core.h)."""
+    member._ready()
+    owner._ready()
+    cdef int rc = mp_share_limit(member._pool, owner._pool)
+    if rc == MP_EBUSY:
+        raise ValueError("member: it holds memory already; share a limit before the first "
+                         "segment")
+    if rc != MP_OK:
+        raise ValueError("member: the same pool as owner, a member already, or a pool "
+                         "whose limit others share; owner: not a member itself")

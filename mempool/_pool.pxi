@@ -1,110 +1,30 @@
-# The Pool: configuration, validation and errors around the C core. Everything here holds
-# the GIL; the core below it never needs it (docs/architecture.md, "Note [Lock order]").
+# The Pool class: its fields and life (creation, close), the streams it is given (Note
+# [Pinned streams]), allocate and free (the hot paths, Note [Hot address]), and the methods
+# of every other concern, each checking that the pool is usable and delegating with the C
+# pool to the part that does the work: _pool_create, _pool_errors, _pool_retention,
+# _pool_observe, _peers, _buffer (before this part) and _cupy_hook (after it: its owner object
+# holds a Pool). A cdef class is written in one place, so the methods and their docstrings
+# are all here. Everything here holds the GIL; the core below it never needs it
+# (docs/architecture.md, "Note [Lock order]").
 #
-# Uses every part included before it (_core.pyx): argument checks (_common), the size policy
-# (_policy), the CUDA upstream and its cudaMemPool (_cuda, _cudapool), CuPy's current stream
-# (_streams), several devices (_peers), the device controls (_devices), Buffers (_buffer).
-from libc.stdint cimport uintptr_t, uint64_t
-from libc.stdlib cimport free as c_free
+# Uses every part included before it (_core.pyx), and _cupy_malloc of _cupy_hook.pxi.
+from libc.stdint cimport uintptr_t
 
 # Note [Blocking upstream calls] (the hooks are declared in _cdefs.pxd).
 mp_set_blocking_hooks(mp_py_blocking_begin, mp_py_blocking_end)
 
-import itertools as _itertools
-import os as _os
-import weakref as _weakref
-
 from mempool import _config
-from mempool._units import format_bytes as _fmt
-from mempool._errors import InvariantError, OutOfMemoryError, PoolClosedError
-
-cdef size_t _GiB = 1 << 30
-cdef size_t _DEFAULT_GRANULARITY = 2 << 20
-_DEFAULT_CAPACITY = {"sim": 80 * (1 << 30), "host": 4 * (1 << 30)}
 
 #: True in the debug build (MEMPOOL_DEBUG=1 at build time: the C core's debug-only asserts
 #: are on; mempool/_csrc/mp_assert.h, docs/reliability.md).
 DEBUG_BUILD = bool(MP_DEBUG)
-#: Core codes, for tests of the messages built from them.
-_MP_EINVAL = MP_EINVAL
-
-_STAT_FAMILIES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
-                  "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
-_STAT_POOLS = ("all", "small_pool", "large_pool")
-# The options Pool.set_size_policy changes on a live pool.
-_SIZE_POLICY = ("roundup_power2_divisions", "max_split_size", "garbage_collection_threshold")
-
-
-# Every live Pool by its creation number, for exporters that watch all of them
-# (mempool.prometheus): weak, so being watched keeps no pool alive. Written at creation only.
-_live_pools = _weakref.WeakValueDictionary()
-_pool_numbers = _itertools.count()
-
-
-def live_pools():
-    """``[(number, pool)]`` of every Pool of this process still alive, oldest first.
-
-    ``number`` counts the pools made in this process from 0 and is never reused, so it
-    names one pool for its life (the ``pool`` label of mempool.prometheus).
-    """
-    return sorted(_live_pools.items(), key=lambda item: item[0])
-
-
-cdef size_t _or_unlimited(object value):
-    return MP_UNLIMITED if value is None else <size_t>value
-
-
-cdef object _limit_bytes(object limit, size_t capacity):
-    """`limit` as normalized (bytes, a fraction of capacity, or None) in bytes or None. A
-    fraction so small that it leaves no byte is refused: it would make a pool that can
-    allocate nothing (per_process_memory_fraction:1e-300 did)."""
-    if not isinstance(limit, float):
-        return limit
-    nbytes = int(limit * capacity)
-    if nbytes == 0:
-        raise ValueError(f"option 'limit': the fraction {limit!r} of capacity {capacity} bytes "
-                         f"is less than one byte; accepted: a fraction in (0, 1] that leaves "
-                         f"at least one byte, a size in bytes, or None")
-    return nbytes
 
 
 cdef object _unusable(Pool pool):
     """The error of a call on a Pool with no C pool: closed, or never initialised."""
     if pool._closed:
-        return _closed_error(pool)
+        return _closed_error(pool.backend, pool.device_id)
     return _not_initialised(pool)
-
-
-cdef object _closed_error(Pool pool):
-    return PoolClosedError(f"this Pool (backend {pool.backend!r}, device {pool.device_id}) is "
-                           f"closed: it serves no call; make a new Pool (mempool.default_pool() "
-                           f"makes a fresh default pool)")
-
-
-cdef object _live_blocks_refusal(mp_pool *pool):
-    """close()'s message when `pool` has live blocks (None when it has none): their count,
-    their bytes and the first few addresses."""
-    if mp_used_bytes(pool) == 0:
-        return None
-    cdef mp_layout lay
-    if mp_layout_take(pool, &lay) != MP_OK:
-        raise MemoryError("close: out of host memory")
-    cdef size_t i, count = 0, nbytes = 0
-    first = []
-    try:
-        for i in range(lay.nblocks):
-            if lay.blocks[i].state == MP_BLOCK_ALLOCATED:
-                count += 1
-                nbytes += lay.blocks[i].nbytes
-                first.append(lay.blocks[i].ptr)
-    finally:
-        mp_layout_free(&lay)
-    if count == 0:
-        return None
-    first.sort()
-    shown = ", ".join(f"{ptr:#x}" for ptr in first[:4]) + (", ..." if count > 4 else "")
-    return (f"close: the pool has {count} live block(s) of {_fmt(nbytes, exact=True)} "
-            f"({shown}); free them first, or close(force=True) to give them up")
 
 
 # Note [Closing a pool]
@@ -237,7 +157,7 @@ A stream-ordered device memory pool.
         # made from the first one, and a re-init that half failed left backend and options
         # describing another device than the one in use.
         if self._closed:
-            raise _closed_error(self)
+            raise _closed_error(self.backend, self.device_id)
         if self._pool != NULL:
             raise RuntimeError(f"Pool.__init__: this Pool is already initialised (backend "
                                f"{self.backend!r}, device {self.device_id}); a pool's "
@@ -245,119 +165,21 @@ A stream-ordered device memory pool.
         given = dict(options)
         given.update(backend=backend, device=device, capacity=capacity)
         opts = _config.normalize(given)
-        # Note [Set-up during a capture] (mp_cuda.c): a cuda Pool's driver calls in the
-        # thread's relaxed capture mode, so that a CUDA graph captured meanwhile (the global
-        # mode included) neither refuses them nor is broken by them.
-        cdef int capture_mode = -1
-        if _BACKENDS[opts["backend"]] == _CUDA:
-            capture_mode = mp_cuda_relax_capture_mode()
-        try:
-            self._create(opts)
-        finally:
-            mp_cuda_restore_capture_mode(capture_mode)
-
-    cdef int _create(self, dict opts) except -1:
-        """__init__'s work once the options are normalized (not callable from Python: a
-        Pool is made once)."""
-        # Everything below works on locals; the Pool's fields are set only once the C pool
-        # exists, so a failed __init__ leaves an uninitialised Pool, not a half-made one.
-        backend_name = opts["backend"]
-        cdef int device_id = opts["device"]
-        cdef int kind = _BACKENDS[backend_name]
-        granularity = opts["granularity"]
-        cdef size_t gran = _DEFAULT_GRANULARITY if granularity is None else granularity
-        if kind != _CUDA:
-            opts["granularity"] = gran   # the page size in use, default resolved
-        cdef mp_upstream up
-        cdef int rc
-        cuda_handle = None
-        current = None
-        if kind == _CUDA:
-            cuda_handle = _make_cuda(&up, device_id, opts)
-            if up.granularity:
-                opts["granularity"] = up.granularity   # the page in use, default resolved
-            try:
-                current = _cuda_current_stream(device_id)
-            except BaseException:
-                up.destroy(up.ctx)
-                raise
-        else:
-            cap = opts["capacity"] if opts["capacity"] is not None else _DEFAULT_CAPACITY[backend_name]
-            if kind == _SIM:
-                rc = mp_sim_upstream(&up, <size_t>cap, gran)
-            else:
-                rc = mp_host_upstream(&up, <size_t>cap, gran)
-            if rc == MP_EINVAL:
-                raise ValueError(f"option 'granularity' ({gran}) must be a positive multiple of "
-                                 f"{'512' if kind == _SIM else 'the page size'}")
-            if rc != MP_OK:
-                raise MemoryError(f"could not create the {backend_name} device (error {rc})")
-            if kind == _SIM:
-                _sim_place(&up, device_id)   # several devices: mempool/_peers.pxi
-            if opts["expandable_segments"] and gran > cap:
-                up.destroy(up.ctx)
-                raise ValueError(f"option 'granularity' ({gran} bytes) exceeds 'capacity' "
-                                 f"({cap} bytes): no page of expandable segments would fit "
-                                 f"the device; accepted: a page size up to the capacity")
-        cdef size_t free_b = 0, total = 0
-        cdef mp_config cfg
+        # The fields are set only once the C pool exists: a failed __init__ leaves an
+        # uninitialised Pool, not a half-made one.
         cdef mp_pool *pool = NULL
-        try:
-            up.mem_info(up.ctx, &free_b, &total)
-            limit = _limit_bytes(opts["limit"], total)
-            opts["limit"] = limit
-            mp_config_default(&cfg)
-            for i, d in enumerate(opts["roundup_power2_divisions"]):
-                cfg.roundup_divisions[i] = d
-            cfg.max_split_size = _or_unlimited(opts["max_split_size"])
-            cfg.cross_stream_reuse = 1 if opts["cross_stream_reuse"] else 0
-            if opts["segment_rounding"] is None and kind == _CUDA \
-                    and not opts["expandable_segments"]:
-                # Note [The cudaMemPool's unit] (mempool/_cuda.py): the pool reserves what
-                # the device holds for its segments; options report the rounding in use.
-                from mempool import _cuda
-                opts["segment_rounding"] = _cuda.segment_rounding_for(
-                    _cuda.allocation_unit(device_id))
-            cfg.segment_round = opts["segment_rounding"] or 0
-            cfg.release_threshold = _or_unlimited(opts["release_threshold"])
-            cfg.limit = _or_unlimited(limit)
-            cfg.initial_pool_size = opts["initial_pool_size"]
-            cfg.gc_threshold = opts["garbage_collection_threshold"]
-            cfg.expandable_segments = 1 if opts["expandable_segments"] else 0
-            cfg.max_map_size = opts["max_map_size"] or 0
-            cfg.min_map_size = opts["min_map_size"] or 0
-            cfg.capture_reuse = 1 if opts["graph_capture_record_stream_reuse"] else 0
-            if cfg.expandable_segments and up.map == NULL:
-                raise ValueError(f"expandable_segments is not supported by the {backend_name} "
-                                 f"upstream")
-        except BaseException:
-            up.destroy(up.ctx)
-            raise
-        rc = mp_pool_create(&cfg, &up, &pool)
-        if rc == MP_OK:
-            self.backend = backend_name
-            self.device_id = device_id
-            self._kind = kind
-            self.capacity = total
-            self._cuda_handle = cuda_handle
-            self._current = current
-            self.options = opts
-            self._pool = pool
-            if kind == _CUDA:
-                mp_cuda_bind_errors(mp_pool_upstream(pool))
-            self._device = _make_device(pool, kind)
-            self._number = next(_pool_numbers)
-            _live_pools[self._number] = self
-            return 0
-        # mp_pool_create destroys the upstream only when reserving initial_pool_size failed
-        # (it has made a pool by then); every earlier failure leaves it to us.
-        if not (rc == MP_ENOMEM and cfg.initial_pool_size):
-            up.destroy(up.ctx)
-        if rc == MP_ENOMEM:
-            raise OutOfMemoryError(
-                f"initial_pool_size of {_fmt(cfg.initial_pool_size, exact=True)} could not be "
-                f"reserved on {backend_name} device {device_id} (capacity {_fmt(total)})")
-        raise ValueError(f"invalid pool configuration (error {rc})")
+        total, cuda_handle, current = _pool_create(opts, &pool)
+        self.backend = opts["backend"]
+        self.device_id = opts["device"]
+        self._kind = _BACKENDS[self.backend]
+        self.capacity = total
+        self._cuda_handle = cuda_handle
+        self._current = current
+        self.options = opts
+        self._pool = pool
+        self._device = _make_device(pool, self._kind)
+        self._number = next(_pool_numbers)
+        _live_pools[self._number] = self
 
     def __dealloc__(self):
         if self._pool != NULL:
@@ -393,18 +215,9 @@ A stream-ordered device memory pool.
         if self._closed:
             return
         self._ready()
-        if self._in_core:
-            raise RuntimeError(f"close: {self._in_core} call(s) on this pool are under way in "
-                               f"other threads; close it once they have returned")
-        if 0 <= self.device_id < MP_TORCH_MAX_DEVICES \
-                and mp_torch_registered(self.device_id) == self._pool:
-            raise RuntimeError(f"close: the pool is PyTorch's allocator on device "
-                               f"{self.device_id} (mempool.torch); unregister it first "
-                               f"(mempool.torch.unregister({self.device_id}))")
-        if not force:
-            refusal = _live_blocks_refusal(self._pool)
-            if refusal is not None:
-                raise RuntimeError(refusal)
+        refusal = _close_refusal(self._pool, self.device_id, self._in_core, force)
+        if refusal is not None:
+            raise refusal
         # What other holders of the C pool (Buffers, device controls kept by the caller)
         # would keep cached goes now; the pool's own reference goes last.
         mp_empty_cache(self._pool)
@@ -431,7 +244,7 @@ A stream-ordered device memory pool.
         """The device control: a :class:`SimDevice` (``sim``), a :class:`HostDevice`
         (``host``), or None (``cuda``, and a Pool whose __init__ never ran)."""
         if self._closed:
-            raise _closed_error(self)
+            raise _closed_error(self.backend, self.device_id)
         return self._device
 
     @classmethod
@@ -453,13 +266,8 @@ A stream-ordered device memory pool.
         if self._pool == NULL:
             raise _unusable(self)
         if mp_pool_inherited(self._pool):
-            raise self._forked_error()
+            raise _forked_error(self._pool)
         return 0
-
-    cdef object _forked_error(self):
-        # Note [Pools across fork] (mp_fork.c): a child may only drop what it inherited.
-        return RuntimeError(f"this pool was created in process {mp_pool_inherited(self._pool)}; "
-                            f"a forked child (process {_os.getpid()}) must create its own pool")
 
     cdef inline int _stream_of(self, object stream, uintptr_t *out) except -1:
         if stream is None:
@@ -513,7 +321,7 @@ A stream-ordered device memory pool.
     def pinned_streams(self):
         """The stream objects this pool keeps alive, by handle (Note [Pinned streams])."""
         if self._closed:
-            raise _closed_error(self)
+            raise _closed_error(self.backend, self.device_id)
         return dict(self._pinned_streams)
 
     def alloc(self, nbytes, stream=None):
@@ -692,35 +500,11 @@ A stream-ordered device memory pool.
 
     cdef object _pointer_error(self, int rc, str op, uintptr_t p):
         if rc == MP_EFORKED:
-            return self._forked_error()
+            return _forked_error(self._pool)
         return _pointer_error(rc, op, p)
 
     cdef object _alloc_error(self, int rc, size_t nbytes, uintptr_t stream):
-        # One snapshot, taken under the pool's lock where the fallback chain gave up (mp_oom):
-        # what is cached then is what no release could return (free blocks inside segments
-        # that hold live ones), so "cached but no block big enough" means fragmentation.
-        cdef mp_oom rec
-        if rc == MP_EFORKED:
-            return self._forked_error()
-        if mp_oom_take(&rec) != MP_OK or rec.pool != self._pool or rec.nbytes != nbytes:
-            mp_oom_snapshot(self._pool, rc, nbytes, stream, &rec)   # refused before the pool
-        rec.code = rc   # what the caller was told, should a record disagree
-        # Note [One OOM explainer] (core/mp_oom.c): the PyTorch glue explains its refusals
-        # with the same rules and words.
-        cdef char text[1024]
-        backend = self.backend.encode()
-        mp_oom_message(self._pool, &rec, backend, self.device_id, MP_OOM_WORDS_POOL, text,
-                       sizeof(text))
-        message = text.decode()
-        if rc not in (MP_ENOMEM, MP_ELIMIT):
-            return OutOfMemoryError(message)
-        reserved, used, cached = rec.reserved_bytes, rec.used_bytes, rec.cached_bytes
-        largest = rec.largest_free_block
-        error = OutOfMemoryError(message)
-        error.record = dict(nbytes=rec.nbytes, rounded=rec.rounded, reserved_bytes=reserved,
-                            used_bytes=used, pending_bytes=rec.pending_bytes, cached_bytes=cached,
-                            largest_free_block=largest, num_ooms=rec.num_ooms)
-        return error
+        return _oom_error(self._pool, rc, nbytes, stream, self.backend, self.device_id)
 
     # ---- several devices (mempool/_peers.pxi, docs/multigpu.md) ----
     def enable_peer_access(self, peer_device):
@@ -791,7 +575,7 @@ A stream-ordered device memory pool.
         mp_empty_cache(self._pool)
         mp_py_mark(0)
         self._in_core -= 1
-        self._give_back(0)
+        _give_back(self._pool, self._kind, self.device_id, 0)
 
     def trim(self, keep=0):
         """Release idle segments, longest unused first, until at most ``keep`` bytes are cached.
@@ -811,23 +595,7 @@ A stream-ordered device memory pool.
         mp_trim(self._pool, k)
         mp_py_mark(0)
         self._in_core -= 1
-        self._give_back(k)
-
-    cdef int _give_back(self, size_t keep) except -1:
-        """After empty_cache or trim on cuda: the cudaMemPool gives the device what the pool
-        freed, beyond `keep` bytes (Note [Giving back to the device], mp_release.c). The core
-        waits for the device first, and only when a segment was freed since its last call;
-        while the pool knows of a CUDA graph capture, which a sync would break, nothing is
-        done (MP_EBUSY) and a later call gives it back (the core released nothing meanwhile
-        either, Note [Graph capture])."""
-        if self._kind != _CUDA:
-            return 0
-        cdef int rc = mp_give_back(self._pool, keep)
-        if rc == MP_OK or rc == MP_EBUSY:
-            return 0
-        raise RuntimeError(
-            f"giving the freed memory back to device {self.device_id} failed: "
-            f"{_cuda_error_text(mp_cuda_last_error(mp_pool_upstream(self._pool)))}")
+        _give_back(self._pool, self._kind, self.device_id, k)
 
     def set_limit(self, limit):
         """Change ``limit`` (bytes, a fraction of capacity, or None) on a live pool."""
@@ -858,36 +626,7 @@ A stream-ordered device memory pool.
         ``ValueError`` (an unknown keyword ``TypeError``) and changes nothing.
         """
         self._ready()
-        unknown = [k for k in options if k not in _SIZE_POLICY]
-        if unknown:
-            raise TypeError(f"set_size_policy: unknown option {unknown[0]!r}; it changes "
-                            f"{', '.join(_SIZE_POLICY)} (the other options are fixed when "
-                            f"the pool is made, except limit and release_threshold: "
-                            f"set_limit, set_release_threshold)")
-        # The options not given stay as the core has them (self.options is the caller's to
-        # read, and may have been changed since).
-        cdef const mp_config *cfg = mp_pool_config(self._pool)
-        cdef size_t divisions[16]   # MP_ROUNDUP_INTERVALS, as mp_config.roundup_divisions above
-        for i in range(16):
-            divisions[i] = cfg.roundup_divisions[i]
-        given = dict(options)
-        if cfg.expandable_segments and given.get("max_split_size") is not None:
-            given["expandable_segments"] = True   # normalize warns and drops it, as at creation
-        parsed = _config.normalize(given)   # a list of 16 division counts, each checked
-        if "roundup_power2_divisions" in options:
-            for i in range(16):
-                divisions[i] = parsed["roundup_power2_divisions"][i]
-        max_split = (_or_unlimited(parsed["max_split_size"]) if "max_split_size" in options
-                     else cfg.max_split_size)
-        gc = (parsed["garbage_collection_threshold"] if "garbage_collection_threshold" in options
-              else cfg.gc_threshold)
-        rc = mp_set_size_policy(self._pool, divisions, max_split, gc)
-        if rc != MP_OK:   # the checks above are the core's; a refusal here is a bug
-            raise RuntimeError(f"set_size_policy: the pool refused the policy (code {rc})")
-        self.options.update(
-            roundup_power2_divisions=[divisions[i] for i in range(16)],
-            max_split_size=None if max_split == MP_UNLIMITED else max_split,
-            garbage_collection_threshold=gc)
+        self.options.update(_set_size_policy(self._pool, options))   # _pool_retention.pxi
 
     def set_capture_reuse(self, enabled):
         """Turn ``graph_capture_record_stream_reuse`` on or off from the next free on (as
@@ -938,45 +677,7 @@ A stream-ordered device memory pool.
         ``num_stream_syncs``, ``num_event_records``, ``num_stream_queries`` (upstream calls).
         """
         self._ready()
-        cdef mp_stats st
-        mp_get_stats(self._pool, &st)
-        cdef mp_stat *families[9]
-        families[0] = st.allocation
-        families[1] = st.segment
-        families[2] = st.active
-        families[3] = st.inactive_split
-        families[4] = st.allocated_bytes
-        families[5] = st.reserved_bytes
-        families[6] = st.active_bytes
-        families[7] = st.inactive_split_bytes
-        families[8] = st.requested_bytes
-        out = {}
-        cdef int f, k
-        for f in range(9):
-            for k in range(3):
-                _put_stat(out, f"{_STAT_FAMILIES[f]}.{_STAT_POOLS[k]}", families[f][k])
-        _put_stat(out, "oversize_allocations", st.oversize_allocations)
-        _put_stat(out, "oversize_segments", st.oversize_segments)
-        _put_stat(out, "mapped_bytes", st.mapped_bytes)
-        _put_stat(out, "va_reserved_bytes", st.va_reserved_bytes)
-        out["num_alloc_retries"] = st.num_alloc_retries
-        out["num_ooms"] = st.num_ooms
-        out["num_sync_all_streams"] = st.num_sync_all_streams
-        out["num_device_alloc"] = st.num_device_alloc
-        out["num_device_free"] = st.num_device_free
-        out["num_cross_stream_reuse"] = st.num_cross_stream_reuse
-        out["num_event_waits"] = st.num_event_waits
-        out["num_streams"] = st.num_streams
-        out["num_stream_syncs"] = st.num_stream_syncs
-        out["num_event_records"] = st.num_event_records
-        out["num_stream_queries"] = st.num_stream_queries
-        # The core's own: a policy set from C (a private pool following its device's, Note
-        # [Private pools follow the size policy]) reaches it and not self.options.
-        cdef size_t mss = mp_pool_config(self._pool).max_split_size
-        out["max_split_size"] = -1 if mss == MP_UNLIMITED else <int64_t>mss
-        if self._kind == _CUDA:
-            out.update(_cuda_stats(self._cuda_handle))
-        return out
+        return _pool_stats(self._pool, self._kind, self._cuda_handle)
 
     def reset_peak_stats(self):
         self._ready()
@@ -994,9 +695,7 @@ A stream-ordered device memory pool.
         free list, and every counter equal to what the blocks add up to.
         """
         self._ready()
-        cdef char msg[512]
-        if mp_check_invariants(self._pool, msg, sizeof(msg)) != MP_OK:
-            raise InvariantError(msg.decode())
+        _check_invariants(self._pool)
 
     def layout(self):
         """The segments and their blocks, copied under the pool lock.
@@ -1012,35 +711,7 @@ A stream-ordered device memory pool.
         ``(address, size)`` in address order, each released only whole (empty for others).
         """
         self._ready()
-        cdef mp_layout lay
-        if mp_layout_take(self._pool, &lay) != MP_OK:
-            raise MemoryError("layout: out of host memory")
-        segments = []
-        cdef size_t i, j
-        cdef mp_segment_view *sv
-        cdef mp_block_view *bv
-        try:
-            for i in range(lay.nsegments):
-                sv = &lay.segments[i]
-                blocks = []
-                for j in range(sv.first_block, sv.first_block + sv.nblocks):
-                    bv = &lay.blocks[j]
-                    blocks.append({"address": bv.ptr, "size": bv.nbytes,
-                                   "requested_size": bv.requested,
-                                   "last_requested_size": bv.last_requested, "stream": bv.stream,
-                                   "state": bv.state})
-                maps = [(lay.maps[2 * j], lay.maps[2 * j + 1])
-                        for j in range(sv.first_map, sv.first_map + sv.nmaps)]
-                segments.append({"address": sv.ptr, "total_size": sv.nbytes,
-                                 "mapped_size": sv.mapped_bytes, "maps": maps,
-                                 "stream": sv.stream,
-                                 "is_small": bool(sv.is_small),
-                                 "is_expandable": bool(sv.is_expandable),
-                                 "is_pinned": bool(sv.is_pinned), "blocks": blocks})
-        finally:
-            mp_layout_free(&lay)
-        segments.sort(key=lambda s: s["address"])
-        return segments
+        return _pool_layout(self._pool)
 
     def record_history(self, enabled=True, max_entries=100_000):
         """Record allocator events for :meth:`history` and :meth:`snapshot`; off by default.
@@ -1056,19 +727,7 @@ A stream-ordered device memory pool.
             Ring size (> 0); older events are overwritten. Each entry takes 40 bytes.
         """
         self._ready()
-        if not isinstance(enabled, bool):
-            raise TypeError(f"record_history: enabled must be True or False, got {enabled!r}")
-        cdef size_t n = 0
-        if enabled:
-            if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0:
-                raise ValueError(f"record_history: max_entries must be an int > 0 (the number of "
-                                 f"events kept), got {max_entries!r}")
-            if max_entries >= 2 ** 64:
-                raise ValueError(f"record_history: max_entries={max_entries} is out of range "
-                                 f"(below 2**64 accepted)")
-            n = max_entries
-        if mp_trace_enable(self._pool, n) != MP_OK:
-            raise MemoryError(f"record_history: no host memory for {max_entries} entries")
+        _record_history(self._pool, enabled, max_entries)
 
     def history(self):
         """The recorded events, oldest first: ``(action, ptr, nbytes, stream, time_ns)``.
@@ -1085,15 +744,7 @@ A stream-ordered device memory pool.
         free. ``time_ns`` is CLOCK_MONOTONIC. Empty unless :meth:`record_history` is on.
         """
         self._ready()
-        cdef mp_trace_entry *entries = NULL
-        cdef size_t n = 0, i
-        if mp_trace_take(self._pool, &entries, &n) != MP_OK:
-            raise MemoryError("history: out of host memory")
-        try:
-            return [(TRACE_ACTIONS[entries[i].action], entries[i].ptr, entries[i].nbytes,
-                     entries[i].stream, entries[i].time_ns) for i in range(n)]
-        finally:
-            c_free(entries)
+        return _pool_history(self._pool)
 
     def save_trace(self, path):
         """Save the recorded history as a trace file (JSON lines) for ``mempool replay``."""
@@ -1127,92 +778,3 @@ A stream-ordered device memory pool.
     def _round_size(self, nbytes):
         self._ready()
         return mp_round_size(mp_pool_config(self._pool), _as_nbytes(nbytes, "nbytes"))
-
-
-def _pointer_error(int rc, str op, uintptr_t p):
-    """The exception for core code `rc` from a call on pointer `p` (not alloc's codes)."""
-    if rc == MP_EINTERIOR:
-        return ValueError(f"{op}: {p:#x} points inside a live block of this pool, not at its "
-                          f"start")
-    if rc == MP_EDOUBLEFREE:
-        return ValueError(f"{op}: {p:#x} is not live: it lies in free memory of this pool "
-                          f"(already freed?)")
-    if rc == MP_ENOMEM:
-        return MemoryError(f"{op}: out of host memory for the pool's bookkeeping")
-    if rc == MP_EINVAL:
-        return ValueError(f"{op}: too many streams recorded for {p:#x}: at most "
-                          f"{MP_MAX_RECORDED_STREAMS} streams besides its own may be "
-                          f"recorded on one block")
-    return ValueError(f"{op}: {p:#x} is not a live pointer of this pool "
-                      f"(never allocated here, or freed and its segment released)")
-
-
-cdef _put_stat(dict out, str prefix, mp_stat s):
-    out[prefix + ".current"] = s.current
-    out[prefix + ".peak"] = s.peak
-    out[prefix + ".allocated"] = s.allocated
-    out[prefix + ".freed"] = s.freed
-
-
-# --------------------------------------------------------------------- the CuPy hook
-
-cdef object _MemoryPointer = None     # cupy.cuda.MemoryPointer, looked up once
-cdef object _UnownedMemory = None
-
-
-@cython.no_gc_clear   # the block must be freed even when a collected cycle holds it
-cdef class _Allocation:
-    """Owner of a block handed to CuPy: frees it when CuPy's memory object dies.
-
-    It keeps the Pool object alive with a plain reference (no atomic C refcount on this
-    path: the hook runs at every cupy.empty), and the Pool keeps the C pool."""
-    cdef Pool _owner
-    cdef uintptr_t ptr
-
-    def __dealloc__(self):
-        # A force-closed pool has let its C pool go, and the block with it (Note [Closing
-        # a pool]): there is nothing left to free.
-        if self._owner is not None and self._owner._pool != NULL:
-            mp_free(self._owner._pool, self.ptr, 0, 0)
-
-
-cdef object _cupy_malloc(Pool pool, object nbytes):
-    global _MemoryPointer, _UnownedMemory
-    pool._ready()
-    if _MemoryPointer is None:
-        import cupy.cuda
-        _MemoryPointer, _UnownedMemory = cupy.cuda.MemoryPointer, cupy.cuda.UnownedMemory
-    cdef size_t n = _as_nbytes(nbytes, "nbytes")
-    if n == 0:
-        # As CuPy's own pools: an empty allocation is a null pointer, freeing nothing.
-        return _MemoryPointer(_UnownedMemory(0, 0, None, pool.device_id), 0)
-    cdef uintptr_t s = 0
-    pool._stream_of(None, &s)
-    cdef uintptr_t ptr = 0
-    pool._in_core += 1   # Note [Closing a pool]
-    mp_py_mark(1)
-    cdef int rc = mp_alloc(pool._pool, n, s, &ptr)
-    mp_py_mark(0)
-    pool._in_core -= 1
-    if rc != MP_OK:
-        raise pool._alloc_error(rc, n, s)
-    cdef _Allocation owner = _Allocation.__new__(_Allocation)
-    owner._owner = pool
-    owner.ptr = ptr
-    return _MemoryPointer(_UnownedMemory(ptr, n, owner, pool.device_id), 0)
-
-
-def _share_limit(Pool member not None, Pool owner not None):
-    """For tests of Note [Shared limit] (mp_release.c): make `member` count its reserved
-    bytes against `owner`'s limit too, as the torch glue does with the private pools of a
-    device (the pool of a CUDA graph or a MemPool, which needs CUDA). Raises ValueError
-    where the core refuses (see mp_share_limit in mp_core.h)."""
-    member._ready()
-    owner._ready()
-    cdef int rc = mp_share_limit(member._pool, owner._pool)
-    if rc == MP_EBUSY:
-        raise ValueError("member: it holds memory already; share a limit before the first "
-                         "segment")
-    if rc != MP_OK:
-        raise ValueError("member: the same pool as owner, a member already, or a pool "
-                         "whose limit others share; owner: not a member itself")
