@@ -18,9 +18,8 @@ from mempool import _config
 from mempool._units import format_bytes as _fmt
 from mempool._errors import InvariantError, OutOfMemoryError, PoolClosedError
 
-cdef size_t _GiB = 1 << 30
-cdef size_t _DEFAULT_GRANULARITY = 2 << 20
-_DEFAULT_CAPACITY = {"sim": 80 * (1 << 30), "host": 4 * (1 << 30)}
+cdef size_t _DEFAULT_GRANULARITY = _config.DEFAULT_GRANULARITY
+_DEFAULT_CAPACITY = _config.DEFAULT_CAPACITY
 
 #: True in the debug build (MEMPOOL_DEBUG=1 at build time: the C core's debug-only asserts
 #: are on; mempool/_csrc/mp_assert.h, docs/reliability.md).
@@ -867,15 +866,15 @@ A stream-ordered device memory pool.
         # The options not given stay as the core has them (self.options is the caller's to
         # read, and may have been changed since).
         cdef const mp_config *cfg = mp_pool_config(self._pool)
-        cdef size_t divisions[16]   # MP_ROUNDUP_INTERVALS, as mp_config.roundup_divisions above
-        for i in range(16):
+        cdef size_t divisions[MP_ROUNDUP_INTERVALS]
+        for i in range(MP_ROUNDUP_INTERVALS):
             divisions[i] = cfg.roundup_divisions[i]
         given = dict(options)
         if cfg.expandable_segments and given.get("max_split_size") is not None:
             given["expandable_segments"] = True   # normalize warns and drops it, as at creation
-        parsed = _config.normalize(given)   # a list of 16 division counts, each checked
+        parsed = _config.normalize(given)   # a list of division counts, each checked
         if "roundup_power2_divisions" in options:
-            for i in range(16):
+            for i in range(MP_ROUNDUP_INTERVALS):
                 divisions[i] = parsed["roundup_power2_divisions"][i]
         max_split = (_or_unlimited(parsed["max_split_size"]) if "max_split_size" in options
                      else cfg.max_split_size)
@@ -885,7 +884,7 @@ A stream-ordered device memory pool.
         if rc != MP_OK:   # the checks above are the core's; a refusal here is a bug
             raise RuntimeError(f"set_size_policy: the pool refused the policy (code {rc})")
         self.options.update(
-            roundup_power2_divisions=[divisions[i] for i in range(16)],
+            roundup_power2_divisions=[divisions[i] for i in range(MP_ROUNDUP_INTERVALS)],
             max_split_size=None if max_split == MP_UNLIMITED else max_split,
             garbage_collection_threshold=gc)
 
