@@ -83,8 +83,8 @@ def parse_conf(conf: str, source: str = "conf") -> dict[str, Any]:
             # builds this message once, not once a repeat.
             _warn_once(("twice", target),
                        f"{source}: option {target!r} is given twice (as {spelled[target]!r} "
-                       f"and {key!r}) in {_conf_parse._shown(conf)}; as in PyTorch, the later one "
-                       f"('{key}:{value}') wins")
+                       f"and {key!r}) in {_conf_parse._shown(conf)}; as in PyTorch, the "
+                       f"later one ('{key}:{value}') wins")
         out[target] = parsed
         spelled[target] = key
     if async_backend is not None:

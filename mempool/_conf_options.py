@@ -15,7 +15,7 @@ from mempool._conf_parse import (
     _mib, _parse_backend, _parse_bool, _parse_capacity, _parse_device, _parse_gc_threshold,
     _parse_limit, _parse_max_map_size, _parse_max_split_size, _parse_min_map_size,
     _parse_nonnegative_size, _parse_optional_size, _parse_pool_handle, _parse_segment_rounding,
-    _spelled, _warn_once, format_bytes, format_size, parse_roundup_divisions)
+    _warn_once, format_bytes, format_size, parse_roundup_divisions)
 from mempool._conf_torch import (PYTORCH_KEYS, _PYTORCH_IGNORED, _mb_or_none,
                                  _pytorch_fraction)
 

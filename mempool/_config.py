@@ -29,22 +29,24 @@ those before it:
 """
 from __future__ import annotations
 
-from mempool._conf_docs import _alias_example, _markdown_table
-from mempool._conf_io import (_conf_value, _roundup_to_conf, canonical_conf, conf_from_env,
-                              parse_conf, to_conf, to_pytorch_conf)
-from mempool._conf_options import (
+# The facade: every name other modules and tests read as mempool._config.NAME.
+from mempool._conf_docs import _alias_example, _markdown_table  # noqa: F401
+from mempool._conf_io import (  # noqa: F401
+    _conf_value, _roundup_to_conf, canonical_conf, conf_from_env, parse_conf, to_conf,
+    to_pytorch_conf)
+from mempool._conf_options import (  # noqa: F401
     _ALIASES, DEFAULT_CAPACITY, DEFAULT_CUDA_PAGE, DEFAULT_GRANULARITY, OPTIONS, Option,
     _accepted_keys, _check_combination, _checked, _default, _overridden, _unknown_key,
     applied_max_split, normalize, overridden)
-from mempool._conf_parse import (
+from mempool._conf_parse import (  # noqa: F401
     BACKENDS, DEVICE_END, GiB, KiB, LARGE_SEGMENT, MAX_ALLOC, MAX_ROUNDUP_DIVISIONS,
     MIN_MAX_SPLIT_SIZE, MiB, POOL_HANDLES, PYTORCH_BACKENDS, ROUNDUP_INTERVALS, SIZE_END,
-    TiB, UNLIMITED_END, ConfigWarning, OptionError, _entries, _error, _loose_entries, _parse_backend,
-    _parse_bool, _parse_device, _parse_limit, _parse_pool_handle, _shown, _tokenize,
-    _warn_once, format_size, parse_roundup_divisions, parse_size)
-from mempool._conf_torch import (_CACHE_OPTIONS, _PYTORCH_IGNORED, PYTORCH_HOST_KEYS,
-                                 PYTORCH_KEYS, _backend_ignored, pytorch_key_ignored_because,
-                                 split_pytorch_conf)
+    TiB, UNLIMITED_END, ConfigWarning, OptionError, _entries, _error, _loose_entries,
+    _parse_backend, _parse_bool, _parse_device, _parse_limit, _parse_pool_handle, _shown,
+    _tokenize, _warn_once, format_size, parse_roundup_divisions, parse_size)
+from mempool._conf_torch import (  # noqa: F401
+    _CACHE_OPTIONS, _PYTORCH_IGNORED, PYTORCH_HOST_KEYS, PYTORCH_KEYS, _backend_ignored,
+    pytorch_key_ignored_because, split_pytorch_conf)
 
 __all__ = [
     "OPTIONS", "Option", "ConfigWarning", "PYTORCH_KEYS", "PYTORCH_HOST_KEYS", "parse_size",
