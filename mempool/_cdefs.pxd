@@ -93,11 +93,12 @@ cdef extern from "mp_core.h" nogil:
     size_t MP_LARGE_BUFFER
     size_t MP_MAX_ALLOC
     size_t MP_UNLIMITED
-    int MP_ROUNDUP_INTERVALS
+    size_t MP_DEFAULT_MAX_MAP
+    enum: MP_ROUNDUP_INTERVALS
     int MP_MAX_RECORDED_STREAMS
 
     ctypedef struct mp_config:
-        size_t roundup_divisions[16]
+        size_t roundup_divisions[MP_ROUNDUP_INTERVALS]
         size_t max_split_size
         int cross_stream_reuse
         size_t segment_round

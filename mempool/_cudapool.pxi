@@ -5,13 +5,8 @@ from libc.stdint cimport uintptr_t
 
 
 # The page of expandable segments on cuda unless the `granularity` option sets one: the
-# driver's granularity times the smallest power of two reaching this. The driver's cost
-# follows the number of physical allocations (Note [Expandable pages]); with one per page, on
-# an H200 this size made expandable segments cheaper than PyTorch's and as tight as 2 MiB
-# pages on the shipped traces. With one per growth (Note [Growth extents]) the page rounds
-# growths, and on sim it still holds the shipped transformer trace tighter than 2 MiB pages
-# (1.0155 against 1.019; docs/expandable.md, "Where the time goes").
-cdef size_t _DEFAULT_CUDA_PAGE = 8 << 20
+# driver's granularity times the smallest power of two reaching this (mempool/_conf_options.py).
+cdef size_t _DEFAULT_CUDA_PAGE = _config.DEFAULT_CUDA_PAGE
 
 
 cdef object _make_cuda(mp_upstream *up, int device, dict opts):

@@ -11,7 +11,9 @@ from libc.stdint cimport uintptr_t
 #: lists and SMALL_SEGMENT segments; requests below MIN_LARGE_ALLOC take LARGE_SEGMENT
 #: segments; larger ones are rounded to LARGE_ROUND; an unsplit block serves requests up to
 #: LARGE_BUFFER more than it holds; MAX_ALLOC is the largest request served;
-#: ROUNDUP_INTERVALS is the number of power-of-two intervals of roundup_power2_divisions.
+#: ROUNDUP_INTERVALS is the number of power-of-two intervals of roundup_power2_divisions;
+#: UNLIMITED is the size that means "no limit"; DEFAULT_MAX_MAP is the most bytes one
+#: physical allocation of expandable segments holds unless max_map_size says.
 MIN_BLOCK = MP_MIN_BLOCK
 SMALL_SIZE = MP_SMALL_SIZE
 SMALL_SEGMENT = MP_SMALL_SEGMENT
@@ -21,6 +23,8 @@ LARGE_ROUND = MP_LARGE_ROUND
 LARGE_BUFFER = MP_LARGE_BUFFER
 MAX_ALLOC = MP_MAX_ALLOC
 ROUNDUP_INTERVALS = MP_ROUNDUP_INTERVALS
+UNLIMITED = MP_UNLIMITED
+DEFAULT_MAX_MAP = MP_DEFAULT_MAX_MAP
 
 # The trace actions by their C code (mp_core.h MP_TRACE_*), spelled as PyTorch's TraceEntry
 # names them.

@@ -4,12 +4,12 @@
 #
 # Uses argument checks and backend kinds (_common), the CUDA upstream and its cudaMemPool
 # (_cuda, _cudapool), CuPy's current stream (_streams), the placement of sim devices (_peers).
+from mempool import _config
 from mempool._units import format_bytes as _fmt
 from mempool._errors import OutOfMemoryError
 
-cdef size_t _GiB = 1 << 30
-cdef size_t _DEFAULT_GRANULARITY = 2 << 20
-_DEFAULT_CAPACITY = {"sim": 80 * (1 << 30), "host": 4 * (1 << 30)}
+cdef size_t _DEFAULT_GRANULARITY = _config.DEFAULT_GRANULARITY
+_DEFAULT_CAPACITY = _config.DEFAULT_CAPACITY
 
 
 cdef size_t _or_unlimited(object value):

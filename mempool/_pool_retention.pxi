@@ -40,15 +40,15 @@ cdef dict _set_size_policy(mp_pool *pool, dict options):
     # The options not given stay as the core has them (the Pool's options are the caller's
     # to read, and may have been changed since).
     cdef const mp_config *cfg = mp_pool_config(pool)
-    cdef size_t divisions[16]   # MP_ROUNDUP_INTERVALS, as mp_config.roundup_divisions above
-    for i in range(16):
+    cdef size_t divisions[MP_ROUNDUP_INTERVALS]
+    for i in range(MP_ROUNDUP_INTERVALS):
         divisions[i] = cfg.roundup_divisions[i]
     given = dict(options)
     if cfg.expandable_segments and given.get("max_split_size") is not None:
         given["expandable_segments"] = True   # normalize warns and drops it, as at creation
-    parsed = _config.normalize(given)   # a list of 16 division counts, each checked
+    parsed = _config.normalize(given)   # a list of division counts, each checked
     if "roundup_power2_divisions" in options:
-        for i in range(16):
+        for i in range(MP_ROUNDUP_INTERVALS):
             divisions[i] = parsed["roundup_power2_divisions"][i]
     max_split = (_or_unlimited(parsed["max_split_size"]) if "max_split_size" in options
                  else cfg.max_split_size)
@@ -58,6 +58,6 @@ cdef dict _set_size_policy(mp_pool *pool, dict options):
     if rc != MP_OK:   # the checks above are the core's; a refusal here is a bug
         raise RuntimeError(f"set_size_policy: the pool refused the policy (code {rc})")
     return dict(
-        roundup_power2_divisions=[divisions[i] for i in range(16)],
+        roundup_power2_divisions=[divisions[i] for i in range(MP_ROUNDUP_INTERVALS)],
         max_split_size=None if max_split == MP_UNLIMITED else max_split,
         garbage_collection_threshold=gc)

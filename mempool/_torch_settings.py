@@ -50,24 +50,14 @@ def device_allocator_keys(settings):
 
 
 def _top_level_entries(settings):
-    """``(key, value)`` of each entry, split only at top-level commas: a value may be a
-    bracketed list with commas of its own (``roundup_power2_divisions:[256:1,512:2]``).
-    A key given twice is kept once, with its last value (PyTorch's later one wins)."""
-    if not isinstance(settings, str):
-        return []
-    entries, depth, start = {}, 0, 0
-    for i, ch in enumerate(settings + ","):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth = max(depth - 1, 0)
-        elif ch == "," and depth == 0:
-            key, _, value = settings[start:i].partition(":")
-            key, value = key.strip(), "".join(value.split())
-            start = i + 1
-            if key:
-                entries.pop(key, None)
-                entries[key] = value
+    """``(key, value)`` of each entry, read by the conf tokenizer without refusing anything
+    (PyTorch's errors for a malformed string are its own): a value may be a bracketed list
+    with commas of its own (``roundup_power2_divisions:[256:1,512:2]``). A key given twice
+    is kept once, with its last value (PyTorch's later one wins)."""
+    entries = {}
+    for key, value in _config._loose_entries(settings):
+        entries.pop(key, None)
+        entries[key] = value
     return list(entries.items())
 
 
@@ -115,11 +105,9 @@ def apply(settings, pools, parsed=None):
     policy, expandable = parsed if parsed is not None else pool_settings(settings)
     reuse = _capture_reuse(settings)
     for pool in pools:             # every value was checked above: none of these raises
-        if pool.options["expandable_segments"]:
-            pool_policy = dict(policy, max_split_size=None)   # PyTorch ignores it there too
-        else:
-            pool_policy = policy
-        pool.set_size_policy(**pool_policy)
+        # PyTorch's precedence: expandable segments ignore max_split_size (no warning here)
+        pool.set_size_policy(**dict(policy, max_split_size=_config.applied_max_split(
+            policy["max_split_size"], pool.options["expandable_segments"])))
         if reuse is not None:
             pool.set_capture_reuse(reuse)
         # Note [Private pools follow the size policy]: the device's graphs and MemPools too

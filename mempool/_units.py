@@ -1,14 +1,18 @@
-"""The one spelling of a byte count in every message and report: PyTorch's, ``20.00 MiB``.
+"""The spellings of a byte count, all from one table of units.
 
-``format_bytes(n)`` is what users read (errors, the demo, ``replay``, ``tune``, plots);
-``mempool._config.format_size`` is something else, the exact spelling *written into conf
-strings* (``512MiB``) that ``parse_size`` reads back.
+``format_bytes(n)`` is what users read (errors, the demo, ``replay``, ``tune``, plots):
+PyTorch's spelling, ``20.00 MiB``, the same as the C core's ``mp_format_bytes``
+(mempool/_csrc/core/mp_oom.c). ``format_size(n)`` is the exact spelling *written into conf
+strings* (``512MiB``) that ``mempool._config.parse_size`` reads back.
 """
 from __future__ import annotations
 
-__all__ = ["format_bytes"]
+__all__ = ["format_bytes", "format_size", "PREFIXES"]
 
-_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+#: The binary prefixes, smallest first: PREFIXES[i] is 1024 ** (i + 1) bytes.
+PREFIXES = ("KiB", "MiB", "GiB", "TiB", "PiB")
+# The units the messages use, largest first: up to TiB, as mp_format_bytes.
+_UNITS = tuple((name, 1 << 10 * (i + 1)) for i, name in enumerate(PREFIXES[:4]))[::-1]
 
 
 def format_bytes(nbytes, exact: bool = False) -> str:
@@ -28,3 +32,13 @@ def format_bytes(nbytes, exact: bool = False) -> str:
             text = f"{sign}{n / scale:.2f} {name}"
             return f"{text} ({sign}{n:,} bytes)" if exact else text
     return f"{sign}{n} byte" if n == 1 else f"{sign}{n} bytes"
+
+
+def format_size(nbytes: int, sep: str = "") -> str:
+    """An exact, short spelling of a byte count: ``"2GiB"``, ``"512MiB"``, ``"1536"`` (the
+    largest unit that divides it). With ``sep=" "``, ``"20 MiB"``, as a message quotes a
+    size that is whole in its unit."""
+    for name, scale in _UNITS:
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{sep}{name}"
+    return str(nbytes)

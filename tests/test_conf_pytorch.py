@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 
+from mempool import _conf_parse
 from mempool import _config as cfg
 from mempool._config import ConfigWarning, OPTIONS, normalize, parse_conf, to_conf
 
@@ -16,7 +17,7 @@ SIZED = [name for name, opt in OPTIONS.items() if opt.sized]
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Each test starts as a fresh process would: nothing warned yet."""
-    monkeypatch.setattr(cfg, "_warned", set())
+    monkeypatch.setattr(_conf_parse, "_warned", set())
 
 
 def parse_warned(conf):
@@ -181,7 +182,7 @@ def test_overridden_names_what_normalize_would_drop_without_warning():
         assert cfg.overridden({"expandable_segments": "true", "max_split_size": "64MB"}) == [
             "max_split_size"]
         assert cfg.overridden({"max_split_size": "64MB"}) == []
-    assert cfg._warned == set()            # a later pool with these settings still warns
+    assert _conf_parse._warned == set()            # a later pool with these settings still warns
     with pytest.raises(ValueError, match="'limit'"):
         cfg.overridden({"limit": "lots"})
 

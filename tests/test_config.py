@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mempool import _conf_parse
 from mempool import _config as cfg
 from mempool._config import (
     OPTIONS, conf_from_env, normalize, parse_conf, parse_roundup_divisions, parse_size,
@@ -432,7 +433,7 @@ def test_parse_conf_good(conf, expected):
 
 @pytest.mark.parametrize("key", sorted(cfg._PYTORCH_IGNORED))
 def test_parse_conf_ignores_pytorch_keys_with_one_warning(key, monkeypatch):
-    monkeypatch.setattr(cfg, "_warned", set())
+    monkeypatch.setattr(_conf_parse, "_warned", set())
     with pytest.warns(cfg.ConfigWarning) as record:
         for value in ("True", "1", "[1,2]"):
             assert parse_conf(f"release_threshold:1GB,{key}:{value}") == {
@@ -626,13 +627,13 @@ def test_conf_parsing_is_linear_in_repeats(monkeypatch):
     # not once a repeat: 16k repeats and a 1 MB string are as cheap a key as one.
     built = []
     shown = cfg._shown
-    monkeypatch.setattr(cfg, "_shown", lambda conf: built.append(len(conf)) or shown(conf))
-    monkeypatch.setattr(cfg, "_warned", set())
+    monkeypatch.setattr(_conf_parse, "_shown", lambda conf: built.append(len(conf)) or shown(conf))
+    monkeypatch.setattr(_conf_parse, "_warned", set())
     with pytest.warns(cfg.ConfigWarning, match="given twice"):
         assert cfg.parse_conf(",".join(["release_threshold:1"] * 16384)) == \
             {"release_threshold": 1}
     assert len(built) == 1
-    monkeypatch.setattr(cfg, "_warned", set())
+    monkeypatch.setattr(_conf_parse, "_warned", set())
     big = ",".join(["limit:4MiB", "limit_mb:4"] * ((1 << 20) // 22))
     assert len(big) > 1 << 19
     with pytest.warns(cfg.ConfigWarning, match="given twice") as caught:

@@ -154,7 +154,7 @@ def test_conf_string_turns_expandable_segments_on():
 
 
 def test_expandable_segments_win_over_max_split_size_as_in_pytorch(monkeypatch):
-    monkeypatch.setattr(mempool._config, "_warned", set())
+    monkeypatch.setattr(mempool._conf_parse, "_warned", set())
     with pytest.warns(mempool.ConfigWarning, match="'expandable_segments' and 'max_split_size'"):
         pool = mempool.Pool(backend="sim", expandable_segments=True, max_split_size="64MB")
     assert pool.options["expandable_segments"] is True and pool.options["max_split_size"] is None

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from mempool import _conf_parse
 from mempool import _config as cfg
 from mempool import run as mrun
 from _support import CONF_VARS, child
@@ -296,7 +297,7 @@ def test_import_mempool_auto_installs_for_python_c(tmp_path):
 def env(monkeypatch):
     for var in CONF_VARS:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(cfg, "_warned", set())
+    monkeypatch.setattr(_conf_parse, "_warned", set())
     return monkeypatch
 
 

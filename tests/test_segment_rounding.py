@@ -17,7 +17,7 @@ from mempool.tools import trace as mtrace
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Each test starts as a fresh process would: nothing warned yet."""
-    monkeypatch.setattr(mempool._config, "_warned", set())
+    monkeypatch.setattr(mempool._conf_parse, "_warned", set())
 
 
 def segment_sizes(pool):

@@ -314,3 +314,130 @@ def test_old_tool_paths_are_the_tools_themselves(name):
     # It keeps its own spec (what reload and pickling by module name read).
     assert new.__spec__.name == f"mempool.tools.{name}"
     assert new.__spec__.origin == os.path.join(PACKAGE, "tools", f"{name}.py")
+
+
+# ---- the options' facts: one owner each ----------------------------------------------------
+
+def _trees():
+    for path in _python_sources():
+        with open(path, encoding="utf-8") as f:
+            yield os.path.relpath(path, REPO), ast.parse(f.read(), path)
+
+
+def _holders_of_literal(words):
+    """The modules holding a tuple, list or set literal of all of `words`."""
+    holders = set()
+    for rel, tree in _trees():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                values = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+                if set(words) <= values:
+                    holders.add(rel)
+    return holders
+
+
+def test_the_backend_names_are_the_cores_kinds():
+    assert _config.BACKENDS == tuple(_core._BACKENDS)
+    assert rp.BACKENDS is _config.BACKENDS
+    assert not _holders_of_literal(("sim", "host", "cuda"))
+    with pytest.raises(ValueError, match="accepted: 'sim', 'host' or 'cuda'"):
+        _config.normalize({"backend": "gpu"})
+
+
+def test_the_pool_handle_names_are_the_control_planes():
+    assert _config.POOL_HANDLES is _cuda.POOL_HANDLES
+    assert _holders_of_literal(_cuda.POOL_HANDLES) == {os.path.join("mempool", "_cuda.py")}
+    assert _config.OPTIONS["pool_handle"].kind == "'create', 'default', 'current' or int"
+
+
+def test_unlimited_is_spelled_once():
+    from mempool import _conf_parse
+    assert _config.UNLIMITED_END is _core.UNLIMITED == 2 ** 64 - 1
+    holders = {rel for rel, tree in _trees() for node in ast.walk(tree)
+               if isinstance(node, ast.Constant) and isinstance(node.value, str)
+               and "unlimited'" in node.value}
+    assert holders == set(), f"'unlimited' spelled in messages of {sorted(holders)}"
+    words = [rel for rel, tree in _trees() for node in ast.walk(tree)
+             if isinstance(node, ast.Constant) and node.value == "unlimited"]
+    assert words == [os.path.join("mempool", "_conf_parse.py")]
+    for key in ("limit", "max_split_size", "release_threshold"):
+        with pytest.raises(ValueError) as info:
+            _config.normalize({key: "lots"})
+        assert _conf_parse._NONE_ACCEPTED in str(info.value)
+
+
+def test_the_expandable_over_max_split_rule_is_one_function(monkeypatch):
+    from mempool import _conf_options, _torch_settings
+    both = {"expandable_segments": True, "max_split_size": "64MiB"}
+    real = _conf_options.applied_max_split
+    assert _config.overridden(both) == ["max_split_size"]
+    monkeypatch.setattr(_conf_options, "applied_max_split", lambda size, expandable: size)
+    assert _config.overridden(both) == []
+    monkeypatch.setattr(_conf_options, "applied_max_split", real)
+    asked = []
+    monkeypatch.setattr(_config, "applied_max_split",
+                        lambda size, expandable: asked.append((size, expandable))
+                        or real(size, expandable))
+    pool = mempool.Pool(backend="sim", expandable_segments=True)
+    _torch_settings.apply("max_split_size_mb:64", [pool])
+    assert asked == [(64 * MiB, True)]
+
+
+def test_conf_strings_have_one_tokenizer(monkeypatch):
+    from mempool import _torch_settings
+    read = []
+    real = _config._loose_entries
+    monkeypatch.setattr(_config, "_loose_entries", lambda conf: read.append(conf) or real(conf))
+    assert _torch_settings.device_allocator_keys(
+        "pinned_use_background_threads:True, roundup_power2_divisions:[256:1,>:2]") == [
+        "roundup_power2_divisions"]
+    assert read == ["pinned_use_background_threads:True, roundup_power2_divisions:[256:1,>:2]"]
+    # Only the tokenizer splits on brackets.
+    splitters = set()
+    for rel, tree in _trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(c, ast.Constant) and c.value in ("[", "]", ",:[]")
+                    for c in [node.left] + node.comparators):
+                splitters.add(rel)
+    assert splitters == {os.path.join("mempool", "_conf_parse.py")}, splitters
+
+
+def test_one_table_of_units_formats_sizes():
+    from mempool import _conf_parse, _units
+    units = {"KiB", "MiB", "GiB", "TiB", "PiB"}
+    tables, formatters = set(), set()
+    for rel, tree in _trees():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+                if len({e.value for e in ast.walk(node) if isinstance(e, ast.Constant)
+                        and e.value in units}) >= 2:
+                    tables.add(rel)
+            if isinstance(node, ast.JoinedStr):
+                for a, b in zip(node.values, node.values[1:]):
+                    if isinstance(a, ast.FormattedValue) and isinstance(b, ast.Constant) \
+                            and b.value.lstrip()[:3] in units:
+                        formatters.add(rel)
+    assert tables == {os.path.join("mempool", "_units.py")}, tables
+    assert formatters <= {os.path.join("mempool", "_units.py")}, formatters
+    assert _config.format_size is _units.format_size
+    assert _conf_parse._mib(_core.LARGE_SEGMENT) == "20 MiB"
+    assert report._format_size(800 << 30, 800 << 30) == "   800 GiB"   # PyTorch's layout
+
+
+def test_every_default_is_the_configs(monkeypatch):
+    # The Cython layer states no default of its own: the literals are gone, and a change in
+    # _config reaches a new pool.
+    stated = re.compile(r"^(cdef \w+ )?_?(DEFAULT|GiB)\w* = [^_\n]*\d", re.M)
+    bare_intervals = re.compile(r"\[16\]|range\(16\)")
+    for name in os.listdir(PACKAGE):
+        if name.endswith((".pxi", ".pyx")):
+            with open(os.path.join(PACKAGE, name), encoding="utf-8") as f:
+                text = f.read()
+            assert not stated.search(text), name
+            assert not bare_intervals.search(text), name
+    monkeypatch.setitem(_config.DEFAULT_CAPACITY, "sim", 3 << 30)
+    assert mempool.Pool(backend="sim").device.capacity == 3 << 30
+    assert mempool.Pool(backend="sim").options["granularity"] == _config.DEFAULT_GRANULARITY
+    assert _core.DEFAULT_MAX_MAP == 1 << 30
+    assert "None = 1 GiB" in _config.OPTIONS["max_map_size"].doc

@@ -8,6 +8,7 @@ driver call.
 import time
 
 import mempool
+from mempool import _config
 from mempool._units import format_bytes
 from mempool.cli._args import ArgumentParser
 
@@ -113,7 +114,7 @@ def _fragmentation():
 
 def main(command="demo", argv=()):
     parser = ArgumentParser(prog="python -m mempool demo", description=__doc__)
-    parser.add_argument("--backend", choices=("cuda", "sim", "host"), default=None,
+    parser.add_argument("--backend", choices=_config.BACKENDS, default=None,
                         help="default: cuda when a GPU is usable, else sim")
     args = parser.parse_args(list(argv))
     from mempool import _cuda

@@ -19,12 +19,12 @@ import time
 from dataclasses import dataclass, field
 import numpy as np
 
+from mempool._config import BACKENDS
 from mempool.tools import trace as mtrace
 
 __all__ = ["Prepared", "ReplayResult", "prepare", "replay", "pool_at", "stretches",
            "emptying_ops", "partial_trims", "BACKENDS"]
 
-BACKENDS = ("sim", "host", "cuda")
 TIMESERIES_POINTS = 2000
 # What the pool asked of its upstream, from its stats: key in the result -> stats key.
 # device_alloc / device_free are segment allocs and frees, or with expandable segments

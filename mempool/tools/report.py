@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from mempool import _core
 from mempool._core import BLOCK_ALLOCATED, BLOCK_FREE, BLOCK_PENDING, BLOCK_UNMAPPED
+from mempool._units import PREFIXES
 
 __all__ = ["summary", "snapshot", "BLOCK_STATES", "TRACE_ACTIONS"]
 
@@ -64,7 +65,7 @@ def _format_size(nbytes: int, pref: float) -> str:
     # PyTorch's rule: the unit is chosen by the row's "all" value (pref) so the sub-rows of
     # one metric share a unit; a unit is taken while pref >= 768 of the next one down.
     prefix = "B  "
-    for new_prefix in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+    for new_prefix in PREFIXES:
         if pref < 768 * 1024:
             break
         prefix = new_prefix
