@@ -15,9 +15,6 @@ from mempool._core import Buffer   # sharing: Pool.empty's result (mempool/_buff
 from mempool._errors import InvariantError, OutOfMemoryError, PoolClosedError
 from mempool._config import ConfigWarning   # a conf setting accepted but not applied
 from mempool._config import OptionError   # an option's value that is not valid
-from mempool.tools import _install_old_paths
-
-_install_old_paths()   # mempool.trace, mempool.replay, ...: the offline tools' former names
 
 __all__ = ["Pool", "Buffer", "OutOfMemoryError", "InvariantError", "PoolClosedError",
            "ConfigWarning", "OptionError",

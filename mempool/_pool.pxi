@@ -48,7 +48,7 @@ cdef object _unusable(Pool pool):
 #
 # A hot block comes back at the same address, and from Python an address is an int object:
 # making one for each `alloc` and converting it back in `free` cost an allocation and a
-# deallocation of the object each time (figures in bench/results/history.md). The Pool remembers
+# deallocation of the object each time. The Pool remembers
 # the int object it returned from `alloc` or was given to `free` last, with its value
 # (`_hot_address`). `alloc` returns that object again when the core hands out that address, and
 # `free` of that very object skips the conversion. Exact ints only (`type(ptr) is int`), which

@@ -4,7 +4,7 @@
 #
 # `stream=None` on a `cuda` pool means CuPy's current stream, and asking CuPy for it through its
 # Python API (`cupy.cuda.get_current_stream(device).ptr`) costs as much as the pool's own work
-# (bench/results/history.md). CuPy's C layer keeps the same stream as a plain handle per thread
+# (docs/decisions.md). CuPy's C layer keeps the same stream as a plain handle per thread
 # and device and exports the function that reads it (`cupy_backends.cuda.stream.get_stream_ptr`,
 # signature `intptr_t (int)`) in the C API table of its Cython module (`__pyx_capi__`); CuPy's
 # own memory pool reads it so. `_CurrentStream` (`mempool/_streams.pxi`) calls that function

@@ -21,7 +21,7 @@ def test_demo_on_the_simulated_device():
     for row in ("two empty C-method calls (the floor)", "mempool Pool.alloc + free",
                 "upstream round trip (sim, as cudaMalloc)"):
         assert re.search(re.escape(row) + r"(\s+[\d,]+ ns){4}\n", text), row
-    assert re.search(r"cudaMalloc \+ cudaFree\s+60,000 ns", text)
+    assert "BENCHMARKS.md" in text and "python -m mempool bench" in text
     assert "ordered after stream 1's kernel by an event: True" in text
     assert "host synchronizations: 0 (fewer is better" in text
     assert "1.000 = no waste; lower is better" in text

@@ -13,14 +13,6 @@ from mempool._units import format_bytes
 from mempool.cli._args import ArgumentParser
 
 SIZES = (512, 64 << 10, 1 << 20, 64 << 20)
-# One NVIDIA H200, README "Measured" (python -m mempool bench): median ns per pair at 512 B.
-GPU_FIGURES = (
-    ("mempool alloc + free", "80-130 ns"),
-    ("CuPy MemoryPool.malloc + del", "460 ns"),
-    ("cudaMallocAsync + cudaFreeAsync", "1,000 ns"),
-    ("cudaMalloc + cudaFree", "60,000 ns"),
-)
-
 
 # What the demo's device is, said after the backend's name.
 _BACKEND_NOTE = {"cuda": "", "sim": " (no GPU in use: simulated device)",
@@ -75,9 +67,8 @@ def _latency(pool):
         what = "fake addresses" if pool.backend == "sim" else "host address space"
         print(f"  On {pool.backend} the upstream hands out {what}, so its round trip is "
               "bookkeeping only.\n  On a GPU it is a driver call, and the gap is what a pool "
-              "saves (one H200, 512 B pairs):")
-        for name, figure in GPU_FIGURES:
-            print(f"    {name:34} {figure:>10}")
+              "saves: BENCHMARKS.md has each allocator\n  measured side by side, and "
+              "`python -m mempool bench` measures them on this machine's GPU.")
 
 
 def _streams():

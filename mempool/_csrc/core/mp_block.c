@@ -228,8 +228,7 @@ int mp_classify_bad_pointer_locked(mp_pool *p, uintptr_t ptr) {
  * An expandable pool parks them too: a growth folds them in before it plans (a parked block
  * is neither a free neighbour to extend nor a free page to release), so its peaks and
  * upstream calls are those of the plain free. check_invariants checks hot blocks where they
- * are (one per stream at most, the count, in no list, not live). Measurements:
- * bench/results/history.md. */
+ * are (one per stream at most, the count, in no list, not live). */
 
 void mp_hot_flush_stream_locked(mp_pool *p, mp_stream *s) {
     mp_block *h = s->hot;

@@ -150,8 +150,8 @@ int mp_alloc(mp_pool *p, size_t nbytes, uintptr_t stream, uintptr_t *out);
  * table, mp_torch.c) keeps a tally of them in its own memory: the core has no field or
  * function for any one client. The count must move under the pool's lock, together with the
  * block, or a pool could leave the table between a block's allocation and its count; an
- * atomic of the client's own would cost every allocate/free pair (two atomic adds a pair
- * were measured as a fifth of the entry points' cost). So the core moves it:
+ * atomic of the client's own would cost every allocate/free pair two atomic adds more (docs/decisions.md).
+ * So the core moves it:
  * mp_alloc_tallied is mp_alloc that counts the block in *t from before it looks for memory
  * (the lock may be dropped to grow) until its free (mp_free, whoever calls it; after its
  * last touch of the pool when a release follows the unlock), and refuses with MP_ERETIRED

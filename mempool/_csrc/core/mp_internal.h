@@ -548,8 +548,7 @@ static inline void mp_tell_release_observer(mp_pool *p) {
  * `all`'s peak (checked against the pools' sum at each increase, so it is exact); `all`'s
  * current, allocated and freed are filled in from the two pools when the stats are read
  * (fill_totals in mp_inspect.c), and code that needs a total reads mp_stat3_current.
- * check_invariants checks that each `all` peak is at least the current total. Figures:
- * bench/results/history.md. */
+ * check_invariants checks that each `all` peak is at least the current total. */
 
 /* Stats helpers. A single counter moves as it goes (mp_stat_inc/dec). A family of three,
  * [all, small, large] (mp_stat3_*), moves in its pool's column only, and its `all` column

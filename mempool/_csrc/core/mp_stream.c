@@ -56,8 +56,8 @@
 /* ---------------------------------------------------------------- events */
 
 /* Note [Events outside the lock]
- * Creating an event can wait on a lock of the driver's own. On the H200 under compute-
- * sanitizer a thread in Pool.alloc (the GIL held, as the hot path keeps it) waited in
+ * Creating an event can wait on a lock of the driver's own. Under compute-sanitizer a
+ * thread in Pool.alloc (the GIL held, as the hot path keeps it) waited in
  * cuEventCreate for a driver lock, holding the pool lock too, while a thread launching a
  * kernel held that driver lock and, in the sanitizer's launch callback, waited for the GIL:
  * a deadlock. Any tool or library whose driver callback takes the GIL (CUPTI profilers

@@ -29,8 +29,8 @@
  *
  * The price is one precondition: free must get only pointers alloc returned, which is
  * PyTorch's own contract. Another pointer is ignored, but nothing pins the pool while it is
- * looked up. The gain: the entry points pay the pool's lock and nothing else (the atomic
- * adds this replaced cost a fifth of a pair; figures in bench/results/history.md).
+ * looked up. The gain: the entry points pay the pool's lock and nothing else (docs/decisions.md
+ * has the alternative).
  */
 #include <pthread.h>
 #include <sched.h>

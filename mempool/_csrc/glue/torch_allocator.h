@@ -75,9 +75,9 @@ std::string fmt_size(size_t n) {
 }
 
 // Messages are built here with snprintf and std::string, and handed to TORCH_CHECK as one
-// string: c10::str of several arguments instantiates iostream code in this library, and on
-// the H200 every error message built that way crashed inside that code (`<< int` in
-// c10::str), while one string is passed through without a stream.
+// string: c10::str of several arguments instantiates iostream code in this library, and an
+// error message built that way can crash inside that code (`<< int` in c10::str), while one
+// string is passed through without a stream.
 std::string piece(const char* s) { return s; }
 std::string piece(const std::string& s) { return s; }
 std::string piece(int v) { return std::to_string(v); }

@@ -7,8 +7,8 @@ namespace mempool_torch {
 
 // Note [The current device]
 // Every allocate() needs the caller's device, as PyTorch's own allocator asks for it:
-// c10::cuda::current_device() is cudaGetDevice, about 57 ns on an H100 and the largest
-// piece of an allocate + free pair that is not the pool's (bench/torch_allocator_pairs.py,
+// c10::cuda::current_device() is cudaGetDevice, the largest piece of an allocate + free
+// pair that is not the pool's (bench/torch_allocator_pairs.py,
 // its pieces). In a process that sees one device (most single-GPU training, and every
 // process started with one CUDA_VISIBLE_DEVICES ordinal) its answer can only be 0: c10's
 // count is fixed at its first call, and neither cudaGetDevice nor c10's parked target
