@@ -114,7 +114,7 @@ fi
 
 # ---- the GPU tests of every tier
 # TESTS_ARGS narrows it to some files or tests (default: every gpu-marked test of tests/, in
-# pytest processes of their own, tests/gpu then the gpu-marked tests of tests/test_*.py, each
+# pytest processes of their own, tests/gpu then the gpu-marked tests of tests/core, upstreams, integrations, tools and project, each
 # with T_TESTS: a process cut at its limit loses the failure reports it prints at its end).
 gpu_tests() {
     local rc=0
@@ -136,7 +136,7 @@ gpu_tests() {
         timeout "$T_TESTS" "$PY" -m pytest -m gpu tests/gpu "${PYTEST_OPTS[@]}" \
             --junitxml "$OUT/junit-gpu-1.xml" || rc=$?
     fi
-    timeout "$T_TESTS" "$PY" -m pytest -m gpu tests/test_*.py "${PYTEST_OPTS[@]}" \
+    timeout "$T_TESTS" "$PY" -m pytest -m gpu tests/core tests/upstreams tests/integrations tests/tools tests/project "${PYTEST_OPTS[@]}" \
         --junitxml "$OUT/junit-gpu-2.xml" || rc=$?
     return $rc
 }
@@ -183,7 +183,7 @@ elif command -v compute-sanitizer >/dev/null; then
             [ $group_rc -ne 0 ] && rc=$group_rc
             echo "--- memcheck group $i: exit status $group_rc"
         done < <(if [ -n "$SANITIZER_GROUPS" ]; then cat "$SANITIZER_GROUPS"
-                 else printf '%s\n' tests/gpu/test_*.py tests/test_contract.py |
+                 else printf '%s\n' tests/gpu/test_*.py tests/upstreams/test_contract.py |
                       grep -v -e test_gpu_demo.py -e test_gpu_examples.py \
                               -e test_gpu_torch_allocator.py; fi)
         return $rc

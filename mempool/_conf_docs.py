@@ -1,5 +1,5 @@
 """Pool options, part five: the option table of docs/options.md, generated from the table
-of options so that the two cannot drift apart (tests/test_config.py checks the page holds
+of options so that the two cannot drift apart (tests/core/test_config.py checks the page holds
 it). ``mempool._config`` is the way in.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ before it define (the names other parts use are listed beside each include). Hel
 C pool, its backend kind or a cudaMemPool handle, never a Pool, so nothing below the Pool
 calls back up into it. The parts after _pool.pxi take a Pool and are used by nothing before
 them, with one exception: Pool.malloc calls _cupy_malloc, as CuPy's hook holds a Pool in the
-owner of each block it hands out. tests/test_extension_layout.py checks this.
+owner of each block it hands out. tests/project/test_extension_layout.py checks this.
 """
 cimport cython
 from mempool._cdefs cimport *

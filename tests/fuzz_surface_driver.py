@@ -1,6 +1,6 @@
 """The crash-seeking fuzzer of mempool's public surface, run in a child process.
 
-tests/test_fuzz_surface.py starts one child per target; the child runs hypothesis batches
+tests/project/test_fuzz_surface.py starts one child per target; the child runs hypothesis batches
 until its time is up. Each example makes a fresh pool (or none, for the module targets),
 then calls public functions, methods and properties with arbitrary Python values: boundary
 ints, floats (NaN and infinities), None, bytes, strings, tuples and lists of every length,
@@ -197,7 +197,7 @@ SPECIAL = {
     "hold_event_creates": "as hold_allocs, for event creations",
     "hold_va_reserves": "as hold_allocs, for address-space reservations",
     "close": "a closed pool answers every later call with PoolClosedError, which would end "
-             "the example (tests/test_close.py covers it): called with values of 'force' "
+             "the example (tests/core/test_close.py covers it): called with values of 'force' "
              "that are not a bool only, which are refused and change nothing",
 }
 

@@ -18,7 +18,7 @@ which times the pools side by side with a second never-enabled pool as the contr
 noise, and reports how far ``off`` is from ``never`` (a figure, not a pass/fail: timings
 belong to the benchmark, and a busy machine moves them by a few percent). What can be
 checked exactly (a switched-off pool records nothing and decides as one that never
-recorded) is tests/test_observability.py's. On a GPU it also runs on the cuda backend.
+recorded) is tests/core/test_observability.py's. On a GPU it also runs on the cuda backend.
 """
 import gc
 import statistics
@@ -93,7 +93,7 @@ def test_tracing_off_side_by_side(benchmark, level, backend):
     drift of the machine hits all alike; a second never-enabled pool is the control that
     shows the noise. Ratios are taken per repetition (pools timed side by side) and kept in
     extra_info. A figure, not a pass/fail: what switching recording off must do exactly
-    (record nothing, change no decision) is tests/test_observability.py's to check. Under
+    (record nothing, change no decision) is tests/core/test_observability.py's to check. Under
     --benchmark-disable it runs two short repetitions, as every benchmark runs once."""
     names = ("never", "control", "off", "on")
     pools = {t: make_pool("never" if t == "control" else t, _backend(backend))

@@ -577,7 +577,7 @@ def _empty_cache_entries(entries, where, device, settings) -> set:
     garbage collection, whose retry shows an ``oom`` only when it fails: with a device far
     from full that is the program's call too. On recorded ResNet-50 runs under cuDNN
     benchmark this finds 60-70 calls per run, and a replay with them reproduces the
-    device's peak reserved bytes to the byte (tests/test_replay_empty_cache.py).
+    device's peak reserved bytes to the byte (tests/tools/test_replay_empty_cache.py).
     """
     def regions(kinds):
         """The [start, end] of the entries of `kinds` from n on (completed frees between

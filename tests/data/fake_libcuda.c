@@ -5,7 +5,7 @@
  * cuMemSetAccess leaves it), and so is each memory pool's access (cuMemPoolSetAccess). No
  * memory is ever touched.
  *
- * Built by tests/test_cuda_fake_driver.py as libcuda.so.1; the fake_* functions are its
+ * Built by tests/upstreams/test_cuda_fake_driver.py as libcuda.so.1; the fake_* functions are its
  * controls and probes. FAKE_NO_VMM=1 in the environment turns virtual memory off. */
 #include <stdint.h>
 #include <stdlib.h>

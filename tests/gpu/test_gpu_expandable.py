@@ -2,7 +2,7 @@
 cuMemMap), what only the driver shows: released pages go back to the device, CuPy arrays over
 many growth steps, busy streams, forgotten streams' ranges. Growing in place, data across page
 boundaries and releasing pages under live neighbours are the upstream contract's
-(tests/test_contract.py)."""
+(tests/upstreams/test_contract.py)."""
 import pytest
 
 from mempool import _cuda

@@ -4,8 +4,8 @@ each device to its pool, and NCCL collectives and DDP steps on pool memory.
 Needs two CUDA devices; the peer-access tests also need a peer path between devices 0 and 1
 (``cudaDeviceCanAccessPeer``). Accessing a pool's memory from a device without access faults
 the kernel (and poisons the context), so only the granted path is exercised on hardware; the
-refusals and the bookkeeping are tested on the simulated devices (tests/test_multidevice.py)
-and on a stand-in driver (tests/test_cuda_fake_driver.py).
+refusals and the bookkeeping are tested on the simulated devices (tests/core/test_multidevice.py)
+and on a stand-in driver (tests/upstreams/test_cuda_fake_driver.py).
 """
 import gc
 import os

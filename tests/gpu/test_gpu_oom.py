@@ -1,6 +1,6 @@
 """Out of memory on a real device with the device full: after the OutOfMemoryError the pool
 is unchanged and usable. The pool's own limit is the upstream contract's
-(tests/test_contract.py)."""
+(tests/upstreams/test_contract.py)."""
 import pytest
 
 import mempool

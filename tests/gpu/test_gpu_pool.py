@@ -1,6 +1,6 @@
 """Pool(backend="cuda") on a real device, what only a GPU shows: the stream forms CuPy and the
 driver accept, threads with no current context, CuPy's current stream. Sizes, alignment,
-data integrity and the stats are the upstream contract's (tests/test_contract.py)."""
+data integrity and the stats are the upstream contract's (tests/upstreams/test_contract.py)."""
 import gc
 import random
 import threading

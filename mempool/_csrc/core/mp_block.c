@@ -265,7 +265,7 @@ void mp_remerge_segment_locked(mp_pool *p, mp_segment *seg) {
  * [ptr, ptr + nbytes) must be free; it is found through the segment list (rare calls: no
  * index), its head before ptr stays free with its owner, and the rest is carved as any
  * allocation on `stream`. Tested on sim through the PyTorch table
- * (tests/test_torch_api_table.py). */
+ * (tests/integrations/test_torch_api_table.py). */
 
 int mp_alloc_at(mp_pool *p, uintptr_t ptr, size_t nbytes, uintptr_t stream) {
     if (nbytes == 0 || (ptr & (MP_MIN_BLOCK - 1)) || nbytes > MP_MAX_ALLOC) return MP_EINVAL;

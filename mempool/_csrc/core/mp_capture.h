@@ -46,7 +46,7 @@
  * during a capture is free in the pool afterwards: a graph replayed later needs its blocks
  * kept live, or a pool of its own (PyTorch's private pools). The simulated device refuses,
  * counts (capture_violations) and lets break the capture every call the driver's global
- * mode refuses; tests/test_capture.py runs every kind of pressure on a capturing stream
+ * mode refuses; tests/core/test_capture.py runs every kind of pressure on a capturing stream
  * with none. */
 
 #ifndef MP_CAPTURE_H

@@ -137,8 +137,8 @@ long mp_pool_inherited(const mp_pool *p);
  * an inner pair finds the mark cleared and does nothing. The PyTorch entry points, DLPack
  * deleters and deallocators do not mark: they may run without the GIL, or where giving it up
  * is not theirs to decide. The simulated device can hold segment allocations
- * (device.hold_allocs), syncs and event creations: tests/test_blocking_upstream.py and
- * tests/test_events_outside_lock.py check that another thread runs Python, and allocates from
+ * (device.hold_allocs), syncs and event creations: tests/core/test_blocking_upstream.py and
+ * tests/core/test_events_outside_lock.py check that another thread runs Python, and allocates from
  * the same pool, while a call waits there. */
 typedef void *(*mp_blocking_begin_fn)(void);
 typedef void (*mp_blocking_end_fn)(void *state);

@@ -25,7 +25,7 @@
  * makes pools of its own. Destroying an inherited pool gives nothing back to any upstream
  * and frees none of its state: the process's end returns its host memory. A pool made in
  * the child is the child's, and works as any pool. docs/reliability.md says it for users;
- * tests/test_fork.py forks while threads allocate, free and empty on sim and host pools. */
+ * tests/core/test_fork.py forks while threads allocate, free and empty on sim and host pools. */
 
 #include <pthread.h>
 #include <unistd.h>

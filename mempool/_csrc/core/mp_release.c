@@ -419,7 +419,7 @@ size_t mp_limit_excess_own_locked(mp_pool *p, size_t extra, const mp_release_lis
  * to return, and asks again (at most MP_RELEASE_WAITS times): what would fit once they are
  * gone is not refused. It frees its own detached segments first: two threads each waiting
  * for the other's would otherwise wait out the bound. Expandable pools count their unmaps in flight as inflight_bytes
- * already (mp_expand.c). tests/test_limit_threads.py checks the device's peak on sim and
+ * already (mp_expand.c). tests/core/test_limit_threads.py checks the device's peak on sim and
  * host with 16 threads. */
 int mp_wait_releases_locked(mp_pool *p, mp_release_list *own) {
     size_t start = p->releasing_bytes, own_counted = own->counted;

@@ -91,7 +91,7 @@
  * drop on every cross-stream reuse. Out of host memory only, a fallback may still sync a
  * stream under the lock (mp_detach_segment_locked, sync_uses_unlocked). The sim holds
  * creations and reservations on request (hold_event_creates, hold_va_reserves), and
- * tests/test_events_outside_lock.py checks that another thread runs Python and uses the
+ * tests/core/test_events_outside_lock.py checks that another thread runs Python and uses the
  * pool meanwhile at each place; the debug build asserts it for events
  * (mp_up_event_create). */
 

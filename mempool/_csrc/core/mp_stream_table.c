@@ -27,7 +27,7 @@
  *   operation has the lock dropped (they may hold stream pointers: Note [Forgotten
  *   streams]) and never for handle 0 (the callers that look up the legacy stream hold
  *   other streams' pointers meanwhile), and forget_stream of a swept handle is a no-op.
- * tests/test_stream_records.py checks the structure (streams kept after 20,000 idle ones);
+ * tests/core/test_stream_records.py checks the structure (streams kept after 20,000 idle ones);
  * mempool/bench/test_stream_churn.py measures the time and memory per stream. */
 
 #define MP_STREAM_SWEEP_MIN 64

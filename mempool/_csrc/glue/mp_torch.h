@@ -101,7 +101,7 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
  *     RTLD_LOCAL, so the glue cannot link against its symbols; the table is handed over as
  *     an address, carries its version and size, and routes every per-device call through
  *     the device table (Note [Torch table lifetime]). The core knows nothing of PyTorch;
- *     the table is tested on sim through ctypes (tests/test_torch_api_table.py). Every
+ *     the table is tested on sim through ctypes (tests/integrations/test_torch_api_table.py). Every
  *     function is safe without the GIL and from any thread; per-device ones return
  *     MP_EINVAL for a device with no pool.
  *   - Data path. allocate reads PyTorch's current device and stream and calls the table's

@@ -1,0 +1,67 @@
+"""BENCHMARKS.md is what bench/render_benchmarks.py makes of bench/results/<card>.json, so no
+figure in it can drift from the machine-readable results; and bench/collect_results.py turns
+a GPU run's outputs into that same schema."""
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import collect_results  # noqa: E402
+import render_benchmarks  # noqa: E402
+
+
+def test_benchmarks_md_is_what_the_renderer_makes_of_the_results():
+    with open(os.path.join(ROOT, "BENCHMARKS.md"), encoding="utf-8") as f:
+        current = f.read()
+    assert current == render_benchmarks.render(), (
+        "BENCHMARKS.md differs from bench/results/*.json: run python bench/render_benchmarks.py")
+    assert current.count("\n") <= 200
+
+
+def test_check_mode_fails_on_a_drifted_figure(tmp_path):
+    out = tmp_path / "BENCHMARKS.md"
+    assert render_benchmarks.main(["--out", str(out)]) == 0
+    assert render_benchmarks.main(["--check", "--out", str(out)]) == 0
+    out.write_text(out.read_text().replace("| mempool |", "| mempool | 1 |", 1))
+    assert render_benchmarks.main(["--check", "--out", str(out)]) == 1
+
+
+def test_every_figure_has_the_schemas_fields():
+    for card in render_benchmarks.CARDS:
+        data = render_benchmarks.load(card)
+        assert data["figures"], card
+        for fig in data["figures"]:
+            assert fig["n_processes"] >= 1
+            assert fig["worst"] is None or fig["n_processes"] > 1, fig
+
+
+def test_a_figure_without_a_field_is_named(tmp_path):
+    (tmp_path / "h200.json").write_text(json.dumps(
+        {"card": "x", "figures": [{"table": "t", "row": "r", "column": "c"}]}))
+    with pytest.raises(ValueError, match=r"figures\[0\] lacks unit"):
+        render_benchmarks.render(str(tmp_path))
+
+
+def test_a_gpu_runs_outputs_become_a_card_file(tmp_path):
+    (tmp_path / "versions.txt").write_text(
+        "date: 2030-01-02T03:04:05Z\ncommit: 0123456789abcdef\n"
+        "NVIDIA H100 80GB HBM3, 580.1, 81559 MiB\nPython 3.12.3\n")
+    (tmp_path / "junit-gpu-1.xml").write_text(
+        '<testsuites><testsuite tests="5" failures="1" errors="0" skipped="1"/></testsuites>')
+    procs = [{"512": {"ns_per_pair": v}} for v in (100.0, 120.0, 110.0)]
+    (tmp_path / "allocator_pairs.json").write_text(json.dumps(
+        {"caching": procs, "mempool": [{"512": {"ns_per_pair": 30.0}}]}))
+    assert collect_results.main([str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "h100.json").read_text())
+    assert data["card"] == "NVIDIA H100 80GB HBM3"
+    figs = {(f["table"], f["row"], f["column"]): f for f in data["figures"]}
+    tier = {c: figs[("GPU tier", "tests/gpu", c)]["median"] for c in ("passed", "failed", "skipped")}
+    assert tier == {"passed": 3, "failed": 1, "skipped": 1}
+    caching = next(f for k, f in figs.items() if k[1] == "PyTorch's caching allocator")
+    assert (caching["median"], caching["worst"], caching["n_processes"]) == (110.0, 120.0, 3)
+    assert (caching["date"], caching["commit"]) == ("2030-01-02", "0123456")
+    # The file renders as a card of BENCHMARKS.md.
+    assert "### GPU tier" in render_benchmarks.render(str(tmp_path))
