@@ -4,7 +4,7 @@
 
 The default path takes each segment from a cudaMemPool with ``cuMemAllocFromPoolAsync``; the
 driver backs those allocations with chunks of its own choosing, so the device may hold more
-than the pool reserves (bench/results/2026-12-03-h200-late.md: 1.084 / 1.119 of peak live on
+than the pool reserves (an earlier run (bench/results/ in git history): 1.084 / 1.119 of peak live on
 the shipped traces against the pool's own 1.036 / 1.041). This probe measures the chunking
 directly, on a fresh cudaMemPool per case that keeps every freed byte:
 

@@ -29,7 +29,7 @@ is in use. Its knobs:
   at the next byte (``False``).
 
 Each candidate is checked against the probe facts of ``bench/driver_granularity.py``
-(bench/results/2026-12-03-h200-unit.md) and then against the six figures the H200 measured
+(an earlier run (bench/results/ in git history)) and then against the six figures the H200 measured
 for the shipped traces (:data:`MEASURED`). Those figures are of the pool as it was then
 (`c479c4a`, small segments of 2 MiB under any rounding), whose upstream sequences are kept
 in ``driver_model_sequences.json.gz`` (written by :func:`upstream_sequence` on that build), so
@@ -53,7 +53,7 @@ CHUNK = 32 * MiB
 TRACES = ("transformer_train", "vision_train")
 SETTINGS = (None, "32MiB", "64MiB")   # segment_rounding; None = plain segments on sim
 
-# bench/results/2026-12-03-h200-unit.md: the cudaMemPool's peak over the trace's peak live
+# an earlier run (bench/results/ in git history): the cudaMemPool's peak over the trace's peak live
 # bytes on the H200, and the pool's own peak reserved over peak live (sim reproduces it).
 MEASURED = {
     ("transformer_train", None): (1.084, 1.036),

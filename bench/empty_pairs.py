@@ -3,7 +3,7 @@
 Each allocator needs a process of its own (PyTorch reads its allocator once), and a host's
 pace differs from CPU to CPU and from minute to minute: on one H100 host an empty Python
 loop took 12-29 ns per iteration from child to child, so children timed one after the other
-compared the CPUs as much as the allocators (bench/results/2026-12-05-h100-replays.md: one
+compared the CPUs as much as the allocators (an earlier run (bench/results/ in git history): one
 pair 0.37x, another 0.99x). Here the two children of a pair run at once, pinned to the same
 CPU, and time one round at a time when told to (torch_empty_child.py --lockstep): rounds of
 the two alternate A B B A A B ..., so both see the same CPU at nearly the same time, and each

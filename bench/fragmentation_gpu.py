@@ -172,7 +172,7 @@ def _one_process(worker_args, env, cpu=None) -> dict:
 def _interleaved(repeat: int, rows) -> list:
     """Run each row's worker `repeat` times, one process each, in rounds: every row once,
     then every row again. The host's pace drifts over a run (the same default replay took
-    482-810 ns per event within minutes, bench/results/2026-12-04-h200-evening.md), so rows
+    482-810 ns per event within minutes, an earlier run (bench/results/ in git history)), so rows
     run one after another in turns, and each round's rows are compared with each other.
     Returns per row the first process's figures, ns_per_event the median over the rounds
     and ns_per_event_runs every round's, in round order."""

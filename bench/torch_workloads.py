@@ -68,7 +68,7 @@ def counters(torch):
 # (max_map_size = the page), which can give back every free page (Note [Growth extents]);
 # "mempool-expandable-map32" and "-map64": physical allocations of at most 32 or 64 MiB,
 # between the two (on sim 64 MiB kept the shipped traces' peaks and took the GPT snapshot's
-# from 1.062 to 1.034 of peak live, bench/results/2026-12-05-cpu-sim-expandable-map-cap.md);
+# from 1.062 to 1.034 of peak live, an earlier run (bench/results/ in git history));
 # "mempool-seg32": the default path with segment_rounding 32 MiB (Note [Segment rounding]).
 MEMPOOL_OPTIONS = {"mempool": {},
                    "mempool-expandable": {"expandable_segments": True},
@@ -133,7 +133,7 @@ def gpt_lengths(steps, warmup, bucketed, seed=1):
     """Sequence lengths of the GPT steps. Any length in 64-512 makes nearly every step a
     shape the process has not run before, so its time is largely first-time work for that
     shape (kernel selection, caches), which varies from process to process by more than
-    the allocators differ (bench/results/2026-12-05-h100-evening.md: 14 %). Bucketed, the
+    the allocators differ (an earlier run (bench/results/ in git history): 14 %). Bucketed, the
     warm-up cycles through the buckets (each twice in run_gpt's 16 steps) and the timed
     steps draw from the same buckets: the steady state of a training run, where the
     allocator's own cost can show. `seed` draws another order (--order-seed)."""
@@ -407,7 +407,7 @@ def cpu_paces(loops=1_000_000, probes=3):
 # step times follow the host's pace (a GPT-2 step of this size launches kernels faster than
 # the GPU runs them only on a fast core): unpinned, one allocator's GPT steps took 129-177 ms
 # from process to process on one machine, 82 ms on another
-# (bench/results/2026-12-03-h200-late.md), which hid any difference between allocators.
+# (an earlier run (bench/results/ in git history)), which hid any difference between allocators.
 # Two CPUs, not one: autograd's backward runs on a thread of its own beside the Python one.
 # Only the eager training loops: compiled inference replays CUDA graphs (the host's pace
 # matters little) and its compilation would get two CPUs' worth of worker processes, and
@@ -471,7 +471,7 @@ def run_empty(outdir, procs=6, rounds=15, pairs=2000, controls=(), on_pair=None)
     interleaved (bench/empty_pairs.py says why). Before, children ran one after the other,
     each on the CPU fastest as it started, and the host's pace moved between them: one
     pair's mempool child ran where an empty loop took 25-29 ns, another pair's PyTorch
-    child where it took 12-15 (bench/results/2026-12-05-h100-replays.md). on_pair(results)
+    child where it took 12-15 (an earlier run (bench/results/ in git history)). on_pair(results)
     is called after every pair, mixed or control, so a run cut short keeps its pairs."""
     import empty_pairs
 

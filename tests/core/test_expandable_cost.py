@@ -104,7 +104,9 @@ def test_shipped_traces_calls_per_step(name, expandable):
     r = replay_steps(name, {"expandable_segments": True} if expandable else {})
     assert r.calls_per_step == calls
     assert [s["stream_syncs"] for s in r.steps] == syncs
-    assert round(r.ratio, 3) == ratio
+    # A bound, not a golden figure: the pinned ratio is the most the policy may hold on this
+    # trace (to its third decimal); a change that holds less passes, one that holds more fails.
+    assert r.ratio < ratio + 0.0005
     assert r.ratio <= 1.05                               # the default path too
 
 
@@ -125,11 +127,12 @@ EDGE_PINNED = {
 def test_edge_growth_asks_less_of_the_driver_than_the_default_path(name):
     """With min_map_size 64 MiB, expandable segments make fewer physical allocations than
     the default path's segment allocations, no unmap and no sync, no call after the third
-    step, and still hold less at the peak (bench/results/2026-12-06-cpu-sim-edge-growth.md)."""
+    step, and still hold less at the peak (docs/decisions.md)."""
     (edge_calls, edge_ratio), (default_calls, default_ratio) = EDGE_PINNED[name]
     edge, default = replay_steps(name, CUDA_EDGE), replay_steps(name, CUDA_DEFAULT)
-    assert edge.calls_per_step == edge_calls and round(edge.ratio, 3) == edge_ratio
-    assert default.calls_per_step == default_calls and round(default.ratio, 3) == default_ratio
+    # Ratios as bounds (the most each may hold, to the third decimal), calls exactly.
+    assert edge.calls_per_step == edge_calls and edge.ratio < edge_ratio + 0.0005
+    assert default.calls_per_step == default_calls and default.ratio < default_ratio + 0.0005
     assert edge.upstream["device_alloc"] < default.upstream["device_alloc"]
     assert edge.upstream["device_free"] == 0 and edge.upstream["stream_syncs"] == 0
     assert edge.ratio < default.ratio

@@ -198,13 +198,15 @@ def test_the_shipped_traces_make_fewer_segments():
     segment allocations, at a cost of at most 0.003 peak reserved over peak live, and
     under 1.05 on both traces (mid-size segments of 64 MiB; one unit held 1.0502 on the
     transformer trace, with 131 segments)."""
-    for name, plain_allocs, allocs, ratio in [("transformer_train.jsonl.gz", 225, 108, 1.0376),
-                                               ("vision_train.jsonl.gz", 210, 100, 1.0436)]:
+    for name, plain_allocs, allocs in [("transformer_train.jsonl.gz", 225, 108),
+                                       ("vision_train.jsonl.gz", 210, 100)]:
         events = mtrace.load(os.path.join(TRACES_DIR, name))
         plain = rp.replay(events, backend="sim")
         r = rp.replay(events, backend="sim", check=True, segment_rounding="32MiB")
         assert (plain.num_device_alloc, r.num_device_alloc) == (plain_allocs, allocs), name
-        assert round(r.ratio, 4) == ratio, name
+        # The note's bounds, not a golden figure: the units cost at most 0.003 of peak
+        # reserved over peak live, and stay under 1.05.
+        assert r.ratio <= plain.ratio + 0.003 and r.ratio < 1.05, (name, r.ratio, plain.ratio)
         assert r.num_ooms == 0
 
 

@@ -324,7 +324,7 @@ def test_the_driver_holds_a_free_queued_behind_work_and_a_new_segment_at_once(
     """The premise of Note [Released before a growth], on a bare cudaMemPool that gives
     memory back at every sync (threshold 0): a free queued behind work still running is the
     driver's, and a larger allocation made meanwhile on the same stream gets new memory.
-    (Passed on an H100 with a 200 ms kernel, bench/results/2026-12-05-h100-evening.md.)"""
+    (Passed on an H100 with a 200 ms kernel, an earlier run (bench/results/ in git history).)"""
     rt = cupy_device.cuda.runtime
     h, _ = _cuda.resolve_pool_handle("create", 0)
     try:

@@ -1,5 +1,5 @@
 """bench/driver_model.py: the cudaMemPool model reproduces the H200 probe facts
-(bench/results/2026-12-03-h200-unit.md) and the six trace figures it was chosen on."""
+(an earlier run (bench/results/ in git history)) and the six trace figures it was chosen on."""
 import os
 import sys
 
