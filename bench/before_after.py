@@ -83,6 +83,8 @@ def main(argv=None):
     ap.add_argument("--cpu", type=int, default=None,
                     help="the CPU every process is pinned to (default: the last one allowed)")
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--before-label", default="before",
+                    help="what the earlier build is, e.g. its commit (kept in the JSON)")
     args = ap.parse_args(argv)
     cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
     trees = {"before": args.before, "after": args.after}
@@ -98,7 +100,8 @@ def main(argv=None):
                     raw[measure][name][size].append(ns)
     result = {m: {t: summarize(raw[m][t]) for t in trees} for m in measures}
     with open(args.out, "w") as f:
-        json.dump({"raw": raw, "summary": result, "cpu": cpu, "procs": args.procs}, f,
+        json.dump({"raw": raw, "summary": result, "cpu": cpu, "procs": args.procs,
+                   "before_commit": args.before_label}, f,
                   indent=1)
     print(f"{'measure':12} {'size':>9} {'before median/worst ns':>24} "
           f"{'after median/worst ns':>24} {'after/before':>12}")

@@ -182,11 +182,50 @@ def from_numba_own(run: dict, path: str) -> list:
     return figs
 
 
+def from_before_after(run: dict, path: str) -> list:
+    """bench/before_after.py: this build against an earlier one, process by process."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    raw, before = data["raw"], data.get("before_commit", "before")
+    command = "python bench/before_after.py BEFORE_TREE AFTER_TREE --out FILE"
+    tables = {"pair": "Allocate + free from Python (cuda pool), this build and the one before",
+              "torch.empty": "torch.empty + drop under mempool.torch.install, this build and "
+                             "the one before"}
+    figs = []
+    for measure, table in tables.items():
+        for name, label in (("before", f"before ({before})"), ("after", "this build")):
+            for size, values in (raw.get(measure, {}).get(name) or {}).items():
+                figs.append(_fig(run, table, label, SIZES.get(str(size), str(size)),
+                                 "ns per pair", values, command))
+    return figs
+
+
+def from_corpus(run: dict, path: str) -> list:
+    """`python -m mempool replay --corpus --backend cuda --json`: one process replays every
+    trace of the corpus under each column."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    command = "python -m mempool replay --corpus --backend cuda --json"
+    figs = []
+    for row in data["rows"]:
+        label = f"{row['name']} ({row['half']})"
+        for column, cell in (row.get("cells") or {}).items():
+            if isinstance(cell, dict) and cell.get("ratio") is not None:
+                figs.append(_fig(run, "Trace corpus on the device: peak reserved / peak live",
+                                 label, column, "ratio", [round(cell["ratio"], 4)], command))
+                if cell.get("ns_per_event") is not None:
+                    figs.append(_fig(run, "Trace corpus on the device: ns per event", label,
+                                     column, "ns per event", [cell["ns_per_event"]], command))
+    return figs
+
+
 SOURCES = (("bench/bench.json", from_latency),
            ("fragmentation_gpu.json", from_fragmentation),
            ("torch/workloads.json", from_torch_empty),
            ("allocator_pairs.json", from_allocator_pairs),
-           ("numba-own/numba-own-tests.json", from_numba_own))
+           ("numba-own/numba-own-tests.json", from_numba_own),
+           ("before_after.json", from_before_after),
+           ("corpus.json", from_corpus))
 
 
 def collect(outdir: str) -> dict:
@@ -203,13 +242,36 @@ def collect(outdir: str) -> dict:
             "figures": [f for f in figs if f is not None]}
 
 
+def merge(path: str, run_data: dict) -> dict:
+    """The card's file at `path` with every table this run measured replaced by the run's."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except FileNotFoundError:
+        return run_data
+    tables = {fig["table"] for fig in run_data["figures"]}
+    kept = [fig for fig in old.get("figures", []) if fig["table"] not in tables]
+    notes = {k: v for k, v in (old.get("notes") or {}).items() if k not in tables}
+    out = {"card": run_data["card"], "environment": run_data["environment"],
+           "figures": kept + run_data["figures"]}
+    if notes:
+        out["notes"] = notes
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("outdir", help="the folder bench/gpu_run.sh wrote")
     ap.add_argument("--card", help="the file's name, e.g. h100 (default: from the device name)")
+    ap.add_argument("--into", metavar="JSON",
+                    help="a card's results file: this run's tables replace the same tables "
+                         "there, and its other tables stay, each with its own run")
     args = ap.parse_args(argv)
     data = collect(args.outdir)
     path = os.path.join(args.outdir, f"{args.card or card_key(data['card'])}.json")
+    if args.into:
+        data = merge(args.into, data)
+        path = args.into
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
         f.write("\n")

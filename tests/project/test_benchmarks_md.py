@@ -65,3 +65,38 @@ def test_a_gpu_runs_outputs_become_a_card_file(tmp_path):
     assert (caching["date"], caching["commit"]) == ("2030-01-02", "0123456")
     # The file renders as a card of BENCHMARKS.md.
     assert "### GPU tier" in render_benchmarks.render(str(tmp_path))
+
+
+def test_before_after_and_corpus_outputs_merge_into_a_card_file(tmp_path):
+    (tmp_path / "versions.txt").write_text(
+        "date: 2030-01-02T03:04:05Z\ncommit: 0123456789abcdef\n"
+        "NVIDIA H100 80GB HBM3, 580.1, 81559 MiB\n")
+    (tmp_path / "before_after.json").write_text(json.dumps({
+        "before_commit": "abcdef0",
+        "raw": {"pair": {"before": {"512": [90.0, 80.0, 85.0]}, "after": {"512": [70.0, 75.0]}}}}))
+    (tmp_path / "corpus.json").write_text(json.dumps({"rows": [
+        {"name": "gnn_train", "half": "held-out",
+         "cells": {"mempool": {"ratio": 1.04567, "ns_per_event": 500.0},
+                   "PyTorch default": {"ratio": 1.2, "ns_per_event": 900.0}}}]}))
+    card = tmp_path / "card.json"
+    old_table = {"table": "Numba's own cudadrv tests", "row": "under mempool", "column": "passed",
+                 "unit": "tests", "median": 162, "worst": None, "n_processes": 1,
+                 "date": "2029-01-01", "commit": "1111111", "command": "x"}
+    stale = dict(old_table, table="Trace corpus on the device: peak reserved / peak live",
+                 row="gone (tuning)", column="mempool")
+    card.write_text(json.dumps({"card": "NVIDIA H100 80GB HBM3", "environment": "",
+                                "figures": [old_table, stale]}))
+    assert collect_results.main([str(tmp_path), "--into", str(card)]) == 0
+    figs = {(f["table"], f["row"], f["column"]): f for f in json.loads(card.read_text())["figures"]}
+    after = figs[("Allocate + free from Python (cuda pool), this build and the one before",
+                  "this build", "512 B")]
+    assert (after["median"], after["worst"], after["n_processes"]) == (72.5, 75.0, 2)
+    assert ("Allocate + free from Python (cuda pool), this build and the one before",
+            "before (abcdef0)", "512 B") in figs
+    ratio = figs[("Trace corpus on the device: peak reserved / peak live", "gnn_train (held-out)",
+                  "PyTorch default")]
+    assert ratio["median"] == 1.2
+    # A table this run measured is replaced whole; one it did not measure stays as it was.
+    assert ("Trace corpus on the device: peak reserved / peak live", "gone (tuning)",
+            "mempool") not in figs
+    assert figs[("Numba's own cudadrv tests", "under mempool", "passed")]["date"] == "2029-01-01"
