@@ -407,8 +407,8 @@ size_t mp_limit_excess_own_locked(mp_pool *p, size_t extra, const mp_release_lis
 /* Note [Releases in flight]
  * A segment taken off the books (mp_detach_segment_locked) is freed upstream only after the
  * lock is dropped (mp_release_finish), and meanwhile other threads allocate: counting only
- * reserved bytes, 16 threads under a 64 MiB limit had the upstream hold up to 122 MiB at
- * once while the pool's own peak said 64. So the bytes of detached segments count in
+ * reserved bytes, the upstream could hold more than the limit at once while the pool's own
+ * peak stayed within it (docs/decisions.md). So the bytes of detached segments count in
  * releasing_bytes, part of the reserved-now figure every limit check and Note [Shared
  * limit] use, from the detach until their upstream free has returned (mp_release_finish
  * takes the lock once more for that, before it asks for the GIL back, so a thread waiting
