@@ -25,7 +25,7 @@ SIZES = {"0": "0 B", "512": "512 B", "65536": "64 KiB", "1048576": "1 MiB",
 LATENCY_COLUMNS = ("512 B", "64 KiB", "1 MiB", "64 MiB")
 TRACES = {"transformer_train.jsonl.gz": "transformer", "vision_train.jsonl.gz": "vision"}
 JUNIT = {"junit-gpu-1.xml": "tests/gpu", "junit-gpu-1x.xml": "tests/gpu, gpu_exclusive",
-         "junit-gpu-2.xml": "gpu-marked tests of tests/test_*.py",
+         "junit-gpu-2.xml": "gpu-marked tests outside tests/gpu",
          "junit-gpu.xml": "gpu-marked tests (TESTS_ARGS)"}
 
 
@@ -213,9 +213,6 @@ def from_corpus(run: dict, path: str) -> list:
             if isinstance(cell, dict) and cell.get("ratio") is not None:
                 figs.append(_fig(run, "Trace corpus on the device: peak reserved / peak live",
                                  label, column, "ratio", [round(cell["ratio"], 4)], command))
-                if cell.get("ns_per_event") is not None:
-                    figs.append(_fig(run, "Trace corpus on the device: ns per event", label,
-                                     column, "ns per event", [cell["ns_per_event"]], command))
     return figs
 
 
