@@ -206,11 +206,24 @@ def _torch_row(path: str, torch_conf: str) -> dict:
                 f"the PyTorch replay exited with status {done.returncode} and printed nothing"}
 
 
+def _torch_left_out(args, what: str):
+    """Why PyTorch's rows or columns (`what`) cannot run beside the pool's, or None when they
+    can: they need the cuda backend, no --limit (PyTorch has no such cap) and PyTorch."""
+    import importlib.util
+
+    if args.backend != "cuda":
+        return (f"PyTorch's {what} need a GPU: give --backend cuda on a machine with CUDA "
+                "and PyTorch")
+    if args.limit is not None:
+        return f"PyTorch's {what} are left out under --limit (PyTorch has no such cap)"
+    if importlib.util.find_spec("torch") is None:
+        return f"PyTorch's {what} are left out: PyTorch is not installed"
+    return None
+
+
 def _compare(path: str, events, args, extra: dict) -> int:
     """replay --compare: expandable segments off and on, and PyTorch's allocator where it can
     run, side by side: reserved / live, ns per event, upstream calls per step."""
-    import importlib.util
-
     from mempool._config import parse_conf
     from mempool.tools import replay as rp
 
@@ -229,15 +242,8 @@ def _compare(path: str, events, args, extra: dict) -> int:
                      "peak_live_bytes": r.peak_live_bytes, "num_ooms": r.num_ooms,
                      "num_device_alloc": r.num_device_alloc,
                      "num_device_free": r.num_device_free, "calls_per_step": r.calls_per_step})
-    if args.backend != "cuda":
-        torch_note = ("PyTorch's rows need a GPU: give --backend cuda on a machine with CUDA "
-                      "and PyTorch")
-    elif args.limit is not None:
-        torch_note = "PyTorch's rows are left out under --limit (PyTorch has no such cap)"
-    elif importlib.util.find_spec("torch") is None:
-        torch_note = "PyTorch's rows are left out: PyTorch is not installed"
-    else:
-        torch_note = None
+    torch_note = _torch_left_out(args, "rows")
+    if torch_note is None:
         for label, torch_conf in TORCH_COMPARED:
             rows.append({"allocator": label, **_torch_row(path, torch_conf)})
     if args.json:
@@ -279,8 +285,6 @@ def _compare(path: str, events, args, extra: dict) -> int:
 def _corpus(ap, args) -> int:
     """replay --corpus: every trace of a corpus under the pool's two modes (and PyTorch's
     allocator on cuda), the halves side by side (mempool/tools/corpus.py)."""
-    import importlib.util
-
     from mempool._config import parse_conf
     from mempool.tools import corpus
 
@@ -294,16 +298,9 @@ def _corpus(ap, args) -> int:
     plain = {k: v for k, v in conf.items() if k not in fixed_only}
     modes = [(label, {**(plain if kw.get("expandable_segments") else conf), **kw})
              for label, kw in corpus.DEFAULT_MODES]
-    torch_rows, note = [], None
-    if args.backend != "cuda":
-        note = "PyTorch's columns need a GPU: give --backend cuda on a machine with PyTorch"
-    elif args.limit is not None:
-        note = "PyTorch's columns are left out under --limit (PyTorch has no such cap)"
-    elif importlib.util.find_spec("torch") is None:
-        note = "PyTorch's columns are left out: PyTorch is not installed"
-    else:
-        torch_rows = [(label, lambda path, c=torch_conf: _torch_row(path, c))
-                      for label, torch_conf in TORCH_COMPARED]
+    note = _torch_left_out(args, "columns")
+    torch_rows = [] if note else [(label, lambda path, c=torch_conf: _torch_row(path, c))
+                                  for label, torch_conf in TORCH_COMPARED]
     capacity = args.capacity
     if capacity is None and args.backend == "host":
         capacity = SIM_CAPACITY
