@@ -41,9 +41,6 @@ PUBLIC = {
     "testing": {"mp_bench.h"},
 }
 
-# Known breaches, each to be removed once fixed (a stale entry fails the test below).
-KNOWN: set = set()
-
 SOURCE_SUFFIXES = (".c", ".h", ".cpp")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 CALL = re.compile(r"\b([A-Za-z_]\w*)\s*\(")
@@ -152,14 +149,8 @@ def test_the_scan_sees_the_definitions_and_uses():
 
 
 def test_no_include_or_call_skips_a_layer():
-    found = [f for f in breaches(sources()) if f[:3] not in KNOWN]
+    found = breaches(sources())
     assert not found, "\n".join(f"{rel}: {why}" for rel, _, _, why in found)
-
-
-def test_every_known_breach_is_still_there():
-    """An entry of KNOWN that no longer occurs is stale: remove it, so the rule holds again."""
-    stale = KNOWN - {f[:3] for f in breaches(sources())}
-    assert not stale, f"fixed: remove from KNOWN in tests/project/test_layering.py: {sorted(stale)}"
 
 
 def test_common_includes_nothing_of_ours_outside_it():

@@ -13,8 +13,6 @@ SOURCES = {"mempool": PYTHON + CYTHON + C, "tests": PYTHON + C, "bench": PYTHON 
            "examples": PYTHON, "setup.py": PYTHON}
 SKIPPED_FOLDERS = {"__pycache__", "build"}
 GENERATED = {"mempool/_core.c"}   # Cython's output
-# Known to be too long, each to be removed once split (a stale entry fails the test below).
-KNOWN: set = set()
 
 
 def lengths():
@@ -50,11 +48,5 @@ def test_the_scan_finds_every_kind_of_source():
 
 def test_every_source_file_is_at_most_max_lines():
     sizes = lengths()
-    long = {rel: n for rel, n in sizes.items() if n > MAX_LINES and rel not in KNOWN}
+    long = {rel: n for rel, n in sizes.items() if n > MAX_LINES}
     assert not long, f"split these by concern: {long}"
-
-
-def test_every_known_long_file_is_still_long():
-    sizes = lengths()
-    stale = {rel for rel in KNOWN if sizes.get(rel, 0) <= MAX_LINES}
-    assert not stale, f"no longer too long: remove from KNOWN in tests/project/test_source_size.py: {stale}"
