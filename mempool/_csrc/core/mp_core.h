@@ -204,6 +204,27 @@ int mp_capture_known(mp_pool *p);
 int mp_block_info(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested,
                   uintptr_t *stream);
 
+/* Sharing blocks with other processes (Note [Sharing across processes], core/mp_share.c).
+ * mp_share: the handle of the memory holding the live block at ptr, for another process:
+ *   at most cap bytes into buf, the length in *len (MP_EINVAL with *len the length needed
+ *   when cap is too small), and in *offset where the block starts in the memory the handle
+ *   maps. Blocks of one segment (one run of pages) give equal handles. MP_ENOTFOUND,
+ *   MP_EINTERIOR or MP_EDOUBLEFREE as mp_free for a pointer that is no live block's start;
+ *   MP_EUNSUPPORTED when the upstream cannot share. The handle stays valid while the block
+ *   stays live; keeping it live until every other process let go is the caller's part.
+ * mp_share_open: map a handle from mp_share (made by a pool on the same kind of upstream,
+ *   in any process): *base is the start of the memory in this process and *nbytes its size.
+ *   A handle opened again while open gives the same base and is counted; MP_EINVAL for
+ *   bytes mp_share did not make.
+ * mp_share_close: one mp_share_open of `base` undone; the last unmaps it. MP_ENOTFOUND
+ *   for a base not open. */
+#define MP_SHARE_HANDLE_MAX 65536
+int mp_share(mp_pool *p, uintptr_t ptr, unsigned char *buf, size_t cap, size_t *len,
+             size_t *offset);
+int mp_share_open(mp_pool *p, const unsigned char *buf, size_t len, uintptr_t *base,
+                  size_t *nbytes);
+int mp_share_close(mp_pool *p, uintptr_t base);
+
 /* Release cached memory: every idle segment (empty_cache), or oldest first down to `keep`
  * cached bytes (trim). Pinned (initial_pool_size) memory stays. */
 int mp_empty_cache(mp_pool *p);

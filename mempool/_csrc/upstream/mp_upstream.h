@@ -100,6 +100,23 @@ typedef struct mp_upstream {
     int (*unmap)(void *ctx, uintptr_t va, size_t nbytes);
     int (*va_release)(void *ctx, uintptr_t va, size_t nbytes);
 
+    /* Sharing with other processes (Note [Sharing across processes], core/mp_share.c). All
+     * three NULL when the upstream cannot share; then the core answers MP_EUNSUPPORTED.
+     * share: describe [base, base + nbytes) for another process: a segment whole (base and
+     *   nbytes as segment_alloc gave them, expandable 0) or a run of mapped pages of a
+     *   reservation made of whole physical allocations (expandable 1). At most cap bytes into
+     *   buf, the length in *len; MP_EINVAL with *len set to the length needed when cap is too
+     *   small. The bytes differ whenever the memory they name differs (a later segment at the
+     *   same address included), and stay valid while the memory stays allocated (mapped) here.
+     * open: map a description that share made, in another process or this one: *out is the
+     *   start of nbytes (as shared) in this process. Each open is a mapping of its own, undone
+     *   by close(out, nbytes); MP_EINVAL for bytes share did not make (never a crash).
+     * close: undo an open; the sharing process's memory stays its own. */
+    int (*share)(void *ctx, uintptr_t base, size_t nbytes, int expandable, unsigned char *buf,
+                 size_t cap, size_t *len);
+    int (*open)(void *ctx, const unsigned char *buf, size_t len, size_t nbytes, uintptr_t *out);
+    int (*close)(void *ctx, uintptr_t ptr, size_t nbytes);
+
     /* Release the context. Called once, after every segment and event has been freed. */
     void (*destroy)(void *ctx);
 } mp_upstream;
