@@ -6,13 +6,15 @@ documents the schema), so that they can replace bench/results/<card>.json.
 Reads what the run's stages wrote, each where present: versions.txt (date, commit, device),
 junit-gpu-*.xml (the GPU tier), bench/bench.json (the latency suite), fragmentation_gpu.json
 (trace replays), torch/workloads.json (torch.empty pairs), allocator_pairs.json (the
-allocators timed from C++) and numba-own/numba-own-tests.json (Numba's own tests). A stage that
-did not run adds nothing. The median and worst are over processes (rounds where one process
+allocators timed from C++), numba-own/numba-own-tests.json (Numba's own tests) and
+own-tests/*/own-tests.json (PyTorch's own tests, one table per pair of bench/torch_own_tests_pairs.py,
+with the tests that passed under PyTorch's allocator only). A stage that did not run adds nothing. The median and worst are over processes (rounds where one process
 ran them all, and then n_processes is 1).
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -182,6 +184,52 @@ def from_numba_own(run: dict, path: str) -> list:
     return figs
 
 
+OWN_TESTS_ROWS = (("pytorch", "under PyTorch's allocator"), ("mempool", "under mempool"))
+# A list entry keeps the first line of a test's message, cut here.
+MESSAGE_CHARS = 200
+
+
+def own_tests_files(outdir: str) -> list:
+    """[(pair name, path)] of the own-tests.json files a run wrote: one per pair, in the order
+    own-tests-pairs.json ran them, or a single one directly in own-tests/."""
+    folder = os.path.join(outdir, "own-tests")
+    order = []
+    try:
+        with open(os.path.join(folder, "own-tests-pairs.json"), encoding="utf-8") as f:
+            order = [p["name"] for p in json.load(f).get("pairs", [])]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    found = {os.path.basename(os.path.dirname(p)): p
+             for p in glob.glob(os.path.join(folder, "*", "own-tests.json"))}
+    names = [n for n in order if n in found] + sorted(n for n in found if n not in order)
+    files = [(n, found[n]) for n in names]
+    single = os.path.join(folder, "own-tests.json")
+    if os.path.isfile(single):
+        files.insert(0, ("", single))
+    return files
+
+
+def from_own_tests(run: dict, name: str, path: str) -> tuple:
+    """(figures, {table: test list}) of one pair: passed, failed and skipped under each
+    allocator, and the tests that passed under PyTorch's allocator only, each with the first
+    line of what it said under mempool."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    test_file, select = data.get("file", "test file"), data.get("select", "")
+    table = f"PyTorch's own tests: {name or test_file}"
+    command = (f"python bench/torch_own_tests.py {test_file} OUT"
+               + (f" --select '{select}'" if select else ""))
+    figs = []
+    for key, label in OWN_TESTS_ROWS:
+        counts = data["counts"][key]
+        for column in ("passed", "failed", "skipped"):
+            figs.append(_fig(run, table, label, column, "tests", [counts[column]], command))
+    only = data.get("passed_under_pytorch_only") or {}
+    items = [[t, " ".join(str(why).split())[:MESSAGE_CHARS]] for t, why in sorted(only.items())]
+    return figs, {table: {"title": "Passed under PyTorch's allocator, not under mempool",
+                          "items": items}}
+
+
 def from_before_after(run: dict, path: str) -> list:
     """bench/before_after.py: this build against an earlier one, process by process."""
     with open(path, encoding="utf-8") as f:
@@ -235,8 +283,20 @@ def collect(outdir: str) -> dict:
                 figs += parse(run, path)
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 print(f"{rel}: not read ({exc})", file=sys.stderr)
-    return {"card": run["card"], "environment": run["environment"],
-            "figures": [f for f in figs if f is not None]}
+    lists = {}
+    for name, path in own_tests_files(outdir):
+        try:
+            pair_figs, pair_lists = from_own_tests(run, name, path)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            print(f"{os.path.relpath(path, outdir)}: not read ({exc})", file=sys.stderr)
+            continue
+        figs += pair_figs
+        lists.update(pair_lists)
+    out = {"card": run["card"], "environment": run["environment"],
+           "figures": [f for f in figs if f is not None]}
+    if lists:
+        out["test_lists"] = lists
+    return out
 
 
 def merge(path: str, run_data: dict) -> dict:
@@ -248,11 +308,13 @@ def merge(path: str, run_data: dict) -> dict:
         return run_data
     tables = {fig["table"] for fig in run_data["figures"]}
     kept = [fig for fig in old.get("figures", []) if fig["table"] not in tables]
-    notes = {k: v for k, v in (old.get("notes") or {}).items() if k not in tables}
     out = {"card": run_data["card"], "environment": run_data["environment"],
            "figures": kept + run_data["figures"]}
-    if notes:
-        out["notes"] = notes
+    for key in ("notes", "test_lists"):
+        merged = {k: v for k, v in (old.get(key) or {}).items() if k not in tables}
+        merged.update(run_data.get(key) or {})
+        if merged:
+            out[key] = merged
     return out
 
 

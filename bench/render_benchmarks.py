@@ -24,7 +24,10 @@ run of bench/gpu_run.sh, so a run's figures replace the card's file whole. Schem
           "command": "bench/torch_workloads.py --workloads empty"   # reproduces it
         }
       ],
-      "notes": {"<table>": "one sentence printed under that table"}   # optional
+      "notes": {"<table>": "one sentence printed under that table"},   # optional
+      "test_lists": {"<table>": {"title": "Passed under PyTorch's allocator, not under mempool",
+                                 "items": [["test id", "first line of its message"]]}}
+                                             # optional: tests named under that table
     }
 
 Every figure of a table shares its unit, date, commit and command in practice; where they
@@ -123,6 +126,20 @@ def render_table(name: str, figs: list, note: str | None) -> list:
     return out
 
 
+def render_test_list(entry: dict) -> list:
+    """A table's list of tests: its title and count, then one line per test."""
+    items = entry.get("items") or []
+    if not items:
+        return [f"{entry['title']}: none.", ""]
+    out = [f"{entry['title']}: {len(items)}.", ""]
+    for test, message in items:
+        # A backtick in a message would end the test's code span early.
+        message = str(message).replace("`", "'")
+        out.append(f"- `{test}`" + (f": {message}" if message else ""))
+    out.append("")
+    return out
+
+
 def render(folder: str = RESULTS) -> str:
     lines = HEADER.split("\n")
     for card in CARDS:
@@ -134,6 +151,8 @@ def render(folder: str = RESULTS) -> str:
         for t in tables:
             figs = [f for f in data["figures"] if f["table"] == t]
             lines += render_table(t, figs, data.get("notes", {}).get(t))
+            if t in (data.get("test_lists") or {}):
+                lines += render_test_list(data["test_lists"][t])
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

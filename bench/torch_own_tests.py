@@ -257,7 +257,8 @@ def main(argv=None):
             run(name, os.path.abspath(args.test_file), args.outdir, args.select,
                 args.timeout, extra) for name in RUNS}
     module = os.path.splitext(os.path.basename(args.test_file))[0]
-    result = {"runs": runs, **compare(runs, module)}
+    result = {"file": os.path.basename(args.test_file), "select": args.select, "runs": runs,
+              **compare(runs, module)}
     with open(os.path.join(args.outdir, "own-tests.json"), "w") as f:
         json.dump(result, f, indent=1)
     for name, c in result["counts"].items():
