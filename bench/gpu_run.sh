@@ -37,7 +37,7 @@ T_TORCH=${T_TORCH:-480}
 T_CHURN=${T_CHURN:-120}
 T_VMM=${T_VMM:-60}
 T_SNAPSHOT=${T_SNAPSHOT:-240}   # six processes of 14-28 s each, and start-up
-T_OWNTESTS=${T_OWNTESTS:-500}   # both runs of PyTorch's own tests together
+T_OWNTESTS=${T_OWNTESTS:-540}   # every pair of PyTorch's own tests, each under both allocators
 T_ALLOCPAIRS=${T_ALLOCPAIRS:-150}   # twelve processes of 6-8 s each, and the probe's build
 T_COLDPAIRS=${T_COLDPAIRS:-90}   # eight processes of a few seconds each, and the build
 T_NUMBAOWN=${T_NUMBAOWN:-240}   # both runs of numba-cuda's cudadrv tests (13-15 s each on an H100)
@@ -249,27 +249,27 @@ if wants snapshot && [[ -f "$OUT/snapshots/workloads.json" ]]; then
         >> "$OUT/snapshot.log" 2>&1 || echo "replay check: exit $?" >> "$OUT/snapshot.log"
 fi
 
-# ---- PyTorch's own CUDA tests (test/test_cuda.py of PyTorch's repository, which its wheels
-# do not ship: put it at TORCH_TEST_FILE), under PyTorch's allocator and under `python -m
-# mempool run`, and what passes under one only (bench/torch_own_tests.py). OWNTESTS_SELECT
-# is pytest's -k expression; OWNTESTS_BASELINE, an earlier run's own-tests.json (same file,
-# selection and machine), stands for the run under PyTorch's allocator, which does not depend
-# on mempool's code. --timeout is for each of the runs and for the tests run again alone
-# after a CUDA error that stays with the process: a third (a half with a baseline) of the
-# stage's limit each. PyTorch's test helpers need `expecttest`, which the machine may
-# lack: a copy in OWNTESTS_SITE (default .external/site) goes on the path.
-TORCH_TEST_FILE=${TORCH_TEST_FILE:-.external/pytorch/test_cuda.py}
+# ---- PyTorch's own tests (test/test_cuda.py and test/test_multiprocessing.py of PyTorch's
+# repository, which its wheels do not ship: put them in OWNTESTS_TESTS), several (file, -k
+# selection) pairs (PAIRS of bench/torch_own_tests_pairs.py: the allocator, graph, MemPool and
+# IPC tests of test_cuda.py, the CUDA tests of test_multiprocessing.py), each under PyTorch's
+# allocator and under `python -m mempool run`, one own-tests.json per pair under
+# OUT/own-tests/NAME, all within T_OWNTESTS. OWNTESTS_ONLY names some pairs
+# (comma-separated); OWNTESTS_BASELINES, an earlier run's OUT/own-tests folder (same
+# machine), whose runs under PyTorch's allocator stand for this run's: they do not depend on
+# mempool's code. PyTorch's test helpers need `expecttest`, which the machine may lack: a
+# copy in OWNTESTS_SITE (default .external/site) goes on the path.
+OWNTESTS_TESTS=${OWNTESTS_TESTS:-.external/pytorch}
 OWNTESTS_SITE=${OWNTESTS_SITE:-.external/site}
-if wants owntests && [[ ! -f $TORCH_TEST_FILE ]]; then
-    echo "no $TORCH_TEST_FILE: PyTorch's own tests skipped" | tee "$OUT/own-tests.log"
+if wants owntests && ! compgen -G "$OWNTESTS_TESTS/test_*.py" >/dev/null; then
+    echo "no test files in $OWNTESTS_TESTS: PyTorch's own tests skipped" | tee "$OUT/own-tests.log"
     STATUS[owntests]=skipped
 else
-    OWNTESTS_PHASES=$([[ -n ${OWNTESTS_BASELINE:-} ]] && echo 2 || echo 3)
     stage owntests "$OUT/own-tests.log" timeout "$T_OWNTESTS" \
-        env PYTHONPATH="$OWNTESTS_SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/torch_own_tests.py \
-        "$TORCH_TEST_FILE" "$OUT/own-tests" --select "${OWNTESTS_SELECT:-}" \
-        --timeout $((T_OWNTESTS / OWNTESTS_PHASES - 5)) \
-        ${OWNTESTS_BASELINE:+--baseline "$OWNTESTS_BASELINE"}
+        env PYTHONPATH="$OWNTESTS_SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" \
+        bench/torch_own_tests_pairs.py "$OUT/own-tests" --tests "$OWNTESTS_TESTS" \
+        --budget $((T_OWNTESTS - 20)) ${OWNTESTS_ONLY:+--only "$OWNTESTS_ONLY"} \
+        ${OWNTESTS_BASELINES:+--baselines "$OWNTESTS_BASELINES"}
 fi
 
 # ---- Numba's own CUDA tests (numba-cuda ships them) under Numba's manager and mempool's;

@@ -21,6 +21,7 @@ and exit status (bench/collect_results.py reads it with each pair's own-tests.js
 Exits 1 when no pair ran, or when one ran and collected no test.
 """
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -65,10 +66,16 @@ def run_pair(name, test_file, select, outdir, per_run, baseline, share):
         cmd += ["--baseline", baseline]
     print(f"=== {name}: {os.path.basename(test_file)} -k {select!r} "
           f"({int(share)} s, {per_run} s a run)", flush=True)
+    # The child starts from bench/: it imports the mempool this script would (an installed
+    # one, or the tree this script is in).
+    spec = importlib.util.find_spec("mempool")
+    found = os.path.dirname(os.path.dirname(spec.origin)) if spec and spec.origin else ROOT
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [found] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     try:
         # torch_own_tests.py keeps each of its runs within per_run; the slack is for
         # writing and comparing.
-        rc = subprocess.run(cmd, timeout=share + 30).returncode
+        rc = subprocess.run(cmd, timeout=share + 30, env=env).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
     print(f"=== {name}: exit status {rc}", flush=True)
