@@ -29,6 +29,16 @@ def test_all_three_on_gpu():
 
 
 
+def test_trainer_to_reader_on_the_gpu():
+    """Every step's weights cross from the trainer's pool to the reader's process through
+    torch.multiprocessing, and arrive with the values sent."""
+    out = run_example("trainer_to_reader.py", "--steps", "3", timeout=300)
+    print(out)
+    assert "reader: 3 steps of weights received from the trainer, 3 with every value as sent" \
+        in out, out
+    assert "trainer: 3 steps, each step's weights sent to the reader and checked there" in out
+
+
 def test_tenant_caps_on_the_gpu():
     report = json.loads(run_example("tenant_caps.py", "--backend", "cuda",
                                     "--limit", "2GiB", "--chunk", "128MiB"))

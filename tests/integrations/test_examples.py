@@ -102,3 +102,20 @@ def test_all_three_without_a_gpu_says_it_needs_one():
     assert "pip install" in lines[0]
 
 
+
+
+def test_trainer_to_reader_without_a_gpu_says_what_it_needs():
+    """It shares CUDA tensors between processes: on a CPU it says in one line what it needs
+    (PyTorch, when that is missing; a GPU, when PyTorch is there) and exits 0."""
+    if has_gpu():
+        pytest.skip("checks the run without a GPU")
+    lines = run_example("trainer_to_reader.py", "--steps", "2").strip().splitlines()
+    assert len(lines) == 1, lines
+    if has("torch"):
+        assert lines[0].startswith("trainer_to_reader.py: skipped, it needs a CUDA GPU")
+    else:
+        assert lines[0] == ("trainer_to_reader.py: skipped, it needs PyTorch (with CUDA), "
+                            "which is not installed here (pip install torch)")
+    blocked = run_blocked("trainer_to_reader.py", ["--steps", "2"], "torch")
+    assert blocked.returncode == 0 and "Traceback" not in blocked.stderr, blocked.stderr
+    assert blocked.stdout.strip().endswith("(pip install torch)")
