@@ -38,7 +38,7 @@ def model_of(torch: Any) -> Any:
                                torch.nn.Linear(HIDDEN, WIDTH))
 
 
-def sums(state: dict) -> dict:
+def sums(state: dict[str, Any]) -> dict[str, float]:
     return {k: float(v.double().sum()) for k, v in state.items()}
 
 
