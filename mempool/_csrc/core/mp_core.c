@@ -447,12 +447,10 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
  * that stay below it are rounded. 2 MiB asks for plain segments.
  * Under a limit below the device's capacity every segment is plain, whatever the option
  * says (set_limit included): a rounded segment's tail counts against the limit while only
- * requests that fit in it can use it, so rounded segments refuse what plain ones fit (on
- * the H200 under a 256 MiB limit, 200 MiB took a 224 MiB segment and 40 MiB more was
- * refused; under 16 GiB the largest batch of the transformer trace was 38, against 41 with
- * plain segments). The device may then hold a little more than the pool counts: what freed
- * plain segments leave of chunks they shared. A rounded segment the device refuses falls
- * back to the plain one. */
+ * requests that fit in it can use it, so rounded segments refuse what plain ones fit
+ * (docs/decisions.md). The device may then hold a little more than the pool counts: what
+ * freed plain segments leave of chunks they shared. A rounded segment the device refuses
+ * falls back to the plain one. */
 static size_t rounded_segment(const mp_pool *p, int kind, size_t request, size_t plain) {
     size_t unit = p->cfg.segment_round;
     if (unit <= MP_LARGE_ROUND) return plain;
