@@ -4,6 +4,7 @@
     python bench/driver_model.py --predict       # this build's segments under the fitting models
     python bench/driver_model.py --sequence transformer_train:32MiB   # the upstream calls
     python bench/driver_model.py --predict --kept  # releases kept behind busy streams
+    python bench/driver_model.py --corpus        # the corpus, both halves side by side
 
 On backend="cuda" each fixed segment is a ``cuMemAllocFromPoolAsync`` and a
 ``cuMemFreeAsync`` on a driver cudaMemPool; the device memory that cudaMemPool holds at most
@@ -472,6 +473,61 @@ def predictions_table(models=FITTING + ("first fit, unmap",), settings=PREDICT_S
     return "\n".join(lines + ["", models_line])
 
 
+# ----------------------------------------------------------------------------- the corpus
+
+def corpus_figures(directory=None, settings=(None, "32MiB"), model=FITTING[0]):
+    """Each recorded trace of a corpus (mempool/tools/corpus.py; default: the shipped one)
+    under each segment_rounding: ``{"rows": [{"name", "half", "cells": {label: (pool peak
+    / live, device peak / live, segment allocations)}}], "summary": {half: {label:
+    (geometric mean of the device's ratio, worst)}}}``, the device's from `model` applied
+    to the pool's upstream sequence on sim, the labels as :func:`_label` gives them."""
+    import math
+
+    from mempool.tools import corpus
+
+    rows = []
+    for entry in corpus.load_manifest(directory):
+        if not entry.recorded:
+            continue
+        cells = {}
+        for rounding in settings:
+            seq, info = sequence(entry.path, rounding)
+            live = info["peak_live"]
+            cells[_label(rounding)] = (info["peak_reserved"] / live,
+                                       peak_held(seq, **CANDIDATES[model]) / live,
+                                       info["num_device_alloc"])
+        rows.append({"name": entry["name"], "half": entry["half"], "cells": cells})
+    summary = {}
+    for half in corpus.HALVES:
+        mine = [r for r in rows if r["half"] == half]
+        summary[half] = {}
+        for rounding in settings:
+            devs = [r["cells"][_label(rounding)][1] for r in mine]
+            summary[half][_label(rounding)] = (
+                (math.exp(sum(map(math.log, devs)) / len(devs)), max(devs)) if devs else None)
+    return {"rows": rows, "summary": summary, "model": model}
+
+
+def corpus_table(directory=None, settings=(None, "32MiB"), model=FITTING[0]):
+    """:func:`corpus_figures` as a table: a line per trace, the tuning half first, then each
+    half's geometric mean and worst of the device's ratio, side by side."""
+    fig = corpus_figures(directory, settings, model)
+    labels = [_label(r) for r in settings]
+    lines = ["| half | trace | " + " | ".join(f"{lb}: pool / device (segment allocs)"
+                                               for lb in labels) + " |",
+             "|---|---|" + "---|" * len(labels)]
+    from mempool.tools.corpus import HALVES
+    for half in HALVES:
+        for r in (r for r in fig["rows"] if r["half"] == half):
+            lines.append(f"| {half} | {r['name']} | " + " | ".join(
+                "{:.3f} / {:.3f} ({})".format(*r["cells"][lb]) for lb in labels) + " |")
+    for half in HALVES:
+        lines.append(f"| {half} | device: geomean, worst | " + " | ".join(
+            "-" if fig["summary"][half][lb] is None else
+            "{:.3f}, {:.3f}".format(*fig["summary"][half][lb]) for lb in labels) + " |")
+    return "\n".join(lines + ["", f"device: {model}, {CHUNK // MiB} MiB chunks"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sequence", default=None,
@@ -487,7 +543,14 @@ def main(argv=None) -> int:
                          "growth are freed behind work still running and nothing "
                          "synchronizes their stream (the pool before Note [Released before "
                          "a growth])")
+    ap.add_argument("--corpus", nargs="?", const="", default=None, metavar="DIR",
+                    help="each trace of a corpus (default: the shipped one) with plain and "
+                         "32 MiB segments: the pool's peak and the device's under the first "
+                         "fitting model, over peak live, each half's summary")
     args = ap.parse_args(argv)
+    if args.corpus is not None:
+        print(corpus_table(args.corpus or None))
+        return 0
     if args.sequence:
         name, _, rounding = args.sequence.partition(":")
         rounding = None if rounding in ("", "plain", "2MiB") else rounding

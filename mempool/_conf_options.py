@@ -79,8 +79,10 @@ OPTIONS: dict[str, Option] = {
         _parse_bool, "False"),
     "segment_rounding": Option(
         None, "size or None",
-        "every fixed segment is a whole multiple of this (a small one, for requests up to "
-        "1 MiB, exactly one): fewer, larger segments and fewer upstream calls (None = with "
+        "once the pool holds more than three of it, every fixed segment is a whole multiple "
+        "of this (a small one, for requests up to 1 MiB, exactly one), the first one large "
+        "enough that what the pool reserves is whole multiples: fewer, larger segments and "
+        "fewer upstream calls; a smaller pool keeps plain segments (None = with "
         "backend='cuda' the unit the cudaMemPool backs allocations with, 32 MiB on an H200, "
         "so the pool reserves what the device holds; else 2 MiB, PyTorch's plain segments); "
         "with max_split_size, only segments that stay below it; under a limit below the "

@@ -218,13 +218,16 @@ def driver_release_threshold(pool_handle, release_threshold):
 # multiple covering their total (bench/driver_granularity.py measures it). Fixed segments of
 # other sizes share chunks with each other, and a chunk goes back only when every segment in
 # it has: the pieces of chunks that freed segments leave are the driver's, out of the Pool's
-# sight and count. So by default the Pool rounds its segments to the unit, the small ones
-# included (Note [Segment rounding], mp_core.c): each segment is whole chunks and starts on a
-# chunk boundary, and what the Pool reserves is what the device holds for it. Small segments
-# are rounded too, as one small segment among the large ones sets those after it off the
-# boundaries. The tails of rounded segments serve later requests. The unit is read from the
-# driver, not assumed: one 1-byte allocation from a cudaMemPool made for the purpose, once
-# per device and process.
+# sight and count. So by default the Pool rounds its segments to the unit once it holds
+# more than a few units, the small ones included (Note [Segment rounding], mp_core.c): each
+# segment is whole chunks, the first of them large enough that what the Pool reserves is
+# whole chunks, so each starts on a chunk boundary and what the Pool reserves is what the
+# device holds for it. Small segments are rounded too, as one small segment among the large
+# ones sets those after it off the boundaries. The tails of rounded segments serve later
+# requests. A smaller pool keeps plain segments, which the cudaMemPool packs side by side
+# into its chunks: whole units there would hold a part-used unit per kind of request. The
+# unit is read from the driver, not assumed: one 1-byte allocation from a cudaMemPool made
+# for the purpose, once per device and process.
 _units = {}
 
 
@@ -268,7 +271,8 @@ def allocation_unit(device):
 def segment_rounding_for(unit):
     """The segment_rounding a Pool on a cudaMemPool takes when the option is None: the
     cudaMemPool's unit where the core can round to it (a multiple of 2 MiB above 2 MiB, up to
-    1 GiB), else None (plain segments, as PyTorch's)."""
+    1 GiB), else None (plain segments, as PyTorch's). The core rounds to it once the pool
+    holds a few units (Note [Segment rounding])."""
     if not isinstance(unit, int) or isinstance(unit, bool):
         return None
     two_mib = 2 << 20

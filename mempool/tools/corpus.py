@@ -24,7 +24,8 @@ import math
 import os
 
 __all__ = ["FORMAT", "VERSION", "HALVES", "MANIFEST", "DEFAULT_DIR", "DEFAULT_MODES",
-           "Entry", "load_manifest", "replay_corpus", "format_report"]
+           "DRIVER_POOL", "Entry", "load_manifest", "replay_corpus", "format_report",
+           "CudaDriverPool", "driver_pool_for", "replay_on_driver_pool"]
 
 FORMAT = "mempool-corpus"
 VERSION = 1
@@ -34,6 +35,8 @@ DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
                            "traces", "corpus")
 # The pool's two modes: (label, Pool keywords).
 DEFAULT_MODES = (("mempool", {}), ("mempool expandable", {"expandable_segments": True}))
+# The column of the trace replayed straight on a fresh cudaMemPool, with no pool in between.
+DRIVER_POOL = "driver pool"
 
 
 class Entry(dict):
@@ -110,8 +113,129 @@ def _mode_cell(result) -> dict:
             "num_ooms": result.num_ooms, "ns_per_event": result.ns_per_event}
 
 
+# ------------------------------------------------------------------------------------------
+# the driver pool column
+
+class CudaDriverPool:
+    """A fresh cudaMemPool on `device` per trace, through CuPy's runtime bindings
+    (mempool._cuda): what :func:`replay_on_driver_pool` calls. Its release threshold is 0,
+    CUDA's default, so what it holds at its high watermark is what the trace's own
+    allocations needed of the device, chunks and all."""
+
+    def __init__(self, device: int = 0):
+        self.device = device
+        self.handle = None
+        self.streams = []
+        self._keep = []
+
+    def open(self, nstreams: int) -> None:
+        import cupy
+
+        from mempool import _cuda
+
+        self.handle, _ = _cuda.resolve_pool_handle("create", self.device)
+        _cuda.configure(self.handle, release_threshold=0)
+        with cupy.cuda.Device(self.device):
+            self._keep = [cupy.cuda.Stream(non_blocking=True) for _ in range(nstreams - 1)]
+        self.streams = [0] + [s.ptr for s in self._keep]
+
+    def alloc(self, nbytes: int, stream: int) -> int:
+        """The address, or 0 when the device refuses (an out of memory)."""
+        from mempool import _cuda
+
+        try:
+            return _cuda._runtime().mallocFromPoolAsync(nbytes, self.handle,
+                                                         self.streams[stream])
+        except Exception:
+            return 0
+
+    def free(self, ptr: int, stream: int) -> None:
+        from mempool import _cuda
+
+        _cuda._runtime().freeAsync(ptr, self.streams[stream])
+
+    def empty(self) -> None:
+        """The program's empty_cache: everything freed goes back to the device."""
+        from mempool import _cuda
+
+        _cuda.trim_to(self.handle, 0, sync_device=self.device)
+
+    def close(self) -> int:
+        """Destroy the pool once every free has run; returns its ReservedMemHigh."""
+        from mempool import _cuda
+
+        if self.handle is None:
+            return 0
+        try:
+            _cuda.trim_to(self.handle, 0, sync_device=self.device)
+            return _cuda.attributes(self.handle)["reserved_high"]
+        finally:
+            _cuda.destroy(self.handle)
+            self.handle, self.streams, self._keep = None, [], []
+
+
+def driver_pool_for(backend: str, device: int = 0):
+    """``(api, note)`` for the driver pool column: on cuda where it can run a
+    :class:`CudaDriverPool` and None; on cuda where it cannot, None and a line saying why
+    (the column is left out, nothing fails); on other backends ``(None, None)``: the
+    column is of the device only."""
+    if backend != "cuda":
+        return None, None
+    from mempool import _cuda
+
+    if not _cuda.available():
+        return None, (f"the {DRIVER_POOL!r} column is left out: it replays each trace on a "
+                      f"cudaMemPool, and no CUDA device with CuPy is available here")
+    return CudaDriverPool(device), None
+
+
+def replay_on_driver_pool(prep, api) -> dict:
+    """Replay a prepared trace (mempool.tools.replay.prepare) straight on `api` (a
+    :class:`CudaDriverPool`, or anything with its methods): each allocation one
+    ``alloc(nbytes, stream)``, each free one ``free(ptr, stream)`` on the stream the trace
+    frees on (the allocation's when it names none), the program's empty_cache and trim calls
+    one ``empty()``. Returns the column's cell: ``ratio`` (``close()``'s high watermark over
+    the trace's peak live bytes), ``peak_reserved_bytes``, ``num_ooms`` (allocations it
+    refused, whose frees are skipped) and ``ns_per_event``.
+    """
+    import time
+
+    from mempool.tools import replay as rp
+
+    ops = prep.ops
+    api.open(len(prep.streams))
+    ptrs = [0] * prep.nslots
+    where = [0] * prep.nslots
+    ooms = 0
+    calls = [at for at, _ in rp._cache_calls(prep.empty_cache_ops, prep.trim_ops, 0, len(ops))]
+    try:
+        t0 = time.perf_counter_ns()
+        start = 0
+        for i, stop in enumerate(calls + [len(ops)]):
+            if i:   # every stretch after the first begins at one of the program's calls
+                api.empty()
+            for slot, nbytes, s in ops[start:stop]:
+                if nbytes:
+                    ptr = api.alloc(nbytes, s)
+                    ooms += not ptr
+                    ptrs[slot], where[slot] = ptr, s
+                elif ptrs[slot]:
+                    api.free(ptrs[slot], where[slot] if s is None else s)
+                    ptrs[slot] = 0
+            start = stop
+        elapsed = time.perf_counter_ns() - t0
+        for slot, ptr in enumerate(ptrs):
+            if ptr:
+                api.free(ptr, where[slot])
+    finally:
+        peak = api.close()
+    live = prep.peak_live_bytes
+    return {"ratio": peak / live if live else float("nan"), "peak_reserved_bytes": peak,
+            "num_ooms": ooms, "ns_per_event": elapsed / max(1, len(ops))}
+
+
 def replay_corpus(directory=None, modes=DEFAULT_MODES, backend: str = "sim", limit=None,
-                  torch_rows=(), **options) -> dict:
+                  torch_rows=(), driver_pool=None, **options) -> dict:
     """Replay every recorded trace of the corpus in `directory` under each of `modes`.
 
     Parameters
@@ -125,6 +249,11 @@ def replay_corpus(directory=None, modes=DEFAULT_MODES, backend: str = "sim", lim
         ``ratio``, ``peak_reserved_bytes``, ``num_ooms`` and ``ns_per_event``, or
         ``error`` (``python -m mempool replay --corpus`` passes PyTorch's allocator here on
         cuda).
+    driver_pool : optional
+        The column :data:`DRIVER_POOL`: each trace replayed straight on a fresh cudaMemPool
+        (:func:`replay_on_driver_pool`), its high watermark over peak live. None: as
+        :func:`driver_pool_for` says (on cuda where it can run; where it cannot, left out
+        with a line in ``notes``); False: left out; else the object to replay on.
 
     Returns
     -------
@@ -132,14 +261,21 @@ def replay_corpus(directory=None, modes=DEFAULT_MODES, backend: str = "sim", lim
         ``columns`` (the labels), ``rows`` (one per manifest entry, in its order: ``name``,
         ``half``, and for a recorded trace ``events``, ``peak_live_bytes``, ``steps`` and
         ``cells``, a dict of label -> the column's figures or ``error``; for a trace not
-        recorded, ``missing``), and ``summary``: per half, per column, the geometric mean
-        and the worst of peak reserved / peak live, the OOMs and the mean ns per event.
+        recorded, ``missing``), ``summary``: per half, per column, the geometric mean
+        and the worst of peak reserved / peak live, the OOMs and the mean ns per event,
+        and ``notes``: lines on columns left out.
     """
     from mempool.tools import replay as rp
     from mempool.tools import trace as mtrace
 
     entries = load_manifest(directory)
+    notes = []
+    if driver_pool is None:
+        driver_pool, note = driver_pool_for(backend, options.get("device", 0))
+        notes += [note] if note else []
     columns = [label for label, _ in modes] + [label for label, _ in torch_rows]
+    if driver_pool:
+        columns.append(DRIVER_POOL)
     rows = []
     for entry in entries:
         row = {"name": entry["name"], "half": entry["half"]}
@@ -156,9 +292,14 @@ def replay_corpus(directory=None, modes=DEFAULT_MODES, backend: str = "sim", lim
             row["cells"][label] = _mode_cell(result)
         for label, run in torch_rows:
             row["cells"][label] = run(entry.path)
+        if driver_pool:
+            try:
+                row["cells"][DRIVER_POOL] = replay_on_driver_pool(prep, driver_pool)
+            except Exception as e:   # one trace's failure is its cell's, not the table's
+                row["cells"][DRIVER_POOL] = {"error": f"{type(e).__name__}: {e}"}
     return {"directory": DEFAULT_DIR if directory is None else os.fspath(directory),
             "backend": backend, "limit": limit, "columns": columns, "rows": rows,
-            "summary": _summary(rows, columns)}
+            "summary": _summary(rows, columns), "notes": notes}
 
 
 def _summary(rows, columns) -> dict:
@@ -244,6 +385,11 @@ def format_report(report: dict) -> str:
                          f"{s['num_ooms']:>5} {s['ns_per_event']:>7,.0f}")
         out.append(line.rstrip())
     out += [f"error: {e}" for e in errors]
+    if DRIVER_POOL in cols:
+        out.append(f"{DRIVER_POOL}: the trace's own allocations and frees straight on a fresh "
+                   "cudaMemPool, its ReservedMemHigh over peak live (ns per event include "
+                   "Python's call per event)")
+    out += report.get("notes", [])
     out.append("tuning: defaults and rules may be chosen on these; held-out: never used to "
                "choose")
     return "\n".join(out)

@@ -24,6 +24,20 @@ def segment_sizes(pool):
     return [s["total_size"] for s in pool.layout()]
 
 
+def grown(pool, unit=32 * MiB):
+    """Take `pool` past the small start (MP_PLAIN_UNITS, three units, of plain segments):
+    one live plain segment of exactly three units, so that what it reserves is whole units
+    and every segment after it is rounded. Returns the block; segment_sizes(pool)[1:] are
+    the segments made after it."""
+    block = pool.alloc(3 * unit)
+    assert segment_sizes(pool) == [3 * unit]
+    return block
+
+
+def later_sizes(pool):
+    return segment_sizes(pool)[1:]
+
+
 @pytest.mark.parametrize("nbytes,plain,rounded", [
     (5 * MiB, 20 * MiB, 64 * MiB),      # the 20 MiB segment of a request under 10 MiB
     (12 * MiB, 12 * MiB, 32 * MiB),
@@ -34,9 +48,13 @@ def test_a_large_segment_is_a_multiple_of_the_rounding(sim, nbytes, plain, round
     default = sim()
     default.free(default.alloc(nbytes))
     assert segment_sizes(default) == [plain]
+    small = sim(segment_rounding="32MiB")      # a small pool: plain
+    small.free(small.alloc(nbytes))
+    assert segment_sizes(small) == [plain]
     pool = sim(segment_rounding="32MiB")
+    grown(pool)
     pool.free(pool.alloc(nbytes))
-    assert segment_sizes(pool) == [rounded]
+    assert later_sizes(pool) == [rounded]
 
 
 @pytest.mark.parametrize("unit,mid", [("16MiB", 64 * MiB), ("32MiB", 64 * MiB),
@@ -46,10 +64,11 @@ def test_mid_size_requests_share_a_segment_of_64_mib_in_whole_units(sim, unit, m
     # Requests of 1-10 MiB take a 20 MiB plain segment; rounded, 64 MiB of whole units, so
     # that runs of them share fewer segments (Note [Segment rounding]).
     pool = sim(segment_rounding=unit)
-    blocks = [pool.alloc(9 * MiB) for _ in range(mid // (9 * MiB))]
-    assert segment_sizes(pool) == [mid]          # every one of them from the one segment
+    blocks = [grown(pool, mempool._conf_parse.parse_size(unit))]
+    blocks += [pool.alloc(9 * MiB) for _ in range(mid // (9 * MiB))]
+    assert later_sizes(pool) == [mid]            # every one of them from the one segment
     blocks.append(pool.alloc(9 * MiB))
-    assert segment_sizes(pool) == [mid, mid]
+    assert later_sizes(pool) == [mid, mid]
     for b in blocks:
         pool.free(b)
     pool.check_invariants()
@@ -57,29 +76,33 @@ def test_mid_size_requests_share_a_segment_of_64_mib_in_whole_units(sim, unit, m
 
 def test_a_request_of_10_mib_or_more_is_not_mid_size(sim):
     pool = sim(segment_rounding="32MiB")
+    grown(pool)
     pool.alloc(19 * MiB)                          # a plain 20 MiB segment, but not mid-size
-    assert segment_sizes(pool) == [32 * MiB]
+    assert later_sizes(pool) == [32 * MiB]
     pool.alloc(19 * MiB)
-    assert segment_sizes(pool) == [32 * MiB, 32 * MiB]
+    assert later_sizes(pool) == [32 * MiB, 32 * MiB]
     ten = sim(segment_rounding="32MiB")
+    grown(ten)
     ten.alloc(10 * MiB)                           # its own size: one unit
-    assert segment_sizes(ten) == [32 * MiB]
+    assert later_sizes(ten) == [32 * MiB]
 
 
 def test_a_mid_size_segment_stays_below_max_split_size(sim):
     # A 64 MiB segment under max_split_size:64MiB would be one never split: one unit then.
     pool = sim(segment_rounding="32MiB", max_split_size="64MiB")
+    big = grown(pool)
     a, b = pool.alloc(5 * MiB), pool.alloc(5 * MiB)
-    assert segment_sizes(pool) == [32 * MiB]
-    pool.free(a)
-    pool.free(b)
+    assert later_sizes(pool) == [32 * MiB]
+    for p in (a, b, big):
+        pool.free(p)
     pool.check_invariants()
 
 
 def test_a_mid_size_segment_falls_back_to_the_plain_one_on_a_device_without_room(sim):
-    pool = sim(segment_rounding="32MiB", capacity="48MiB")
+    pool = sim(segment_rounding="32MiB", capacity="144MiB")
+    grown(pool)
     pool.alloc(5 * MiB)
-    assert segment_sizes(pool) == [20 * MiB]
+    assert later_sizes(pool) == [20 * MiB]
     assert device(pool, "failed") == {"failed": 1}
 
 
@@ -90,10 +113,10 @@ def test_a_small_segment_is_one_rounding_unit(sim):
     plain.alloc(512)
     assert segment_sizes(plain) == [2 * MiB]
     pool = sim(segment_rounding="32MiB")
-    blocks = [pool.alloc(512), pool.alloc(MiB)] + [pool.alloc(MiB) for _ in range(20)]
-    assert segment_sizes(pool) == [32 * MiB]     # 21 MiB and 512 B of small blocks in one
+    blocks = [grown(pool), pool.alloc(512), pool.alloc(MiB)] + [pool.alloc(MiB) for _ in range(20)]
+    assert later_sizes(pool) == [32 * MiB]       # 21 MiB and 512 B of small blocks in one
     big = pool.alloc(40 * MiB)
-    assert segment_sizes(pool) == [32 * MiB, 64 * MiB]
+    assert later_sizes(pool) == [32 * MiB, 64 * MiB]
     assert all(size % (32 * MiB) == 0 for size in segment_sizes(pool))
     for b in blocks + [big]:
         pool.free(b)
@@ -101,19 +124,21 @@ def test_a_small_segment_is_one_rounding_unit(sim):
 
 
 def test_a_small_segment_falls_back_to_the_plain_one_on_a_device_without_room(sim):
-    small_device = sim(segment_rounding="32MiB", capacity="16MiB")
+    small_device = sim(segment_rounding="32MiB", capacity="112MiB")
+    grown(small_device)
     small_device.alloc(512)
-    assert segment_sizes(small_device) == [2 * MiB]
+    assert later_sizes(small_device) == [2 * MiB]
     assert device(small_device, "failed") == {"failed": 1}
 
 
 def test_the_tail_of_a_rounded_segment_serves_later_requests(sim):
     pool = sim(segment_rounding="32MiB")
+    grown(pool)
     a = pool.alloc(12 * MiB)
     b = pool.alloc(12 * MiB)            # from the same segment's 20 MiB tail
     assert b == a + 12 * MiB
-    assert segment_sizes(pool) == [32 * MiB]
-    assert device(pool, "allocs") == {"allocs": 1}
+    assert later_sizes(pool) == [32 * MiB]
+    assert device(pool, "allocs") == {"allocs": 2}
 
 
 def test_under_a_limit_every_segment_is_plain_so_what_fits_is_served(sim):
@@ -137,8 +162,9 @@ def test_a_limit_of_the_whole_device_keeps_the_rounding_and_does_not_warn(sim):
         pool = sim(segment_rounding="32MiB", capacity="1GiB", limit="1GiB")
         whole = sim(segment_rounding="32MiB", limit=1.0)
     for p in (pool, whole):
+        grown(p)
         p.free(p.alloc(12 * MiB))
-        assert segment_sizes(p) == [32 * MiB]
+        assert later_sizes(p) == [32 * MiB]
     with pytest.warns(mempool.ConfigWarning, match="no effect while 'limit' is set"):
         below = sim(segment_rounding="32MiB", capacity="1GiB", limit=(1 << 30) - (2 << 20))
     below.free(below.alloc(12 * MiB))
@@ -147,30 +173,33 @@ def test_a_limit_of_the_whole_device_keeps_the_rounding_and_does_not_warn(sim):
 
 def test_rounding_follows_set_limit(sim):
     pool = sim(segment_rounding="32MiB")
+    big = grown(pool)
     a = pool.alloc(12 * MiB)
     pool.set_limit("1GiB")
     b = pool.alloc(40 * MiB)
     pool.set_limit(None)
-    c = pool.alloc(40 * MiB)
-    assert segment_sizes(pool) == [32 * MiB, 40 * MiB, 64 * MiB]
+    c = pool.alloc(40 * MiB)            # 24 MiB more: what the pool reserves whole units again
+    assert later_sizes(pool) == [32 * MiB, 40 * MiB, 88 * MiB]
     # A limit of the whole device limits nothing (set_per_process_memory_fraction(1.0)).
     pool.set_limit(1.0)
     d = pool.alloc(50 * MiB)
-    assert segment_sizes(pool) == [32 * MiB, 40 * MiB, 64 * MiB, 64 * MiB]
-    for p in (a, b, c, d):
+    assert later_sizes(pool) == [32 * MiB, 40 * MiB, 88 * MiB, 64 * MiB]
+    assert pool.reserved_bytes() % (32 * MiB) == 0
+    for p in (a, b, c, d, big):
         pool.free(p)
     pool.check_invariants()
 
 
 def test_a_rounded_segment_the_device_cannot_give_falls_back_to_the_plain_one(sim):
-    pool = sim(segment_rounding="32MiB", capacity="48MiB")
+    pool = sim(segment_rounding="32MiB", capacity="144MiB")
+    big = grown(pool)
     a = pool.alloc(30 * MiB)
     b = pool.alloc(14 * MiB)            # the device has 16 MiB left: 32 fails, 14 fits
-    assert segment_sizes(pool) == [32 * MiB, 14 * MiB]
+    assert later_sizes(pool) == [32 * MiB, 14 * MiB]
     assert device(pool, "failed") == {"failed": 1}
     assert pool.stats()["num_ooms"] == 0
-    pool.free(a)
-    pool.free(b)
+    for p in (a, b, big):
+        pool.free(p)
 
 
 @pytest.mark.parametrize("value,fragment", [
@@ -199,7 +228,7 @@ def test_the_shipped_traces_make_fewer_segments():
     under 1.05 on both traces (mid-size segments of 64 MiB; one unit held 1.0502 on the
     transformer trace, with 131 segments)."""
     for name, plain_allocs, allocs in [("transformer_train.jsonl.gz", 225, 108),
-                                       ("vision_train.jsonl.gz", 210, 100)]:
+                                       ("vision_train.jsonl.gz", 210, 108)]:
         events = mtrace.load(os.path.join(TRACES_DIR, name))
         plain = rp.replay(events, backend="sim")
         r = rp.replay(events, backend="sim", check=True, segment_rounding="32MiB")
@@ -235,46 +264,81 @@ def test_no_rounding_up_to_max_split_size(sim, max_split):
 
 def test_a_segment_rounded_below_max_split_size_is_rounded(sim):
     pool = sim(segment_rounding="32MiB", max_split_size="128MiB")
+    first = grown(pool)
     small, a, b = pool.alloc(512), pool.alloc(12 * MiB), pool.alloc(12 * MiB)
-    assert segment_sizes(pool) == [32 * MiB, 32 * MiB]          # b from a's tail
+    assert later_sizes(pool) == [32 * MiB, 32 * MiB]            # b from a's tail
     big = pool.alloc(150 * MiB)                                  # oversize: plain
-    assert segment_sizes(pool) == [32 * MiB, 32 * MiB, 150 * MiB]
-    for p in (small, a, b, big):
+    assert later_sizes(pool) == [32 * MiB, 32 * MiB, 150 * MiB]
+    for p in (small, a, b, big, first):
         pool.free(p)
     pool.check_invariants()
 
 
-def test_a_mid_size_segments_rest_serves_a_request_of_the_split_limit_made_later(sim):
-    # Why PyTorch's test_max_split_expandable can pass under its allocator and not under the
-    # pool after earlier tests (docs/sharing.md): a live 8 MiB tensor shares a 64 MiB
-    # mid-size segment, whose 56 MiB rest counts in what is reserved. The test then sets
-    # max_split_size_mb:40 and a cap of 120 MiB over what is reserved, and expects the
-    # fourth 40 MiB tensor to be refused. PyTorch's rule lets a request at the split limit
-    # take a free block less than 20 MiB larger, whole, and the pool follows it: the first
-    # takes the rest, so the fourth fits. PyTorch gives a request under 10 MiB a 20 MiB
-    # segment of its own, which leaves no such rest.
+def test_a_small_pool_keeps_plain_segments_then_rounds_back_to_whole_units(sim):
+    # Note [Segment rounding]: while the pool with the new segment holds at most three
+    # units, its segments are PyTorch's; the first beyond is whole units and as much more
+    # as takes what the pool reserves back to whole units, so what follows starts on the
+    # cudaMemPool's chunk boundaries.
     pool = sim(segment_rounding="32MiB")
+    blocks = [pool.alloc(512), pool.alloc(5 * MiB), pool.alloc(40 * MiB)]
+    assert segment_sizes(pool) == [2 * MiB, 20 * MiB, 40 * MiB]
+    blocks.append(pool.alloc(40 * MiB))           # 62 MiB held: 64 MiB and 2 more
+    assert segment_sizes(pool) == [2 * MiB, 20 * MiB, 40 * MiB, 66 * MiB]
+    assert pool.reserved_bytes() == 4 * 32 * MiB
+    blocks.append(pool.alloc(70 * MiB))           # whole units again, nothing added
+    assert segment_sizes(pool)[-1] == 96 * MiB
+    for b in blocks:
+        pool.free(b)
+    pool.check_invariants()
+
+
+def test_the_small_start_follows_what_the_pool_holds_now(sim):
+    # A pool that gave its segments back is small again: plain segments.
+    pool = sim(segment_rounding="32MiB")
+    pool.free(pool.alloc(200 * MiB))
+    assert segment_sizes(pool) == [224 * MiB]
+    pool.empty_cache()
+    pool.free(pool.alloc(5 * MiB))
+    assert segment_sizes(pool) == [20 * MiB]
+
+
+def test_a_small_pools_mid_size_segment_leaves_no_rest_for_a_request_of_the_split_limit(sim):
+    # PyTorch's test_max_split_expandable, after earlier tests left an 8 MiB tensor alive
+    # (docs/sharing.md): it sets max_split_size_mb:40 and a cap of 120 MiB over what is
+    # reserved, and expects the fourth 40 MiB tensor to be refused. PyTorch's rule lets a
+    # request at the split limit take a free block less than 20 MiB larger, whole: had the
+    # 8 MiB tensor a 64 MiB mid-size segment, the first 40 MiB would take its 56 MiB rest
+    # and the fourth would fit. A small pool gives it PyTorch's 20 MiB segment, whose 12 MiB
+    # rest serves none of them.
+    for pool in (sim(segment_rounding="32MiB"), sim()):
+        live = pool.alloc(8 * MiB)
+        assert [(s["total_size"], [b["size"] for b in s["blocks"]]) for s in pool.layout()] \
+            == [(20 * MiB, [8 * MiB, 12 * MiB])]
+        pool.empty_cache()
+        reserved = pool.reserved_bytes()
+        pool.set_size_policy(max_split_size=40 * MiB)
+        pool.set_limit(reserved + 120 * MiB)
+        tensors = [pool.alloc(40 * MiB) for _ in range(3)]
+        with pytest.raises(mempool.OutOfMemoryError):
+            pool.alloc(40 * MiB)
+        for p in tensors + [live]:
+            pool.free(p)
+        pool.check_invariants()
+
+
+def test_a_large_pools_mid_size_segments_rest_serves_a_request_of_the_split_limit(sim):
+    # Past the small start the 8 MiB tensor shares a 64 MiB mid-size segment, and the first
+    # 40 MiB request takes its 56 MiB rest, whole, as PyTorch's split rule allows.
+    pool = sim(segment_rounding="32MiB")
+    big = grown(pool)
     live = pool.alloc(8 * MiB)
-    assert [(s["total_size"], [b["size"] for b in s["blocks"]]) for s in pool.layout()] == \
-        [(64 * MiB, [8 * MiB, 56 * MiB])]
+    assert [(s["total_size"], [b["size"] for b in s["blocks"]]) for s in pool.layout()][1:] \
+        == [(64 * MiB, [8 * MiB, 56 * MiB])]
     pool.empty_cache()
     reserved = pool.reserved_bytes()
     pool.set_size_policy(max_split_size=40 * MiB)
     pool.set_limit(reserved + 120 * MiB)
     tensors = [pool.alloc(40 * MiB) for _ in range(4)]
-    assert pool.reserved_bytes() == reserved + 120 * MiB
     assert pool.block_info(tensors[0])[0] == 56 * MiB     # the rest, whole
-    for p in tensors + [live]:
+    for p in tensors + [live, big]:
         pool.free(p)
-    # With plain segments (no rounding) the 8 MiB tensor gets a 20 MiB segment, and the
-    # fourth is refused, as under PyTorch's allocator.
-    plain = sim()
-    live = plain.alloc(8 * MiB)
-    reserved = plain.reserved_bytes()
-    plain.set_size_policy(max_split_size=40 * MiB)
-    plain.set_limit(reserved + 120 * MiB)
-    tensors = [plain.alloc(40 * MiB) for _ in range(3)]
-    with pytest.raises(mempool.OutOfMemoryError):
-        plain.alloc(40 * MiB)
-    for p in tensors + [live]:
-        plain.free(p)

@@ -358,10 +358,10 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
     /* Expandable pools map it into their growing range, where it merges with what grows. */
     if (p->cfg.expandable_segments) return mp_expand_reserve_initial(p, nbytes);
     size_t plain = (nbytes + MP_LARGE_ROUND - 1) & ~(MP_LARGE_ROUND - 1);
-    /* Note [Segment rounding]: whole units like every other segment, unless the pool has a
-     * limit or the device refuses them. */
-    nbytes = rounded_segment(p, KIND_LARGE, SIZE_MAX, plain);   /* serves no one request */
     mp_lock_acquire(&p->lock);
+    /* Note [Segment rounding]: sized as every other segment, unless the pool has a limit or
+     * the device refuses it. */
+    nbytes = rounded_segment(p, KIND_LARGE, SIZE_MAX, plain);   /* serves no one request */
     mp_stream *s = mp_stream_get_locked(p, 0);
     int rc = MP_ENOMEM;
     if (s) {
@@ -416,46 +416,64 @@ int mp_reserve_initial(mp_pool *p, size_t nbytes) {
 /* Note [Segment rounding]
  * A plain fixed segment of the large pool is the request rounded to 2 MiB (20 MiB under
  * 10 MiB), and of the small pool 2 MiB, as PyTorch's allocator makes them. The
- * segment_rounding option makes every fixed segment a whole multiple of its value: large
- * ones rounded up to one, small ones exactly one. Fewer and larger segments, so fewer
- * upstream calls, and tails that later requests split. On cuda the segments come from a
- * cudaMemPool that backs them with chunks of its own, and by default
- * the Pool rounds to that chunk (Note [The cudaMemPool's unit], mempool/_cuda.py), so that
- * each segment is whole chunks and what the Pool reserves is what the device holds. Small
- * segments are rounded too because one 2 MiB segment among the large ones sets every large
- * segment after it off the chunk boundaries, where each shares a chunk with its neighbour
- * and a freed one leaves a piece of chunk the driver holds and the Pool does not count
- * (bench/driver_model.py models the cudaMemPool; docs/decisions.md). Mid-size requests
- * (1-10 MiB, a 20 MiB plain segment) take MP_ROUNDED_MID_SEGMENT (64 MiB) rounded up to the
- * unit rather than one unit: they come in runs, and one segment for twice as many of them
- * leaves fewer part-used tails at the peak.
- * The initial_pool_size segment is rounded too; with
- * max_split_size, only segments that stay below it are. 2 MiB asks for plain segments.
+ * segment_rounding option makes fixed segments whole multiples of its value once the pool
+ * is large: fewer and larger segments, so fewer upstream calls, and tails that later
+ * requests split. On cuda the segments come from a cudaMemPool that backs them with chunks
+ * of its own, and by default the Pool rounds to that chunk (Note [The cudaMemPool's unit],
+ * mempool/_cuda.py), so that each segment is whole chunks and what the Pool reserves is
+ * what the device holds.
+ *
+ * A small pool keeps plain segments: while the pool with the new segment holds at most
+ * MP_PLAIN_UNITS units, the segment is the plain one. There the cudaMemPool packs plain
+ * segments into its chunks side by side, so the device holds what the pool reserves
+ * rounded up to one chunk, where whole-unit segments would each hold a part-used unit (a
+ * unit for the small requests, one for the mid-size ones, ...), several times what a pool
+ * of a few tens of MiB uses.
+ *
+ * Beyond it, every segment is whole units: large ones rounded up to one, small ones
+ * exactly one, mid-size requests (1-10 MiB, a 20 MiB plain segment)
+ * MP_ROUNDED_MID_SEGMENT (64 MiB) rounded up to the unit rather than one unit, as they come
+ * in runs and one segment for twice as many of them leaves fewer part-used tails at the
+ * peak. And while what the pool reserves is not whole units (the plain segments of its
+ * small start, a plain fallback), the segment is made larger by what the total lacks of
+ * the next unit. The cudaMemPool lays segments out back to back, and one that ends off a
+ * chunk boundary sets every segment after it off the boundaries, where each shares a chunk
+ * with its neighbour and a freed one leaves a piece of chunk the driver holds and the Pool
+ * does not count (bench/driver_model.py models the cudaMemPool; docs/decisions.md). Small
+ * segments are rounded for the same reason: one 2 MiB segment among the large ones would
+ * set those after it off the boundaries.
+ *
+ * The initial_pool_size segment follows the same rule. With max_split_size, only segments
+ * that stay below it are rounded. 2 MiB asks for plain segments.
  * Under a limit below the device's capacity every segment is plain, whatever the option
  * says (set_limit included): a rounded segment's tail counts against the limit while only
- * requests that fit in it can use it, so rounded segments refuse what plain ones fit (on
- * the H200 under a 256 MiB limit, 200 MiB took a 224 MiB segment and 40 MiB more was
- * refused; under 16 GiB the largest batch of the transformer trace was 38, against 41 with
- * plain segments). The device may then hold a little more than the pool counts: what freed
- * plain segments leave of chunks they shared. A rounded segment the device refuses falls
- * back to the plain one. */
+ * requests that fit in it can use it, so rounded segments refuse what plain ones fit
+ * (docs/decisions.md). The device may then hold a little more than the pool counts: what
+ * freed plain segments leave of chunks they shared. A rounded segment the device refuses
+ * falls back to the plain one. */
 static size_t rounded_segment(const mp_pool *p, int kind, size_t request, size_t plain) {
     size_t unit = p->cfg.segment_round;
     if (unit <= MP_LARGE_ROUND) return plain;
     /* A limit of the whole device (set_per_process_memory_fraction(1.0)) limits nothing. */
     size_t limit = mp_effective_limit(p);
     if (limit != MP_UNLIMITED && (!p->capacity || limit < p->capacity)) return plain;
+    size_t held = mp_reserved_now_locked(p);
+    if (plain <= MP_PLAIN_UNITS * unit && held <= MP_PLAIN_UNITS * unit - plain)
+        return plain;   /* a small pool */
+    size_t rounded = kind != KIND_LARGE ? unit : mp_round_up(plain, unit);
     if (kind == KIND_LARGE && request < MP_MIN_LARGE_ALLOC) {
         /* Mid-size requests (1-10 MiB) share segments of MP_ROUNDED_MID_SEGMENT. */
         size_t mid = mp_round_up(MP_ROUNDED_MID_SEGMENT, unit);
-        if (mid < p->cfg.max_split_size) return mid;
+        if (mid < p->cfg.max_split_size) rounded = mid;
     }
-    size_t rounded = kind != KIND_LARGE ? unit : mp_round_up(plain, unit);
     if (rounded < plain) return plain;
     /* A block of max_split_size or more is never split, and a request below it never takes
      * one: a segment rounded up to it would hold its tail where nothing can reach it, one
      * whole segment a request. */
     if (rounded > plain && rounded >= p->cfg.max_split_size) return plain;
+    /* What the pool reserves back on whole units: the segment ends on a chunk boundary. */
+    size_t short_by = (unit - held % unit) % unit;
+    if (short_by && rounded + short_by < p->cfg.max_split_size) rounded += short_by;
     return rounded;
 }
 

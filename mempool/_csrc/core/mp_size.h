@@ -18,6 +18,9 @@
 #define MP_MIN_LARGE_ALLOC ((size_t)10 << 20)
 #define MP_ROUNDED_MID_SEGMENT ((size_t)64 << 20) /* the same under segment_rounding
                                                     (Note [Segment rounding]) */
+#define MP_PLAIN_UNITS 3                         /* under segment_rounding, segments stay
+                                                    plain while the pool fits in this many
+                                                    units (Note [Segment rounding]) */
 #define MP_LARGE_ROUND ((size_t)2 << 20)         /* larger requests round to this */
 #define MP_LARGE_BUFFER ((size_t)20 << 20)       /* oversize blocks may serve up to this much
                                                     beyond a request (PyTorch's kLargeBuffer) */
