@@ -278,24 +278,31 @@ def test_current_stream_ptr_follows_cupy(streams, cupy_device):
 
 
 def test_rounded_segments_are_what_the_cudamempool_hands_out(cuda_pool, streams):
-    """Note [Segment rounding] on the device: a 12 MiB request grows one 32 MiB segment,
-    which is what the cudaMemPool hands out, and a second request is served from its
-    tail without another upstream call."""
+    """Note [Segment rounding] on the device: a small pool's first segments are plain ones,
+    which the cudaMemPool packs into one chunk; past three units a 12 MiB request grows one
+    32 MiB segment, which is what the cudaMemPool hands out, and a second request is served
+    from its tail without another upstream call."""
     s, _ = streams
     pool = cuda_pool(pool_handle="create", segment_rounding="32MiB")
+    small = pool.alloc(12 * MiB, stream=s)
+    assert pool.reserved_bytes() == 20 * MiB        # PyTorch's plain mid-size segment
+    assert _attrs(pool)["used_current"] == 32 * MiB  # one chunk of the driver's
+    pool.free(small, stream=s)
+    pool.empty_cache()
+    first = pool.alloc(3 * 32 * MiB, stream=s)      # past the small start
     a = pool.alloc(12 * MiB, stream=s)
     b = pool.alloc(12 * MiB, stream=s)
     assert b == a + 12 * MiB
-    assert pool.reserved_bytes() == 32 * MiB
-    assert pool.stats()["num_device_alloc"] == 1
-    assert _attrs(pool)["used_current"] == 32 * MiB
-    pool.free(a, stream=s)
-    pool.free(b, stream=s)
+    assert pool.reserved_bytes() == 4 * 32 * MiB
+    assert _attrs(pool)["used_current"] == 4 * 32 * MiB
+    for p in (a, b, first):
+        pool.free(p, stream=s)
 
 
 def test_a_default_pool_reserves_what_the_device_holds_for_it(cuda_pool, streams):
-    """Note [The cudaMemPool's unit]: by default every segment is whole units of the
-    cudaMemPool's chunk, measured from the driver, the small ones one unit, so the device
+    """Note [The cudaMemPool's unit]: by default, once the pool is past its small start,
+    every segment is whole units of the cudaMemPool's chunk, measured from the driver, the
+    small ones one unit, so the device
     holds no more for them than the pool reserves (a plain 20 MiB segment would hold a
     whole chunk, and a 2 MiB small one would set the large ones after it off the chunk
     boundaries)."""
@@ -304,7 +311,9 @@ def test_a_default_pool_reserves_what_the_device_holds_for_it(cuda_pool, streams
     assert unit > 2 * MiB and unit % (2 * MiB) == 0, unit
     pool = cuda_pool(pool_handle="create")
     assert pool.options["segment_rounding"] == unit
-    ptrs = [pool.alloc(n, stream=s) for n in (512, 5 * MiB, 12 * MiB, unit + MiB, 4096)]
+    # Past the small start (three units of plain segments) every segment is whole units.
+    ptrs = [pool.alloc(3 * unit, stream=s)]
+    ptrs += [pool.alloc(n, stream=s) for n in (512, 5 * MiB, 12 * MiB, unit + MiB, 4096)]
     layout = pool.layout()
     assert all(seg["total_size"] % unit == 0 for seg in layout), layout
     assert [seg["total_size"] for seg in layout if seg["is_small"]] == [unit]
