@@ -286,7 +286,7 @@ def test_rounded_segments_are_what_the_cudamempool_hands_out(cuda_pool, streams)
     pool = cuda_pool(pool_handle="create", segment_rounding="32MiB")
     small = pool.alloc(12 * MiB, stream=s)
     assert pool.reserved_bytes() == 20 * MiB        # PyTorch's plain mid-size segment
-    assert _attrs(pool)["used_current"] == 32 * MiB  # one chunk of the driver's
+    assert _attrs(pool)["reserved_current"] == 32 * MiB   # one chunk of the driver's
     pool.free(small, stream=s)
     pool.empty_cache()
     first = pool.alloc(3 * 32 * MiB, stream=s)      # past the small start
