@@ -196,6 +196,23 @@ cdef class Buffer:
                 f"backend={self.backend} device={self.device_id} ptr={self.ptr:#x} "
                 f"stream={self.stream:#x}{state}>")
 
+    def close(self):
+        """Let go of this Buffer's hold on its memory now (views and DLPack exports keep
+        theirs); every later use of it raises. For a Buffer from :meth:`Pool.import_`, the
+        last hold to go unmaps the other process's memory and tells its producer."""
+        if self._block is not NULL:
+            mp_dl_block_release(self._block)
+            self._block = NULL
+            self._base = 0
+
+    def __enter__(self):
+        self._ready()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close()
+        return False
+
     cdef int _ready(self) except -1:
         """Refuse a Buffer not made by Pool.empty or view (Buffer.__new__): it holds no
         block."""
