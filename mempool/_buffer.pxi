@@ -131,6 +131,7 @@ cdef class Buffer:
     cdef readonly str backend
     cdef readonly int device_id
     cdef readonly uintptr_t stream
+    cdef bint _closed              # close() ran: the block is let go
 
     def __init__(self, *args, **kwargs):
         raise TypeError("mempool.Buffer is made by Pool.empty(shape, dtype, stream)")
@@ -190,7 +191,7 @@ cdef class Buffer:
 
     def __repr__(self):
         if self._block is NULL:
-            return "<mempool.Buffer uninitialised>"
+            return f"<mempool.Buffer {'closed' if self._closed else 'uninitialised'}>"
         state = " exported" if self._exports else ""
         return (f"<mempool.Buffer shape={self.shape} dtype={self.dtype} nbytes={self.nbytes} "
                 f"backend={self.backend} device={self.device_id} ptr={self.ptr:#x} "
@@ -204,6 +205,7 @@ cdef class Buffer:
             mp_dl_block_release(self._block)
             self._block = NULL
             self._base = 0
+            self._closed = True
 
     def __enter__(self):
         self._ready()
@@ -217,6 +219,9 @@ cdef class Buffer:
         """Refuse a Buffer not made by Pool.empty or view (Buffer.__new__): it holds no
         block."""
         if self._block is NULL:
+            if self._closed:
+                raise ValueError("this Buffer is closed (Buffer.close let its memory go): "
+                                 "use a Buffer that is still open")
             raise _not_initialised(self)
         return 0
 
