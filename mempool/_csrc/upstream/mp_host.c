@@ -326,8 +326,8 @@ static int host_share(void *ctx, uintptr_t base, size_t nbytes, int expandable,
 /* What an errno of pidfd_open / pidfd_getfd means for the handle. */
 static int host_pidfd_error(int err) {
     if (err == EPERM || err == EACCES || err == ENOSYS) return MP_EUNSUPPORTED;
-    if (err == ESRCH || err == EBADF) return MP_EINVAL;   /* the producer or its fd is gone */
-    return MP_EUPSTREAM;
+    if (err == EMFILE || err == ENFILE || err == ENOMEM) return MP_ENOMEM;
+    return MP_EINVAL;   /* the handle names no process or fd of one (gone, or never was) */
 }
 
 static int host_open(void *ctx, const unsigned char *buf, size_t len, size_t nbytes,
