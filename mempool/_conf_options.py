@@ -147,7 +147,7 @@ OPTIONS: dict[str, Option] = {
         "blocks may be shared with other processes (Pool.export; docs/sharing.md, \"Other "
         "processes\"): None = on for 'sim', on for 'cuda' with pool_handle='create' where the "
         "device has POSIX-fd pool handles, off for 'host' (True backs host memory with memfds)",
-        _parse_optional_bool, "True"),
+        _parse_optional_bool, "False"),
     "pool_handle": Option(
         "create", ", ".join(repr(h) for h in POOL_HANDLES) + " or int",
         "which cudaMemPool supplies segments: a new one, the device's default or current "

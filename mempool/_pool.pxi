@@ -1,10 +1,11 @@
 # The Pool class: its fields and life (creation, close), the streams it is given (Note
-# [Pinned streams], in _streams.pxi), allocate and free (the hot paths, Note [Hot address]), and the methods
-# of every other concern, each checking that the pool is usable and delegating with the C
-# pool to the part that does the work: _pool_create, _pool_errors, _pool_retention,
-# _pool_observe, _peers, _buffer (before this part) and _cupy_hook (after it: its owner object
-# holds a Pool). A cdef class is written in one place, so the methods and their docstrings
-# are all here. Everything here holds the GIL; the core below it never needs it
+# [Pinned streams], in _streams.pxi), allocate and free (the hot paths, Note [Hot
+# address]), and the methods of every other concern, each checking that the pool is usable
+# and delegating with the C pool to the part that does the work: _pool_create, _pool_errors,
+# _share, _pool_retention, _pool_observe, _peers, _buffer (before this part) and _cupy_hook
+# (after it: its owner object holds a Pool). A cdef class is written in one place, so the
+# methods and their docstrings are all here. Everything here holds the GIL; the core below
+# it never needs it
 # (docs/architecture.md, "Note [Lock order]").
 #
 # Uses every part included before it (_core.pyx), and _cupy_malloc of _cupy_hook.pxi.
@@ -323,7 +324,7 @@ A stream-ordered device memory pool.
         cdef int rc = mp_alloc(self._pool, n, s, &ptr)
         mp_py_mark(0)
         self._in_core -= 1
-        if rc != MP_OK and _collect(self._pool, self._sharing):   # blocks consumers let go
+        if rc != MP_OK and _share_collect(self._pool, self._sharing):   # blocks consumers let go
             rc = mp_alloc(self._pool, n, s, &ptr)
         if rc != MP_OK:
             raise self._alloc_error(rc, n, s)
@@ -350,7 +351,7 @@ A stream-ordered device memory pool.
             if type(ptr) is int:
                 self._hot_address = ptr
                 self._hot_address_value = p
-        if self._sharing is not None and _pinned_free(self._sharing, p):
+        if self._sharing is not None and _share_pinned_free(self._sharing, p):
             return   # exported: freed once its consumers let go (collect_shared)
         cdef uintptr_t s = 0
         cdef int has_stream = stream is not None
@@ -477,7 +478,7 @@ A stream-ordered device memory pool.
         with nogil:
             rc = mp_dl_block_new(self._pool, n, handle, &block)
         self._in_core -= 1
-        if rc != MP_OK and _collect(self._pool, self._sharing):   # blocks consumers let go
+        if rc != MP_OK and _share_collect(self._pool, self._sharing):   # blocks consumers let go
             rc = mp_dl_block_new(self._pool, n, handle, &block)
         if rc != MP_OK:
             raise self._alloc_error(rc, n, handle)
@@ -765,20 +766,20 @@ A stream-ordered device memory pool.
                                f"create it with ipc=True to export blocks")
         if self._sharing is None:
             self._sharing = _Sharing()
-        return _export(self._pool, self.backend, self._sharing, buffer_or_ptr)
+        return _share_export(self._pool, self.backend, self._sharing, buffer_or_ptr)
 
     def import_(self, handle):
         """A :class:`Buffer` over the memory of `handle` (a :class:`SharedHandle` from
         :meth:`export`, in this process or another, of a pool of this backend); the producer
         may reuse it once this Buffer, its views and DLPack exports are all gone."""
         self._ready()
-        return _import(self._pool, self.backend, self.device_id, handle)
+        return _share_import(self._pool, self.backend, self.device_id, handle)
 
     def collect_shared(self):
         """Give back the exported blocks whose consumers all released them (or died);
         returns how many. Export and an allocation about to fail run it too."""
         self._ready()
-        return _collect(self._pool, self._sharing)
+        return _share_collect(self._pool, self._sharing)
 
     def __repr__(self):
         if self._closed:

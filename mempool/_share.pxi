@@ -187,7 +187,7 @@ cdef bytes _share_region(mp_pool *pool, uintptr_t ptr, size_t *offset):
     return bytes(buf[:length])
 
 
-cdef object _export(mp_pool *pool, str backend, _Sharing sharing, object target):
+cdef object _share_export(mp_pool *pool, str backend, _Sharing sharing, object target):
     """Pool.export: the block of `target` (a Buffer of this pool or an address it handed
     out) waited for, described, pinned, and one hold in flight added for the handle."""
     cdef Buffer buf = None
@@ -225,7 +225,7 @@ cdef object _export(mp_pool *pool, str backend, _Sharing sharing, object target)
     if rc != MP_OK:
         raise RuntimeError(f"export: waiting for the block's stream failed (error {rc})")
     sharing.open_ledger()
-    _collect(pool, sharing)
+    _share_collect(pool, sharing)
     pin = sharing.pins.get(ptr)
     if pin is None:
         rc = mp_ledger_take(sharing.ledger, &slot, &gen)
@@ -249,7 +249,7 @@ cdef object _export(mp_pool *pool, str backend, _Sharing sharing, object target)
     return h
 
 
-cdef bint _pinned_free(_Sharing sharing, uintptr_t ptr) except -1:
+cdef bint _share_pinned_free(_Sharing sharing, uintptr_t ptr) except -1:
     """Pool.free of an exported block: kept live until its consumers let go (True), or not
     exported (False)."""
     pin = sharing.pins.get(ptr)
@@ -261,7 +261,7 @@ cdef bint _pinned_free(_Sharing sharing, uintptr_t ptr) except -1:
     return True
 
 
-cdef Py_ssize_t _collect(mp_pool *pool, _Sharing sharing) except -1:
+cdef Py_ssize_t _share_collect(mp_pool *pool, _Sharing sharing) except -1:
     """Pool.collect_shared: blocks whose consumers all let go (or are gone) are unpinned;
     returns how many went back to the pool."""
     cdef size_t holds = 0
@@ -287,7 +287,7 @@ cdef Py_ssize_t _collect(mp_pool *pool, _Sharing sharing) except -1:
     return given
 
 
-cdef object _import(mp_pool *pool, str backend, int device_id, object handle):
+cdef object _share_import(mp_pool *pool, str backend, int device_id, object handle):
     """Pool.import_: a Buffer over the memory `handle` names, this process a holder in the
     producer's ledger until the Buffer (and every view and DLPack export of it) goes."""
     if not isinstance(handle, SharedHandle):
@@ -335,8 +335,8 @@ cdef object _import(mp_pool *pool, str backend, int device_id, object handle):
             raise RuntimeError(
                 "import_: the producer's memory cannot be taken into this process: "
                 "pidfd_getfd needs Linux 5.6 or later and ptrace permission over the "
-                "producer (see /proc/sys/kernel/yama/ptrace_scope: 0, or 1 with the producer "
-                "an ancestor of this process)")
+                "producer (see /proc/sys/kernel/yama/ptrace_scope: 0, or 1 with this process "
+                "an ancestor of the producer or allowed by its prctl(PR_SET_PTRACER))")
         raise RuntimeError(f"import_: opening the handle failed (error {rc})")
     # The Buffer's block: the import pool's one allocation, at the region's start.
     rc = mp_dl_block_new(ipool, nbytes, 0, &block)
