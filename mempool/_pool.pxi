@@ -351,14 +351,14 @@ A stream-ordered device memory pool.
             if type(ptr) is int:
                 self._hot_address = ptr
                 self._hot_address_value = p
-        if self._sharing is not None and _share_pinned_free(self._sharing, p):
-            return   # exported: freed once its consumers let go (collect_shared)
         cdef uintptr_t s = 0
         cdef int has_stream = stream is not None
         saved = None
         if has_stream:
             saved = self._pins()
             self._stream_of(stream, &s)
+        if self._sharing is not None and _share_pinned_free(self._sharing, p, s, has_stream):
+            return   # exported: freed once its consumers let go (collect_shared)
         self._in_core += 1   # Note [Closing a pool]
         mp_py_mark(1)
         cdef int rc = mp_free(self._pool, p, s, has_stream)

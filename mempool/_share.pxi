@@ -126,7 +126,8 @@ class SharedHandle:
 
 cdef class _Sharing:
     """A producer pool's exports: its ledger (made at the first export) and the blocks it
-    pins, by address: [slot, generation, Buffers held, freed by the producer]."""
+    pins, by address: [slot, generation, Buffers held, the producer's free (stream,
+    has_stream) or False]."""
     cdef mp_ledger *ledger
     cdef readonly str name
     cdef readonly dict pins
@@ -249,15 +250,16 @@ cdef object _share_export(mp_pool *pool, str backend, _Sharing sharing, object t
     return h
 
 
-cdef bint _share_pinned_free(_Sharing sharing, uintptr_t ptr) except -1:
-    """Pool.free of an exported block: kept live until its consumers let go (True), or not
-    exported (False)."""
+cdef bint _share_pinned_free(_Sharing sharing, uintptr_t ptr, uintptr_t stream,
+                             int has_stream) except -1:
+    """Pool.free of an exported block (on `stream` when has_stream): kept live until its
+    consumers let go, then freed as asked (True); False when not exported."""
     pin = sharing.pins.get(ptr)
     if pin is None:
         return False
     if pin[3]:
         raise _pointer_error(MP_EDOUBLEFREE, "free", ptr)
-    pin[3] = True
+    pin[3] = (stream, has_stream)
     return True
 
 
@@ -281,7 +283,7 @@ cdef Py_ssize_t _share_collect(mp_pool *pool, _Sharing sharing) except -1:
         pin[2] = []
         del held   # the Buffers this pool held go; the block with the last holder
         if pin[3]:
-            mp_free(pool, ptr, 0, 0)
+            mp_free(pool, ptr, pin[3][0], pin[3][1])
         if mp_block_info(pool, ptr, NULL, NULL, NULL) != MP_OK:
             given += 1
     return given

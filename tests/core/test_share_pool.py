@@ -257,3 +257,14 @@ def test_an_import_outlives_its_producer_pool():
     producer.close(force=True)
     assert (numpy.asarray(imported) == 9).all()   # the mapping keeps the memory
     imported.close()
+
+
+def test_a_pinned_free_on_another_stream_is_made_on_that_stream():
+    producer, consumer = make("sim"), make("sim")
+    ptr = producer.alloc(MiB, stream=0)
+    imported = consumer.import_(producer.export(ptr))
+    producer.free(ptr, stream=7)              # last used on stream 7: its free comes later
+    imported.close()
+    assert producer.collect_shared() == 1
+    block = next(b for seg in producer.layout() for b in seg["blocks"] if b["address"] == ptr)
+    assert block["stream"] == 7                   # the block now serves stream 7
