@@ -195,6 +195,7 @@ A stream-ordered device memory pool.
         if self._closed:
             return
         self._ready()
+        _share_collect(self._pool, self._sharing)   # exported blocks consumers let go
         refusal = _close_refusal(self._pool, self.device_id, self._in_core, force)
         if refusal is not None:
             raise refusal

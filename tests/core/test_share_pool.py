@@ -268,3 +268,12 @@ def test_a_pinned_free_on_another_stream_is_made_on_that_stream():
     assert producer.collect_shared() == 1
     block = next(b for seg in producer.layout() for b in seg["blocks"] if b["address"] == ptr)
     assert block["stream"] == 7                   # the block now serves stream 7
+
+
+def test_close_gives_back_released_exports_first():
+    producer, consumer = make("sim"), make("sim")
+    ptr = producer.alloc(4096)
+    consumer.import_(producer.export(ptr)).close()
+    producer.free(ptr)                        # pinned until collected
+    producer.close()                          # collects first: no live block is left
+    assert producer.closed

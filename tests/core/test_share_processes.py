@@ -106,3 +106,20 @@ def test_a_closed_producers_handle_is_refused_in_another_process(spawn):
     producer.close(force=True)
     answer = workers.apply(children.import_bytes, (bytes(handle), "host"))
     assert answer.startswith("ValueError") and "ledger" in answer
+
+
+def test_a_forked_childs_copy_leaves_the_producers_ledger():
+    import gc
+    import os
+    producer = make("sim")
+    ptr = producer.alloc(4096)
+    handle = producer.export(ptr)
+    pid = os.fork()
+    if pid == 0:                              # the child drops its copy of the pool
+        del producer
+        gc.collect()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    make("sim").import_(handle).close()       # the ledger is still there
+    producer.free(ptr)
+    assert producer.collect_shared() == 1

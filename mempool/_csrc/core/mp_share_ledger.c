@@ -143,7 +143,8 @@ int mp_ledger_create(mp_ledger **out, char *name) {
 
 void mp_ledger_destroy(mp_ledger *l) {
     if (!l) return;
-    shm_unlink(l->name);
+    /* A forked child's copy of the producer's pool leaves the producer's ledger alone. */
+    if (l->head->creator == (uint32_t)getpid()) shm_unlink(l->name);
     munmap(l->head, LEDGER_BYTES);
     free(l);
 }
