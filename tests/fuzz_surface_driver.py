@@ -236,6 +236,7 @@ def module_functions():
         for name in names:
             out.append((f"{label}.{name}", getattr(module, name)))
     out.append(("mempool.Pool.from_conf", mempool.Pool.from_conf))
+    out.append(("mempool.SharedHandle.from_bytes", mempool.SharedHandle.from_bytes))
     out.append(("mempool.Pool", mempool.Pool))
     return out
 
