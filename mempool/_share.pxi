@@ -171,8 +171,10 @@ cdef bytes _share_region(mp_pool *pool, uintptr_t ptr, size_t *offset):
     for _ in range(2):
         buf = bytearray(cap)
         at = <unsigned char *><char *>buf
+        mp_pool_retain(pool)   # Note [Closing a pool]: another thread may close meanwhile
         with nogil:
             rc = mp_share(pool, ptr, at, cap, &length, offset)
+        mp_pool_release(pool)
         if rc == MP_EINVAL and length > cap:
             cap = length
             continue
@@ -221,8 +223,10 @@ cdef object _share_export(mp_pool *pool, str backend, _Sharing sharing, object t
     if nbytes == 0:
         raise ValueError("export: 'buffer_or_ptr' has no bytes to share")
     # The consumer must see what was written: the block's stream is waited for first.
-    cdef mp_upstream *up = mp_pool_upstream(pool)
-    rc = up.stream_synchronize(up.ctx, stream)   # with the GIL: a CuPy stream may need it
+    mp_pool_retain(pool)   # Note [Closing a pool]: another thread may close meanwhile
+    with nogil:
+        rc = mp_share_sync(pool, ptr)
+    mp_pool_release(pool)
     if rc != MP_OK:
         raise RuntimeError(f"export: waiting for the block's stream failed (error {rc})")
     sharing.open_ledger()
@@ -321,12 +325,14 @@ cdef object _share_import(mp_pool *pool, str backend, int device_id, object hand
                          "(every consumer had released it)")
     cdef const unsigned char *at = <const unsigned char *><char *>region
     cdef size_t length = len(region)
+    mp_pool_retain(pool)   # Note [Closing a pool]: another thread may close meanwhile
     with nogil:
         rc = mp_share_open(pool, at, length, &base, &nbytes)
     if rc == MP_OK:
         rc = mp_share_import_pool(pool, base, nbytes, ledger, slot, gen, &ipool)
         if rc != MP_OK:
             mp_share_close(pool, base)
+    mp_pool_release(pool)   # the import pool holds its own reference
     if rc != MP_OK:
         mp_ledger_leave(ledger, slot, gen)
         mp_ledger_detach(ledger)

@@ -277,3 +277,14 @@ def test_close_gives_back_released_exports_first():
     producer.free(ptr)                        # pinned until collected
     producer.close()                          # collects first: no live block is left
     assert producer.closed
+
+
+def test_export_waits_for_the_blocks_stream():
+    producer = make("sim")
+    ptr = producer.alloc(4096, stream=7)
+    producer.device.launch(7)                 # a write queued on the block's stream
+    syncs = producer.stats()["num_stream_syncs"]
+    producer.export(ptr)
+    info = producer.device.stream_info(7)
+    assert info["completed"] == info["submitted"]
+    assert producer.stats()["num_stream_syncs"] == syncs + 1

@@ -178,6 +178,15 @@ int mp_share(mp_pool *p, uintptr_t ptr, unsigned char *buf, size_t cap, size_t *
     return MP_OK;
 }
 
+int mp_share_sync(mp_pool *p, uintptr_t ptr) {
+    if (!mp_lock_own(p)) return MP_EFORKED;
+    mp_block *b = mp_live_block_locked(p, ptr);
+    uintptr_t stream = b ? b->stream->handle : 0;
+    mp_lock_release(&p->lock);
+    if (!b) return MP_ENOTFOUND;
+    return mp_up_sync(p, stream);   /* with the lock dropped, as every upstream call */
+}
+
 /* ---- the consumer's side ------------------------------------------------------------------ */
 
 static struct mp_share_open *find_bytes_locked(mp_pool *p, const unsigned char *buf,

@@ -47,6 +47,10 @@ int mp_ledger_join(mp_ledger *l, uint32_t slot, uint64_t gen, uint64_t ticket);
 /* Give back one hold of this process's (MP_ENOTFOUND when it has none). */
 int mp_ledger_leave(mp_ledger *l, uint32_t slot, uint64_t gen);
 
+/* Wait for the work queued on the stream of the live block at ptr (MP_ENOTFOUND for no live
+ * block): an exporter's writes are done before a consumer reads. */
+int mp_share_sync(mp_pool *p, uintptr_t ptr);
+
 /* A pool (one reference, *out) whose one segment is the region opened at `base` (nbytes) of
  * `parent` (mp_share_open), with the parent's streams and events: its first allocation of
  * nbytes is the block at `base`. When the pool goes (its last reference), it waits for the
