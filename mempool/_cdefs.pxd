@@ -169,7 +169,6 @@ cdef extern from "mp_core.h" nogil:
     int mp_share_open(mp_pool *p, const unsigned char *buf, size_t len, uintptr_t *base,
                       size_t *nbytes)
     int mp_share_close(mp_pool *p, uintptr_t base)
-    int mp_share_open_count(mp_pool *p)
     int mp_empty_cache(mp_pool *p)
     int mp_trim(mp_pool *p, size_t keep)
     int mp_give_back(mp_pool *p, size_t keep)

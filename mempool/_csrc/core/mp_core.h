@@ -224,8 +224,6 @@ int mp_share(mp_pool *p, uintptr_t ptr, unsigned char *buf, size_t cap, size_t *
 int mp_share_open(mp_pool *p, const unsigned char *buf, size_t len, uintptr_t *base,
                   size_t *nbytes);
 int mp_share_close(mp_pool *p, uintptr_t base);
-/* The opens of other pools' handles not yet closed, summed (tests, a leak check). */
-int mp_share_open_count(mp_pool *p);
 
 /* Release cached memory: every idle segment (empty_cache), or oldest first down to `keep`
  * cached bytes (trim). Pinned (initial_pool_size) memory stays. */

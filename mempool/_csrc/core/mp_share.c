@@ -277,14 +277,6 @@ int mp_share_close(mp_pool *p, uintptr_t base) {
     return MP_ENOTFOUND;
 }
 
-int mp_share_open_count(mp_pool *p) {
-    mp_lock_acquire(&p->lock);
-    size_t n = 0;
-    for (size_t i = 0; i < p->nshare_opens; i++) n += p->share_opens[i].count;
-    mp_lock_release(&p->lock);
-    return (int)n;
-}
-
 void mp_share_close_all(mp_pool *p) {
     /* Whoever still held an open lets go with the pool: its memory is the other process's,
      * so only this process's mapping goes. */
