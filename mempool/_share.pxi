@@ -232,11 +232,13 @@ cdef object _share_export(mp_pool *pool, str backend, _Sharing sharing, object t
     sharing.open_ledger()
     _share_collect(pool, sharing)
     pin = sharing.pins.get(ptr)
+    if pin is not None and pin[3]:
+        raise _pointer_error(MP_EDOUBLEFREE, "export", ptr)   # freed here, kept for others
     if pin is None:
         rc = mp_ledger_take(sharing.ledger, &slot, &gen)
         if rc != MP_OK:
-            raise RuntimeError(f"export: every one of the ledger's {len(sharing.pins)} slots "
-                               f"holds a block still shared; release some first")
+            raise RuntimeError(f"export: every slot of the ledger holds a block still "
+                               f"shared ({len(sharing.pins)} blocks); release some first")
         pin = [slot, gen, [], False]
         sharing.pins[ptr] = pin
     slot, gen = pin[0], pin[1]

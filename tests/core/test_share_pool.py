@@ -288,3 +288,16 @@ def test_export_waits_for_the_blocks_stream():
     info = producer.device.stream_info(7)
     assert info["completed"] == info["submitted"]
     assert producer.stats()["num_stream_syncs"] == syncs + 1
+
+
+def test_a_block_freed_while_pinned_cannot_be_exported_or_freed_again():
+    producer, consumer = make("sim"), make("sim")
+    ptr = producer.alloc(4096)
+    imported = consumer.import_(producer.export(ptr))
+    producer.free(ptr)
+    with pytest.raises(ValueError):
+        producer.export(ptr)
+    with pytest.raises(ValueError):
+        producer.free(ptr)
+    imported.close()
+    assert producer.collect_shared() == 1
