@@ -37,7 +37,7 @@
 
 #include "mp_share.h"
 
-#define LEDGER_MAGIC 0x5245474445504d4dull   /* "MMPLEDGER" */
+#define LEDGER_MAGIC 0x52454744454c504dull   /* "MPLEDGER", little-endian */
 #define LEDGER_VERSION 1
 
 typedef struct ledger_holder {
