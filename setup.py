@@ -62,7 +62,7 @@ core = Extension(
     # and GOT entry on the way (two more cache lines for each cold call: Note [Hot lines]
     # in mp_internal.h); the symbols stay exported for ctypes (mempool.torch, the tests).
     extra_link_args=["-Wl,-Bsymbolic-functions"],
-    libraries=["dl", "pthread"],
+    libraries=["dl", "pthread", "rt"],   # rt: shm_open (the ledger of Note [The consumers' ledger]) on glibc before 2.34
 )
 
 

@@ -12,11 +12,12 @@ import threading as _threading
 from mempool._core import HostDevice, Pool, SimDevice, round_size, segment_size, stream_handle
 from mempool._core import live_pools   # every live Pool, weakly (mempool.prometheus)
 from mempool._core import Buffer   # sharing: Pool.empty's result (mempool/_buffer.pxi)
+from mempool._core import SharedHandle   # Pool.export's result (mempool/_share.pxi)
 from mempool._errors import InvariantError, OutOfMemoryError, PoolClosedError
 from mempool._config import ConfigWarning   # a conf setting accepted but not applied
 from mempool._config import OptionError   # an option's value that is not valid
 
-__all__ = ["Pool", "Buffer", "OutOfMemoryError", "InvariantError", "PoolClosedError",
+__all__ = ["Pool", "Buffer", "SharedHandle", "OutOfMemoryError", "InvariantError", "PoolClosedError",
            "ConfigWarning", "OptionError",
            "default_pool", "round_size", "segment_size", "stream_handle", "SimDevice",
            "HostDevice", "live_pools"]

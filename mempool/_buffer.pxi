@@ -131,6 +131,7 @@ cdef class Buffer:
     cdef readonly str backend
     cdef readonly int device_id
     cdef readonly uintptr_t stream
+    cdef bint _closed              # close() ran: the block is let go
 
     def __init__(self, *args, **kwargs):
         raise TypeError("mempool.Buffer is made by Pool.empty(shape, dtype, stream)")
@@ -190,16 +191,37 @@ cdef class Buffer:
 
     def __repr__(self):
         if self._block is NULL:
-            return "<mempool.Buffer uninitialised>"
+            return f"<mempool.Buffer {'closed' if self._closed else 'uninitialised'}>"
         state = " exported" if self._exports else ""
         return (f"<mempool.Buffer shape={self.shape} dtype={self.dtype} nbytes={self.nbytes} "
                 f"backend={self.backend} device={self.device_id} ptr={self.ptr:#x} "
                 f"stream={self.stream:#x}{state}>")
 
+    def close(self):
+        """Let go of this Buffer's hold on its memory now (views and DLPack exports keep
+        theirs); every later use of it raises. For a Buffer from :meth:`Pool.import_`, the
+        last hold to go unmaps the other process's memory and tells its producer."""
+        if self._block is not NULL:
+            mp_dl_block_release(self._block)
+            self._block = NULL
+            self._base = 0
+            self._closed = True
+
+    def __enter__(self):
+        self._ready()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close()
+        return False
+
     cdef int _ready(self) except -1:
         """Refuse a Buffer not made by Pool.empty or view (Buffer.__new__): it holds no
         block."""
         if self._block is NULL:
+            if self._closed:
+                raise ValueError("this Buffer is closed (Buffer.close let its memory go): "
+                                 "use a Buffer that is still open")
             raise _not_initialised(self)
         return 0
 

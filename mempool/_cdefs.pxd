@@ -72,10 +72,13 @@ cdef extern from "mp_upstream.h" nogil:
         int (*mem_info)(void *ctx, size_t *free_bytes, size_t *total_bytes)
         size_t granularity
         int (*map)(void *ctx, uintptr_t ptr, size_t nbytes)
+        int (*share)(void *ctx, uintptr_t base, size_t nbytes, int expandable,
+                     unsigned char *buf, size_t cap, size_t *len)
         void (*destroy)(void *ctx)
 
     int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity)
     int mp_host_upstream(mp_upstream *up, size_t capacity, size_t granularity)
+    int mp_host_set_shareable(mp_upstream *up, int on)
 
 
 cdef extern from "mp_assert.h" nogil:
@@ -159,6 +162,13 @@ cdef extern from "mp_core.h" nogil:
     int mp_record_stream(mp_pool *p, uintptr_t ptr, uintptr_t stream)
     int mp_forget_stream(mp_pool *p, uintptr_t stream)
     int mp_block_info(mp_pool *p, uintptr_t ptr, size_t *nbytes, size_t *requested, uintptr_t *stream)
+    # Sharing across processes (_share.pxi, Note [Sharing across processes] in mp_share.c).
+    size_t MP_SHARE_HANDLE_MAX
+    int mp_share(mp_pool *p, uintptr_t ptr, unsigned char *buf, size_t cap, size_t *len,
+                 size_t *offset)
+    int mp_share_open(mp_pool *p, const unsigned char *buf, size_t len, uintptr_t *base,
+                      size_t *nbytes)
+    int mp_share_close(mp_pool *p, uintptr_t base)
     int mp_empty_cache(mp_pool *p)
     int mp_trim(mp_pool *p, size_t keep)
     int mp_give_back(mp_pool *p, size_t keep)
@@ -303,6 +313,8 @@ cdef extern from "mp_sim.h" nogil:
     size_t mp_sim_live_segments(mp_sim *sim)
     size_t mp_sim_mapped_bytes(mp_sim *sim)
     size_t mp_sim_live_maps(mp_sim *sim)
+    size_t mp_sim_open_imports(mp_sim *sim)
+    uint64_t mp_sim_imports_opened(mp_sim *sim)
     uint64_t mp_sim_num_split_unmaps(mp_sim *sim)
     uint64_t mp_sim_num_syncs(mp_sim *sim)
     size_t mp_sim_held_bytes(mp_sim *sim)
@@ -340,10 +352,31 @@ cdef extern from "mp_cuda.h" nogil:
     void mp_cuda_own_pool(void *up)
     void mp_cuda_error_string(int code, char *buf, size_t buflen)
     int mp_cuda_set_page_size(void *up, size_t page, char *err, size_t errlen)
+    int mp_cuda_set_shareable(void *up, int on)
     int mp_cuda_enable_peer_access(void *up, int peer, char *err, size_t errlen)
     size_t mp_cuda_peer_devices(const void *up, int *out, size_t cap)
     int mp_cuda_access_mask(const void *up, uintptr_t addr, size_t nbytes, uint64_t *mask,
                             char *err, size_t errlen)
+
+
+# The consumers' ledger and imported blocks (_share.pxi, core/mp_share.h).
+cdef extern from "mp_share.h" nogil:
+    ctypedef struct mp_ledger:
+        pass
+    int MP_LEDGER_NAME_MAX
+    int mp_ledger_create(mp_ledger **out, char *name)
+    void mp_ledger_destroy(mp_ledger *l)
+    int mp_ledger_take(mp_ledger *l, uint32_t *slot, uint64_t *gen)
+    int mp_ledger_send(mp_ledger *l, uint32_t slot, uint64_t gen, uint64_t *ticket)
+    int mp_ledger_collect(mp_ledger *l, uint32_t slot, uint64_t gen, int retire,
+                          size_t *holds, int *retired)
+    int mp_ledger_attach(const char *name, mp_ledger **out)
+    void mp_ledger_detach(mp_ledger *l)
+    int mp_ledger_join(mp_ledger *l, uint32_t slot, uint64_t gen, uint64_t ticket)
+    int mp_ledger_leave(mp_ledger *l, uint32_t slot, uint64_t gen)
+    int mp_share_sync(mp_pool *p, uintptr_t ptr)
+    int mp_share_import_pool(mp_pool *parent, uintptr_t base, size_t nbytes, mp_ledger *ledger,
+                             uint32_t slot, uint64_t gen, mp_pool **out)
 
 
 # The DLPack bridge (_buffer.pxi, docs/sharing.md).

@@ -14,7 +14,8 @@ from mempool._conf_parse import (
     BACKENDS, DEFAULT_MAX_MAP, GiB, MIN_MAX_SPLIT_SIZE, MiB, POOL_HANDLES, ROUNDUP_INTERVALS,
     _mib, _parse_backend, _parse_bool, _parse_capacity, _parse_device, _parse_gc_threshold,
     _parse_limit, _parse_max_map_size, _parse_max_split_size, _parse_min_map_size,
-    _parse_nonnegative_size, _parse_optional_size, _parse_pool_handle, _parse_segment_rounding,
+    _parse_nonnegative_size, _parse_optional_bool, _parse_optional_size, _parse_pool_handle,
+    _parse_segment_rounding,
     _warn_once, format_bytes, format_size, parse_roundup_divisions)
 from mempool._conf_torch import (PYTORCH_KEYS, _PYTORCH_IGNORED, _mb_or_none,
                                  _pytorch_fraction)
@@ -143,6 +144,12 @@ OPTIONS: dict[str, Option] = {
         "reused within the capture once the capture's own order puts every use before the "
         "request, instead of waiting for the capture's end (Note [Capture reuse])",
         _parse_bool, "True", pytorch="`graph_capture_record_stream_reuse`"),
+    "ipc": Option(
+        None, "bool or None",
+        "blocks may be shared with other processes (Pool.export; docs/sharing.md, \"Other "
+        "processes\"): None = on for 'sim', on for 'cuda' with pool_handle='create' where the "
+        "device has POSIX-fd pool handles, off for 'host' (True backs host memory with memfds)",
+        _parse_optional_bool, "False"),
     "pool_handle": Option(
         "create", ", ".join(repr(h) for h in POOL_HANDLES) + " or int",
         "which cudaMemPool supplies segments: a new one, the device's default or current "

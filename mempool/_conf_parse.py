@@ -325,6 +325,17 @@ def _parse_bool(value: Any, key: str) -> bool:
     raise _error(key, value, accepted)
 
 
+def _parse_optional_bool(value: Any, key: str) -> bool | None:
+    """True, False, or None (the backend decides); strings as _parse_bool, and 'none'."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
+        return None
+    try:
+        return _parse_bool(value, key)
+    except ValueError:
+        raise _error(key, value, "True/False, None (the backend decides), or a string "
+                     "'true'/'false'/'none'/'1'/'0'") from None
+
+
 def _parse_gc_threshold(value: Any, key: str) -> float:
     accepted = "a float in [0, 1): the fraction of limit (or capacity) above which idle " \
                "segments are released before growing; 0 = off"

@@ -40,6 +40,9 @@ include "_pool_create.pxi"
 # The errors of refused calls: _closed_error, _forked_error, _pointer_error, _oom_error,
 # _close_refusal.
 include "_pool_errors.pxi"
+# Sharing blocks with other processes: SharedHandle, _Sharing, _share_export, _share_import,
+# _share_collect, _share_pinned_free.
+include "_share.pxi"
 # Giving memory back, the size policy of a live pool: _give_back, _set_size_policy.
 include "_pool_retention.pxi"
 # What a pool shows of itself: live_pools (_live_pools, _pool_numbers), _pool_stats,

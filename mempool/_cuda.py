@@ -133,7 +133,12 @@ def _check_device(device):
     return device
 
 
-def resolve_pool_handle(pool_handle, device):
+def shareable_supported(device):
+    """True when `device`'s driver can share a cudaMemPool through POSIX file descriptors."""
+    return False
+
+
+def resolve_pool_handle(pool_handle, device, shareable=False):
     """The ``cudaMemPool_t`` a Pool on `device` takes its segments from.
 
     Parameters

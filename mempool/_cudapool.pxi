@@ -16,7 +16,20 @@ cdef object _make_cuda(mp_upstream *up, int device, dict opts):
         raise RuntimeError(
             "backend='cuda' needs CuPy and a CUDA device, and none was found; "
             "use backend='sim' (simulated device) or 'host' on a machine without a GPU")
-    handle, owned = _cuda.resolve_pool_handle(opts["pool_handle"], device)
+    # Sharing with other processes needs a cudaMemPool made for it (docs/sharing.md).
+    ipc = opts["ipc"]
+    if ipc and opts["pool_handle"] != "create":
+        raise ValueError(f"option 'ipc' (True) needs pool_handle='create' (the default), not "
+                         f"{opts['pool_handle']!r}: only a cudaMemPool the Pool creates can "
+                         f"be shared with other processes")
+    if ipc is None:
+        ipc = opts["pool_handle"] == "create" and _cuda.shareable_supported(device)
+    elif ipc and not _cuda.shareable_supported(device):
+        raise RuntimeError(f"option 'ipc' (True): device {device}'s driver cannot share a "
+                           f"cudaMemPool through POSIX file descriptors")
+    opts["ipc"] = bool(ipc)
+    handle, owned = _cuda.resolve_pool_handle(opts["pool_handle"], device,
+                                              shareable=opts["ipc"])
     try:
         _cuda.configure(
             handle,
@@ -26,6 +39,9 @@ cdef object _make_cuda(mp_upstream *up, int device, dict opts):
             reuse_allow_opportunistic=opts["reuse_allow_opportunistic"],
             reuse_allow_internal_dependencies=opts["reuse_allow_internal_dependencies"])
         _make_cuda_upstream(up, device, handle)
+        if mp_cuda_set_shareable(up, 1 if opts["ipc"] else 0) != MP_OK:
+            up.destroy(up.ctx)
+            raise RuntimeError(f"option 'ipc' (True): device {device}'s upstream cannot share")
     except BaseException:
         if owned:
             _cuda.destroy(handle)

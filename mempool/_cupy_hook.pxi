@@ -23,7 +23,9 @@ cdef class _Allocation:
         # A force-closed pool has let its C pool go, and the block with it (Note [Closing
         # a pool]): there is nothing left to free.
         if self._owner is not None and self._owner._pool != NULL:
-            mp_free(self._owner._pool, self.ptr, 0, 0)
+            sharing = self._owner._sharing   # exported: freed once its consumers let go
+            if sharing is None or not _share_pinned_free(sharing, self.ptr, 0, 0):
+                mp_free(self._owner._pool, self.ptr, 0, 0)
 
 
 cdef object _cupy_malloc(Pool pool, object nbytes):

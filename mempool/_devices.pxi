@@ -294,6 +294,8 @@ cdef class SimDevice(_DeviceBase):
                    live_events=mp_sim_live_events(self._sim),
                    mapped_bytes=mp_sim_mapped_bytes(self._sim),
                    live_maps=mp_sim_live_maps(self._sim),
+                   open_imports=mp_sim_open_imports(self._sim),
+                   imports_opened=mp_sim_imports_opened(self._sim),
                    split_unmaps=mp_sim_num_split_unmaps(self._sim),
                    streams=mp_sim_num_streams(self._sim),
                    hold_timeouts=mp_sim_hold_timeouts(self._sim))

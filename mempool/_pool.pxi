@@ -1,10 +1,11 @@
 # The Pool class: its fields and life (creation, close), the streams it is given (Note
-# [Pinned streams]), allocate and free (the hot paths, Note [Hot address]), and the methods
-# of every other concern, each checking that the pool is usable and delegating with the C
-# pool to the part that does the work: _pool_create, _pool_errors, _pool_retention,
-# _pool_observe, _peers, _buffer (before this part) and _cupy_hook (after it: its owner object
-# holds a Pool). A cdef class is written in one place, so the methods and their docstrings
-# are all here. Everything here holds the GIL; the core below it never needs it
+# [Pinned streams], in _streams.pxi), allocate and free (the hot paths, Note [Hot
+# address]), and the methods of every other concern, each checking that the pool is usable
+# and delegating with the C pool to the part that does the work: _pool_create, _pool_errors,
+# _share, _pool_retention, _pool_observe, _peers, _buffer (before this part) and _cupy_hook
+# (after it: its owner object holds a Pool). A cdef class is written in one place, so the
+# methods and their docstrings are all here. Everything here holds the GIL; the core below
+# it never needs it
 # (docs/architecture.md, "Note [Lock order]").
 #
 # Uses every part included before it (_core.pyx), and _cupy_malloc of _cupy_hook.pxi.
@@ -56,28 +57,6 @@ cdef object _unusable(Pool pool):
 # else takes the usual path and its checks. The memo starts as the int 0 (with value 0), never
 # as None, so that `free(None)` is refused as a bad type like any other non-integer. The Pool's
 # fields are touched only with the GIL held.
-
-# Note [Pinned streams]
-#
-# The pool cannot tell a live stream handle from a destroyed one (asking the driver about a
-# destroyed handle is itself the crash), and it does use handles long after the call that named
-# them: the owner of a cached block gets an event recorded on it when another stream takes the
-# block, and a cached segment is freed on its stream. Threads that make CuPy streams, allocate
-# and free on them and return let CuPy destroy the streams with their objects, and the next
-# thread's allocation may take one of their blocks: the event would go to a dead stream.
-#
-# So `Pool` keeps a reference to every stream *object* it is given (a CuPy stream, an object
-# with `__cuda_stream__`, CuPy's current stream when `stream=None`), by handle, in
-# `pinned_streams`: the object, and so its handle, lives as long as the pool may use it. The
-# cost on the hot path is one identity compare with the stream pinned last. Handles 0, 1 and 2
-# (the default streams) are never pinned, nor are raw ints, which the caller owns: for those,
-# `forget_stream(handle)` before destroying the stream is the contract. `forget_stream`
-# synchronizes the stream, hands its blocks and segments to the legacy stream, and only then
-# drops the pinned object (dropping it first destroyed the stream before the synchronize: the
-# second crash of those runs). An application that makes a stream per request keeps those
-# streams until it calls `forget_stream`; that trade (a few stream objects against a crash) is
-# deliberate.
-
 
 cdef class Pool:
     """Pool(backend='cuda', device=0, capacity=None, **options)
@@ -141,6 +120,7 @@ A stream-ordered device memory pool.
     cdef bint _closed
     cdef int _in_core                # calls under way that may have let the GIL go
     cdef object _number              # the key in _live_pools
+    cdef _Sharing _sharing           # blocks exported (_share.pxi); None before the first
     cdef object __weakref__
 
     def __cinit__(self, *args, **kwargs):
@@ -215,9 +195,12 @@ A stream-ordered device memory pool.
         if self._closed:
             return
         self._ready()
+        _share_collect(self._pool, self._sharing)   # exported blocks consumers let go
         refusal = _close_refusal(self._pool, self.device_id, self._in_core, force)
         if refusal is not None:
             raise refusal
+        if self._sharing is not None:
+            self._sharing.close()   # no consumer joins from now on (the ledger is unlinked)
         # What other holders of the C pool (Buffers, device controls kept by the caller)
         # would keep cached goes now; the pool's own reference goes last.
         mp_empty_cache(self._pool)
@@ -342,6 +325,8 @@ A stream-ordered device memory pool.
         cdef int rc = mp_alloc(self._pool, n, s, &ptr)
         mp_py_mark(0)
         self._in_core -= 1
+        if rc != MP_OK and _share_collect(self._pool, self._sharing):   # blocks consumers let go
+            rc = mp_alloc(self._pool, n, s, &ptr)
         if rc != MP_OK:
             raise self._alloc_error(rc, n, s)
         if ptr == self._hot_address_value:
@@ -373,6 +358,8 @@ A stream-ordered device memory pool.
         if has_stream:
             saved = self._pins()
             self._stream_of(stream, &s)
+        if self._sharing is not None and _share_pinned_free(self._sharing, p, s, has_stream):
+            return   # exported: freed once its consumers let go (collect_shared)
         self._in_core += 1   # Note [Closing a pool]
         mp_py_mark(1)
         cdef int rc = mp_free(self._pool, p, s, has_stream)
@@ -492,6 +479,8 @@ A stream-ordered device memory pool.
         with nogil:
             rc = mp_dl_block_new(self._pool, n, handle, &block)
         self._in_core -= 1
+        if rc != MP_OK and _share_collect(self._pool, self._sharing):   # blocks consumers let go
+            rc = mp_dl_block_new(self._pool, n, handle, &block)
         if rc != MP_OK:
             raise self._alloc_error(rc, n, handle)
         return _buffer_wrap(block, dt, code, minor, dims, 0, False, self.backend,
@@ -764,6 +753,34 @@ A stream-ordered device memory pool.
         self._ready()
         from mempool.tools import report
         return report.snapshot(self.layout(), self.history(), device=self.device_id)
+
+    # ------------------------------------------------------------------ other processes
+
+    def export(self, buffer_or_ptr):
+        """A :class:`SharedHandle` of a block for another process (docs/sharing.md, "Other
+        processes"): waits for the block's stream, then keeps the block from reuse, even
+        once freed here, until every consumer released it (:meth:`collect_shared`).
+        Needs ``ipc`` on (``Pool(..., ipc=True)``)."""
+        self._ready()
+        if not self.options["ipc"]:
+            raise RuntimeError(f"export: this {self.backend!r} pool was made without sharing; "
+                               f"create it with ipc=True to export blocks")
+        if self._sharing is None:
+            self._sharing = _Sharing()
+        return _share_export(self._pool, self.backend, self._sharing, buffer_or_ptr)
+
+    def import_(self, handle):
+        """A :class:`Buffer` over the memory of `handle` (a :class:`SharedHandle` from
+        :meth:`export`, in this process or another, of a pool of this backend); the producer
+        may reuse it once this Buffer, its views and DLPack exports are all gone."""
+        self._ready()
+        return _share_import(self._pool, self.backend, self.device_id, handle)
+
+    def collect_shared(self):
+        """Give back the exported blocks whose consumers all released them (or died);
+        returns how many. Export and an allocation about to fail run it too."""
+        self._ready()
+        return _share_collect(self._pool, self._sharing)
 
     def __repr__(self):
         if self._closed:

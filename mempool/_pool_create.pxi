@@ -57,6 +57,8 @@ cdef tuple _pool_build(dict opts, mp_pool **out):
     cdef size_t gran = _DEFAULT_GRANULARITY if granularity is None else granularity
     if kind != _CUDA:
         opts["granularity"] = gran   # the page size in use, default resolved
+        if opts["ipc"] is None:
+            opts["ipc"] = kind == _SIM   # the sim models sharing; host memory needs memfds
     cdef mp_upstream up
     cdef int rc
     cuda_handle = None
@@ -83,6 +85,9 @@ cdef tuple _pool_build(dict opts, mp_pool **out):
             raise MemoryError(f"could not create the {backend_name} device (error {rc})")
         if kind == _SIM:
             _sim_place(&up, device_id)   # several devices: mempool/_peers.pxi
+        # Note [Host sharing] (mp_host.c): memfd-backed only when the pool shares.
+        if kind == _HOST and opts["ipc"]:
+            mp_host_set_shareable(&up, 1)
         if opts["expandable_segments"] and gran > cap:
             up.destroy(up.ctx)
             raise ValueError(f"option 'granularity' ({gran} bytes) exceeds 'capacity' "

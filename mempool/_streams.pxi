@@ -97,3 +97,25 @@ cdef class _CurrentStream:
         cdef uintptr_t handle = 0
         stream = self.find(device, &handle)
         return handle, stream
+
+
+# Note [Pinned streams]
+#
+# The pool cannot tell a live stream handle from a destroyed one (asking the driver about a
+# destroyed handle is itself the crash), and it does use handles long after the call that named
+# them: the owner of a cached block gets an event recorded on it when another stream takes the
+# block, and a cached segment is freed on its stream. Threads that make CuPy streams, allocate
+# and free on them and return let CuPy destroy the streams with their objects, and the next
+# thread's allocation may take one of their blocks: the event would go to a dead stream.
+#
+# So `Pool` keeps a reference to every stream *object* it is given (a CuPy stream, an object
+# with `__cuda_stream__`, CuPy's current stream when `stream=None`), by handle, in
+# `pinned_streams`: the object, and so its handle, lives as long as the pool may use it. The
+# cost on the hot path is one identity compare with the stream pinned last. Handles 0, 1 and 2
+# (the default streams) are never pinned, nor are raw ints, which the caller owns: for those,
+# `forget_stream(handle)` before destroying the stream is the contract. `forget_stream`
+# synchronizes the stream, hands its blocks and segments to the legacy stream, and only then
+# drops the pinned object (dropping it first destroyed the stream before the synchronize: the
+# second crash of those runs). An application that makes a stream per request keeps those
+# streams until it calls `forget_stream`; that trade (a few stream objects against a crash) is
+# deliberate.

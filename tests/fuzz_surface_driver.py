@@ -236,6 +236,7 @@ def module_functions():
         for name in names:
             out.append((f"{label}.{name}", getattr(module, name)))
     out.append(("mempool.Pool.from_conf", mempool.Pool.from_conf))
+    out.append(("mempool.SharedHandle.from_bytes", mempool.SharedHandle.from_bytes))
     out.append(("mempool.Pool", mempool.Pool))
     return out
 
@@ -552,6 +553,13 @@ def step_module(data, world, functions):
 def finish(world):
     """Drop everything; the pool must be whole and empty again."""
     LOG.write("finish")
+    # A handle no process imported pins its block (the hold in flight: docs/sharing.md,
+    # "Other processes"): the world takes each one it made and lets it go again.
+    for handle in [c for c in world.consumers if isinstance(c, mempool.SharedHandle)]:
+        try:
+            world.pool.import_(handle).close()
+        except (ValueError, RuntimeError, mempool.PoolClosedError):
+            pass        # stale (given back already) or another pool's
     for ptr in world.addresses:
         try:
             world.pool.free(ptr)
@@ -561,6 +569,9 @@ def finish(world):
     world.buffers.clear()
     world.consumers.clear()
     world.other.clear()
+    for p in world.pools:
+        if not p.closed:
+            p.collect_shared()   # the exported blocks every consumer let go of
     if world.pool.used_bytes():
         gc.collect()             # only when reference counting left something (a cycle)
     for p in world.pools:

@@ -37,6 +37,7 @@ DEFAULTS = {
     "max_map_size": None,
     "min_map_size": None,
     "graph_capture_record_stream_reuse": False,
+    "ipc": None,
     "pool_handle": "create",
     "reuse_follow_event_dependencies": True,
     "reuse_allow_opportunistic": True,

@@ -189,6 +189,7 @@ void mp_pool_destroy(mp_pool *p) {
     }
     mp_lock_release(&p->lock);
     if (owner) mp_pool_release(owner);
+    mp_share_close_all(p);
     if (p->up.destroy) p->up.destroy(p->up.ctx);
     /* Note [Block tallies]: a pool that was in a table leaves its struct behind, for a
      * caller that read it from the table just before it left. */

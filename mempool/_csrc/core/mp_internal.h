@@ -271,6 +271,10 @@ struct mp_pool {
     mp_pool *reg_prev, *reg_next;
 
     size_t trace_cap, trace_len, trace_head, trace_max;   /* the ring of `trace` (above) */
+    /* Note [Sharing across processes] (mp_share.c): the regions of other pools (any
+     * process) this pool has open, by their handle's bytes, each counted. */
+    struct mp_share_open *share_opens;
+    size_t nshare_opens, cap_share_opens;
 };
 
 /* mp_freelist.h's list operations, here where the block is defined. */
@@ -510,6 +514,9 @@ static inline int mp_lock_own(mp_pool *p) {
  * fork handlers); take it out of the registry at its destroy. */
 void mp_fork_register(mp_pool *p);
 void mp_fork_unregister(mp_pool *p);
+
+/* mp_share.c: close every region still open, at the pool's destroy (no lock held). */
+void mp_share_close_all(mp_pool *p);
 
 /* mp_trace.c */
 void mp_trace_record_locked(mp_pool *p, int action, uintptr_t ptr, size_t nbytes,

@@ -2,10 +2,13 @@
  * real, so tests fill and verify them, and NumPy can read them through DLPack (kDLCPU).
  * Expandable segments map pages of a PROT_NONE reservation read-write. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "mp_budget.h"
@@ -17,17 +20,46 @@ typedef struct mp_host {
     size_t granularity;
     uintptr_t next_event;
     mp_ptrmap mappings;   /* one per map call, unmapped only whole (mp_mappings_whole) */
+    /* Note [Host sharing]: memory backed by memfds, so that another process can map it:
+     * set before the first allocation (mp_host_set_shareable); the memfd of each segment
+     * and each map call by address (struct host_fd), and the serial of the next one. */
+    int shareable;
+    int used;
+    mp_ptrmap fds;
+    uint64_t next_serial;
 } mp_host;
+
+/* A memfd behind a segment or a map call (Note [Host sharing]). */
+struct host_fd {
+    int fd;
+    size_t nbytes;
+    uint64_t serial;
+    uint64_t ino;   /* the consumer checks it: an fd number may be reused for other memory */
+};
+
+/* Note [Host sharing] (below): the helpers the allocation paths call. */
+static int host_fd_back(mp_host *h, uintptr_t at, size_t nbytes, int fixed, uintptr_t *out);
+static void host_fd_drop(mp_host *h, uintptr_t at, size_t nbytes, int fixed);
 
 static int host_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintptr_t *out) {
     mp_host *h = ctx;
     (void)stream;
     pthread_mutex_lock(&h->mu);
     int rc = mp_budget_take(&h->budget, nbytes);
+    h->used = 1;
     pthread_mutex_unlock(&h->mu);
     if (rc != MP_OK) return rc;
     void *p = NULL;
-    if (posix_memalign(&p, 4096, nbytes) != 0) {
+    uintptr_t shared = 0;
+    if (h->shareable) {
+        if (host_fd_back(h, 0, nbytes, 0, &shared) != MP_OK) {
+            pthread_mutex_lock(&h->mu);
+            mp_budget_give(&h->budget, nbytes);
+            pthread_mutex_unlock(&h->mu);
+            return MP_ENOMEM;
+        }
+        p = (void *)shared;
+    } else if (posix_memalign(&p, 4096, nbytes) != 0) {
         pthread_mutex_lock(&h->mu);
         mp_budget_give(&h->budget, nbytes);
         pthread_mutex_unlock(&h->mu);
@@ -43,7 +75,8 @@ static int host_segment_alloc(void *ctx, size_t nbytes, uintptr_t stream, uintpt
 static int host_segment_free(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t stream) {
     mp_host *h = ctx;
     (void)stream;
-    free((void *)ptr);
+    if (h->shareable) host_fd_drop(h, ptr, nbytes, 0);
+    else free((void *)ptr);
     pthread_mutex_lock(&h->mu);
     mp_budget_give(&h->budget, nbytes);
     h->budget.num_frees++;
@@ -97,26 +130,39 @@ static int host_map(void *ctx, uintptr_t va, size_t nbytes) {
     int64_t fail_after = h->budget.fail_map_after;
     h->budget.fail_map_after = -1;
     int rc = mp_budget_take(&h->budget, nbytes);   /* fail_next and the capacity */
+    h->used = 1;
     pthread_mutex_unlock(&h->mu);
     if (rc != MP_OK) return rc;
+    if (h->shareable) {
+        /* One memfd for the whole call, mapped over the reservation: the physical
+         * allocation another process maps (Note [Host sharing]). */
+        uintptr_t at = va;
+        if (fail_after >= 0 || host_fd_back(h, va, nbytes, 1, &at) != MP_OK) rc = MP_ENOMEM;
+        else done = npages;
+    }
     /* Page by page, as the sim and the driver map; a failure part-way undoes the pages
      * already mapped, so the map is all or nothing. */
-    for (; done < npages; done++) {
+    for (; rc == MP_OK && done < npages; done++) {
         if ((fail_after >= 0 && (int64_t)done == fail_after) ||
             mprotect((void *)(va + done * g), g, PROT_READ | PROT_WRITE) != 0) {
             rc = MP_ENOMEM;
             break;
         }
     }
-    if (rc != MP_OK && done) {
+    if (rc != MP_OK && done && !h->shareable) {
         madvise((void *)va, done * g, MADV_DONTNEED);
         mprotect((void *)va, done * g, PROT_NONE);
     }
     pthread_mutex_lock(&h->mu);
     if (rc == MP_OK && mp_ptrmap_insert(&h->mappings, va, (void *)(uintptr_t)nbytes) != MP_OK) {
         rc = MP_ENOMEM;
-        madvise((void *)va, nbytes, MADV_DONTNEED);
-        mprotect((void *)va, nbytes, PROT_NONE);
+        pthread_mutex_unlock(&h->mu);
+        if (h->shareable) host_fd_drop(h, va, nbytes, 1);
+        else {
+            madvise((void *)va, nbytes, MADV_DONTNEED);
+            mprotect((void *)va, nbytes, PROT_NONE);
+        }
+        pthread_mutex_lock(&h->mu);
     }
     if (rc == MP_OK) {
         h->budget.num_maps++;
@@ -135,8 +181,20 @@ static int host_unmap(void *ctx, uintptr_t va, size_t nbytes) {
     if (whole) mp_mappings_remove(&h->mappings, va, nbytes);
     pthread_mutex_unlock(&h->mu);
     if (!whole) return MP_EINVAL;   /* it would cut a physical allocation: nothing changes */
-    madvise((void *)va, nbytes, MADV_DONTNEED);   /* drop the pages themselves */
-    mprotect((void *)va, nbytes, PROT_NONE);
+    if (h->shareable) {
+        /* Each map call's memfd, whole: [va, va + nbytes) is made of whole ones. */
+        for (uintptr_t a = va; a < va + nbytes;) {
+            pthread_mutex_lock(&h->mu);
+            struct host_fd *f = mp_ptrmap_get(&h->fds, a);
+            size_t n = f ? f->nbytes : nbytes - (a - va);
+            pthread_mutex_unlock(&h->mu);
+            host_fd_drop(h, a, n, 1);
+            a += n;
+        }
+    } else {
+        madvise((void *)va, nbytes, MADV_DONTNEED);   /* drop the pages themselves */
+        mprotect((void *)va, nbytes, PROT_NONE);
+    }
     pthread_mutex_lock(&h->mu);
     mp_budget_give(&h->budget, nbytes);
     h->budget.num_unmaps++;
@@ -150,9 +208,198 @@ static int host_va_release(void *ctx, uintptr_t va, size_t nbytes) {
     return MP_OK;
 }
 
+/* ---- sharing with other processes ------------------------------------------------------ */
+
+/* Note [Host sharing]
+ * A host pool made to share (mp_host_set_shareable, before its first allocation) backs each
+ * segment and each map call with a memfd of its own, mapped MAP_SHARED: memory another
+ * process can map. The payload of a region is the producer's pid and, for each memfd in
+ * it, the fd number, its inode, its size and a serial; a consumer takes the fds across with
+ * pidfd_open + pidfd_getfd (Linux 5.6 or later, and ptrace permission over the producer:
+ * /proc/sys/kernel/yama/ptrace_scope decides; refused, open answers MP_EUNSUPPORTED), checks
+ * each one's inode and size (an fd number freed and reused names other memory: MP_EINVAL),
+ * maps them side by side in a reservation of its own and closes them. The mapping keeps the
+ * memory alive whatever the producer does next; close unmaps it. Pools that do not share
+ * keep malloc'd segments and mprotect'ed pages: no fd per segment.
+ */
+#define HOST_ENTRY_LEN 28   /* u32 fd, u64 inode, u64 bytes, u64 serial */
+#define HOST_MAX_ENTRIES 65536
+
+static void hput(unsigned char *at, uint64_t v, int n) {
+    for (int i = 0; i < n; i++) at[i] = (unsigned char)(v >> (8 * i));
+}
+static uint64_t hget(const unsigned char *at, int n) {
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++) v |= (uint64_t)at[i] << (8 * i);
+    return v;
+}
+
+static int host_fd_back(mp_host *h, uintptr_t at, size_t nbytes, int fixed, uintptr_t *out) {
+    struct host_fd *f = malloc(sizeof *f);
+    if (!f) return MP_ENOMEM;
+    int fd = (int)syscall(SYS_memfd_create, "mempool-host", 1u /* MFD_CLOEXEC */);
+    struct stat st;
+    if (fd < 0 || ftruncate(fd, (off_t)nbytes) != 0 || fstat(fd, &st) != 0) {
+        if (fd >= 0) close(fd);
+        free(f);
+        return MP_ENOMEM;
+    }
+    void *p = mmap(fixed ? (void *)at : NULL, nbytes, PROT_READ | PROT_WRITE,
+                   MAP_SHARED | (fixed ? MAP_FIXED : 0), fd, 0);
+    if (p == MAP_FAILED) {
+        close(fd);
+        free(f);
+        return MP_ENOMEM;
+    }
+    f->fd = fd;
+    f->nbytes = nbytes;
+    f->ino = (uint64_t)st.st_ino;
+    pthread_mutex_lock(&h->mu);
+    f->serial = ++h->next_serial;
+    int rc = mp_ptrmap_insert(&h->fds, (uintptr_t)p, f);
+    pthread_mutex_unlock(&h->mu);
+    if (rc != MP_OK) {
+        if (fixed) mmap(p, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+        else munmap(p, nbytes);
+        close(fd);
+        free(f);
+        return MP_ENOMEM;
+    }
+    *out = (uintptr_t)p;
+    return MP_OK;
+}
+
+static void host_fd_drop(mp_host *h, uintptr_t at, size_t nbytes, int fixed) {
+    pthread_mutex_lock(&h->mu);
+    struct host_fd *f = mp_ptrmap_remove(&h->fds, at);
+    pthread_mutex_unlock(&h->mu);
+    /* Back to what it was: a hole in the reservation, or nothing. */
+    if (fixed) mmap((void *)at, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    else munmap((void *)at, nbytes);
+    if (f) {
+        close(f->fd);
+        free(f);
+    }
+}
+
+static int host_share(void *ctx, uintptr_t base, size_t nbytes, int expandable,
+                      unsigned char *buf, size_t cap, size_t *len) {
+    mp_host *h = ctx;
+    *len = 0;
+    pthread_mutex_lock(&h->mu);
+    if (!h->shareable) {
+        pthread_mutex_unlock(&h->mu);
+        return MP_EUNSUPPORTED;
+    }
+    size_t k = 0;
+    uintptr_t a = base;
+    while (a < base + nbytes) {
+        struct host_fd *f = mp_ptrmap_get(&h->fds, a);
+        if (!f || (!expandable && f->nbytes != nbytes)) break;
+        a += f->nbytes;
+        k++;
+    }
+    if (a != base + nbytes || !k) {
+        pthread_mutex_unlock(&h->mu);
+        return MP_EINVAL;   /* not a segment, nor a run of whole map calls */
+    }
+    *len = 8 + k * HOST_ENTRY_LEN;
+    if (!buf || cap < *len) {
+        pthread_mutex_unlock(&h->mu);
+        return MP_EINVAL;
+    }
+    hput(buf, (uint64_t)getpid(), 4);
+    hput(buf + 4, k, 4);
+    unsigned char *at = buf + 8;
+    for (a = base; a < base + nbytes; at += HOST_ENTRY_LEN) {
+        struct host_fd *f = mp_ptrmap_get(&h->fds, a);
+        hput(at, (uint64_t)f->fd, 4);
+        hput(at + 4, f->ino, 8);
+        hput(at + 12, f->nbytes, 8);
+        hput(at + 20, f->serial, 8);
+        a += f->nbytes;
+    }
+    pthread_mutex_unlock(&h->mu);
+    return MP_OK;
+}
+
+/* What an errno of pidfd_open / pidfd_getfd means for the handle. */
+static int host_pidfd_error(int err) {
+    if (err == EPERM || err == EACCES || err == ENOSYS) return MP_EUNSUPPORTED;
+    if (err == EMFILE || err == ENFILE || err == ENOMEM) return MP_ENOMEM;
+    return MP_EINVAL;   /* the handle names no process or fd of one (gone, or never was) */
+}
+
+static int host_open(void *ctx, const unsigned char *buf, size_t len, size_t nbytes,
+                     uintptr_t *out) {
+    (void)ctx;
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    if (!buf || len < 8 || !out || !nbytes || nbytes % page) return MP_EINVAL;
+    uint64_t pid = hget(buf, 4), k = hget(buf + 4, 4);
+    if (!pid || pid > INT32_MAX || !k || k > HOST_MAX_ENTRIES || len != 8 + k * HOST_ENTRY_LEN)
+        return MP_EINVAL;
+    uint64_t total = 0;
+    for (uint64_t i = 0; i < k; i++) {
+        uint64_t n = hget(buf + 8 + i * HOST_ENTRY_LEN + 12, 8);
+        if (!n || n % page || n > nbytes || total + n > nbytes) return MP_EINVAL;
+        if (hget(buf + 8 + i * HOST_ENTRY_LEN, 4) > INT32_MAX) return MP_EINVAL;
+        total += n;
+    }
+    if (total != nbytes) return MP_EINVAL;
+    int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)pid, 0);
+    if (pidfd < 0) return host_pidfd_error(errno);
+    void *region = mmap(NULL, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (region == MAP_FAILED) {
+        close(pidfd);
+        return MP_ENOMEM;
+    }
+    int rc = MP_OK;
+    size_t off = 0;
+    for (uint64_t i = 0; i < k && rc == MP_OK; i++) {
+        const unsigned char *e = buf + 8 + i * HOST_ENTRY_LEN;
+        size_t n = (size_t)hget(e + 12, 8);
+        int fd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)hget(e, 4), 0);
+        if (fd < 0) {
+            rc = host_pidfd_error(errno);
+            break;
+        }
+        struct stat st;
+        if (fstat(fd, &st) != 0 || (uint64_t)st.st_ino != hget(e + 4, 8) ||
+            !S_ISREG(st.st_mode) || (uint64_t)st.st_size != n)
+            rc = MP_EINVAL;   /* another file under that number: not the memory named */
+        else if (mmap((char *)region + off, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                      fd, 0) == MAP_FAILED)
+            rc = MP_ENOMEM;
+        close(fd);
+        off += n;
+    }
+    close(pidfd);
+    if (rc != MP_OK) {
+        munmap(region, nbytes);
+        return rc;
+    }
+    *out = (uintptr_t)region;
+    return MP_OK;
+}
+
+static int host_close(void *ctx, uintptr_t ptr, size_t nbytes) {
+    (void)ctx;
+    return munmap((void *)ptr, nbytes) == 0 ? MP_OK : MP_EINVAL;
+}
+
+int mp_host_set_shareable(mp_upstream *up, int on) {
+    mp_host *h = up->ctx;
+    pthread_mutex_lock(&h->mu);
+    int rc = h->used ? MP_EBUSY : MP_OK;
+    if (rc == MP_OK) h->shareable = on ? 1 : 0;
+    pthread_mutex_unlock(&h->mu);
+    return rc;
+}
+
 static void host_destroy(void *ctx) {
     mp_host *h = ctx;
     mp_ptrmap_destroy(&h->mappings);
+    mp_ptrmap_destroy(&h->fds);
     pthread_mutex_destroy(&h->mu);
     free(h);
 }
@@ -167,6 +414,11 @@ int mp_host_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
     mp_host *h = calloc(1, sizeof *h);
     if (!h) return MP_ENOMEM;
     if (mp_ptrmap_init(&h->mappings, 64) != MP_OK) {
+        free(h);
+        return MP_ENOMEM;
+    }
+    if (mp_ptrmap_init(&h->fds, 64) != MP_OK) {
+        mp_ptrmap_destroy(&h->mappings);
         free(h);
         return MP_ENOMEM;
     }
@@ -192,6 +444,9 @@ int mp_host_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
     up->map = host_map;
     up->unmap = host_unmap;
     up->va_release = host_va_release;
+    up->share = host_share;
+    up->open = host_open;
+    up->close = host_close;
     up->destroy = host_destroy;
     return MP_OK;
 }

@@ -547,6 +547,7 @@ static void sim_destroy(void *ctx) {
     mp_ptrmap_destroy(&s->reservations);
     mp_ptrmap_destroy(&s->pages);
     mp_ptrmap_destroy(&s->mappings);
+    sim_share_destroy(s);
     for (size_t i = 0; i < s->nstreams; i++) {
         free(s->streams[i].waits);
         free(s->streams[i].frontier);
@@ -604,6 +605,11 @@ int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity) {
     up->unmap = sim_unmap;
     up->va_release = sim_va_release;
     up->destroy = sim_destroy;
+    if (sim_share_init(s, up) != MP_OK) {
+        sim_destroy(s);
+        memset(up, 0, sizeof *up);
+        return MP_ENOMEM;
+    }
     return MP_OK;
 }
 

@@ -105,4 +105,9 @@ uint64_t mp_sim_peer_mask(mp_sim *sim);
  * mapped, or since), and'ed over the pages. 0 when some byte of the range is not backed. */
 uint64_t mp_sim_access_mask(mp_sim *sim, uintptr_t addr, size_t nbytes);
 
+/* ---- sharing with other processes (Note [Sim sharing], mp_sim_share.c) ---- */
+/* Regions of shared handles open in this sim now (opens less closes), and opened ever. */
+size_t mp_sim_open_imports(mp_sim *sim);
+uint64_t mp_sim_imports_opened(mp_sim *sim);
+
 #endif

@@ -98,6 +98,11 @@ struct mp_sim {
      * the most the device held (handed out plus kept) at any allocation. */
     sim_kept *kept;
     size_t nkept, cap_kept, kept_bytes, held_peak;
+    /* Note [Sim sharing] (mp_sim_share.c): this sim's token in the handles it makes, and the
+     * regions of handles opened here (address -> bytes). */
+    uint64_t share_token;
+    mp_ptrmap imports;
+    uint64_t num_imports_opened;
 };
 
 /* The access a page gets when mapped: the device itself and every peer granted so far. */
@@ -132,5 +137,10 @@ MP_SIM_PRIVATE int sim_capture_frontier(void *ctx, uintptr_t stream, uint64_t *g
                                         uintptr_t *nodes, size_t cap, size_t *n);
 MP_SIM_PRIVATE int sim_capture_follows(void *ctx, uintptr_t stream, const uintptr_t *nodes,
                                        size_t n, unsigned char *followed);
+
+/* ---- sharing with other processes (mp_sim_share.c) ---- */
+/* Fill the sharing members of `up` and the sim's state for them; and free that state. */
+MP_SIM_PRIVATE int sim_share_init(mp_sim *s, mp_upstream *up);
+MP_SIM_PRIVATE void sim_share_destroy(mp_sim *s);
 
 #endif

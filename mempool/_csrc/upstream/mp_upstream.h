@@ -124,5 +124,8 @@ typedef struct mp_upstream {
 /* Constructors. Each fills *up and returns MP_OK, or an error code with *up untouched. */
 int mp_sim_upstream(mp_upstream *up, size_t capacity, size_t granularity);
 int mp_host_upstream(mp_upstream *up, size_t capacity, size_t granularity);
+/* Back the host upstream's memory with memfds, so that other processes can map it (Note
+ * [Host sharing], mp_host.c); only before its first allocation (MP_EBUSY after). */
+int mp_host_set_shareable(mp_upstream *up, int on);
 
 #endif
