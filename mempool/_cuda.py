@@ -133,12 +133,7 @@ def _check_device(device):
     return device
 
 
-def shareable_supported(device):
-    """True when `device`'s driver can share a cudaMemPool through POSIX file descriptors."""
-    return False
-
-
-def resolve_pool_handle(pool_handle, device, shareable=False):
+def resolve_pool_handle(pool_handle, device):
     """The ``cudaMemPool_t`` a Pool on `device` takes its segments from.
 
     Parameters

@@ -295,9 +295,3 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
 }
 
 int mp_cuda_owns(const mp_upstream *up) { return up && up->destroy == cu_destroy; }
-
-int mp_cuda_set_shareable(mp_upstream *up, int on) {
-    (void)up;
-    (void)on;
-    return MP_OK;
-}

@@ -31,10 +31,6 @@
 int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char *err,
                      size_t errlen);
 
-/* Make the upstream's memory shareable with other processes (docs/sharing.md, "Other
- * processes"); right after mp_cuda_upstream. */
-int mp_cuda_set_shareable(mp_upstream *up, int on);
-
 /* 1 when libcuda.so.1 loads, cuInit(0) succeeds and at least one device is visible; else 0.
  * Never fails otherwise; safe to call at any time. */
 int mp_cuda_available(void);
