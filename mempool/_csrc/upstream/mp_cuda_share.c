@@ -367,10 +367,10 @@ static int take_fd(uint32_t pid, int32_t fd, int *out) {
     }
     if (e == EPERM)
         return say(MP_EUNSUPPORTED, "this process may not take the descriptor of process %u's "
-                   "shared memory (pidfd_getfd: %s): it needs ptrace permission over it, which "
-                   "Yama refuses unless /proc/sys/kernel/yama/ptrace_scope is 0 or the producer "
-                   "is this process's ancestor's child it allowed (prctl PR_SET_PTRACER)", pid,
-                   strerror(e));
+                   "shared memory (pidfd_getfd: %s): that needs ptrace permission over it, "
+                   "which Yama's /proc/sys/kernel/yama/ptrace_scope refuses (at 1: unless that "
+                   "process is this one's descendant or allowed it with prctl "
+                   "PR_SET_PTRACER)", pid, strerror(e));
     if (e == ENOSYS)
         return say(MP_EUNSUPPORTED, "opening another process's memory needs pidfd_getfd "
                    "(Linux 5.6+)");
