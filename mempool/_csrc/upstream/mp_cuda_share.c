@@ -338,6 +338,7 @@ static int cu_share(void *ctx, uintptr_t base, size_t nbytes, int expandable,
     mp_cuda *c = ctx;
     sh_msg[0] = 0;
     if (!len || (cap && !buf)) return say(MP_EINVAL, "no buffer for the handle");
+    *len = 0;   /* stays 0 unless the buffer was too small */
     if (!c->shareable)
         return say(MP_EUNSUPPORTED, "the pool was not made to share its memory with other "
                    "processes" CANNOT_SHARE);
@@ -378,6 +379,19 @@ static int take_fd(uint32_t pid, int32_t fd, int *out) {
                pid, (int)fd, strerror(e));
 }
 
+/* Grant the calling upstream's device access to an imported pool (before its pointers
+ * are imported, as CUDA's own samples do), once per device. */
+static int pool_grant(mp_cuda *c, sh_pool *sp) {
+    uint64_t bit = (uint64_t)1 << (c->ordinal & 63);
+    if (sp->access & bit) return MP_OK;
+    CUmemAccessDesc d = {.location = c->prop.location, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    CUresult r;
+    CU_CALL(c, r, mp_cu.MemPoolSetAccess(sp->pool, &d, 1));
+    if (r != CUDA_SUCCESS) return say_driver(c, r, "cuMemPoolSetAccess of the imported pool");
+    sp->access |= bit;
+    return MP_OK;
+}
+
 /* Grant the calling upstream's device access to an import, once per device. */
 static int grant(mp_cuda *c, sh_import *im) {
     uint64_t bit = (uint64_t)1 << (c->ordinal & 63);
@@ -385,11 +399,8 @@ static int grant(mp_cuda *c, sh_import *im) {
     CUmemAccessDesc d = {.location = c->prop.location, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
     CUresult r;
     if (im->kind == KIND_SEGMENT) {
-        if (!(im->pool->access & bit)) {
-            CU_CALL(c, r, mp_cu.MemPoolSetAccess(im->pool->pool, &d, 1));
-            if (r != CUDA_SUCCESS) return say_driver(c, r, "cuMemPoolSetAccess of the imported pool");
-            im->pool->access |= bit;
-        }
+        int rc = pool_grant(c, im->pool);
+        if (rc != MP_OK) return rc;
     } else {
         CU_CALL(c, r, mp_cu.MemSetAccess(im->base, im->nbytes, &d, 1));
         if (r != CUDA_SUCCESS) return say_driver(c, r, "cuMemSetAccess of the imported pages");
@@ -482,10 +493,13 @@ static int open_segment(mp_cuda *c, const head *h, const unsigned char *buf, sh_
     im->pool = sp;
     CUmemPoolPtrExportData data;
     memcpy(&data, buf + HEAD_BYTES, sizeof data);
-    CUresult r;
-    CU_CALL(c, r, mp_cu.MemPoolImportPointer(&im->base, sp->pool, &data));
-    if (r != CUDA_SUCCESS) {
-        rc = say_driver(c, r, "cuMemPoolImportPointer");
+    CUresult r = CUDA_SUCCESS;
+    rc = pool_grant(c, sp);
+    if (rc == MP_OK) {
+        CU_CALL(c, r, mp_cu.MemPoolImportPointer(&im->base, sp->pool, &data));
+        if (r != CUDA_SUCCESS) rc = say_driver(c, r, "cuMemPoolImportPointer");
+    }
+    if (rc != MP_OK) {
         pool_unuse(sp, c->ctx);
         im->pool = NULL;
     }
