@@ -230,3 +230,35 @@ def test_a_handle_opened_in_the_process_that_made_it_gives_its_own_memory(fake_d
         other.destroy()
         c.destroy()
     """)
+
+
+def test_a_device_that_cannot_reach_the_memory_undoes_the_import(fake_driver):
+    # Device 2 of the fake reaches no other device: granting it access fails, and what was
+    # imported for the open goes again (the pool import, the mapped pages).
+    run(fake_driver, f"""
+        g = {G}
+        def make():
+            c = Cuda(0, shareable_pool=True)
+            c.set_shareable(1)
+            seg = c.segment(1 << 20)
+            va = c.reserve(4 * g)
+            c.map(va, 2 * g)
+            return {{"seg": c.share(seg, 1 << 20)[1].hex(), "pages": c.share(va, 2 * g, 1)[1].hex()}}
+
+        pid, out, release = produce(make)
+        c = Cuda(2)
+        rc, msg = c.open(bytes.fromhex(out["seg"]), 1 << 20)
+        assert rc == EUPSTREAM and "cuMemPoolSetAccess" in msg, msg
+        assert fake.fake_live_imported_pools() == 0 and fake.fake_share_count(3) == 0
+        rc, msg = c.open(bytes.fromhex(out["pages"]), 2 * g)
+        assert rc == EUPSTREAM and "cuMemSetAccess" in msg, msg
+        assert fake.fake_share_count(5) == 1            # imported (one allocation), undone:
+        assert fake.fake_mapped_pages() == 0 and fake.fake_live_handles() == 0
+        ok = Cuda(0)                                    # a device that can: opens
+        rc, base = ok.open(bytes.fromhex(out["seg"]), 1 << 20)
+        assert rc == OK, base
+        assert ok.close(base, 1 << 20) == OK
+        release()
+        c.destroy()
+        ok.destroy()
+    """)
