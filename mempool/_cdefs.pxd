@@ -357,6 +357,8 @@ cdef extern from "mp_cuda.h" nogil:
     size_t mp_cuda_peer_devices(const void *up, int *out, size_t cap)
     int mp_cuda_access_mask(const void *up, uintptr_t addr, size_t nbytes, uint64_t *mask,
                             char *err, size_t errlen)
+    int mp_cuda_set_shareable(void *up, int on)
+    void mp_cuda_share_message(char *buf, size_t buflen)
 
 
 # The consumers' ledger and imported blocks (_share.pxi, core/mp_share.h).

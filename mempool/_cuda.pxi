@@ -37,6 +37,23 @@ cdef int _set_cuda_page_size(void *up, size_t page) except -1:
     return 0
 
 
+cdef int _set_cuda_shareable(void *up, bint on) except -1:
+    """Say whether the upstream's memory will be shared with other processes (the Pool's
+    `ipc` option), before any segment (Note [Sharing CUDA memory]); RuntimeError with the
+    reason when the driver cannot."""
+    if mp_cuda_set_shareable(up, on) != 0:
+        raise RuntimeError(f"option 'ipc': {_cuda_share_message()}")
+    return 0
+
+
+def _cuda_share_message():
+    """Why this thread's latest share or open on a cuda pool failed ('' when it did not)."""
+    cdef char buf[512]
+    buf[0] = 0
+    mp_cuda_share_message(buf, sizeof(buf))
+    return buf.decode("utf-8", "replace")
+
+
 cdef str _cuda_error_text(int code):
     """The driver's name and description of a CUresult, for error messages."""
     cdef char buf[256]

@@ -27,6 +27,7 @@ __all__ = [
     "reset_peaks",
     "resolve_pool_handle",
     "segment_rounding_for",
+    "shareable_supported",
     "trim_to",
 ]
 
@@ -133,7 +134,35 @@ def _check_device(device):
     return device
 
 
-def resolve_pool_handle(pool_handle, device):
+# cudaDevAttrMemoryPoolSupportedHandleTypes, and its bit for cudaMemHandleTypePosixFileDescriptor
+# (the values of CUDA's driver_types.h, stable since CUDA 11.2).
+_ATTR_POOL_HANDLE_TYPES = 119
+_POSIX_FD = 0x1
+
+
+def shareable_supported(device):
+    """Whether a cudaMemPool on `device` can be created to share its memory with other
+    processes: the device's ``cudaDevAttrMemoryPoolSupportedHandleTypes`` has the POSIX
+    file-descriptor bit (Linux, a driver and device with memory-pool IPC).
+
+    Parameters
+    ----------
+    device : int
+        Device ordinal.
+
+    Returns
+    -------
+    bool
+    """
+    _check_device(device)
+    rt = _runtime()
+    types = _call(f"reading device {device}'s memory-pool handle types "
+                  "(cudaDevAttrMemoryPoolSupportedHandleTypes)", rt.deviceGetAttribute,
+                  _ATTR_POOL_HANDLE_TYPES, device)
+    return bool(int(types) & _POSIX_FD)
+
+
+def resolve_pool_handle(pool_handle, device, shareable=False):
     """The ``cudaMemPool_t`` a Pool on `device` takes its segments from.
 
     Parameters
@@ -146,6 +175,10 @@ def resolve_pool_handle(pool_handle, device):
         an int: an existing ``cudaMemPool_t`` made elsewhere, for `device`.
     device : int
         Device ordinal.
+    shareable : bool
+        Create the pool so that its memory can be shared with other processes (the POSIX
+        file-descriptor handle type): only with ``"create"``, where
+        :func:`shareable_supported` says the device can.
 
     Returns
     -------
@@ -154,6 +187,14 @@ def resolve_pool_handle(pool_handle, device):
     owned : bool
         True when the caller must `destroy` it (only for ``"create"``).
     """
+    if not isinstance(shareable, bool):
+        raise TypeError(f"shareable must be a bool, got {type(shareable).__name__} "
+                        f"{shareable!r}")
+    if shareable and pool_handle != "create":
+        raise ValueError(
+            f"pool_handle={pool_handle!r} cannot share its memory with other processes: only "
+            "a cudaMemPool the Pool creates can be made shareable; create the Pool with "
+            "pool_handle='create' (the default) and ipc=True")
     if isinstance(pool_handle, str):
         if pool_handle not in POOL_HANDLES:
             raise ValueError(
@@ -177,9 +218,16 @@ def resolve_pool_handle(pool_handle, device):
     if pool_handle == "current":
         return _call(f"getting device {device}'s current memory pool (cudaDeviceGetMemPool)",
                      rt.deviceGetMemPool, device), False
-    props = rt.MemPoolProps(rt.cudaMemAllocationTypePinned, rt.cudaMemHandleTypeNone,
+    if shareable and not shareable_supported(device):
+        raise ValueError(
+            f"device {device} cannot create a cudaMemPool shared with other processes (its "
+            "cudaDevAttrMemoryPoolSupportedHandleTypes lacks POSIX file descriptors); "
+            "create the Pool with ipc=False")
+    handle_type = _POSIX_FD if shareable else rt.cudaMemHandleTypeNone
+    props = rt.MemPoolProps(rt.cudaMemAllocationTypePinned, handle_type,
                             rt.cudaMemLocationTypeDevice, device)
-    return _call(f"creating a memory pool on device {device} (cudaMemPoolCreate)",
+    what = "a shareable memory pool" if shareable else "a memory pool"
+    return _call(f"creating {what} on device {device} (cudaMemPoolCreate)",
                  rt.memPoolCreate, props), True
 
 

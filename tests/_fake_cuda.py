@@ -21,7 +21,7 @@ from ctypes import (CFUNCTYPE, POINTER, byref, c_char_p, c_int, c_size_t, c_uint
                     create_string_buffer)
 
 fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)   # found again as libcuda.so.1
-for name, res in [("fake_make_pool", c_size_t), ("fake_pool_access", c_int),
+for name, res in [("fake_make_pool", c_size_t), ("fake_make_shareable_pool", c_size_t), ("fake_pool_access", c_int),
                   ("fake_page_access", c_int), ("fake_mapped_pages", c_int),
                   ("fake_set_access_calls", c_int), ("fake_pool_set_access_calls", c_int),
                   ("fake_create_calls", c_int), ("fake_map_calls", c_int),
@@ -39,6 +39,8 @@ core.mp_cuda_peer_devices.argtypes = [c_void_p, POINTER(c_int), c_size_t]
 core.mp_cuda_peer_devices.restype = c_size_t
 core.mp_cuda_access_mask.argtypes = [c_void_p, c_size_t, c_size_t, POINTER(c_uint64), c_char_p,
                                      c_size_t]
+core.mp_cuda_set_shareable.argtypes = [c_void_p, c_int]
+core.mp_cuda_share_message.argtypes = [c_char_p, c_size_t]
 KINDS = {"pointer": c_void_p, "int": c_int, "size_t": c_size_t}
 
 
@@ -47,10 +49,12 @@ class Upstream(ctypes.Structure):   # the fields of mp_upstream.h, read from the
 
 
 class Cuda:
-    """The cuda-pool upstream of `device` over a fresh fake cudaMemPool."""
+    """The cuda-pool upstream of `device` over a fresh fake cudaMemPool (made exportable with
+    shareable_pool)."""
 
-    def __init__(self, device=0):
-        self.pool = fake.fake_make_pool(device)
+    def __init__(self, device=0, shareable_pool=False):
+        make = fake.fake_make_shareable_pool if shareable_pool else fake.fake_make_pool
+        self.pool = make(device)
         self.up = Upstream()
         err = create_string_buffer(512)
         rc = core.mp_cuda_upstream(byref(self.up), device, self.pool, err, 512)
@@ -107,8 +111,34 @@ class Cuda:
         """Access mask of pages va .. va + n pages (-1: unmapped)."""
         return [fake.fake_page_access(va + i * self.g) for i in range(n)]
 
+    def set_shareable(self, on):
+        return core.mp_cuda_set_shareable(byref(self.up), on), share_message()
+
+    def share(self, base, nbytes, expandable=0):
+        """(OK, the payload) or (code, the message)."""
+        fn = self._fn("share", c_size_t, c_size_t, c_int, c_char_p, c_size_t, POINTER(c_size_t))
+        buf, n = create_string_buffer(1 << 16), c_size_t()
+        rc = fn(self.up.ctx, base, nbytes, expandable, buf, 1 << 16, byref(n))
+        return rc, (buf.raw[:n.value] if rc == OK else share_message())
+
+    def open(self, data, nbytes):
+        """(OK, the address) or (code, the message)."""
+        fn = self._fn("open", c_char_p, c_size_t, c_size_t, POINTER(c_size_t))
+        out = c_size_t()
+        rc = fn(self.up.ctx, data, len(data), nbytes, byref(out))
+        return rc, (out.value if rc == OK else share_message())
+
+    def close(self, ptr, nbytes):
+        return self._fn("close", c_size_t, c_size_t)(self.up.ctx, ptr, nbytes)
+
     def destroy(self):
         CFUNCTYPE(None, c_void_p)(self.up.destroy)(self.up.ctx)
+
+
+def share_message():
+    buf = create_string_buffer(512)
+    core.mp_cuda_share_message(buf, 512)
+    return buf.value.decode()
 
 
 OK, EINVAL, EUPSTREAM, EUNSUPPORTED, EBUSY = 0, 3, 8, 9, 10

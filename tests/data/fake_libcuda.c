@@ -5,11 +5,18 @@
  * cuMemSetAccess leaves it), and so is each memory pool's access (cuMemPoolSetAccess). No
  * memory is ever touched.
  *
+ * Sharing with other processes is modelled too (below): exported pools and allocations are
+ * memfds holding what they name, so that a process that took one (pidfd_getfd) can check it.
+ *
  * Built by tests/upstreams/test_cuda_fake_driver.py as libcuda.so.1; the fake_* functions are its
- * controls and probes. FAKE_NO_VMM=1 in the environment turns virtual memory off. */
+ * controls and probes. FAKE_NO_VMM=1 in the environment turns virtual memory off;
+ * FAKE_NO_SHARE_PAGES=1 makes cuMemCreate refuse exportable allocations. */
+#define _GNU_SOURCE
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -36,9 +43,9 @@ typedef struct {
  * part of, since the driver unmaps only whole mappings. */
 static struct { CUdeviceptr addr, start; size_t len; unsigned mask; int owner, used; }
     pages[MAX_PAGES];
-static struct { size_t size; int owner, used; } handles[MAX_HANDLES];
+static struct { size_t size; int owner, used, types, imported; } handles[MAX_HANDLES];
 static int create_calls, map_calls;
-static struct { int owner; unsigned mask; } pools[MAX_POOLS];
+static struct { int owner, types, imported, destroyed; unsigned mask; } pools[MAX_POOLS];
 static int npools;
 static CUdeviceptr next_va = 0x7f0000000000ull, next_seg = 0x600000000000ull;
 static uintptr_t next_event = 1;
@@ -61,6 +68,11 @@ uintptr_t fake_make_pool(int device) {
     pools[npools].owner = device;
     pools[npools].mask = 1u << device;
     return 0x5000 + (uintptr_t)npools++;
+}
+/* The same, created with the POSIX file-descriptor handle type (exportable). */
+uintptr_t fake_make_shareable_pool(int device) {
+    pools[npools].types = 1;
+    return fake_make_pool(device);
 }
 /* Devices that may access the mapped page at addr (bit d), or -1 when it is not mapped. */
 int fake_page_access(CUdeviceptr addr) {
@@ -125,23 +137,52 @@ static uintptr_t capturing_stream;   /* graph capture, below: the stream capturi
 static int capture_counts[10];
 static __thread int capture_mode;   /* the thread's capture mode: 0 global .. 2 relaxed */
 
+/* Segments of pools (cuMemAllocFromPoolAsync) and pointers imported from other processes'
+ * pools, for the sharing calls below. */
+#define MAX_SEGS 4096
+static struct { CUdeviceptr addr; size_t size; int pool, live, imported; unsigned seq; }
+    segs[MAX_SEGS];
+static int nsegs;
+static unsigned next_seq = 1;
+
+static int seg_index(CUdeviceptr p) {
+    for (int i = nsegs - 1; i >= 0; i--)
+        if (segs[i].live && segs[i].addr == p) return i;
+    return -1;
+}
+
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, void *pool, void *stream) {
-    (void)pool;
     capture_counts[3]++;
     if (capturing_stream && (uintptr_t)stream == capturing_stream) capture_counts[2]++;
     *p = next_seg;
     next_seg += (n + GRAN - 1) / GRAN * GRAN;
+    if (nsegs < MAX_SEGS)
+        segs[nsegs++] = (typeof(segs[0])){*p, n, pool ? (int)((uintptr_t)pool - 0x5000) : -1, 1,
+                                          0, next_seq++};
     return OK;
 }
 CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, void *stream) {
     return cuMemAllocFromPoolAsync(p, n, NULL, stream);
 }
+static int share_counts[10];
+
 CUresult cuMemFreeAsync(CUdeviceptr p, void *stream) {
-    (void)p; (void)stream;
+    (void)stream;
     capture_counts[5]++;
+    int i = seg_index(p);
+    if (i >= 0) {
+        if (segs[i].imported) share_counts[6]++;
+        segs[i].live = 0;
+    }
     return OK;
 }
-CUresult cuMemPoolDestroy(void *pool) { (void)pool; return OK; }
+CUresult cuMemPoolDestroy(void *pool) {
+    size_t i = (uintptr_t)pool - 0x5000;
+    if (i >= (size_t)npools || pools[i].destroyed) return INVALID_VALUE;
+    pools[i].destroyed = 1;
+    share_counts[7] += pools[i].imported;
+    return OK;
+}
 CUresult cuEventCreate(void **e, unsigned flags) {
     (void)flags;
     *e = (void *)next_event++;
@@ -179,12 +220,16 @@ CUresult cuMemCreate(unsigned long long *h, size_t n, const AllocProp *prop,
                      unsigned long long flags) {
     (void)flags;
     if (n == 0 || n % GRAN) return INVALID_VALUE;
+    const char *noshare = getenv("FAKE_NO_SHARE_PAGES");
+    if (prop->requestedHandleTypes && noshare && noshare[0] == '1') return NOT_SUPPORTED;
     create_calls++;
     for (int i = 1; i < MAX_HANDLES; i++)
         if (!handles[i].used) {
             handles[i].used = 1;
             handles[i].size = n;
             handles[i].owner = prop->location.id;
+            handles[i].types = prop->requestedHandleTypes;
+            handles[i].imported = 0;
             *h = (unsigned long long)i;
             return OK;
         }
@@ -285,6 +330,9 @@ CUresult cuMemPoolSetAccess(void *pool, const AccessDesc *desc, size_t count) {
     }
     for (size_t k = 0; k < count; k++) {
         int d = desc[k].location.id;
+        if (pools[i].imported && d >= 0 && d < NDEV && (d == pools[i].owner ||
+                                                        can_access(d, pools[i].owner)))
+            continue;   /* an importer grants its own device, the pool's included */
         if (d < 0 || d >= NDEV || d == pools[i].owner || !can_access(d, pools[i].owner))
             return INVALID_DEVICE;
     }
@@ -332,7 +380,11 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     return OK;
 }
 CUresult cuMemFree_v2(CUdeviceptr p) {
-    (void)p;
+    int i = seg_index(p);
+    if (i >= 0 && segs[i].imported) {
+        share_counts[6]++;
+        segs[i].live = 0;
+    }
     capture_counts[4]++;
     capture_counts[6] += capturing_stream != 0;
     return OK;
@@ -396,4 +448,117 @@ CUresult cuGraphNodeGetDependencies_v2(void *node, void **deps, void *edges, siz
     memset(edges, 0, *n * 8);
     *n = k;
     return OK;
+}
+
+/* ---- sharing with other processes (Note [Sharing CUDA memory] in mp_cuda_share.c) ----
+ * An exported pool or allocation is a memfd holding a record of it; export data of a pointer
+ * is a record too. Importing reads the record back: a descriptor the fake did not make is
+ * refused. Imports get fresh addresses (no memory is ever touched). */
+typedef struct { char magic[4]; int pid, index, owner; unsigned long long size, seq; } record;
+
+static int export_fd(const char *magic, int index, int owner, size_t size, unsigned seq) {
+    int fd = memfd_create("fake-cuda-export", MFD_CLOEXEC);
+    if (fd < 0) return -1;
+    record r = {{0}, getpid(), index, owner, size, seq};
+    memcpy(r.magic, magic, 4);
+    if (write(fd, &r, sizeof r) != (ssize_t)sizeof r) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static int read_record(int fd, const char *magic, record *r) {
+    return pread(fd, r, sizeof *r, 0) == (ssize_t)sizeof *r && !memcmp(r->magic, magic, 4);
+}
+
+/* 0 pool exports, 1 pointer exports, 2 pool imports, 3 pointer imports, 4 allocation
+ * exports, 5 allocation imports, 6 imported pointers freed, 7 imported pools destroyed. */
+int fake_share_count(int what) { return share_counts[what]; }
+/* Imported pointers not freed yet. */
+int fake_live_imported_pointers(void) {
+    int n = 0;
+    for (int i = 0; i < nsegs; i++) n += segs[i].live && segs[i].imported;
+    return n;
+}
+/* Imported pools not destroyed yet. */
+int fake_live_imported_pools(void) {
+    int n = 0;
+    for (int i = 0; i < npools; i++) n += pools[i].imported && !pools[i].destroyed;
+    return n;
+}
+
+CUresult cuMemPoolExportToShareableHandle(void *out, void *pool, int type,
+                                          unsigned long long flags) {
+    size_t i = (uintptr_t)pool - 0x5000;
+    if (i >= (size_t)npools || flags || type != 1 || !(pools[i].types & 1) || pools[i].imported)
+        return INVALID_VALUE;
+    int fd = export_fd("POOL", (int)i, pools[i].owner, 0, 0);
+    if (fd < 0) return UNKNOWN;
+    *(int *)out = fd;
+    share_counts[0]++;
+    return OK;
+}
+CUresult cuMemPoolImportFromShareableHandle(void **out, void *handle, int type,
+                                            unsigned long long flags) {
+    record r;
+    if (flags || type != 1 || !read_record((int)(uintptr_t)handle, "POOL", &r) ||
+        npools == MAX_POOLS)
+        return INVALID_VALUE;
+    pools[npools].owner = r.owner;
+    pools[npools].imported = 1;
+    pools[npools].mask = 0;   /* as the driver: the importer grants its own access */
+    *out = (void *)(0x5000 + (uintptr_t)npools++);
+    share_counts[2]++;
+    return OK;
+}
+CUresult cuMemPoolExportPointer(unsigned char *data, CUdeviceptr p) {
+    int i = seg_index(p);
+    if (i < 0 || segs[i].imported || segs[i].pool < 0 || !(pools[segs[i].pool].types & 1))
+        return INVALID_VALUE;
+    record r = {"SEGM", getpid(), segs[i].pool, 0, segs[i].size, segs[i].seq};
+    memset(data, 0, 64);
+    memcpy(data, &r, sizeof r);
+    share_counts[1]++;
+    return OK;
+}
+CUresult cuMemPoolImportPointer(CUdeviceptr *out, void *pool, const unsigned char *data) {
+    size_t k = (uintptr_t)pool - 0x5000;
+    record r;
+    memcpy(&r, data, sizeof r);
+    if (k >= (size_t)npools || !pools[k].imported || pools[k].destroyed ||
+        memcmp(r.magic, "SEGM", 4) || nsegs == MAX_SEGS)
+        return INVALID_VALUE;
+    *out = next_seg;
+    next_seg += (r.size + GRAN - 1) / GRAN * GRAN;
+    segs[nsegs++] = (typeof(segs[0])){*out, r.size, (int)k, 1, 1, next_seq++};
+    share_counts[3]++;
+    return OK;
+}
+CUresult cuMemExportToShareableHandle(void *out, unsigned long long h, int type,
+                                      unsigned long long flags) {
+    if (h == 0 || h >= MAX_HANDLES || !handles[h].used || flags || type != 1 ||
+        !(handles[h].types & 1))
+        return INVALID_VALUE;
+    int fd = export_fd("HNDL", (int)h, handles[h].owner, handles[h].size, 0);
+    if (fd < 0) return UNKNOWN;
+    *(int *)out = fd;
+    share_counts[4]++;
+    return OK;
+}
+CUresult cuMemImportFromShareableHandle(unsigned long long *out, void *handle, int type) {
+    record r;
+    if (type != 1 || !read_record((int)(uintptr_t)handle, "HNDL", &r)) return INVALID_VALUE;
+    for (int i = 1; i < MAX_HANDLES; i++)
+        if (!handles[i].used) {
+            handles[i].used = 1;
+            handles[i].size = r.size;
+            handles[i].owner = r.owner;
+            handles[i].types = 1;
+            handles[i].imported = 1;
+            *out = (unsigned long long)i;
+            share_counts[5]++;
+            return OK;
+        }
+    return OUT_OF_MEMORY;
 }

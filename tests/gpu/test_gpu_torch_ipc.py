@@ -1,8 +1,10 @@
-"""CUDA tensors across processes under the pool: what is refused, and receiving from a process on
-PyTorch's allocator.
+"""CUDA tensors across processes under the pool (Note [Torch allocator glue], mp_torch.h):
+sent through torch.multiprocessing both ways, rebuilt from reduce_tensor, kept for a
+consumer after the producer freed them, and received from a process on PyTorch's own
+allocator.
 
-The scripts use PyTorch's own API only, as a training or inference script would, and check
-that the answers are the pool's (each in a fresh interpreter: tests/_torch_scripts.py)."""
+The scripts use PyTorch's own API only, as a training or inference script would, each in a
+fresh interpreter (tests/_torch_scripts.py, tests/_ipc_scripts.py)."""
 import subprocess
 import sys
 
@@ -12,19 +14,143 @@ pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
-from _torch_scripts import PRELUDE, run, NATIVE_PRELUDE  # noqa: E402
+from _ipc_scripts import child_may_open_parents, run_script  # noqa: E402
+from _torch_scripts import NATIVE_PRELUDE, PRELUDE, run  # noqa: E402
+
+# A parent and a child, each on its own pool made to share (ipc=True): the parent sends a
+# tensor through a torch.multiprocessing queue, the child checks it and sends back one of
+# its own. argv: the start method, 1 for expandable segments.
+BOTH_WAYS = """
+import sys
+import torch
+import torch.multiprocessing as mp
+import mempool
+import mempool.torch as mt
+
+N = 1 << 20
 
 
-def test_ipc_export_is_refused_clearly():
+def install(expandable):
+    pool = mempool.Pool(backend="cuda", device=0, ipc=True, expandable_segments=expandable)
+    mt.install(pool, allocator="full")
+    return pool
+
+
+def child(inq, outq, expandable):
+    pool = install(expandable)
+    try:
+        x = inq.get(timeout=120)
+    except RuntimeError as exc:
+        outq.put(("refused", str(exc)))
+        return
+    same = torch.equal(x, torch.arange(N, dtype=torch.float32, device="cuda") * 3)
+    y = x * 2                                   # the child's own tensor, from its pool
+    outq.put(("got", same, pool.used_bytes() >= y.nbytes))
+    outq.put(y)
+    inq.get(timeout=120)                        # the parent has read y
+    del x, y
+
+
+if __name__ == "__main__":
+    method, expandable = sys.argv[1], sys.argv[2] == "1"
+    mp.set_start_method(method)
+    pool = install(expandable)
+    inq, outq = mp.Queue(), mp.Queue()
+    p = mp.Process(target=child, args=(inq, outq, expandable))
+    p.start()
+    x = torch.arange(N, dtype=torch.float32, device="cuda") * 3
+    inq.put(x)
+    first = outq.get(timeout=120)
+    if first[0] == "refused":
+        print("REFUSED", first[1])
+    else:
+        assert first[1], "the child read other values than the parent sent"
+        assert first[2], "the child's tensor is not its pool's"
+        y = outq.get(timeout=120)               # the parent opens the child's tensor
+        assert torch.equal(y, x * 2), "the parent read other values than the child sent"
+        assert torch.cuda.memory_allocated() == pool.stats()["allocated_bytes.all.current"]
+        del y
+        inq.put(None)
+        print("BOTH WAYS")
+    p.join(120)
+    assert p.exitcode == 0, p.exitcode
+"""
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_tensor_goes_both_ways_between_two_processes(tmp_path, method, expandable):
+    out = run_script(tmp_path, BOTH_WAYS, method, int(expandable))
+    if child_may_open_parents():
+        assert "BOTH WAYS" in out, out
+    else:   # Yama: the child may not take its parent's descriptors; the message says so
+        assert "REFUSED" in out and "ptrace_scope" in out, out
+
+
+# The consumer runs the producer as its child (so that it may take its descriptors under
+# Yama too); the producer sends reduce_tensor's pickle, frees its tensor on "free", then
+# allocates and overwrites as much again, reporting whether any block came back at the
+# freed one's address; on "collect" it runs torch.cuda.ipc_collect() and reports what the
+# pool holds.
+PRODUCER = PRELUDE.replace('device=0)', 'device=0, ipc=True{options})') + """
+import base64, pickle, sys
+from torch.multiprocessing.reductions import reduce_tensor
+x = torch.arange(1 << 20, dtype=torch.float32, device="cuda") * 3
+where = x.data_ptr()
+print(base64.b64encode(pickle.dumps(reduce_tensor(x))).decode(), flush=True)
+sys.stdin.readline()
+del x
+held = pool.used_bytes()
+others = [torch.zeros(1 << 20, device="cuda") for _ in range(8)]
+torch.cuda.synchronize()
+print(int(any(o.data_ptr() == where for o in others)), held, flush=True)
+del others
+sys.stdin.readline()
+torch.cuda.ipc_collect()
+print(pool.used_bytes(), flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("options", ["", ", expandable_segments=True"],
+                         ids=["segments", "expandable"])
+def test_a_block_freed_by_its_producer_stays_until_the_consumer_let_go(options):
+    producer = PRODUCER.replace("{options}", options)
+    out = run(f"""
+        import base64, pickle, subprocess, sys
+        p = subprocess.Popen([sys.executable, "-c", {producer!r}], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+        rebuild, args = pickle.loads(base64.b64decode(p.stdout.readline()))
+        y = rebuild(*args)                       # rebuild_cuda_tensor: opens the handle
+        expect = torch.arange(1 << 20, dtype=torch.float32, device="cuda") * 3
+        assert torch.equal(y, expect)
+        p.stdin.write("free\\n"); p.stdin.flush()
+        reused, held = map(int, p.stdout.readline().split())
+        assert reused == 0, "the producer reused a block a consumer still reads"
+        assert held >= 4 << 20, held
+        assert torch.equal(y, expect), "the block changed under the consumer"
+        del y, rebuild, args
+        torch.cuda.synchronize()
+        p.stdin.write("collect\\n"); p.stdin.flush()
+        after = int(p.stdout.readline())
+        assert after < held, (after, held)       # ipc_collect gave the block back
+        p.stdin.write("done\\n"); p.stdin.flush()
+        assert p.wait(60) == 0
+        print("kept until let go")
+    """)
+    assert "kept until let go" in out
+
+
+def test_a_pool_not_made_to_share_refuses_saying_how():
     run("""
         x = torch.ones(16, device="cuda")
         try:
             x.untyped_storage()._share_cuda_()
         except RuntimeError as exc:
-            assert "mempool" in str(exc) and "another process" in str(exc), str(exc)
+            assert "mempool" in str(exc) and "ipc=True" in str(exc), str(exc)
         else:
             raise AssertionError("sharing was not refused")
-    """)
+    """, prelude=PRELUDE.replace('device=0)', 'device=0, ipc=False)'))
 
 
 def test_sharing_memory_the_pool_did_not_hand_out_is_an_invalid_device_pointer():
@@ -47,7 +173,7 @@ def test_sharing_memory_the_pool_did_not_hand_out_is_an_invalid_device_pointer()
         assert "refused as an invalid device pointer" in out, out
 
 
-PRODUCER = """
+NATIVE_PRODUCER = """
 import base64, pickle, sys, torch
 from torch.multiprocessing.reductions import reduce_tensor
 x = torch.arange(4096, dtype=torch.float32, device="cuda") * 3
@@ -61,7 +187,7 @@ sys.stdin.readline()                 # keep the tensor alive until the receiver 
 def test_receiving_a_cuda_tensor_from_a_process_on_pytorchs_allocator():
     """The receiving side of torch.multiprocessing under install: the sender runs PyTorch's
     own allocator and exports a legacy IPC handle; the glue opens it (getIpcDevPtr)."""
-    producer = subprocess.Popen([sys.executable, "-c", PRODUCER], stdin=subprocess.PIPE,
+    producer = subprocess.Popen([sys.executable, "-c", NATIVE_PRODUCER], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True)
     try:
         message = producer.stdout.readline().strip()

@@ -133,16 +133,23 @@ OOM_FIELDS = [("oom_message", F(i32, i32, vp, i32, sz, u, ctypes.POINTER(OomReco
                                 ctypes.c_char_p, sz))]
 
 
+# Note [Sharing across processes] (core/mp_share.c): tested in test_torch_api_share.py.
+Bytes = ctypes.POINTER(ctypes.c_ubyte)
+SHARE_FIELDS = [("share", F(i32, i32, u, Bytes, sz, ctypes.POINTER(sz), ctypes.POINTER(sz))),
+                ("share_open", F(i32, i32, Bytes, sz, ctypes.POINTER(u), ctypes.POINTER(sz))),
+                ("share_close", F(i32, i32, u))]
+
+
 class Api(ctypes.Structure):
     _fields_ = (FIELDS + [(f"pool_fn_{i}", vp) for i in range(N_POOL_FUNCTIONS)]
                 + DEVICE_PEAK_FIELDS + OBSERVER_FIELDS + CONFIG_FIELDS + CUSTOM_FIELDS
-                + RELEASE_FIELDS + OOM_FIELDS)
+                + RELEASE_FIELDS + OOM_FIELDS + SHARE_FIELDS)
 
 
 @pytest.fixture
 def api():
     table = Api.from_address(_core._torch_api_address())
-    assert table.version == 10
+    assert table.version == 11
     assert table.struct_size == ctypes.sizeof(Api), "the table's layout changed: update Api"
     yield table
 

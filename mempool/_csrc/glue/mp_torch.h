@@ -135,9 +135,19 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
  *   - torch.cuda.caching_allocator_enable(False) hands out the driver's own memory, outside
  *     the pool (Note [Caching off], torch_allocator.cpp).
  *   - MemPool(no_split=True) hands out whole blocks (Note [No split], mp_core.c).
- *   - Refused with a message naming the feature: exporting a tensor to another process
- *     (pool memory has no legacy IPC handle; receiving works). */
-#define MP_TORCH_API_VERSION 10  /* 2: mp_layout lists each segment's physical allocations;
+ *   - Other processes (torch.multiprocessing, reduce_tensor): shareIpcHandle gives the
+ *     core's handle of the block's memory (share, Note [Sharing across processes] in
+ *     core/mp_share.c) as "M", a version byte and the handle's bytes, with the block's
+ *     offset in that memory; getIpcDevPtr opens such a handle on the current device's pool
+ *     (share_open, closed by the pointer's deleter through share_close) and opens the
+ *     cudaIpcMemHandle of PyTorch's own allocator as before. PyTorch's CudaIPCSentData
+ *     protocol counts the consumers and keeps the producer's block until they let go (its
+ *     "cuda_ipc_collect" runs before an OOM is raised, Note [Free memory callbacks]); both
+ *     processes run the pool, the producer's made to share (ipc=True).
+ *   - Refused with a message naming the feature: sharing a block of a private pool (a CUDA
+ *     graph's, a MemPool's) or of the driver's own memory (caching off), which the device's
+ *     pool did not hand out, and opening PyTorch's expandable segments' handles. */
+#define MP_TORCH_API_VERSION 11  /* 2: mp_layout lists each segment's physical allocations;
                                     3: the device's peaks with its private pools;
                                     4: the segment observer;
                                     5: the device pool's options;
@@ -145,7 +155,8 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
                                     7: private pools over a custom segment source;
                                     8: pool_set_no_split, block_info;
                                     9: the release observer;
-                                    10: mp_torch_figures, oom_message */
+                                    10: mp_torch_figures, oom_message;
+                                    11: share, share_open, share_close */
 
 /* A device pool's figures for PyTorch's reports (cacheInfo, the memory fraction, the
  * profiler, max_split_size in the statistics). */
@@ -252,6 +263,15 @@ typedef struct mp_torch_api {
      * stands. MP_EINVAL when no pool is registered for the device (p NULL). */
     int (*oom_message)(int device, mp_pool *p, int code, size_t nbytes, uintptr_t stream,
                        mp_oom *rec, char *msg, size_t msglen);
+    /* Other processes (Note [Sharing across processes], core/mp_share.c), on the device's
+     * pool: mp_share of the live block at ptr, mp_share_open of a handle another process's
+     * share made (into memory of this process), and mp_share_close of one such open, with
+     * their codes; MP_EINVAL when no pool is registered for the device. */
+    int (*share)(int device, uintptr_t ptr, unsigned char *buf, size_t cap, size_t *len,
+                 size_t *offset);
+    int (*share_open)(int device, const unsigned char *buf, size_t len, uintptr_t *base,
+                      size_t *nbytes);
+    int (*share_close)(int device, uintptr_t base);
 } mp_torch_api;
 
 /* The table (static storage, never freed). */

@@ -136,6 +136,26 @@ static int api_oom_message(int device, mp_pool *private_pool, int code, size_t n
     return MP_OK;
 }
 
+static int api_share(int device, uintptr_t ptr, unsigned char *buf, size_t cap, size_t *len,
+                     size_t *offset) {
+    int rc;
+    WITH_SLOT(device, rc = mp_share(p, ptr, buf, cap, len, offset));
+    return rc;
+}
+
+static int api_share_open(int device, const unsigned char *buf, size_t len, uintptr_t *base,
+                          size_t *nbytes) {
+    int rc;
+    WITH_SLOT(device, rc = mp_share_open(p, buf, len, base, nbytes));
+    return rc;
+}
+
+static int api_share_close(int device, uintptr_t base) {
+    int rc;
+    WITH_SLOT(device, rc = mp_share_close(p, base));
+    return rc;
+}
+
 static int api_config(int device, mp_config *out) {
     WITH_SLOT(device, *out = *mp_pool_config(p));
     return MP_OK;
@@ -188,6 +208,9 @@ static const mp_torch_api api = {
     .config = api_config,
     .set_release_observer = mp_set_release_observer,
     .oom_message = api_oom_message,
+    .share = api_share,
+    .share_open = api_share_open,
+    .share_close = api_share_close,
 };
 
 const mp_torch_api *mp_torch_api_table(void) { return &api; }

@@ -392,6 +392,8 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
 
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override;
 
+  std::shared_ptr<void> open_pool_handle(const std::string& handle);
+
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override;
 
   cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice,

@@ -22,14 +22,14 @@ inline int MempoolAllocator::try_again(int device, size_t nbytes, cudaStream_t s
 // Note [Free memory callbacks]
 // PyTorch's allocator runs every callback of c10's FreeCudaMemoryCallbacksRegistry when its
 // cache has no block for a request, and searches again if one freed memory: memory that
-// code outside the allocator holds and can let go of (PyTorch's own is CUDA IPC's
-// "cuda_ipc_collect", which frees a producer's shared blocks once every consumer has let
-// them go; under the pool a process does not share its tensors, shareIpcHandle, so that
-// one has nothing to free, but an extension may register its own). The glue cannot tell a
-// miss of the pool from a hit without a call into the core on every allocation, so it
-// runs them when the device's pool refuses a request, and tries once more when one freed
-// anything: the request is served before it fails. The callbacks free through this
-// allocator, and no lock of the glue is held while they run.
+// code outside the allocator holds and can let go of. PyTorch's own is CUDA IPC's
+// "cuda_ipc_collect": a tensor sent to other processes (shareIpcHandle) keeps its block
+// until every consumer has let it go, and the collect frees the blocks whose consumers
+// have, as torch.cuda.ipc_collect() does; an extension may register its own. The glue
+// cannot tell a miss of the pool from a hit without a call into the core on every
+// allocation, so it runs them when the device's pool refuses a request, and tries once
+// more when one freed anything: the request is served before it fails. The callbacks free
+// through this allocator, and no lock of the glue is held while they run.
 inline bool MempoolAllocator::run_free_memory_callbacks() {
   bool freed = false;
   for (const std::string& name : c10::FreeCudaMemoryCallbacksRegistry()->Keys())

@@ -1,8 +1,9 @@
 /* The CUDA upstream (see mp_cuda.h): segments from a cudaMemPool, events, streams, and the
  * upstream's lifetime. Its other concerns have a file each: the driver's entry points
  * (mp_cuda_driver.c, Note [Context]), graph capture (mp_cuda_capture.c, Note [Capture
- * segments]), expandable segments (mp_cuda_vmm.c, Note [Expandable pages]) and peer access
- * (mp_cuda_peers.c, Note [Peer access]).
+ * segments]), expandable segments (mp_cuda_vmm.c, Note [Expandable pages]), peer access
+ * (mp_cuda_peers.c, Note [Peer access]) and sharing with other processes (mp_cuda_share.c,
+ * Note [Sharing CUDA memory]).
  */
 #include "mp_cuda_internal.h"
 
@@ -150,6 +151,7 @@ CUresult cu_pool_of(mp_cuda *c, CUmemoryPool *pool) {
 
 static void cu_destroy(void *ctx) {
     mp_cuda *c = ctx;
+    cu_share_destroy(c);
     cu_vmm_destroy(c);
     free(c->plain);   /* the pool freed every segment before: none is left */
     pthread_mutex_destroy(&c->plain_lock);
@@ -239,8 +241,16 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
         cu_set_err(err, errlen, "could not initialise a mutex");
         return MP_ENOMEM;
     }
+    if (cu_share_init(c) != MP_OK) {
+        pthread_mutex_destroy(&c->plain_lock);
+        pthread_mutex_destroy(&c->vmm_lock);
+        free(c);
+        cu_set_err(err, errlen, "could not initialise a mutex");
+        return MP_ENOMEM;
+    }
     r = mp_cu.DevicePrimaryCtxRetain(&c->ctx, dev);
     if (r != CUDA_SUCCESS) {
+        cu_share_destroy(c);
         pthread_mutex_destroy(&c->plain_lock);
         pthread_mutex_destroy(&c->vmm_lock);
         free(c);
@@ -290,6 +300,7 @@ int mp_cuda_upstream(mp_upstream *up, int device, uintptr_t mempool_handle, char
         up->unmap = cu_unmap;
         up->va_release = cu_va_release;
     }
+    cu_share_install(c, up);
     up->destroy = cu_destroy;
     return MP_OK;
 }

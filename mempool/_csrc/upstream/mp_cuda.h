@@ -88,6 +88,22 @@ int mp_cuda_access_mask(const mp_upstream *up, uintptr_t addr, size_t nbytes, ui
  * is reserved; `err` says which. */
 int mp_cuda_set_page_size(mp_upstream *up, size_t page, char *err, size_t errlen);
 
+/* ---- Sharing with other processes (Note [Sharing CUDA memory] in mp_cuda_share.c) ---- */
+
+/* Say whether the upstream's memory will be shared with other processes; call on the struct
+ * mp_cuda_upstream filled, before any segment or reservation. On: expandable pages are
+ * created exportable (POSIX file descriptors; where cuMemCreate refuses that they are made
+ * without, and sharing them is refused), and share serves; the cudaMemPool must have been
+ * created with the POSIX file-descriptor handle type for its segments to be shared. Off (the
+ * default): share refuses. Opening other processes' handles needs neither. MP_EINVAL when
+ * `up` is no cuda upstream, MP_EBUSY once address space is reserved, MP_EUNSUPPORTED (on)
+ * when the driver lacks the sharing entry points; mp_cuda_share_message says why. */
+int mp_cuda_set_shareable(mp_upstream *up, int on);
+
+/* Why the calling thread's latest share, open or mp_cuda_set_shareable of a cuda upstream
+ * failed (empty when it did not), into buf. */
+void mp_cuda_share_message(char *buf, size_t buflen);
+
 /* 1 when `up` was made by mp_cuda_upstream (its ctx is this file's), else 0. */
 int mp_cuda_owns(const mp_upstream *up);
 

@@ -36,7 +36,7 @@ static void d_resolve(void) {
                  why ? why : "unknown reason");
         return;
     }
-    enum { REQUIRED, VMM, PEER, CAPTURE, OPTIONAL };   /* what lacks when the symbol does */
+    enum { REQUIRED, VMM, PEER, CAPTURE, SHARE, OPTIONAL };   /* what lacks when the symbol does */
     struct { void **slot; const char *name; int kind; } table[] = {
         {(void **)&mp_cu.Init, "cuInit", REQUIRED},
         {(void **)&mp_cu.DeviceGetCount, "cuDeviceGetCount", REQUIRED},
@@ -79,13 +79,21 @@ static void d_resolve(void) {
         {(void **)&mp_cu.MemFree, "cuMemFree_v2", CAPTURE},
         {(void **)&mp_cu.ThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode",
          CAPTURE},
+        {(void **)&mp_cu.MemPoolExportToShareableHandle, "cuMemPoolExportToShareableHandle",
+         SHARE},
+        {(void **)&mp_cu.MemPoolImportFromShareableHandle,
+         "cuMemPoolImportFromShareableHandle", SHARE},
+        {(void **)&mp_cu.MemPoolExportPointer, "cuMemPoolExportPointer", SHARE},
+        {(void **)&mp_cu.MemPoolImportPointer, "cuMemPoolImportPointer", SHARE},
+        {(void **)&mp_cu.MemExportToShareableHandle, "cuMemExportToShareableHandle", SHARE},
+        {(void **)&mp_cu.MemImportFromShareableHandle, "cuMemImportFromShareableHandle", SHARE},
         {(void **)&mp_cu.MemPoolTrimTo, "cuMemPoolTrimTo", OPTIONAL},
         {(void **)&mp_cu.StreamGetCaptureInfo3, "cuStreamGetCaptureInfo_v3", OPTIONAL},
         {(void **)&mp_cu.StreamGetCaptureInfo2, "cuStreamGetCaptureInfo_v2", OPTIONAL},
         {(void **)&mp_cu.GraphNodeGetDependencies2, "cuGraphNodeGetDependencies_v2", OPTIONAL},
         {(void **)&mp_cu.GraphNodeGetDependencies1, "cuGraphNodeGetDependencies", OPTIONAL},
     };
-    int has_vmm = 1, has_capture = 1;
+    int has_vmm = 1, has_capture = 1, has_share = 1;
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
         *table[i].slot = dlsym(lib, table[i].name);
         if (*table[i].slot) continue;
@@ -97,9 +105,13 @@ static void d_resolve(void) {
         }
         if (table[i].kind == VMM) has_vmm = 0;
         if (table[i].kind == CAPTURE) has_capture = 0;
+        if (table[i].kind == SHARE) has_share = 0;
     }
     mp_cu.has_vmm = has_vmm;
     mp_cu.has_capture = has_capture;
+    /* Imported pointers are freed with cuMemFree and imported pools given access with
+     * cuMemPoolSetAccess: sharing needs those too. */
+    mp_cu.has_share = has_share && mp_cu.MemFree && mp_cu.MemPoolSetAccess;
 }
 
 const char *cu_load(void) {

@@ -43,6 +43,8 @@ enum {
 #define CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED 115
 #define CU_MEM_ALLOCATION_TYPE_PINNED 0x1
 #define CU_MEM_HANDLE_TYPE_NONE 0x0
+#define CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 0x1
+#define CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES 119
 #define CU_MEM_LOCATION_TYPE_DEVICE 0x1
 #define CU_MEM_ACCESS_FLAGS_PROT_NONE 0x0
 #define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 0x3
@@ -71,6 +73,10 @@ typedef struct {
     CUmemLocation location;
     int flags; /* CUmemAccess_flags */
 } CUmemAccessDesc;
+
+typedef struct {   /* CUmemPoolPtrExportData: opaque */
+    unsigned char reserved[64];
+} CUmemPoolPtrExportData;
 
 _Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp layout");
 _Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc layout");
@@ -134,8 +140,19 @@ typedef struct {
     CUresult (*GraphNodeGetDependencies2)(CUgraphNode, CUgraphNode *, CUgraphEdgeData *,
                                           size_t *);
     CUresult (*GraphNodeGetDependencies1)(CUgraphNode, CUgraphNode *, size_t *);
+    /* Sharing with other processes (mp_cuda_share.c): optional (without them nothing is
+     * shared or opened). cuMemFree (above) frees imported pointers. */
+    CUresult (*MemPoolExportToShareableHandle)(void *, CUmemoryPool, int, unsigned long long);
+    CUresult (*MemPoolImportFromShareableHandle)(CUmemoryPool *, void *, int,
+                                                 unsigned long long);
+    CUresult (*MemPoolExportPointer)(CUmemPoolPtrExportData *, CUdeviceptr);
+    CUresult (*MemPoolImportPointer)(CUdeviceptr *, CUmemoryPool, CUmemPoolPtrExportData *);
+    CUresult (*MemExportToShareableHandle)(void *, CUmemGenericAllocationHandle, int,
+                                           unsigned long long);
+    CUresult (*MemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *, int);
     int has_vmm;
     int has_capture;
+    int has_share;   /* every sharing entry point, cuMemFree and cuMemPoolSetAccess resolved */
 } mp_cu_driver;
 
 extern MP_CUDA_PRIVATE mp_cu_driver mp_cu;

@@ -22,6 +22,10 @@ typedef struct {
     size_t nbytes, npages, nmapped;
     CUmemGenericAllocationHandle *handles; /* per page; valid where mapped[i] == PAGE_HEAD */
     unsigned char *mapped;                 /* PAGE_* */
+    /* Note [Sharing CUDA memory] (mp_cuda_share.c), per page, valid at a PAGE_HEAD: */
+    int *fds;           /* the allocation's exported file descriptor + 1; 0 = none yet */
+    uint64_t *serials;  /* the allocation's number, unique in the upstream */
+    unsigned char *shareable;   /* 1: created with the POSIX file-descriptor handle type */
 } mp_cuda_range;
 
 /* The device itself and its peers: bounded by the 64-bit masks of mp_cuda_access_mask. */
@@ -48,6 +52,14 @@ typedef struct {
     size_t naccess;
     mp_cuda_range *ranges;
     size_t nranges, cap;
+    /* Note [Sharing CUDA memory] (mp_cuda_share.c). */
+    int shareable;               /* mp_cuda_set_shareable; set before any segment */
+    int page_handle_types;       /* what cuMemCreate asks for; under vmm_lock */
+    int page_share_refused;      /* the CUresult of cuMemCreate's refusal of it; under vmm_lock */
+    uint64_t page_serial;        /* the last physical allocation's serial; under vmm_lock */
+    uint64_t token;              /* random: names this upstream in handles; immutable */
+    pthread_mutex_t share_lock;  /* guards pool_fd */
+    int pool_fd;                 /* the cudaMemPool exported, or -1 */
     pthread_mutex_t plain_lock;  /* guards plain, cap_plain and the writes of nplain (atomic) */
     CUdeviceptr *plain;          /* Note [Capture segments]: segments from cuMemAlloc */
     size_t nplain, cap_plain;
@@ -101,6 +113,14 @@ MP_CUDA_PRIVATE void cu_set_err(char *err, size_t errlen, const char *fmt, ...);
 /* "what failed: the driver's message" into err; MP_ENOMEM for an out-of-memory, else
  * MP_EUPSTREAM. */
 MP_CUDA_PRIVATE int cu_describe(char *err, size_t errlen, const char *what, CUresult r);
+
+/* ---- Sharing with other processes (mp_cuda_share.c; Note [Sharing CUDA memory]). ---- */
+/* Set up the sharing state of a new context (MP_ENOMEM when a mutex fails); fill up's
+ * share/open/close when the driver can share. */
+MP_CUDA_PRIVATE int cu_share_init(mp_cuda *c);
+MP_CUDA_PRIVATE void cu_share_install(mp_cuda *c, mp_upstream *up);
+/* At destroy, before the reservations go. */
+MP_CUDA_PRIVATE void cu_share_destroy(mp_cuda *c);
 
 /* ---- Segments and events (mp_cuda.c). ---- */
 MP_CUDA_PRIVATE int cu_segment_free(void *ctx, uintptr_t ptr, size_t nbytes, uintptr_t stream);

@@ -13,12 +13,15 @@
  * it. The page, the unit of addresses and of growth, is the driver's granularity (2 MiB on
  * an H200) times a power of two through the pool's `granularity` option
  * (mp_cuda_set_page_size, before the first reservation). Access is granted per map call over
- * the whole range, for the device and its peers (Note [Peer access]).
+ * the whole range, for the device and its peers (Note [Peer access]). A shareable upstream
+ * creates each allocation exportable, and keeps the descriptor of one exported until it is
+ * unmapped (Note [Sharing CUDA memory], mp_cuda_share.c).
  */
 #include "mp_cuda_internal.h"
 
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 mp_cuda_range *cu_range_find_locked(mp_cuda *c, uintptr_t va, size_t nbytes) {
     for (size_t i = 0; i < c->nranges; i++) {
@@ -47,6 +50,8 @@ static CUresult allocations_release_locked(mp_cuda *c, mp_cuda_range *r, size_t 
         CUresult e = mp_cu.MemUnmap(r->va + i * c->granularity, k * c->granularity);
         if (e == CUDA_SUCCESS) e = mp_cu.MemRelease(r->handles[i]);
         if (e == CUDA_SUCCESS) {
+            if (r->fds[i]) close(r->fds[i] - 1);   /* the export of it goes with it */
+            r->fds[i] = 0;
             memset(&r->mapped[i], PAGE_UNMAPPED, k);
             r->nmapped -= k;
         } else if (bad == CUDA_SUCCESS) {
@@ -67,10 +72,15 @@ int cu_va_reserve(void *ctx, size_t nbytes, uintptr_t *out) {
     size_t npages = nbytes / c->granularity;
     /* calloc of large tables takes untouched zero pages: pages never mapped cost nothing. */
     CUmemGenericAllocationHandle *handles = calloc(npages, sizeof *handles);
-    unsigned char *mapped = calloc(npages, 1);
-    if (!handles || !mapped) {
+    unsigned char *mapped = calloc(npages, 1), *shareable = calloc(npages, 1);
+    int *fds = calloc(npages, sizeof *fds);
+    uint64_t *serials = calloc(npages, sizeof *serials);
+    if (!handles || !mapped || !shareable || !fds || !serials) {
         free(handles);
         free(mapped);
+        free(shareable);
+        free(fds);
+        free(serials);
         return MP_ENOMEM;
     }
     int rc = MP_OK;
@@ -94,15 +104,21 @@ int cu_va_reserve(void *ctx, size_t nbytes, uintptr_t *out) {
     if (rc != MP_OK) goto out;
     c->ranges[c->nranges++] = (mp_cuda_range){
         .va = va, .nbytes = nbytes, .npages = npages, .nmapped = 0,
-        .handles = handles, .mapped = mapped,
+        .handles = handles, .mapped = mapped, .fds = fds, .serials = serials,
+        .shareable = shareable,
     };
     handles = NULL;
-    mapped = NULL;
+    mapped = shareable = NULL;
+    fds = NULL;
+    serials = NULL;
     *out = (uintptr_t)va;
 out:
     pthread_mutex_unlock(&c->vmm_lock);
     free(handles);
     free(mapped);
+    free(shareable);
+    free(fds);
+    free(serials);
     return rc;
 }
 
@@ -129,12 +145,24 @@ int cu_map(void *ctx, uintptr_t va, size_t nbytes) {
     CUresult e = cu_ctx_enter(c, &prev);
     CUmemGenericAllocationHandle h = 0;
     int created = 0, mapped = 0;
+    CUmemAllocationProp prop = c->prop;
+    prop.requestedHandleTypes = c->page_handle_types;
     /* One physical allocation for the whole range (Note [Expandable pages]). */
-    if (e == CUDA_SUCCESS) created = (e = mp_cu.MemCreate(&h, nbytes, &c->prop, 0)) == CUDA_SUCCESS;
+    if (e == CUDA_SUCCESS) created = (e = mp_cu.MemCreate(&h, nbytes, &prop, 0)) == CUDA_SUCCESS;
+    if (e != CUDA_SUCCESS && e != CUDA_ERROR_OUT_OF_MEMORY &&
+        prop.requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE) {
+        /* Note [Sharing CUDA memory]: a driver or device that refuses exportable pages
+         * still gets its pages, unexportable; share says why. */
+        c->page_share_refused = e;
+        c->page_handle_types = prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+        created = (e = mp_cu.MemCreate(&h, nbytes, &prop, 0)) == CUDA_SUCCESS;
+    }
     if (e == CUDA_SUCCESS) mapped = (e = mp_cu.MemMap(va, nbytes, 0, h, 0)) == CUDA_SUCCESS;
     if (e == CUDA_SUCCESS) e = mp_cu.MemSetAccess(va, nbytes, c->access, c->naccess);
     if (e == CUDA_SUCCESS) {
         r->handles[first] = h;
+        r->serials[first] = ++c->page_serial;
+        r->shareable[first] = prop.requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE;
         r->mapped[first] = PAGE_HEAD;
         memset(&r->mapped[first + 1], PAGE_REST, n - 1);
         r->nmapped += n;
@@ -199,6 +227,9 @@ int cu_va_release(void *ctx, uintptr_t va, size_t nbytes) {
     if (rc != MP_OK) goto out;
     free(r->handles);
     free(r->mapped);
+    free(r->shareable);
+    free(r->fds);
+    free(r->serials);
     c->ranges[i] = c->ranges[--c->nranges];
 out:
     pthread_mutex_unlock(&c->vmm_lock);
@@ -219,6 +250,9 @@ void cu_vmm_destroy(mp_cuda *c) {
     for (size_t i = 0; i < c->nranges; i++) {
         free(c->ranges[i].handles);
         free(c->ranges[i].mapped);
+        free(c->ranges[i].shareable);
+        free(c->ranges[i].fds);
+        free(c->ranges[i].serials);
     }
     free(c->ranges);
     pthread_mutex_destroy(&c->vmm_lock);
