@@ -29,6 +29,8 @@ class Installed(NamedTuple):
 
     def describe(self) -> str:
         """One line: the pools, their settings, and what was hooked or why not."""
+        if not self.pools:
+            return f"no pool in this process ({self.skipped['torch']})"
         first = next(iter(self.pools.values()))
         devices = ", ".join(str(d) for d in self.pools)
         if self.source == "defaults":
@@ -189,11 +191,19 @@ def install_default(conf: str | None = None, torch: bool = True,
     for name, flag in (("torch", torch), ("cupy", cupy)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
-    from mempool import _config
+    from mempool import _children, _config
     import mempool
+    children = _children.mode()
     source, text = _conf_source(conf)
     canonical = _config.canonical_conf(text, source if source == "--conf"
                                        else f"environment variable {source}")
+    if _children.in_forkserver():
+        # Every child forks from this process: a pool or a CUDA context here would be each
+        # child's, where a pool refuses. Each child installs its own (Note [Children on the
+        # pool] in mempool/_children.py).
+        _children.serve_forks()
+        why = "the forkserver process: each child it starts installs its own"
+        return Installed(source, canonical, {}, {}, {"torch": why, "cupy": why})
     if source not in ("MEMPOOL_CONF", "defaults"):
         os.environ["MEMPOOL_CONF"] = canonical
     local = _local_device()
@@ -218,4 +228,8 @@ def install_default(conf: str | None = None, torch: bool = True,
         hooked["cupy"] = _hook_cupy(pool)
     pools = {d: mempool.default_pool(d) for d in sorted({primary, *hooked.get("torch", ())})}
     _installed = Installed(source, canonical, pools, hooked, skipped)
+    if children == "off":
+        _children.withdraw()
+    else:
+        _children.propagate(torch, cupy)
     return _installed
