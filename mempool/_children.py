@@ -1,10 +1,8 @@
 """The default pools in the child processes of multiprocessing's "spawn" and "forkserver".
 
 :func:`mempool.run.install_default` (``python -m mempool run``, ``import mempool.auto``)
-calls :func:`propagate` once the pools are in; see Note [Children on the pool].
+calls :func:`propagate` once the pools are in.
 
-Note [Children on the pool]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A child started by "spawn" or "forkserver" is a fresh interpreter (or a fork of one) that
 rebuilds the parent's arguments, CUDA tensors among them, before its target runs: the tensor's
 IPC handle is opened by whatever allocator PyTorch has at that moment, and a pool's handle
@@ -205,7 +203,10 @@ def in_forkserver() -> bool:
     forkserver = sys.modules.get("multiprocessing.forkserver")
     if forkserver is None:
         return False
-    serving, serve_one = forkserver.main.__code__, forkserver._serve_one.__code__
+    serving = getattr(getattr(forkserver, "main", None), "__code__", None)
+    serve_one = getattr(getattr(forkserver, "_serve_one", None), "__code__", None)
+    if serving is None:
+        return False
     found = False
     frame = sys._getframe(1)
     while frame is not None:

@@ -183,7 +183,12 @@ def install_default(conf: str | None = None, torch: bool = True,
     -----
     With PyTorch hooked, its allocator variables keep only the settings of its pinned
     host-memory allocator (the pool replaces the rest; see docs/sharing.md). A launcher's
-    ``LOCAL_RANK`` (one process per GPU) limits the pools to that device.
+    ``LOCAL_RANK`` (one process per GPU) limits the pools to that device. Unless
+    ``MEMPOOL_CHILDREN=0``, the children that multiprocessing starts by "spawn" or
+    "forkserver" install the same pools, with the same hooks, before they unpickle anything
+    (mempool/_children.py); a bad ``MEMPOOL_CHILDREN`` is a ValueError. In multiprocessing's
+    forkserver process it makes no pool (every child forks from there) and returns an
+    Installed with none.
     """
     global _installed
     if _installed is not None:
@@ -199,8 +204,7 @@ def install_default(conf: str | None = None, torch: bool = True,
                                        else f"environment variable {source}")
     if _children.in_forkserver():
         # Every child forks from this process: a pool or a CUDA context here would be each
-        # child's, where a pool refuses. Each child installs its own (Note [Children on the
-        # pool] in mempool/_children.py).
+        # child's, where a pool refuses. Each child installs its own (mempool/_children.py).
         _children.serve_forks()
         why = "the forkserver process: each child it starts installs its own"
         return Installed(source, canonical, {}, {}, {"torch": why, "cupy": why})
