@@ -75,11 +75,23 @@ def withdraw() -> None:
 
 
 def quiet() -> bool:
-    """Whether this process's own line about the pools stays unsaid: a child that installed
-    from its parent, or the forkserver process, unless ``MEMPOOL_CHILDREN=verbose``."""
+    """Whether this process's own line about the pools stays unsaid, unless
+    ``MEMPOOL_CHILDREN=verbose``: in the forkserver process, and in a multiprocessing child of
+    a parent whose children install (one that did, or that imports ``mempool.auto`` again,
+    where mempool was not importable before it unpickled)."""
     if os.environ.get(CHILDREN_VAR, "").strip().lower() == "verbose":
         return False
-    return _installed_as is not None or in_forkserver()
+    return (_installed_as is not None or in_forkserver()
+            or (HOOKS_VAR in os.environ and _in_multiprocessing_child()))
+
+
+def _in_multiprocessing_child():
+    process = sys.modules.get("multiprocessing.process")
+    if process is None:
+        return False
+    # _inheriting: still rebuilding what the parent sent (the main module among it).
+    return (process.parent_process() is not None
+            or getattr(process.current_process(), "_inheriting", False))
 
 
 # --------------------------------------------------------------------------- the parent

@@ -48,6 +48,8 @@ def target(probe, queue):
 
 
 if __name__ == "__main__":
+    if os.environ.get("BREAK_CONF"):
+        os.environ["MEMPOOL_CONF"] = os.environ["BREAK_CONF"]     # children read it
     ctx = multiprocessing.get_context(sys.argv[1])
     if sys.argv[2:]:
         ctx.set_forkserver_preload(sys.argv[2:])     # the user's list: mempool's is added
@@ -165,6 +167,17 @@ def test_verbose_children_say_what_they_installed_and_fork_adds_nothing(script, 
     report, stderr = start(script, tmp_path, ["fork"], env={"MEMPOOL_CHILDREN": "verbose"})
     assert report["at_unpickle"] is None and report["installed"]
     assert children_lines(stderr) == []
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_child_whose_install_fails_says_so_and_runs_its_target(script, tmp_path, method):
+    report, stderr = start(script, tmp_path, [method], env={"BREAK_CONF": "no_such_key:1"})
+    assert not report["installed"] and report["at_unpickle"]["installed"] is False
+    line, = children_lines(stderr)
+    assert line.startswith(f"mempool: {method} child process {report['pid']}: could not "
+                           "install the pool, so this child keeps the frameworks' own "
+                           "allocators: ")
+    assert "no_such_key" in line
 
 
 def test_a_bad_mempool_children_stops_before_the_script_runs(script, tmp_path):
