@@ -28,6 +28,7 @@ about mempool.
 """
 import os
 import sys
+import types
 import warnings
 
 __all__ = ["CHILDREN_VAR", "HOOKS_VAR", "mode", "propagate", "install_in_child",
@@ -220,7 +221,7 @@ def in_forkserver() -> bool:
     if serving is None:
         return False
     found = False
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is serve_one:
             return False

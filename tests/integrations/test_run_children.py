@@ -180,6 +180,42 @@ def test_a_child_whose_install_fails_says_so_and_runs_its_target(script, tmp_pat
     assert "no_such_key" in line
 
 
+NESTED = '''\
+import multiprocessing, os, sys
+
+
+def installed(queue):
+    import mempool.run
+    queue.put((os.getpid(), mempool.run._installed is not None))
+
+
+def middle(queue):
+    installed(queue)
+    grandchild = multiprocessing.get_context(sys.argv[2]).Process(target=installed,
+                                                                  args=(queue,))
+    grandchild.start()
+    grandchild.join()
+
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context(sys.argv[1])
+    queue = ctx.Queue()
+    process = ctx.Process(target=middle, args=(queue,))
+    process.start()
+    print([queue.get(timeout=120)[1] for _ in range(2)])
+    process.join()
+'''
+
+
+@pytest.mark.parametrize("first, second", [("spawn", "forkserver"), ("forkserver", "spawn")])
+def test_a_childs_own_children_install_too(tmp_path, first, second):
+    path = tmp_path / "nested.py"
+    path.write_text(NESTED)
+    ran = child([str(path), first, second], tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout == "[True, True]\n"
+
+
 def test_a_bad_mempool_children_stops_before_the_script_runs(script, tmp_path):
     ran = child([str(script), "spawn"], tmp_path, {"MEMPOOL_CHILDREN": "sometimes"})
     assert ran.returncode == 2 and ran.stdout == ""
