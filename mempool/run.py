@@ -29,6 +29,8 @@ class Installed(NamedTuple):
 
     def describe(self) -> str:
         """One line: the pools, their settings, and what was hooked or why not."""
+        if not self.pools:
+            return f"no pool in this process ({self.skipped['torch']})"
         first = next(iter(self.pools.values()))
         devices = ", ".join(str(d) for d in self.pools)
         if self.source == "defaults":
@@ -181,7 +183,12 @@ def install_default(conf: str | None = None, torch: bool = True,
     -----
     With PyTorch hooked, its allocator variables keep only the settings of its pinned
     host-memory allocator (the pool replaces the rest; see docs/sharing.md). A launcher's
-    ``LOCAL_RANK`` (one process per GPU) limits the pools to that device.
+    ``LOCAL_RANK`` (one process per GPU) limits the pools to that device. Unless
+    ``MEMPOOL_CHILDREN=0``, the children that multiprocessing starts by "spawn" or
+    "forkserver" install the same pools, with the same hooks, before they unpickle anything
+    (mempool/_children.py); a bad ``MEMPOOL_CHILDREN`` is a ValueError. In multiprocessing's
+    forkserver process it makes no pool (every child forks from there) and returns an
+    Installed with none.
     """
     global _installed
     if _installed is not None:
@@ -189,11 +196,18 @@ def install_default(conf: str | None = None, torch: bool = True,
     for name, flag in (("torch", torch), ("cupy", cupy)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
-    from mempool import _config
+    from mempool import _children, _config
     import mempool
+    children = _children.mode()
     source, text = _conf_source(conf)
     canonical = _config.canonical_conf(text, source if source == "--conf"
                                        else f"environment variable {source}")
+    if _children.in_forkserver():
+        # Every child forks from this process: a pool or a CUDA context here would be each
+        # child's, where a pool refuses. Each child installs its own (mempool/_children.py).
+        _children.serve_forks()
+        why = "the forkserver process: each child it starts installs its own"
+        return Installed(source, canonical, {}, {}, {"torch": why, "cupy": why})
     if source not in ("MEMPOOL_CONF", "defaults"):
         os.environ["MEMPOOL_CONF"] = canonical
     local = _local_device()
@@ -218,4 +232,8 @@ def install_default(conf: str | None = None, torch: bool = True,
         hooked["cupy"] = _hook_cupy(pool)
     pools = {d: mempool.default_pool(d) for d in sorted({primary, *hooked.get("torch", ())})}
     _installed = Installed(source, canonical, pools, hooked, skipped)
+    if children == "off":
+        _children.withdraw()
+    else:
+        _children.propagate(torch, cupy)
     return _installed

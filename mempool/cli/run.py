@@ -34,7 +34,11 @@ options:
   --no-torch     leave PyTorch's allocator alone
   --no-cupy      leave CuPy's allocator alone
   --report       print each pool's memory summary at exit
-  -h, --help     show this help"""
+  -h, --help     show this help
+
+Child processes that multiprocessing starts by "spawn" or "forkserver" install the same
+pools before they unpickle anything; MEMPOOL_CHILDREN=0 leaves them alone, =verbose has
+each say so on stderr."""
 
 _launcher = None    # the __main__ the script replaced (mempool/__main__.py): its frames live on
 
