@@ -90,6 +90,10 @@ def run(name, test_file, outdir, select, timeout, extra):
            "-p", "own_tests_compat", "-v", "-rfE", "--junitxml", junit, *cut,
            *(["-k", select] if select else []), *extra]
     env = dict(os.environ, OWN_TESTS_COMPAT_REPORT=compat)
+    if name == "mempool":
+        # The tests' multiprocessing children run the pool too, as PyTorch's own settings
+        # reach them through the environment (docs/sharing.md, "Zero-code adoption").
+        env["MEMPOOL_CHILDREN"] = "1"
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env.pop("MEMPOOL_CONF", None)
     # The run starts in another folder (below): relative entries of PYTHONPATH would move,

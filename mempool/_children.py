@@ -34,13 +34,15 @@ import warnings
 __all__ = ["CHILDREN_VAR", "HOOKS_VAR", "mode", "propagate", "install_in_child",
            "in_forkserver", "quiet"]
 
-#: The user's switch: "0" leaves children alone, "1" (the default) installs, "verbose" also
-#: prints one line per child.
+#: The user's switch: "0" (the default) leaves children alone, "1" installs, "verbose" also
+#: prints one line per child. Off by default: a child installs its pools at its start, so
+#: every spawn child (DataLoader workers, one process per GPU under torch.multiprocessing.spawn)
+#: would hold a CUDA context on every device, where PyTorch's allocator makes one on first use.
 CHILDREN_VAR = "MEMPOOL_CHILDREN"
 #: Set by a parent whose children install: the frameworks to hook ("torch,cupy", "none").
 HOOKS_VAR = "_MEMPOOL_CHILD_HOOKS"
 
-_MODES = {"": "on", "1": "on", "0": "off", "verbose": "verbose"}
+_MODES = {"": "off", "1": "on", "0": "off", "verbose": "verbose"}
 
 _hooked_multiprocessing = False   # this process's spawn and forkserver are wrapped
 _installed_as = None              # "spawn" or "forkserver": this child installed from its parent
@@ -56,8 +58,8 @@ def mode() -> str:
     if found is None:
         raise ValueError(
             f"environment variable {CHILDREN_VAR}: {raw!r} is not a setting; accepted: 0 "
-            "(child processes keep PyTorch's allocator), 1 (spawn and forkserver children "
-            "install the same pools; the default), verbose (and each says so on stderr)")
+            "(child processes keep PyTorch's allocator; the default), 1 (spawn and forkserver "
+            "children install the same pools), verbose (and each says so on stderr)")
     return found
 
 

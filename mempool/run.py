@@ -183,8 +183,8 @@ def install_default(conf: str | None = None, torch: bool = True,
     -----
     With PyTorch hooked, its allocator variables keep only the settings of its pinned
     host-memory allocator (the pool replaces the rest; see docs/sharing.md). A launcher's
-    ``LOCAL_RANK`` (one process per GPU) limits the pools to that device. Unless
-    ``MEMPOOL_CHILDREN=0``, the children that multiprocessing starts by "spawn" or
+    ``LOCAL_RANK`` (one process per GPU) limits the pools to that device. With
+    ``MEMPOOL_CHILDREN=1``, the children that multiprocessing starts by "spawn" or
     "forkserver" install the same pools, with the same hooks, before they unpickle anything
     (mempool/_children.py); a bad ``MEMPOOL_CHILDREN`` is a ValueError. In multiprocessing's
     forkserver process it makes no pool (every child forks from there) and returns an

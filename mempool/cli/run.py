@@ -36,9 +36,9 @@ options:
   --report       print each pool's memory summary at exit
   -h, --help     show this help
 
-Child processes that multiprocessing starts by "spawn" or "forkserver" install the same
-pools before they unpickle anything; MEMPOOL_CHILDREN=0 leaves them alone, =verbose has
-each say so on stderr."""
+With MEMPOOL_CHILDREN=1, child processes that multiprocessing starts by "spawn" or
+"forkserver" install the same pools before they unpickle anything (=verbose: each says so
+on stderr); by default they keep PyTorch's allocator."""
 
 _launcher = None    # the __main__ the script replaced (mempool/__main__.py): its frames live on
 

@@ -107,7 +107,9 @@ def script(tmp_path):
 
 
 def start(script, tmp_path, how, env=None, flags=(), python=("-m", "mempool", "run")):
-    """Run the script; its child's report and the parent's stderr."""
+    """Run the script with children on (MEMPOOL_CHILDREN=1 unless `env` says otherwise);
+    its child's report and the parent's stderr."""
+    env = {"MEMPOOL_CHILDREN": "1", **(env or {})}
     ran = child([*flags, str(script), *how], tmp_path, env, python=python)
     assert ran.returncode == 0, ran.stderr
     report = json.loads(ran.stdout.splitlines()[-1])
@@ -148,12 +150,13 @@ def test_the_parents_settings_and_hooks_travel(script, tmp_path, method):
 
 
 @pytest.mark.parametrize("how", STARTS, ids="-".join)
-def test_mempool_children_0_leaves_children_alone(script, tmp_path, how):
+def test_children_are_left_alone_unless_mempool_children_is_1(script, tmp_path, how):
     on, _ = start(script, tmp_path, how)
-    off, stderr = start(script, tmp_path, how, env={"MEMPOOL_CHILDREN": "0"})
     assert on["at_unpickle"] == {"installed": True, "pools": [0]} and on["installed"]
-    assert off["at_unpickle"] == {"installed": False, "pools": []} and not off["installed"]
-    assert stderr.startswith("mempool run: pool on ")      # the parent still installs
+    for off_env in ({"MEMPOOL_CHILDREN": "0"}, {"MEMPOOL_CHILDREN": ""}):
+        off, stderr = start(script, tmp_path, how, env=off_env)
+        assert off["at_unpickle"] == {"installed": False, "pools": []} and not off["installed"]
+        assert stderr.startswith("mempool run: pool on ")      # the parent still installs
 
 
 def test_verbose_children_say_what_they_installed_and_fork_adds_nothing(script, tmp_path):
@@ -211,7 +214,7 @@ if __name__ == "__main__":
 def test_a_childs_own_children_install_too(tmp_path, first, second):
     path = tmp_path / "nested.py"
     path.write_text(NESTED)
-    ran = child([str(path), first, second], tmp_path)
+    ran = child([str(path), first, second], tmp_path, {"MEMPOOL_CHILDREN": "1"})
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout == "[True, True]\n"
 
@@ -221,8 +224,8 @@ def test_a_bad_mempool_children_stops_before_the_script_runs(script, tmp_path):
     assert ran.returncode == 2 and ran.stdout == ""
     assert ran.stderr == ("mempool run: error: environment variable MEMPOOL_CHILDREN: "
                           "'sometimes' is not a setting; accepted: 0 (child processes keep "
-                          "PyTorch's allocator), 1 (spawn and forkserver children install the "
-                          "same pools; the default), verbose (and each says so on stderr)\n")
+                          "PyTorch's allocator; the default), 1 (spawn and forkserver children "
+                          "install the same pools), verbose (and each says so on stderr)\n")
 
 
 @pytest.mark.parametrize("how", STARTS, ids="-".join)
@@ -244,7 +247,7 @@ def test_mempool_auto_reaches_children_and_the_forkserver_makes_no_pool(tmp_path
 # --------------------------------------------------------------------------- in process
 
 
-@pytest.mark.parametrize("value, expected", [("", "on"), ("1", "on"), (" 0 ", "off"),
+@pytest.mark.parametrize("value, expected", [("", "off"), ("1", "on"), (" 0 ", "off"),
                                              ("Verbose", "verbose")])
 def test_mode_reads_mempool_children(monkeypatch, value, expected):
     monkeypatch.setenv("MEMPOOL_CHILDREN", value)
