@@ -42,6 +42,20 @@ def produce(make):
 """
 
 
+# A producer that shares one segment and one run of two pages; the consumer's script goes on
+# with their handles in out["seg"] and out["pages"].
+SEGMENT_AND_PAGES = textwrap.indent(textwrap.dedent("""
+    def make():
+        c = Cuda(0, shareable_pool=True)
+        c.set_shareable(1)
+        seg = c.segment(1 << 20)
+        va = c.reserve(4 * g)
+        c.map(va, 2 * g)
+        return {"seg": c.share(seg, 1 << 20)[1].hex(), "pages": c.share(va, 2 * g, 1)[1].hex()}
+
+    pid, out, release = produce(make)"""), " " * 8).lstrip()
+
+
 def run(fake_driver, body, **env):
     run_fake(fake_driver, PRODUCER + textwrap.dedent(body), **env)
 
@@ -169,15 +183,7 @@ def test_pages_the_driver_will_not_make_exportable_are_made_and_refused(fake_dri
 def test_bytes_no_share_made_are_refused_and_nothing_is_imported(fake_driver):
     run(fake_driver, f"""
         g = {G}
-        def make():
-            c = Cuda(0, shareable_pool=True)
-            c.set_shareable(1)
-            seg = c.segment(1 << 20)
-            va = c.reserve(4 * g)
-            c.map(va, 2 * g)
-            return {{"seg": c.share(seg, 1 << 20)[1].hex(), "pages": c.share(va, 2 * g, 1)[1].hex()}}
-
-        pid, out, release = produce(make)
+        {SEGMENT_AND_PAGES}
         seg, pages = bytes.fromhex(out["seg"]), bytes.fromhex(out["pages"])
         c = Cuda(0)
         bad = [b"", b"x", bytes(96), seg[:-1], seg + b"\\0", bytes([9]) + seg[1:],
@@ -237,15 +243,7 @@ def test_a_device_that_cannot_reach_the_memory_undoes_the_import(fake_driver):
     # imported for the open goes again (the pool import, the mapped pages).
     run(fake_driver, f"""
         g = {G}
-        def make():
-            c = Cuda(0, shareable_pool=True)
-            c.set_shareable(1)
-            seg = c.segment(1 << 20)
-            va = c.reserve(4 * g)
-            c.map(va, 2 * g)
-            return {{"seg": c.share(seg, 1 << 20)[1].hex(), "pages": c.share(va, 2 * g, 1)[1].hex()}}
-
-        pid, out, release = produce(make)
+        {SEGMENT_AND_PAGES}
         c = Cuda(2)
         rc, msg = c.open(bytes.fromhex(out["seg"]), 1 << 20)
         assert rc == EUPSTREAM and "cuMemPoolSetAccess" in msg, msg
