@@ -256,9 +256,11 @@ static int fd_ask(uint32_t pid, int fd, int *out, int *why) {
     struct iovec iov = {.iov_base = &status, .iov_len = sizeof status};
     struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf,
                        .msg_controllen = sizeof ctl.buf};
-    if (send(s, &req, sizeof req, MSG_NOSIGNAL) != (ssize_t)sizeof req ||
-        recvmsg(s, &m, MSG_CMSG_CLOEXEC) != (ssize_t)sizeof status) {
-        *why = errno ? errno : EPROTO;
+    ssize_t n = send(s, &req, sizeof req, MSG_NOSIGNAL);
+    if (n == (ssize_t)sizeof req) n = recvmsg(s, &m, MSG_CMSG_CLOEXEC);
+    if (n != (ssize_t)sizeof status) {
+        /* Closed unanswered (a server of another user), timed out, or not our protocol. */
+        *why = n < 0 ? errno : n == 0 ? ECONNRESET : EPROTO;
         close(s);
         return -1;
     }
@@ -297,9 +299,9 @@ int mp_fd_take(uint32_t pid, int fd, int *out, int *why_errno) {
             *why = ESRCH;   /* the producer is gone */
             return MP_EINVAL;
         }
-        if (fd_errno_code(e) == MP_ENOMEM) {
-            *why = e;
-            return MP_ENOMEM;
+        if (e != ENOSYS) {
+            *why = e;   /* EINVAL: the pid names a thread, not a process */
+            return fd_errno_code(e);
         }
         refused = e;
     } else if (!__atomic_load_n(&fd_forced, __ATOMIC_RELAXED)) {
