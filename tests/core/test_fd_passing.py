@@ -59,7 +59,7 @@ def test_host_bytes_cross_both_ways_through_the_producers_server(workers, expand
     producer.close()
 
 
-def test_a_consumer_refused_ptrace_takes_its_parents_kind_of_descriptors(ctx):
+def test_a_consumer_refused_ptrace_takes_the_descriptors_from_the_server(ctx):
     # The producer is not dumpable and the consumer lacks CAP_SYS_PTRACE: pidfd_getfd is
     # refused (checked in the consumer), so the bytes can cross only through the server.
     here, there = ctx.Pipe()
