@@ -344,9 +344,11 @@ cdef object _share_import(mp_pool *pool, str backend, int device_id, object hand
         if rc == MP_EUNSUPPORTED:
             raise RuntimeError(
                 "import_: the producer's memory cannot be taken into this process: "
-                "pidfd_getfd needs Linux 5.6 or later and ptrace permission over the "
-                "producer (see /proc/sys/kernel/yama/ptrace_scope: 0, or 1 with this process "
-                "an ancestor of the producer or allowed by its prctl(PR_SET_PTRACER))")
+                "pidfd_getfd was refused (it needs Linux 5.6 or later and ptrace permission "
+                "over the producer: see /proc/sys/kernel/yama/ptrace_scope: 0, or 1 with this "
+                "process an ancestor of the producer or allowed by its prctl(PR_SET_PTRACER)), "
+                "and the producer's descriptor server did not answer (it answers processes of "
+                "its own user and network namespace)")
         raise RuntimeError(f"import_: opening the handle failed (error {rc})")
     # The Buffer's block: the import pool's one allocation, at the region's start.
     rc = mp_dl_block_new(ipool, nbytes, 0, &block)

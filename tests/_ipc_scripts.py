@@ -1,29 +1,16 @@
 """What the GPU tests of sharing across processes share (tests/gpu/test_gpu_ipc.py,
 tests/gpu/test_gpu_torch_ipc.py): scripts run as files (spawn and forkserver import the
-main module again in the child, which a ``python -c`` script does not have), and whether
-this machine lets a child take its parent's descriptors.
+main module again in the child, which a ``python -c`` script does not have).
 
-A consumer takes the producer's descriptors with pidfd_getfd, which needs ptrace permission
-over the producer (Note [Sharing CUDA memory], mempool/_csrc/upstream/mp_cuda_share.c): with
-Yama's ptrace_scope at 1 a process may take its descendants' only, so a child opening what
-its parent shared is refused, with a message naming the setting.
+A consumer takes the producer's descriptors with pidfd_getfd where it has ptrace permission
+over the producer, and from the producer's descriptor server where it has not (Note [Passing
+descriptors], mempool/_csrc/common/mp_fdpass.c): with Yama's ptrace_scope at 1 a child
+opening what its parent shared goes through the server, so both directions open everywhere.
 """
 import os
 import subprocess
 import sys
 import textwrap
-
-YAMA = "/proc/sys/kernel/yama/ptrace_scope"
-
-
-def child_may_open_parents():
-    """Whether a child may take its parent's descriptors here (no Yama, or scope 0)."""
-    try:
-        with open(YAMA) as f:
-            return f.read().strip() == "0"
-    except OSError:
-        return True
-
 
 def run_script(tmp_path, source, *args, timeout=300):
     """Run `source` as a file with `args`; its stdout (the run must succeed)."""

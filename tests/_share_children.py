@@ -46,3 +46,107 @@ def import_bytes(handle_bytes, backend):
         return f"{type(exc).__name__}: {exc}"
     finally:
         pool.close(force=True)
+
+
+def core_library():
+    """The compiled core's C symbols (Note [Passing descriptors] in common/mp_fdpass.c)."""
+    import ctypes
+    from mempool import _core
+    lib = ctypes.CDLL(_core.__file__)
+    lib.mp_fd_take.argtypes = [ctypes.c_uint32, ctypes.c_int, ctypes.POINTER(ctypes.c_int),
+                               ctypes.POINTER(ctypes.c_int)]
+    lib.mp_fd_force_socket.argtypes = [ctypes.c_int]
+    lib.mp_fd_offer.argtypes = [ctypes.c_int]
+    lib.mp_fd_withdraw.argtypes = [ctypes.c_int]
+    return lib
+
+
+def take(pid, fd, force_socket=True):
+    """mp_fd_take in this process: (code, errno, the inode of what came or None)."""
+    import ctypes
+    lib = core_library()
+    lib.mp_fd_force_socket(1 if force_socket else 0)
+    out, why = ctypes.c_int(-1), ctypes.c_int(0)
+    rc = lib.mp_fd_take(pid, fd, ctypes.byref(out), ctypes.byref(why))
+    lib.mp_fd_force_socket(0)
+    inode = None
+    if rc == 0:
+        inode = os.fstat(out.value).st_ino
+        os.close(out.value)
+    return rc, why.value, inode
+
+
+def read_and_write_by_socket(handle_bytes, backend, value, answer):
+    """read_and_write, taking the descriptors from the producer's server only."""
+    core_library().mp_fd_force_socket(1)
+    try:
+        return read_and_write(handle_bytes, backend, value, answer)
+    finally:
+        core_library().mp_fd_force_socket(0)
+
+
+def drop_ptrace_capability():
+    """Leave CAP_SYS_PTRACE out of this process's effective set (a no-op unprivileged), so
+    that ptrace permission over a non-dumpable process is refused as Yama refuses it."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)   # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()                  # {effective, permitted, inheritable} x 2
+    assert libc.capget(header, data) == 0, ctypes.get_errno()
+    data[0] &= ~(1 << 19)                           # CAP_SYS_PTRACE
+    assert libc.capset(header, data) == 0, ctypes.get_errno()
+
+
+def pidfd_getfd_refused(pid, fd):
+    """Whether pidfd_getfd of `fd` of `pid` is refused for permission here."""
+    import ctypes
+    import errno
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = libc.syscall(434, pid, 0)               # pidfd_open: one number on every arch
+    if pidfd < 0:
+        return False
+    got = libc.syscall(438, pidfd, fd, 0)           # pidfd_getfd
+    err = ctypes.get_errno()
+    os.close(pidfd)
+    if got >= 0:
+        os.close(got)
+    return got < 0 and err in (errno.EPERM, errno.EACCES)
+
+
+def produce_undumpable(backend, value, nbytes, conn):
+    """A producer no process may ptrace (PR_SET_DUMPABLE 0, as Yama refuses a child its
+    parent): export a block of `value` bytes, send (pid, handle bytes, the first memfd's
+    number), wait for the word to look, send what the block holds then, and exit."""
+    import ctypes
+    import numpy
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)         # PR_SET_DUMPABLE, 0
+    pool = mempool.Pool(backend, capacity="64MiB", ipc=True)
+    buf = pool.empty(nbytes, "uint8")
+    numpy.asarray(buf)[:] = value
+    handle = pool.export(buf)
+    conn.send((os.getpid(), bytes(handle)))
+    conn.recv()
+    view = numpy.asarray(buf)
+    conn.send((int(view[0]), int((view == view[0]).sum())))
+    del view
+    conn.recv()
+
+
+def consume_without_ptrace(handle_bytes, backend, value, answer, pid, conn):
+    """Without ptrace permission over producer `pid`: send whether pidfd_getfd was refused
+    here (so the descriptors can come only from the producer's server) and read_and_write's
+    answer."""
+    drop_ptrace_capability()
+    any_fd = 0   # permission is checked before the descriptor is looked up
+    conn.send((pidfd_getfd_refused(pid, any_fd), read_and_write(handle_bytes, backend, value,
+                                                                answer)))
+
+
+def offer_and_wait(conn):
+    """A process that offers one memfd and says (pid, fd, inode, a fd it did not offer)."""
+    lib = core_library()
+    fd = os.memfd_create("mempool-test")
+    other = os.memfd_create("mempool-test-unoffered")
+    assert lib.mp_fd_offer(fd) == 0
+    conn.send((os.getpid(), fd, os.fstat(fd).st_ino, other))
+    conn.recv()

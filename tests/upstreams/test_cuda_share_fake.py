@@ -260,3 +260,31 @@ def test_a_device_that_cannot_reach_the_memory_undoes_the_import(fake_driver):
         c.destroy()
         ok.destroy()
     """)
+
+
+def test_descriptors_come_through_the_producers_server_too(fake_driver):
+    # The consumer asks the producer's descriptor server only (Note [Passing descriptors]):
+    # the pool's descriptor and each allocation's were offered when shared.
+    run(fake_driver, f"""
+        g = {G}
+        {SEGMENT_AND_PAGES}
+        core.mp_fd_force_socket(1)
+        seg, pages = bytes.fromhex(out["seg"]), bytes.fromhex(out["pages"])
+        c = Cuda(1)
+        rc, base = c.open(seg, 1 << 20)
+        assert rc == OK, base
+        assert fake.fake_share_count(2) == 1 and fake.fake_share_count(3) == 1
+        assert c.close(base, 1 << 20) == OK
+        rc, base = c.open(pages, 2 * g)
+        assert rc == OK, base
+        assert fake.fake_share_count(5) == 1
+        assert c.close(base, 2 * g) == OK
+        # a number the producer never offered (its standard output): refused by the server
+        wrong = seg[:24] + (1).to_bytes(4, "little") + seg[28:]
+        rc, msg = c.open(wrong, 1 << 20)
+        assert rc == EINVAL and "no shared descriptor 1" in msg, msg
+        release()
+        rc, msg = c.open(seg, 1 << 20)                 # the producer has exited
+        assert rc == EINVAL and "gone" in msg, msg
+        c.destroy()
+    """)

@@ -23,8 +23,10 @@ const char* share_refusal(int rc) {
     case MP_EUNSUPPORTED:
       return "the pool cannot share its memory with other processes (make the producer's "
              "pool with ipc=True and pool_handle='create', the default), or this process "
-             "may not take the producer's descriptors (Linux 5.6+ and ptrace permission "
-             "over the producer: /proc/sys/kernel/yama/ptrace_scope)";
+             "may not take the producer's descriptors (neither pidfd_getfd, which needs "
+             "Linux 5.6+ and ptrace permission over the producer: "
+             "/proc/sys/kernel/yama/ptrace_scope, nor the producer's descriptor server, "
+             "which answers processes of its own user, allowed it)";
     case MP_EINVAL:
       return "no pool is registered for the device, or the handle is not one a pool of the "
              "same kind made";

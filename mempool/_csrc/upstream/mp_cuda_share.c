@@ -10,17 +10,17 @@
  *     and share answers MP_EUNSUPPORTED saying so. The pool is exported once
  *     (cuMemPoolExportToShareableHandle), its descriptor kept open for the upstream's life,
  *     and each segment described by cuMemPoolExportPointer's 64 bytes. The consumer takes
- *     the descriptor out of the producer with pidfd_open + pidfd_getfd (Linux 5.6+, and
- *     ptrace permission over the producer: Yama's /proc/sys/kernel/yama/ptrace_scope),
- *     imports the pool once per producer pool (cuMemPoolImportFromShareableHandle; cached by
+ *     the descriptor out of the producer with mp_fd_take (pidfd_getfd, or the producer's
+ *     descriptor server where ptrace permission is refused: Note [Passing descriptors] in
+ *     common/mp_fdpass.c), imports the pool once per producer pool (cuMemPoolImportFromShareableHandle; cached by
  *     the producer's pid and the upstream's random token, and destroyed when the last
  *     pointer from it is freed), grants its device access (cuMemPoolSetAccess) and imports
  *     the pointer (cuMemPoolImportPointer); close frees that pointer (cuMemFree).
  *   - A run of expandable pages: each physical allocation is created exportable
  *     (requestedHandleTypes = POSIX file descriptor, mp_cuda_set_shareable; where cuMemCreate
  *     refuses that, pages are made without it and sharing them is refused), exported on its
- *     first share (cuMemExportToShareableHandle) and its descriptor kept until it is
- *     unmapped (mp_cuda_vmm.c). The payload lists each allocation's descriptor, size and
+ *     first share (cuMemExportToShareableHandle) and its descriptor kept, and offered to
+ *     other processes (mp_fd_offer), until it is unmapped (mp_cuda_vmm.c). The payload lists each allocation's descriptor, size and
  *     serial; the consumer imports each (cuMemImportFromShareableHandle), reserves address
  *     space for the run, maps them end to end, and grants its device access; close unmaps
  *     them and frees the address space.
@@ -44,16 +44,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
-#ifndef SYS_pidfd_open
-#define SYS_pidfd_open 434
-#endif
-#ifndef SYS_pidfd_getfd
-#define SYS_pidfd_getfd 438
-#endif
+#include "mp_fdpass.h"
 
 /* ---- The payload (native byte order: both processes are on one machine). ---- */
 enum { KIND_SEGMENT = 1, KIND_PAGES = 2 };
@@ -183,7 +177,10 @@ void cu_share_destroy(mp_cuda *c) {
     pthread_mutex_lock(&sh_lock);
     drop((void **)sh_own, &sh_nown, c);
     pthread_mutex_unlock(&sh_lock);
-    if (c->pool_fd >= 0) close(c->pool_fd);
+    if (c->pool_fd >= 0) {
+        mp_fd_withdraw(c->pool_fd);   /* before the number can name another file */
+        close(c->pool_fd);
+    }
     c->pool_fd = -1;
     pthread_mutex_destroy(&c->share_lock);
 }
@@ -232,7 +229,10 @@ static int pool_fd(mp_cuda *c, int *fd) {
             CUresult r;
             CU_CALL(c, r, mp_cu.MemPoolExportToShareableHandle(
                               &out, c->pool, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
-            if (r == CUDA_SUCCESS && out >= 0) {
+            if (r == CUDA_SUCCESS && out >= 0 && mp_fd_offer(out) != MP_OK) {
+                close(out);
+                rc = say(MP_ENOMEM, "out of host memory");
+            } else if (r == CUDA_SUCCESS && out >= 0) {
                 c->pool_fd = out;
             } else {
                 char text[200];
@@ -320,6 +320,11 @@ static int share_pages(mp_cuda *c, uintptr_t base, size_t nbytes, unsigned char 
                 rc = say_driver(c, e, "cuMemExportToShareableHandle");
                 goto out;
             }
+            if (mp_fd_offer(fd) != MP_OK) {
+                close(fd);
+                rc = say(MP_ENOMEM, "out of host memory");
+                goto out;
+            }
             r->fds[i] = fd + 1;
         }
         memset(p, 0, PIECE_BYTES);
@@ -348,35 +353,32 @@ static int cu_share(void *ctx, uintptr_t base, size_t nbytes, int expandable,
 
 /* ---- open ---- */
 
-/* Descriptor `fd` of process `pid`, duplicated into this one. */
+/* Descriptor `fd` of process `pid`, duplicated into this one (mp_fd_take), or why not. */
 static int take_fd(uint32_t pid, int32_t fd, int *out) {
-    int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)pid, 0);
-    if (pidfd < 0) {
-        int e = errno;
-        if (e == ENOSYS)
-            return say(MP_EUNSUPPORTED, "opening another process's memory needs pidfd_open "
-                       "(Linux 5.6+)");
+    int why = 0;
+    int rc = mp_fd_take(pid, fd, out, &why);
+    if (rc == MP_OK) return MP_OK;
+    if (rc == MP_ENOMEM)
+        return say(MP_ENOMEM, "this process cannot take process %u's shared descriptor: %s",
+                   pid, strerror(why));
+    if (rc == MP_EINVAL && why == ESRCH)
         return say(MP_EINVAL, "the process that shared this memory (pid %u) is gone: %s", pid,
-                   strerror(e));
-    }
-    int got = (int)syscall(SYS_pidfd_getfd, pidfd, fd, 0);
-    int e = errno;
-    close(pidfd);
-    if (got >= 0) {
-        *out = got;
-        return MP_OK;
-    }
-    if (e == EPERM)
+                   strerror(why));
+    if (rc == MP_EINVAL)
+        return say(MP_EINVAL, "process %u has no shared descriptor %d any more: %s", pid,
+                   (int)fd, strerror(why));
+    if (why == EPERM || why == EACCES)
         return say(MP_EUNSUPPORTED, "this process may not take the descriptor of process %u's "
-                   "shared memory (pidfd_getfd: %s): that needs ptrace permission over it, "
-                   "which Yama's /proc/sys/kernel/yama/ptrace_scope refuses (at 1: unless that "
+                   "shared memory: pidfd_getfd (%s) needs ptrace permission over it, which "
+                   "Yama's /proc/sys/kernel/yama/ptrace_scope refuses (at 1: unless that "
                    "process is this one's descendant or allowed it with prctl "
-                   "PR_SET_PTRACER)", pid, strerror(e));
-    if (e == ENOSYS)
+                   "PR_SET_PTRACER), and its descriptor server did not answer", pid,
+                   strerror(why));
+    if (why == ENOSYS)
         return say(MP_EUNSUPPORTED, "opening another process's memory needs pidfd_getfd "
-                   "(Linux 5.6+)");
-    return say(MP_EINVAL, "process %u has no shared descriptor %d any more (pidfd_getfd: %s)",
-               pid, (int)fd, strerror(e));
+                   "(Linux 5.6+) or the producer's descriptor server, which did not answer");
+    return say(MP_EUNSUPPORTED, "process %u's descriptor server did not answer (%s)", pid,
+               strerror(why));
 }
 
 /* Grant the calling upstream's device access to an imported pool (before its pointers

@@ -18,6 +18,7 @@
  * unmapped (Note [Sharing CUDA memory], mp_cuda_share.c).
  */
 #include "mp_cuda_internal.h"
+#include "mp_fdpass.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -50,7 +51,10 @@ static CUresult allocations_release_locked(mp_cuda *c, mp_cuda_range *r, size_t 
         CUresult e = mp_cu.MemUnmap(r->va + i * c->granularity, k * c->granularity);
         if (e == CUDA_SUCCESS) e = mp_cu.MemRelease(r->handles[i]);
         if (e == CUDA_SUCCESS) {
-            if (r->fds[i]) close(r->fds[i] - 1);   /* the export of it goes with it */
+            if (r->fds[i]) {   /* the export of it goes with it, withdrawn first */
+                mp_fd_withdraw(r->fds[i] - 1);
+                close(r->fds[i] - 1);
+            }
             r->fds[i] = 0;
             memset(&r->mapped[i], PAGE_UNMAPPED, k);
             r->nmapped -= k;

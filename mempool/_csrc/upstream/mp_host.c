@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "mp_budget.h"
+#include "mp_fdpass.h"
 #include "mp_upstream.h"
 
 typedef struct mp_host {
@@ -214,9 +215,10 @@ static int host_va_release(void *ctx, uintptr_t va, size_t nbytes) {
  * A host pool made to share (mp_host_set_shareable, before its first allocation) backs each
  * segment and each map call with a memfd of its own, mapped MAP_SHARED: memory another
  * process can map. The payload of a region is the producer's pid and, for each memfd in
- * it, the fd number, its inode, its size and a serial; a consumer takes the fds across with
- * pidfd_open + pidfd_getfd (Linux 5.6 or later, and ptrace permission over the producer:
- * /proc/sys/kernel/yama/ptrace_scope decides; refused, open answers MP_EUNSUPPORTED), checks
+ * it, the fd number, its inode, its size and a serial; share offers each memfd (withdrawn
+ * before it is closed), and a consumer takes the fds across with mp_fd_take (pidfd_getfd, or
+ * the producer's descriptor server where ptrace permission is refused: Note [Passing
+ * descriptors] in common/mp_fdpass.c; neither allowed, open answers MP_EUNSUPPORTED), checks
  * each one's inode and size (an fd number freed and reused names other memory: MP_EINVAL),
  * maps them side by side in a reservation of its own and closes them. The mapping keeps the
  * memory alive whatever the producer does next; close unmaps it. Pools that do not share
@@ -277,6 +279,7 @@ static void host_fd_drop(mp_host *h, uintptr_t at, size_t nbytes, int fixed) {
     if (fixed) mmap((void *)at, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
     else munmap((void *)at, nbytes);
     if (f) {
+        mp_fd_withdraw(f->fd);   /* before the number can name another file */
         close(f->fd);
         free(f);
     }
@@ -313,6 +316,10 @@ static int host_share(void *ctx, uintptr_t base, size_t nbytes, int expandable,
     unsigned char *at = buf + 8;
     for (a = base; a < base + nbytes; at += HOST_ENTRY_LEN) {
         struct host_fd *f = mp_ptrmap_get(&h->fds, a);
+        if (mp_fd_offer(f->fd) != MP_OK) {
+            pthread_mutex_unlock(&h->mu);
+            return MP_ENOMEM;
+        }
         hput(at, (uint64_t)f->fd, 4);
         hput(at + 4, f->ino, 8);
         hput(at + 12, f->nbytes, 8);
@@ -321,13 +328,6 @@ static int host_share(void *ctx, uintptr_t base, size_t nbytes, int expandable,
     }
     pthread_mutex_unlock(&h->mu);
     return MP_OK;
-}
-
-/* What an errno of pidfd_open / pidfd_getfd means for the handle. */
-static int host_pidfd_error(int err) {
-    if (err == EPERM || err == EACCES || err == ENOSYS) return MP_EUNSUPPORTED;
-    if (err == EMFILE || err == ENFILE || err == ENOMEM) return MP_ENOMEM;
-    return MP_EINVAL;   /* the handle names no process or fd of one (gone, or never was) */
 }
 
 static int host_open(void *ctx, const unsigned char *buf, size_t len, size_t nbytes,
@@ -346,23 +346,16 @@ static int host_open(void *ctx, const unsigned char *buf, size_t len, size_t nby
         total += n;
     }
     if (total != nbytes) return MP_EINVAL;
-    int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)pid, 0);
-    if (pidfd < 0) return host_pidfd_error(errno);
     void *region = mmap(NULL, nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (region == MAP_FAILED) {
-        close(pidfd);
-        return MP_ENOMEM;
-    }
+    if (region == MAP_FAILED) return MP_ENOMEM;
     int rc = MP_OK;
     size_t off = 0;
     for (uint64_t i = 0; i < k && rc == MP_OK; i++) {
         const unsigned char *e = buf + 8 + i * HOST_ENTRY_LEN;
         size_t n = (size_t)hget(e + 12, 8);
-        int fd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)hget(e, 4), 0);
-        if (fd < 0) {
-            rc = host_pidfd_error(errno);
-            break;
-        }
+        int fd = -1, why = 0;
+        rc = mp_fd_take((uint32_t)pid, (int)hget(e, 4), &fd, &why);
+        if (rc != MP_OK) break;   /* gone, not offered, or neither way allowed */
         struct stat st;
         if (fstat(fd, &st) != 0 || (uint64_t)st.st_ino != hget(e + 4, 8) ||
             !S_ISREG(st.st_mode) || (uint64_t)st.st_size != n)
@@ -373,7 +366,6 @@ static int host_open(void *ctx, const unsigned char *buf, size_t len, size_t nby
         close(fd);
         off += n;
     }
-    close(pidfd);
     if (rc != MP_OK) {
         munmap(region, nbytes);
         return rc;

@@ -1,0 +1,158 @@
+"""Taking another process's descriptors (Note [Passing descriptors], common/mp_fdpass.c):
+pidfd_getfd where ptrace permission allows, else the producer's descriptor server. This
+machine allows pidfd_getfd, so the server is reached by forcing it (mp_fd_force_socket) or by
+making ptrace permission refused for real: a non-dumpable producer and a consumer without
+CAP_SYS_PTRACE, which is how Yama's ptrace_scope=1 treats a child taking its parent's
+descriptors. The processes' code is in tests/_share_children.py."""
+import errno
+import multiprocessing
+import os
+import socket
+
+import numpy
+import pytest
+
+import _share_children as children
+import mempool
+
+MiB = 1 << 20
+TIMEOUT = 60
+OK, EINVAL, EUNSUPPORTED = 0, 3, 9
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return multiprocessing.get_context("spawn")
+
+
+@pytest.fixture(scope="module")
+def workers(ctx):
+    with ctx.Pool(1) as pool:
+        yield pool
+
+
+@pytest.fixture
+def offering(ctx):
+    """A spawned process offering one memfd: (pid, fd, its inode, a fd it did not offer)."""
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=children.offer_and_wait, args=(there,))
+    child.start()
+    assert here.poll(TIMEOUT)
+    yield here.recv()
+    here.send("done")
+    child.join(TIMEOUT)
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
+def test_host_bytes_cross_both_ways_through_the_producers_server(workers, expandable):
+    producer = mempool.Pool("host", capacity="256MiB", ipc=True, expandable_segments=expandable)
+    buf = producer.empty(3 * MiB, "uint8")
+    numpy.asarray(buf)[:] = 0x31
+    handle = producer.export(buf)
+    result = workers.apply(children.read_and_write_by_socket,
+                           (bytes(handle), "host", 0x31, 0x42))
+    assert result[0] == "ok", result[1]
+    assert result[1] == (0x31, 3 * MiB)
+    assert (numpy.asarray(buf) == 0x42).all()    # the consumer's writes, seen here
+    del buf
+    assert producer.collect_shared() == 1
+    producer.close()
+
+
+def test_a_consumer_refused_ptrace_takes_the_descriptors_from_the_server(ctx):
+    # The producer is not dumpable and the consumer lacks CAP_SYS_PTRACE: pidfd_getfd is
+    # refused (checked in the consumer), so the bytes can cross only through the server.
+    here, there = ctx.Pipe()
+    producer = ctx.Process(target=children.produce_undumpable, args=("host", 0x5A, 2 * MiB, there))
+    producer.start()
+    try:
+        assert here.poll(TIMEOUT)
+        pid, data = here.recv()
+        back, forth = ctx.Pipe()
+        consumer = ctx.Process(target=children.consume_without_ptrace,
+                               args=(data, "host", 0x5A, 0x6B, pid, forth))
+        consumer.start()
+        assert back.poll(TIMEOUT)
+        refused, result = back.recv()
+        consumer.join(TIMEOUT)
+        assert refused, "pidfd_getfd was allowed: the test reached no server"
+        assert result[0] == "ok", result[1]
+        assert result[1] == (0x5A, 2 * MiB)
+        here.send("look")
+        assert here.poll(TIMEOUT)
+        assert here.recv() == (0x6B, 2 * MiB)      # the consumer's writes, in the producer
+    finally:
+        here.send("exit")
+        producer.join(TIMEOUT)
+
+
+def test_the_server_gives_only_what_was_offered(workers, offering):
+    pid, fd, inode, other = offering
+    assert workers.apply(children.take, (pid, fd)) == (OK, 0, inode)
+    assert workers.apply(children.take, (pid, other)) == (EINVAL, errno.EBADF, None)
+    assert workers.apply(children.take, (pid, 4096)) == (EINVAL, errno.EBADF, None)
+    # pidfd_getfd, where ptrace allows, takes any descriptor: the server is what refuses
+    rc, why, _ = workers.apply(children.take, (pid, other, False))
+    assert rc == OK or why in (errno.EPERM, errno.EACCES)
+
+
+def test_a_producer_that_exited_is_named_gone(ctx, workers):
+    child = ctx.Process(target=children.offer_and_wait, args=(ctx.Pipe()[1],))
+    child.start()
+    pid = child.pid
+    child.kill()
+    child.join(TIMEOUT)
+    for force in (True, False):
+        assert workers.apply(children.take, (pid, 3, force)) == (EINVAL, errno.ESRCH, None)
+
+
+def test_an_impostor_on_the_producers_name_is_not_asked(offering):
+    # A process of this user listening on another process's name: the consumer checks the
+    # listener's pid and asks nothing (here the producer has its own server under its pid,
+    # so the impostor takes the name of a process that has none: this one's parent).
+    pid, fd, _, _ = offering
+    victim = os.getppid()
+    impostor = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        impostor.bind(f"\0mempool-fd-{victim}")
+    except OSError:
+        impostor.close()
+        pytest.skip("the name is taken: the parent process offers descriptors itself")
+    impostor.listen(4)
+    try:
+        rc, why, _ = children.take(victim, fd)
+        assert (rc, why) == (EUNSUPPORTED, errno.ECONNREFUSED)
+    finally:
+        impostor.close()
+
+
+def test_a_forked_child_offers_nothing_of_its_parents(offering):
+    # This process offers a memfd; its fork child offers one of its own under its own pid,
+    # and never the parent's (which it holds a copy of).
+    lib = children.core_library()
+    mine = os.memfd_create("mempool-test-parent")
+    assert lib.mp_fd_offer(mine) == 0
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.close(go_w)
+        theirs = os.memfd_create("mempool-test-child")
+        code = lib.mp_fd_offer(theirs)
+        os.write(w, f"{code} {theirs} {os.fstat(theirs).st_ino}".encode())
+        os.read(go_r, 1)
+        os._exit(0)
+    os.close(w)
+    os.close(go_r)
+    try:
+        code, theirs, inode = (int(x) for x in os.read(r, 100).split())
+        assert code == 0
+        assert children.take(pid, theirs) == (OK, 0, inode)
+        assert children.take(pid, mine) == (EINVAL, errno.EBADF, None)
+        assert children.take(os.getpid(), mine)[0] == OK   # still the parent's own
+    finally:
+        os.write(go_w, b"x")
+        os.waitpid(pid, 0)
+        lib.mp_fd_withdraw(mine)
+        os.close(mine)
