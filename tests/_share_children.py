@@ -53,21 +53,24 @@ def core_library():
     import ctypes
     from mempool import _core
     lib = ctypes.CDLL(_core.__file__)
-    lib.mp_fd_take.argtypes = [ctypes.c_uint32, ctypes.c_int, ctypes.POINTER(ctypes.c_int),
-                               ctypes.POINTER(ctypes.c_int)]
+    lib.mp_fd_take.argtypes = [ctypes.c_uint32, ctypes.c_int, ctypes.c_uint64,
+                               ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
+    lib.mp_fd_secret.argtypes = []
+    lib.mp_fd_secret.restype = ctypes.c_uint64
     lib.mp_fd_force_socket.argtypes = [ctypes.c_int]
     lib.mp_fd_offer.argtypes = [ctypes.c_int]
     lib.mp_fd_withdraw.argtypes = [ctypes.c_int]
     return lib
 
 
-def take(pid, fd, force_socket=True):
-    """mp_fd_take in this process: (code, errno, the inode of what came or None)."""
+def take(pid, fd, secret, force_socket=True):
+    """mp_fd_take in this process, asking with `secret`: (code, errno, the inode of what came
+    or None)."""
     import ctypes
     lib = core_library()
     lib.mp_fd_force_socket(1 if force_socket else 0)
     out, why = ctypes.c_int(-1), ctypes.c_int(0)
-    rc = lib.mp_fd_take(pid, fd, ctypes.byref(out), ctypes.byref(why))
+    rc = lib.mp_fd_take(pid, fd, secret, ctypes.byref(out), ctypes.byref(why))
     lib.mp_fd_force_socket(0)
     inode = None
     if rc == 0:
@@ -143,10 +146,11 @@ def consume_without_ptrace(handle_bytes, backend, value, answer, pid, conn):
 
 
 def offer_and_wait(conn):
-    """A process that offers one memfd and says (pid, fd, inode, a fd it did not offer)."""
+    """A process that offers one memfd and says (pid, fd, inode, a fd it did not offer, its
+    descriptor secret)."""
     lib = core_library()
     fd = os.memfd_create("mempool-test")
     other = os.memfd_create("mempool-test-unoffered")
     assert lib.mp_fd_offer(fd) == 0
-    conn.send((os.getpid(), fd, os.fstat(fd).st_ino, other))
+    conn.send((os.getpid(), fd, os.fstat(fd).st_ino, other, lib.mp_fd_secret()))
     conn.recv()

@@ -1,5 +1,6 @@
 """Taking another process's descriptors (Note [Passing descriptors], common/mp_fdpass.c):
-pidfd_getfd where ptrace permission allows, else the producer's descriptor server. This
+pidfd_getfd where ptrace permission allows, else the producer's descriptor server, which
+answers only a request carrying the producer's secret (written into every handle). This
 machine allows pidfd_getfd, so the server is reached by forcing it (mp_fd_force_socket) or by
 making ptrace permission refused for real: a non-dumpable producer and a consumer without
 CAP_SYS_PTRACE, which is how Yama's ptrace_scope=1 treats a child taking its parent's
@@ -33,7 +34,8 @@ def workers(ctx):
 
 @pytest.fixture
 def offering(ctx):
-    """A spawned process offering one memfd: (pid, fd, its inode, a fd it did not offer)."""
+    """A spawned process offering one memfd: (pid, fd, its inode, a fd it did not offer, its
+    secret)."""
     here, there = ctx.Pipe()
     child = ctx.Process(target=children.offer_and_wait, args=(there,))
     child.start()
@@ -57,6 +59,30 @@ def test_host_bytes_cross_both_ways_through_the_producers_server(workers, expand
     del buf
     assert producer.collect_shared() == 1
     producer.close()
+
+
+def test_a_host_handle_with_another_secret_is_refused_by_the_server(workers):
+    # The payload carries the producer's secret; with one bit of it flipped the server gives
+    # nothing, while pidfd_getfd, where ptrace allows, ignores it.
+    producer = mempool.Pool("host", capacity="64MiB", ipc=True)
+    buf = producer.empty(MiB, "uint8")
+    numpy.asarray(buf)[:] = 0x17
+    data = bytes(producer.export(buf))
+    secret = children.core_library().mp_fd_secret().to_bytes(8, "little")
+    assert data.count(secret) == 1
+    at = data.index(secret)
+    hostile = data[:at] + bytes([secret[0] ^ 1]) + data[at + 1:]
+    result = workers.apply(children.read_and_write_by_socket, (hostile, "host", 0x17, 0x18))
+    assert result[0] == "error" and result[1].startswith("ValueError"), result
+    result = workers.apply(children.read_and_write_by_socket, (data, "host", 0x17, 0x18))
+    assert result[0] == "ok", result[1]
+    result = workers.apply(children.read_and_write, (hostile, "host", 0x18, 0x19))
+    if workers.apply(children.pidfd_getfd_refused, (os.getpid(), 0)):
+        assert result[0] == "error" and result[1].startswith("ValueError"), result
+    else:
+        assert result[0] == "ok", result[1]
+    del buf
+    producer.close(force=True)
 
 
 def test_a_consumer_refused_ptrace_takes_the_descriptors_from_the_server(ctx):
@@ -87,13 +113,26 @@ def test_a_consumer_refused_ptrace_takes_the_descriptors_from_the_server(ctx):
 
 
 def test_the_server_gives_only_what_was_offered(workers, offering):
-    pid, fd, inode, other = offering
-    assert workers.apply(children.take, (pid, fd)) == (OK, 0, inode)
-    assert workers.apply(children.take, (pid, other)) == (EINVAL, errno.EBADF, None)
-    assert workers.apply(children.take, (pid, 4096)) == (EINVAL, errno.EBADF, None)
+    pid, fd, inode, other, secret = offering
+    assert workers.apply(children.take, (pid, fd, secret)) == (OK, 0, inode)
+    assert workers.apply(children.take, (pid, other, secret)) == (EINVAL, errno.EBADF, None)
+    assert workers.apply(children.take, (pid, 4096, secret)) == (EINVAL, errno.EBADF, None)
     # pidfd_getfd, where ptrace allows, takes any descriptor: the server is what refuses
-    rc, why, _ = workers.apply(children.take, (pid, other, False))
+    rc, why, _ = workers.apply(children.take, (pid, other, secret, False))
     assert rc == OK or why in (errno.EPERM, errno.EACCES)
+
+
+def test_the_server_gives_nothing_without_the_producers_secret(workers, offering):
+    # Knowing an offered descriptor's number is not enough: a request must carry the secret
+    # the producer's handles hold, and a wrong one is refused as an unoffered number is.
+    pid, fd, inode, _, secret = offering
+    for wrong in (secret ^ 1, secret ^ (1 << 63), 0, (1 << 64) - 1):
+        if wrong != secret:
+            assert workers.apply(children.take, (pid, fd, wrong)) == (EINVAL, errno.EBADF, None)
+    assert workers.apply(children.take, (pid, fd, secret)) == (OK, 0, inode)
+    # pidfd_getfd needs ptrace permission instead, and does not look at the secret
+    rc, why, got = workers.apply(children.take, (pid, fd, secret ^ 1, False))
+    assert (rc, got) == (OK, inode) or why in (errno.EPERM, errno.EACCES)
 
 
 def test_a_producer_that_exited_is_named_gone(ctx, workers):
@@ -103,14 +142,14 @@ def test_a_producer_that_exited_is_named_gone(ctx, workers):
     child.kill()
     child.join(TIMEOUT)
     for force in (True, False):
-        assert workers.apply(children.take, (pid, 3, force)) == (EINVAL, errno.ESRCH, None)
+        assert workers.apply(children.take, (pid, 3, 0, force)) == (EINVAL, errno.ESRCH, None)
 
 
 def test_an_impostor_on_the_producers_name_is_not_asked(offering):
     # A process of this user listening on another process's name: the consumer checks the
     # listener's pid and asks nothing (here the producer has its own server under its pid,
     # so the impostor takes the name of a process that has none: this one's parent).
-    pid, fd, _, _ = offering
+    pid, fd, _, _, secret = offering
     victim = os.getppid()
     impostor = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
@@ -120,18 +159,19 @@ def test_an_impostor_on_the_producers_name_is_not_asked(offering):
         pytest.skip("the name is taken: the parent process offers descriptors itself")
     impostor.listen(4)
     try:
-        rc, why, _ = children.take(victim, fd)
+        rc, why, _ = children.take(victim, fd, secret)
         assert (rc, why) == (EUNSUPPORTED, errno.ECONNREFUSED)
     finally:
         impostor.close()
 
 
 def test_a_forked_child_offers_nothing_of_its_parents(offering):
-    # This process offers a memfd; its fork child offers one of its own under its own pid,
-    # and never the parent's (which it holds a copy of).
+    # This process offers a memfd; its fork child offers one of its own under its own pid and
+    # a secret of its own, and never the parent's (which it holds a copy of).
     lib = children.core_library()
     mine = os.memfd_create("mempool-test-parent")
     assert lib.mp_fd_offer(mine) == 0
+    secret = lib.mp_fd_secret()
     r, w = os.pipe()
     go_r, go_w = os.pipe()
     pid = os.fork()
@@ -140,17 +180,20 @@ def test_a_forked_child_offers_nothing_of_its_parents(offering):
         os.close(go_w)
         theirs = os.memfd_create("mempool-test-child")
         code = lib.mp_fd_offer(theirs)
-        os.write(w, f"{code} {theirs} {os.fstat(theirs).st_ino}".encode())
+        os.write(w, f"{code} {theirs} {os.fstat(theirs).st_ino} {lib.mp_fd_secret()}".encode())
         os.read(go_r, 1)
         os._exit(0)
     os.close(w)
     os.close(go_r)
     try:
-        code, theirs, inode = (int(x) for x in os.read(r, 100).split())
+        code, theirs, inode, child_secret = (int(x) for x in os.read(r, 200).split())
         assert code == 0
-        assert children.take(pid, theirs) == (OK, 0, inode)
-        assert children.take(pid, mine) == (EINVAL, errno.EBADF, None)
-        assert children.take(os.getpid(), mine)[0] == OK   # still the parent's own
+        assert child_secret != secret
+        assert children.take(pid, theirs, child_secret) == (OK, 0, inode)
+        assert children.take(pid, theirs, secret) == (EINVAL, errno.EBADF, None)
+        assert children.take(pid, mine, child_secret) == (EINVAL, errno.EBADF, None)
+        assert children.take(os.getpid(), mine, secret)[0] == OK   # still the parent's own
+        assert lib.mp_fd_secret() == secret
     finally:
         os.write(go_w, b"x")
         os.waitpid(pid, 0)

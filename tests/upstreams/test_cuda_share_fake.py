@@ -120,7 +120,7 @@ def test_expandable_pages_open_mapped_end_to_end(fake_driver):
             assert c.share(va + g, 2 * g, 1)[0] == EINVAL   # part of an allocation
             assert c.share(va, 4 * g, 1)[0] == EINVAL       # runs past the mapped pages
             # the descriptors stay open while mapped and close at unmap
-            fds = [int.from_bytes(data[32 + 24 * i:36 + 24 * i], "little") for i in range(2)]
+            fds = [int.from_bytes(data[40 + 24 * i:44 + 24 * i], "little") for i in range(2)]
             for fd in fds:
                 os.fstat(fd)
             assert c.unmap(va + 2 * g, g) == OK
@@ -186,15 +186,15 @@ def test_bytes_no_share_made_are_refused_and_nothing_is_imported(fake_driver):
         {SEGMENT_AND_PAGES}
         seg, pages = bytes.fromhex(out["seg"]), bytes.fromhex(out["pages"])
         c = Cuda(0)
-        bad = [b"", b"x", bytes(96), seg[:-1], seg + b"\\0", bytes([9]) + seg[1:],
+        bad = [b"", b"x", bytes(104), seg[:-1], seg + b"\\0", bytes([9]) + seg[1:],
                seg[:1] + bytes([7]) + seg[2:], seg[:4] + bytes(4) + seg[8:],
                pages[:24] + (0).to_bytes(4, "little") + pages[28:],
                pages[:24] + (5).to_bytes(4, "little") + pages[28:],
-               pages[:40] + (3).to_bytes(8, "little") + pages[48:],
-               pages[:32] + (2**32 - 1).to_bytes(4, "little") + pages[36:]]
+               pages[:48] + (3).to_bytes(8, "little") + pages[56:],
+               pages[:40] + (2**32 - 1).to_bytes(4, "little") + pages[44:]]
         import random
         rnd = random.Random(5)
-        bad += [bytes(rnd.randrange(256) for _ in range(n)) for n in (32, 56, 96, 200)]
+        bad += [bytes(rnd.randrange(256) for _ in range(n)) for n in (40, 64, 104, 200)]
         for data in bad:
             rc, msg = c.open(data, 2 * g)
             assert rc == EINVAL, (data, rc, msg)
@@ -283,6 +283,12 @@ def test_descriptors_come_through_the_producers_server_too(fake_driver):
         wrong = seg[:24] + (1).to_bytes(4, "little") + seg[28:]
         rc, msg = c.open(wrong, 1 << 20)
         assert rc == EINVAL and "no shared descriptor 1" in msg, msg
+        # offered numbers, asked without the producer's secret (bytes 32-39): refused too
+        for data, n in ((seg, 1 << 20), (pages, 2 * g)):
+            hostile = data[:32] + bytes([data[32] ^ 1]) + data[33:]
+            rc, msg = c.open(hostile, n)
+            assert rc == EINVAL and "secret" in msg, msg
+        assert fake.fake_share_count(2) == 1 and fake.fake_share_count(5) == 1
         release()
         rc, msg = c.open(seg, 1 << 20)                 # the producer has exited
         assert rc == EINVAL and "gone" in msg, msg

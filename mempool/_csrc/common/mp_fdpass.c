@@ -7,10 +7,17 @@
  *     Ubuntu default, only an ancestor may: a worker child cannot take its parent's);
  *   - the producer's descriptor server: a detached thread of the producer, started by its
  *     first mp_fd_offer, listening on the abstract Unix socket "\0mempool-fd-<pid>"
- *     (SOCK_SEQPACKET). A request is a magic and a descriptor number; the answer is an errno
- *     (0 for yes) and, for yes, the descriptor itself (SCM_RIGHTS).
+ *     (SOCK_SEQPACKET). A request is a magic, a descriptor number and the producer's secret;
+ *     the answer is an errno (0 for yes) and, for yes, the descriptor itself (SCM_RIGHTS).
  * pidfd_getfd is tried first; where it is refused (EPERM, EACCES) or missing (ENOSYS) the
- * server is asked. The server answers only for descriptors offered (mp_fd_offer, until
+ * server is asked. The secret is a random 64-bit number each process draws once
+ * (mp_fd_secret; getrandom) and its upstreams write into every handle payload: the server
+ * answers only a request that carries it (compared in constant time; a wrong one is refused
+ * as an unoffered descriptor is, EBADF), so a process of the same user may take a descriptor
+ * only if it holds a handle of that producer, not just by guessing its number, which is no
+ * more than pidfd_getfd allows where ptrace permission is the proof instead (the secret is
+ * then not looked at). A process that could draw no secret answers no request. The server
+ * answers only for descriptors offered (mp_fd_offer, until
  * mp_fd_withdraw: the owner withdraws before it closes, so a number reused for another file
  * is never sent) and only to a peer of its own user (SO_PEERCRED); the consumer checks that
  * the server listening on the name is the process `pid` itself (SO_PEERCRED), as anyone may
@@ -18,8 +25,9 @@
  * server duplicates an offered one under that lock and sends the duplicate, so a withdraw and
  * close racing the answer cannot send another file. Each connection is served in turn, with
  * timeouts on both ends, so a peer that never writes or reads holds the server only so long.
- * After fork the child has no server thread and offers nothing (pthread_atfork): its own
- * first offer starts its own server under its own pid. Abstract sockets belong to a network
+ * After fork the child has no server thread, offers nothing and draws a secret of its own
+ * (pthread_atfork), so its parent's handles open nothing of its: its own first offer starts
+ * its own server under its own pid. Abstract sockets belong to a network
  * namespace: processes in different ones reach each other only with pidfd_getfd.
  */
 #define _GNU_SOURCE
@@ -33,6 +41,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/time.h>
@@ -49,13 +58,14 @@
 #define SYS_pidfd_getfd 438
 #endif
 
-#define FD_MAGIC 0x6466706du   /* "mpfd", little-endian */
+#define FD_MAGIC 0x3266706du   /* "mpf2", little-endian: requests that carry the secret */
 #define SERVE_TIMEOUT_S 2      /* how long the server waits on one peer */
 #define TAKE_TIMEOUT_S 10      /* how long a consumer waits for the server's answer */
 
 struct fd_request {
     uint32_t magic;
     int32_t fd;
+    uint64_t secret;
 };
 
 static pthread_mutex_t fd_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -63,9 +73,44 @@ static uint64_t *fd_bits;      /* offered descriptors, bit fd */
 static size_t fd_nwords;
 static int fd_server = -1;     /* the listening socket, once started */
 static int fd_forced;          /* mp_fd_force_socket */
+static uint64_t fd_secret;     /* what a request must carry, once drawn */
+static int fd_secret_drawn;
 static pthread_once_t fd_once = PTHREAD_ONCE_INIT;
 
-/* ---- fork: the child starts with nothing offered and no server ---- */
+/* ---- the secret ---- */
+
+/* Draw this process's secret (getrandom, else /dev/urandom); fd_secret_drawn says whether
+ * one came. Caller holds fd_mu, or is a fork child before it runs anything else. */
+static void fd_draw_secret(void) {
+    int saved = errno;
+    uint64_t s = 0;
+    ssize_t n;
+    do n = getrandom(&s, sizeof s, GRND_NONBLOCK);
+    while (n < 0 && errno == EINTR);
+    if (n != (ssize_t)sizeof s) {   /* no getrandom, or entropy not yet ready at boot */
+        n = -1;
+        int f = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+        if (f >= 0) {
+            do n = read(f, &s, sizeof s);
+            while (n < 0 && errno == EINTR);
+            close(f);
+        }
+    }
+    fd_secret = n == (ssize_t)sizeof s ? s : 0;
+    fd_secret_drawn = n == (ssize_t)sizeof s;
+    errno = saved;
+}
+
+/* Whether a request's secret is this process's, in time that does not depend on where
+ * they differ. Caller holds fd_mu. */
+static int fd_secret_matches(uint64_t asked) {
+    uint64_t diff = asked ^ fd_secret;
+    unsigned acc = 0;
+    for (int i = 0; i < 8; i++) acc |= (unsigned)(diff >> (8 * i)) & 0xffu;
+    return fd_secret_drawn & (acc == 0);
+}
+
+/* ---- fork: the child starts with nothing offered, no server and a secret of its own ---- */
 
 static void fd_prepare(void) { pthread_mutex_lock(&fd_mu); }
 static void fd_parent(void) { pthread_mutex_unlock(&fd_mu); }
@@ -73,6 +118,7 @@ static void fd_child(void) {
     if (fd_server >= 0) close(fd_server);   /* the parent's: the parent's thread serves it */
     fd_server = -1;
     if (fd_bits) memset(fd_bits, 0, fd_nwords * sizeof *fd_bits);
+    if (fd_secret_drawn) fd_draw_secret();   /* the parent's handles carry the parent's */
     pthread_mutex_init(&fd_mu, NULL);
 }
 static void fd_register_fork(void) { pthread_atfork(fd_prepare, fd_parent, fd_child); }
@@ -110,9 +156,9 @@ static void fd_serve_peer(int c) {
         ssize_t n = recv(c, &req, sizeof req, 0);
         if (n != (ssize_t)sizeof req || req.magic != FD_MAGIC) return;
         int dup = -1;
-        int32_t status = EBADF;   /* not offered */
+        int32_t status = EBADF;   /* not offered, or not asked with the secret */
         pthread_mutex_lock(&fd_mu);
-        if (fd_is_offered(req.fd)) {
+        if (fd_secret_matches(req.secret) && fd_is_offered(req.fd)) {
             dup = fcntl(req.fd, F_DUPFD_CLOEXEC, 0);
             status = dup >= 0 ? 0 : errno;
         }
@@ -203,6 +249,7 @@ int mp_fd_offer(int fd) {
         fd_nwords = n;
     }
     fd_bits[w] |= (uint64_t)1 << (fd % 64);
+    if (!fd_secret_drawn) fd_draw_secret();
     /* A server that cannot start leaves pidfd_getfd; the next offer tries again. */
     if (fd_server < 0) (void)fd_start_locked();
     pthread_mutex_unlock(&fd_mu);
@@ -215,6 +262,15 @@ void mp_fd_withdraw(int fd) {
     pthread_mutex_unlock(&fd_mu);
 }
 
+uint64_t mp_fd_secret(void) {
+    pthread_once(&fd_once, fd_register_fork);
+    pthread_mutex_lock(&fd_mu);
+    if (!fd_secret_drawn) fd_draw_secret();
+    uint64_t s = fd_secret;
+    pthread_mutex_unlock(&fd_mu);
+    return s;
+}
+
 void mp_fd_force_socket(int on) { __atomic_store_n(&fd_forced, on ? 1 : 0, __ATOMIC_RELAXED); }
 
 /* ---- the consumer ---- */
@@ -225,7 +281,7 @@ static int fd_errno_code(int e) {
 
 /* Ask process pid's server for fd: an MP_ code, or -1 where no server of pid answered
  * (*why says why). */
-static int fd_ask(uint32_t pid, int fd, int *out, int *why) {
+static int fd_ask(uint32_t pid, int fd, uint64_t secret, int *out, int *why) {
     int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (s < 0) {
         *why = errno;
@@ -247,7 +303,7 @@ static int fd_ask(uint32_t pid, int fd, int *out, int *why) {
         close(s);
         return -1;
     }
-    struct fd_request req = {.magic = FD_MAGIC, .fd = fd};
+    struct fd_request req = {.magic = FD_MAGIC, .fd = fd, .secret = secret};
     int32_t status = 0;
     union {
         char buf[CMSG_SPACE(sizeof(int))];
@@ -283,7 +339,7 @@ static int fd_ask(uint32_t pid, int fd, int *out, int *why) {
     return fd_errno_code(status);
 }
 
-int mp_fd_take(uint32_t pid, int fd, int *out, int *why_errno) {
+int mp_fd_take(uint32_t pid, int fd, uint64_t secret, int *out, int *why_errno) {
     int ignored;
     int *why = why_errno ? why_errno : &ignored;
     *why = 0;
@@ -320,7 +376,7 @@ int mp_fd_take(uint32_t pid, int fd, int *out, int *why_errno) {
         refused = e;
     }
     int asked = 0;
-    int rc = fd_ask(pid, fd, out, &asked);
+    int rc = fd_ask(pid, fd, secret, out, &asked);
     if (pidfd >= 0) close(pidfd);
     if (rc >= 0) {
         *why = asked;

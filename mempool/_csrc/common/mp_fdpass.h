@@ -16,15 +16,22 @@ int mp_fd_offer(int fd);
  * another file is never handed out. Unknown descriptors are ignored. */
 void mp_fd_withdraw(int fd);
 
+/* This process's secret: a random number drawn once per process (a fork child draws its
+ * own), which its upstreams write into their handle payloads and without which its server
+ * gives nothing; 0 where none could be drawn (its server then answers no request). */
+uint64_t mp_fd_secret(void);
+
 /* Descriptor `fd` of process `pid`, duplicated into this process (close-on-exec) at *out.
+ * `secret` is what pid's mp_fd_secret gave (from the handle's payload): its server asks for
+ * it; pidfd_getfd does not.
  *   MP_OK;
  *   MP_EINVAL: the process is gone (*why_errno = ESRCH), or it has no such descriptor or does
- *     not offer it (EBADF);
+ *     not offer it, or the server was asked with another secret (EBADF);
  *   MP_EUNSUPPORTED: neither pidfd_getfd nor the producer's server may give it: *why_errno is
  *     pidfd_getfd's refusal (EPERM or EACCES: ptrace permission; ENOSYS: the kernel lacks it),
  *     or the socket's error where pidfd_getfd was not tried (mp_fd_force_socket);
  *   MP_ENOMEM: this process is out of descriptors or memory (*why_errno says which). */
-int mp_fd_take(uint32_t pid, int fd, int *out, int *why_errno);
+int mp_fd_take(uint32_t pid, int fd, uint64_t secret, int *out, int *why_errno);
 
 /* Test control: with `on`, mp_fd_take asks the producer's server even where pidfd_getfd
  * would be allowed, so that the server is tested on a machine that ptrace permits. */

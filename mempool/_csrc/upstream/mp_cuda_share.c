@@ -24,10 +24,11 @@
  *     serial; the consumer imports each (cuMemImportFromShareableHandle), reserves address
  *     space for the run, maps them end to end, and grants its device access; close unmaps
  *     them and frees the address space.
- * The payload holds the producer's pid, the upstream's random token and, for pages, each
- * allocation's serial, so bytes differ whenever the memory differs even where a descriptor
- * number or an address is reused; the driver's export data names one allocation of the
- * pool. The driver maps an allocation once per process, so the opens of one memory in a
+ * The payload holds the producer's pid, the upstream's random token, the producer's
+ * descriptor secret (mp_fd_secret: its server gives a descriptor only to a request that
+ * carries it) and, for pages, each allocation's serial, so bytes differ whenever the memory
+ * differs even where a descriptor number or an address is reused; the driver's export data
+ * names one allocation of the pool. The driver maps an allocation once per process, so the opens of one memory in a
  * process share one mapping, counted (two pools opening it get the same address), and a
  * handle opened in the process that made it gives the producer's own address, once its
  * upstream confirms the memory is still what the handle names. Bytes that no share made
@@ -51,10 +52,10 @@
 
 /* ---- The payload (native byte order: both processes are on one machine). ---- */
 enum { KIND_SEGMENT = 1, KIND_PAGES = 2 };
-#define PAYLOAD_VERSION 1
-#define HEAD_BYTES 32      /* kind u8, version u8, pad u16, pid u32, token u64, base u64,
+#define PAYLOAD_VERSION 2
+#define HEAD_BYTES 40      /* kind u8, version u8, pad u16, pid u32, token u64, base u64,
                               then u32 (segment: the pool's descriptor; pages: how many),
-                              u32 pad */
+                              u32 pad, u64 the producer's descriptor secret */
 #define SEGMENT_BYTES (HEAD_BYTES + 64)   /* + cuMemPoolExportPointer's data */
 #define PIECE_BYTES 24     /* per allocation: descriptor i32, pad u32, size u64, serial u64 */
 /* Allocations one handle may list: a handle stays within the core's bound on its bytes. */
@@ -64,7 +65,7 @@ typedef struct {
     int kind;
     uint32_t pid, count;
     int32_t fd;
-    uint64_t token, base;
+    uint64_t token, base, secret;
 } head;
 
 static void put32(unsigned char *b, uint32_t v) { memcpy(b, &v, 4); }
@@ -80,6 +81,7 @@ static void put_head(unsigned char *b, int kind, const mp_cuda *c, uintptr_t bas
     put64(b + 8, c->token);
     put64(b + 16, base);
     put32(b + 24, n);
+    put64(b + 32, mp_fd_secret());
 }
 
 /* ---- Messages (per thread: the contract's calls carry only a code). ---- */
@@ -354,9 +356,10 @@ static int cu_share(void *ctx, uintptr_t base, size_t nbytes, int expandable,
 /* ---- open ---- */
 
 /* Descriptor `fd` of process `pid`, duplicated into this one (mp_fd_take), or why not. */
-static int take_fd(uint32_t pid, int32_t fd, int *out) {
+static int take_fd(const head *h, int32_t fd, int *out) {
+    uint32_t pid = h->pid;
     int why = 0;
-    int rc = mp_fd_take(pid, fd, out, &why);
+    int rc = mp_fd_take(pid, fd, h->secret, out, &why);
     if (rc == MP_OK) return MP_OK;
     if (rc == MP_ENOMEM)
         return say(MP_ENOMEM, "this process cannot take process %u's shared descriptor: %s",
@@ -365,8 +368,9 @@ static int take_fd(uint32_t pid, int32_t fd, int *out) {
         return say(MP_EINVAL, "the process that shared this memory (pid %u) is gone: %s", pid,
                    strerror(why));
     if (rc == MP_EINVAL)
-        return say(MP_EINVAL, "process %u has no shared descriptor %d any more: %s", pid,
-                   (int)fd, strerror(why));
+        return say(MP_EINVAL, "process %u has no shared descriptor %d any more, or the "
+                   "handle's descriptor secret is not its own: %s", pid, (int)fd,
+                   strerror(why));
     if (why == EPERM || why == EACCES)
         return say(MP_EUNSUPPORTED, "this process may not take the descriptor of process %u's "
                    "shared memory: pidfd_getfd (%s) needs ptrace permission over it, which "
@@ -457,7 +461,7 @@ static int import_pool(mp_cuda *c, const head *h, sh_pool **out) {
         return say(MP_ENOMEM, "out of host memory");
     }
     int fd = -1;
-    int rc = take_fd(h->pid, h->fd, &fd);
+    int rc = take_fd(h, h->fd, &fd);
     if (rc == MP_OK) {
         CUresult r;
         CU_CALL(c, r, mp_cu.MemPoolImportFromShareableHandle(
@@ -525,7 +529,7 @@ static int open_pages(mp_cuda *c, const head *h, const unsigned char *buf, sh_im
         const unsigned char *piece = buf + HEAD_BYTES + imported * PIECE_BYTES;
         im->sizes[imported] = (size_t)get64(piece + 8);
         int fd = -1;
-        rc = take_fd(h->pid, (int32_t)get32(piece), &fd);
+        rc = take_fd(h, (int32_t)get32(piece), &fd);
         if (rc != MP_OK) goto fail;
         CU_CALL(c, r, mp_cu.MemImportFromShareableHandle(
                           &hs[imported], (void *)(uintptr_t)fd,
@@ -579,6 +583,7 @@ static int parse(mp_cuda *c, const unsigned char *buf, size_t len, size_t nbytes
     h->base = get64(buf + 16);
     h->count = get32(buf + 24);
     h->fd = (int32_t)h->count;
+    h->secret = get64(buf + 32);
     if (h->pid == 0 || nbytes == 0) return say(MP_EINVAL, "a handle naming no memory");
     if (h->kind == KIND_SEGMENT)
         return len == SEGMENT_BYTES && h->fd >= 0

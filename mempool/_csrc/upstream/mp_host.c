@@ -214,16 +214,18 @@ static int host_va_release(void *ctx, uintptr_t va, size_t nbytes) {
 /* Note [Host sharing]
  * A host pool made to share (mp_host_set_shareable, before its first allocation) backs each
  * segment and each map call with a memfd of its own, mapped MAP_SHARED: memory another
- * process can map. The payload of a region is the producer's pid and, for each memfd in
- * it, the fd number, its inode, its size and a serial; share offers each memfd (withdrawn
- * before it is closed), and a consumer takes the fds across with mp_fd_take (pidfd_getfd, or
- * the producer's descriptor server where ptrace permission is refused: Note [Passing
+ * process can map. The payload of a region is the producer's pid, its descriptor secret
+ * (mp_fd_secret) and, for each memfd in it, the fd number, its inode, its size and a
+ * serial; share offers each memfd (withdrawn before it is closed), and a consumer takes
+ * the fds across with mp_fd_take (pidfd_getfd, or the producer's descriptor server, which
+ * asks for the secret, where ptrace permission is refused: Note [Passing
  * descriptors] in common/mp_fdpass.c; neither allowed, open answers MP_EUNSUPPORTED), checks
  * each one's inode and size (an fd number freed and reused names other memory: MP_EINVAL),
  * maps them side by side in a reservation of its own and closes them. The mapping keeps the
  * memory alive whatever the producer does next; close unmaps it. Pools that do not share
  * keep malloc'd segments and mprotect'ed pages: no fd per segment.
  */
+#define HOST_HEAD_LEN 16    /* u32 pid, u32 entries, u64 the descriptor secret */
 #define HOST_ENTRY_LEN 28   /* u32 fd, u64 inode, u64 bytes, u64 serial */
 #define HOST_MAX_ENTRIES 65536
 
@@ -306,14 +308,15 @@ static int host_share(void *ctx, uintptr_t base, size_t nbytes, int expandable,
         pthread_mutex_unlock(&h->mu);
         return MP_EINVAL;   /* not a segment, nor a run of whole map calls */
     }
-    *len = 8 + k * HOST_ENTRY_LEN;
+    *len = HOST_HEAD_LEN + k * HOST_ENTRY_LEN;
     if (!buf || cap < *len) {
         pthread_mutex_unlock(&h->mu);
         return MP_EINVAL;
     }
     hput(buf, (uint64_t)getpid(), 4);
     hput(buf + 4, k, 4);
-    unsigned char *at = buf + 8;
+    hput(buf + 8, mp_fd_secret(), 8);
+    unsigned char *at = buf + HOST_HEAD_LEN;
     for (a = base; a < base + nbytes; at += HOST_ENTRY_LEN) {
         struct host_fd *f = mp_ptrmap_get(&h->fds, a);
         if (mp_fd_offer(f->fd) != MP_OK) {
@@ -334,15 +337,17 @@ static int host_open(void *ctx, const unsigned char *buf, size_t len, size_t nby
                      uintptr_t *out) {
     (void)ctx;
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
-    if (!buf || len < 8 || !out || !nbytes || nbytes % page) return MP_EINVAL;
-    uint64_t pid = hget(buf, 4), k = hget(buf + 4, 4);
-    if (!pid || pid > INT32_MAX || !k || k > HOST_MAX_ENTRIES || len != 8 + k * HOST_ENTRY_LEN)
+    if (!buf || len < HOST_HEAD_LEN || !out || !nbytes || nbytes % page) return MP_EINVAL;
+    uint64_t pid = hget(buf, 4), k = hget(buf + 4, 4), secret = hget(buf + 8, 8);
+    if (!pid || pid > INT32_MAX || !k || k > HOST_MAX_ENTRIES ||
+        len != HOST_HEAD_LEN + k * HOST_ENTRY_LEN)
         return MP_EINVAL;
     uint64_t total = 0;
     for (uint64_t i = 0; i < k; i++) {
-        uint64_t n = hget(buf + 8 + i * HOST_ENTRY_LEN + 12, 8);
+        const unsigned char *e = buf + HOST_HEAD_LEN + i * HOST_ENTRY_LEN;
+        uint64_t n = hget(e + 12, 8);
         if (!n || n % page || n > nbytes || total + n > nbytes) return MP_EINVAL;
-        if (hget(buf + 8 + i * HOST_ENTRY_LEN, 4) > INT32_MAX) return MP_EINVAL;
+        if (hget(e, 4) > INT32_MAX) return MP_EINVAL;
         total += n;
     }
     if (total != nbytes) return MP_EINVAL;
@@ -351,10 +356,10 @@ static int host_open(void *ctx, const unsigned char *buf, size_t len, size_t nby
     int rc = MP_OK;
     size_t off = 0;
     for (uint64_t i = 0; i < k && rc == MP_OK; i++) {
-        const unsigned char *e = buf + 8 + i * HOST_ENTRY_LEN;
+        const unsigned char *e = buf + HOST_HEAD_LEN + i * HOST_ENTRY_LEN;
         size_t n = (size_t)hget(e + 12, 8);
         int fd = -1, why = 0;
-        rc = mp_fd_take((uint32_t)pid, (int)hget(e, 4), &fd, &why);
+        rc = mp_fd_take((uint32_t)pid, (int)hget(e, 4), secret, &fd, &why);
         if (rc != MP_OK) break;   /* gone, not offered, or neither way allowed */
         struct stat st;
         if (fstat(fd, &st) != 0 || (uint64_t)st.st_ino != hget(e + 4, 8) ||
