@@ -10,25 +10,26 @@
  *     (SOCK_SEQPACKET). A request is a magic, a descriptor number and the producer's secret;
  *     the answer is an errno (0 for yes) and, for yes, the descriptor itself (SCM_RIGHTS).
  * pidfd_getfd is tried first; where it is refused (EPERM, EACCES) or missing (ENOSYS) the
- * server is asked. The secret is a random 64-bit number each process draws once
- * (mp_fd_secret; getrandom) and its upstreams write into every handle payload: the server
- * answers only a request that carries it (compared in constant time; a wrong one is refused
- * as an unoffered descriptor is, EBADF), so a process of the same user may take a descriptor
- * only if it holds a handle of that producer, not just by guessing its number, which is no
- * more than pidfd_getfd allows where ptrace permission is the proof instead (the secret is
- * then not looked at). A process that could draw no secret answers no request. The server
- * answers only for descriptors offered (mp_fd_offer, until
+ * server is asked. The server answers only for descriptors offered (mp_fd_offer, until
  * mp_fd_withdraw: the owner withdraws before it closes, so a number reused for another file
- * is never sent) and only to a peer of its own user (SO_PEERCRED); the consumer checks that
- * the server listening on the name is the process `pid` itself (SO_PEERCRED), as anyone may
- * bind an abstract name. Offered descriptors are a bitmap by number, under one lock; the
- * server duplicates an offered one under that lock and sends the duplicate, so a withdraw and
- * close racing the answer cannot send another file. Each connection is served in turn, with
+ * is never sent), only to a peer of its own user (SO_PEERCRED), and only to a request that
+ * carries the producer's secret: a random 64-bit number the process draws once (getrandom,
+ * else /dev/urandom) and its upstreams write into every handle payload (mp_fd_secret). So a
+ * process of the same user takes nothing from the server by guessing a descriptor's number:
+ * it must hold a handle of that producer, as Yama means only an allowed process to reach its
+ * memory (one secret per process: a holder of one handle may ask for any offered number).
+ * The secret is compared in constant time and a wrong one answered as an unoffered number is
+ * (EBADF); pidfd_getfd does not look at it, ptrace permission being its own proof. A process
+ * that could draw no secret answers no request. The consumer checks that the server
+ * listening on the name is the process `pid` itself (SO_PEERCRED), as anyone may bind an
+ * abstract name. Offered descriptors are a bitmap by number, under one lock; the server
+ * duplicates an offered one under that lock and sends the duplicate, so a withdraw and close
+ * racing the answer cannot send another file. Each connection is served in turn, with
  * timeouts on both ends, so a peer that never writes or reads holds the server only so long.
  * After fork the child has no server thread, offers nothing and draws a secret of its own
- * (pthread_atfork), so its parent's handles open nothing of its: its own first offer starts
- * its own server under its own pid. Abstract sockets belong to a network
- * namespace: processes in different ones reach each other only with pidfd_getfd.
+ * (pthread_atfork), so handles of its parent's open nothing of its: its own first offer
+ * starts its own server under its own pid. Abstract sockets belong to a network namespace:
+ * processes in different ones reach each other only with pidfd_getfd.
  */
 #define _GNU_SOURCE
 #include "mp_fdpass.h"
