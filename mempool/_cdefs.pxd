@@ -376,6 +376,9 @@ cdef extern from "mp_share.h" nogil:
     void mp_ledger_detach(mp_ledger *l)
     int mp_ledger_join(mp_ledger *l, uint32_t slot, uint64_t gen, uint64_t ticket)
     int mp_ledger_leave(mp_ledger *l, uint32_t slot, uint64_t gen)
+    enum: MP_SHARE_NAME_MAX
+    int mp_share_region(const unsigned char *buf, size_t len, char *name, size_t namecap,
+                        uint64_t *nbytes)
     int mp_share_sync(mp_pool *p, uintptr_t ptr)
     int mp_share_import_pool(mp_pool *parent, uintptr_t base, size_t nbytes, mp_ledger *ledger,
                              uint32_t slot, uint64_t gen, mp_pool **out)

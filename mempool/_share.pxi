@@ -17,30 +17,25 @@ _SH_MAGIC = b"MPSX"
 _SH_VERSION = 1
 _SH_HEAD = _struct.Struct("<4sBB")
 _SH_FIELDS = _struct.Struct("<IQQQQI")
-# The region's header (core/mp_share.c): magic, version, name length, then the name, device,
-# pid, base, bytes.
-_REGION_HEAD = _struct.Struct("<4sBB")
-_REGION_AFTER_NAME = _struct.Struct("<IIQQ")
 # An upstream's name in a region header -> the backend of the pools that open it.
 _UPSTREAM_BACKENDS = {"sim": "sim", "host": "host", "cuda-pool": "cuda", "cuda-vmm": "cuda"}
 
 
 def _region_fields(bytes region):
     """(backend, region bytes) of a region handle, or ValueError: what every import checks
-    before anything is attached or mapped."""
-    if len(region) < _REGION_HEAD.size:
-        raise ValueError(f"handle: the region's description is {len(region)} bytes, too short")
-    magic, version, namelen = _REGION_HEAD.unpack_from(region)
-    end = _REGION_HEAD.size + namelen
-    if magic != b"MPSH" or version != 1 or len(region) < end + _REGION_AFTER_NAME.size:
+    before anything is attached or mapped (the core reads the region's header,
+    mp_share_region)."""
+    cdef char name[MP_SHARE_NAME_MAX + 1]
+    cdef uint64_t nbytes = 0
+    cdef const unsigned char *buf = region
+    if mp_share_region(buf, len(region), name, sizeof(name), &nbytes) != MP_OK:
         raise ValueError("handle: the region's description is not one mempool made "
-                         "(bad magic, version or length)")
-    name = region[_REGION_HEAD.size:end].decode("ascii", "replace")
-    backend = _UPSTREAM_BACKENDS.get(name)
+                         "(bad magic, version, length or sizes)")
+    upstream = name.decode("ascii", "replace")
+    backend = _UPSTREAM_BACKENDS.get(upstream)
     if backend is None:
-        raise ValueError(f"handle: unknown upstream {name!r} in the region's description; "
+        raise ValueError(f"handle: unknown upstream {upstream!r} in the region's description; "
                          f"accepted: {', '.join(_UPSTREAM_BACKENDS)}")
-    _, _, _, nbytes = _REGION_AFTER_NAME.unpack_from(region, end)
     return backend, nbytes
 
 

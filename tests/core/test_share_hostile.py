@@ -113,6 +113,17 @@ def test_huge_region_sizes_are_refused_by_the_core(pair):
     assert state(producer, consumer) == before
 
 
+def test_a_region_whose_payload_length_disagrees_is_refused_before_any_import(pair):
+    # The region's header is read by the core's own parser (mp_share_region), so from_bytes
+    # refuses what mp_share_open would, before a pool is asked to open anything.
+    producer, consumer, handle = pair
+    for region in (handle.region + b"\0", handle.region[:-1]):
+        data = bytes(handle)
+        data = data[:len(data) - len(handle.region)] + region
+        with pytest.raises(ValueError, match="not one mempool made"):
+            mempool.SharedHandle.from_bytes(_with_fields(data, region_len=len(region)))
+
+
 def test_a_handle_of_another_backend_is_refused():
     sim, host = make("sim"), make("host")
     sim_handle = sim.export(sim.alloc(4096))

@@ -36,10 +36,10 @@
 
 #include "mp_block.h"
 #include "mp_internal.h"
+#include "mp_share.h"
 
 #define MP_SHARE_MAGIC "MPSH"
 #define MP_SHARE_VERSION 1
-#define MP_SHARE_NAME_MAX 32
 
 struct mp_share_open {
     unsigned char *bytes;   /* the handle, as opened */
@@ -68,21 +68,24 @@ static size_t header_len(size_t namelen) {
 }
 
 typedef struct share_header {
+    const char *name;       /* the upstream's name, namelen bytes, in the handle */
+    size_t namelen;
     uint64_t base, nbytes;
     int expandable;
     const unsigned char *payload;
     size_t payload_len;
 } share_header;
 
-/* Parse and check the header of `len` bytes at buf for upstream `name`: MP_EINVAL for
- * anything mp_share would not have written. */
-static int parse_header(const char *name, const unsigned char *buf, size_t len,
-                        share_header *out) {
-    size_t namelen = strlen(name);
+/* Parse and check the header of `len` bytes at buf, whatever upstream wrote it: MP_EINVAL
+ * for anything mp_share would not have written. out->name is the upstream's name, not
+ * NUL-terminated (out->namelen bytes). */
+static int parse_any_header(const unsigned char *buf, size_t len, share_header *out) {
     if (!buf || len < header_len(0) || len > MP_SHARE_HANDLE_MAX) return MP_EINVAL;
     if (memcmp(buf, MP_SHARE_MAGIC, 4) || buf[4] != MP_SHARE_VERSION) return MP_EINVAL;
-    if (buf[5] != namelen || len < header_len(namelen)) return MP_EINVAL;
-    if (memcmp(buf + 6, name, namelen)) return MP_EINVAL;   /* another kind of upstream */
+    size_t namelen = buf[5];
+    if (namelen > MP_SHARE_NAME_MAX || len < header_len(namelen)) return MP_EINVAL;
+    out->name = (const char *)buf + 6;
+    out->namelen = namelen;
     const unsigned char *at = buf + 6 + namelen + 4 + 4;     /* device, pid: informative */
     out->base = get_u(at, 8);
     out->nbytes = get_u(at + 8, 8);
@@ -96,6 +99,27 @@ static int parse_header(const char *name, const unsigned char *buf, size_t len,
         return MP_EINVAL;
     out->payload = buf + header_len(namelen);
     out->payload_len = (size_t)plen;
+    return MP_OK;
+}
+
+/* parse_any_header, for a handle an upstream named `name` must have written. */
+static int parse_header(const char *name, const unsigned char *buf, size_t len,
+                        share_header *out) {
+    if (parse_any_header(buf, len, out) != MP_OK) return MP_EINVAL;
+    size_t namelen = strlen(name);
+    if (out->namelen != namelen || memcmp(out->name, name, namelen))
+        return MP_EINVAL;   /* another kind of upstream */
+    return MP_OK;
+}
+
+int mp_share_region(const unsigned char *buf, size_t len, char *name, size_t namecap,
+                    uint64_t *nbytes) {
+    share_header h;
+    if (!name || !nbytes || parse_any_header(buf, len, &h) != MP_OK) return MP_EINVAL;
+    if (namecap <= h.namelen) return MP_EINVAL;
+    memcpy(name, h.name, h.namelen);
+    name[h.namelen] = '\0';
+    *nbytes = h.nbytes;
     return MP_OK;
 }
 

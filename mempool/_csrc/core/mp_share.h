@@ -47,6 +47,14 @@ int mp_ledger_join(mp_ledger *l, uint32_t slot, uint64_t gen, uint64_t ticket);
 /* Give back one hold of this process's (MP_ENOTFOUND when it has none). */
 int mp_ledger_leave(mp_ledger *l, uint32_t slot, uint64_t gen);
 
+/* The upstream's name (NUL-terminated, at most namecap bytes with the NUL) and the region's
+ * size of a handle mp_share made, checked as mp_share_open checks it, whatever the upstream:
+ * MP_EINVAL for bytes mp_share did not make. For a caller that must know which backend a
+ * handle is for before it opens anything. */
+#define MP_SHARE_NAME_MAX 32
+int mp_share_region(const unsigned char *buf, size_t len, char *name, size_t namecap,
+                    uint64_t *nbytes);
+
 /* Wait for the work queued on the stream of the live block at ptr (MP_ENOTFOUND for no live
  * block): an exporter's writes are done before a consumer reads. */
 int mp_share_sync(mp_pool *p, uintptr_t ptr);
