@@ -441,6 +441,8 @@ cdef extern from "mp_torch.h" nogil:
     int64_t mp_torch_live_blocks(int device)
     uint64_t mp_torch_failed_allocs(int device)
     int mp_torch_follow_size_policy(int device)
+    int mp_torch_set_expandable(int device, int expandable)
+    int mp_torch_kind_switched(int device)
     int mp_torch_private_track(int device, mp_pool *p)
     void mp_torch_private_release(mp_pool *p)
     void *mempool_torch_alloc(Py_ssize_t size, int device, void *stream)

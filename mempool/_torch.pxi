@@ -111,6 +111,25 @@ def _torch_follow_size_policy(Pool pool not None):
     return True
 
 
+def _torch_set_expandable(device, expandable):
+    """Note [Segment kind at run time] (mp_torch_private.c): PyTorch's expandable_segments
+    setting for `device` is now `expandable`; the C++ allocator sends the device's later
+    allocations to a companion pool of that kind while it differs from the registered
+    pool's. Returns whether it differs now."""
+    cdef int d = _torch_check_device(device)
+    if not isinstance(expandable, bool):
+        raise TypeError(f"expandable: expected a bool, got {expandable!r}")
+    cdef int rc = mp_torch_set_expandable(d, 1 if expandable else 0)
+    if rc != MP_OK:
+        raise RuntimeError(f"device {d}: the segment kind could not be set (code {rc})")
+    return mp_torch_kind_switched(d) != 0
+
+
+def _torch_kind_switched(device):
+    """Whether `device`'s allocations now go to its companion pool of the other kind."""
+    return mp_torch_kind_switched(_torch_check_device(device)) != 0
+
+
 # For tests of Note [Private pools follow the size policy]: pools listed as private pools of
 # a device (a sim pool stands for a graph's, which only the cuda upstream makes), each
 # retained by the list until _torch_release_private.

@@ -12,8 +12,12 @@ the installed pools as it would on PyTorch's allocator:
   change every installed pool's size policy (``Pool.set_size_policy``) from the next
   request on. As in PyTorch, each call sets all three: one the string leaves out goes back
   to its default (no rounding, no split limit, no collection), whatever it was before.
-- ``expandable_segments`` cannot switch a pool made one way to the other: a value other than
-  a pool's warns once (``RuntimeWarning``) and the pool keeps its segments.
+- ``expandable_segments`` switches the kind of the device's later segments, as in PyTorch:
+  under mempool's full allocator, while the value differs from the pool's own kind, the
+  device's allocations go to a companion pool of the other kind, and the blocks already
+  made stay where they are (Note [Segment kind at run time] in
+  ``mempool/_csrc/glue/mp_torch_private.c``). Under PyTorch's pluggable allocator a value
+  other than the pool's warns once (``RuntimeWarning``) and the pool keeps its segments.
 - ``graph_capture_record_stream_reuse`` turns the pools' reuse of ``record_stream`` blocks
   during a CUDA graph capture on or off (``Pool.set_capture_reuse``, Note [Capture reuse]);
   a call that leaves it out keeps it as it was, as PyTorch's config does.
@@ -98,9 +102,11 @@ def _warn_once(topic, message):
     warnings.warn(message, RuntimeWarning, stacklevel=4)   # the caller of the wrapper
 
 
-def apply(settings, pools, parsed=None):
+def apply(settings, pools, parsed=None, switch_kind=True):
     """Apply a settings string PyTorch has taken to `pools` (see the module docstring);
-    `parsed`: what pool_settings(settings) gave, when the caller has it already. Raises
+    `parsed`: what pool_settings(settings) gave, when the caller has it already;
+    `switch_kind`: whether the installed allocator switches the segment kind (mempool's
+    full allocator does, PyTorch's pluggable one cannot). Raises
     ValueError, changing nothing, where the pool refuses a value."""
     policy, expandable = parsed if parsed is not None else pool_settings(settings)
     reuse = _capture_reuse(settings)
@@ -114,15 +120,19 @@ def apply(settings, pools, parsed=None):
         _core._torch_follow_size_policy(pool)
     if expandable is not None:
         for pool in pools:
-            if bool(pool.options["expandable_segments"]) != expandable:
+            # Note [Segment kind at run time] (mp_torch_private.c): the C++ allocator sends
+            # the device's later allocations to a companion pool of the asked kind.
+            if switch_kind:
+                _core._torch_set_expandable(pool.device_id, expandable)
+            elif bool(pool.options["expandable_segments"]) != expandable:
                 made = "expandable" if pool.options["expandable_segments"] else "fixed"
                 _warn_once(("expandable_segments", expandable, made),
                            f"torch.cuda.memory._set_allocator_settings: "
                            f"'expandable_segments:{expandable}' cannot switch the pool on "
-                           f"device {pool.device_id}, whose segments are {made} since it was "
-                           f"made; it keeps them (set expandable_segments in MEMPOOL_CONF or "
-                           f"PYTORCH_CUDA_ALLOC_CONF before the first CUDA call, or in "
-                           f"mempool.Pool(...))")
+                           f"device {pool.device_id} under PyTorch's pluggable allocator, "
+                           f"whose segments are {made} since it was made; it keeps them "
+                           f"(mempool's full allocator switches: "
+                           f"mempool.torch.install(allocator='full'))")
     for key in device_allocator_keys(settings):
         if key in POLICY_KEYS or key in ("expandable_segments", CAPTURE_REUSE_KEY):
             continue
@@ -145,20 +155,21 @@ ENTRY_POINTS = (("torch.cuda.memory", "_set_allocator_settings"),
                 ("torch._C", "_accelerator_setAllocatorSettings"))
 
 
-def guard_torch(torch, pools):
+def guard_torch(torch, pools, switch_kind=True):
     """:func:`guard` every entry point of ENTRY_POINTS that this PyTorch has."""
     for module_name, attribute in ENTRY_POINTS:
         module = torch
         for part in module_name.split(".")[1:]:
             module = getattr(module, part, None)
         if module is not None:
-            guard(module, pools, attribute)
+            guard(module, pools, attribute, switch_kind)
 
 
-def guard(memory_module, pools, attribute="_set_allocator_settings"):
+def guard(memory_module, pools, attribute="_set_allocator_settings", switch_kind=True):
     """Wrap ``memory_module.<attribute>`` (``torch.cuda.memory._set_allocator_settings``
     by default) so that its settings act on the pools ``pools()`` returns (see the module
-    docstring). Does nothing where PyTorch has no such function or it is wrapped already."""
+    docstring; `switch_kind` as for :func:`apply`). Does nothing where PyTorch has no such
+    function or it is wrapped already."""
     original = getattr(memory_module, attribute, None)
     if original is None or getattr(original, "_mempool_guarded", False):
         return
@@ -166,7 +177,7 @@ def guard(memory_module, pools, attribute="_set_allocator_settings"):
     def _set_allocator_settings(env):
         parsed = pool_settings(env)    # a value the pool refuses raises before PyTorch takes it
         result = original(env)         # PyTorch parses, refuses and keeps it as usual
-        apply(env, pools(), parsed)
+        apply(env, pools(), parsed, switch_kind)
         return result
 
     _set_allocator_settings._mempool_guarded = True

@@ -364,7 +364,7 @@ def install(pool: Pool, *more_pools: Pool, allocator: str = "auto") -> Any:
         raise RuntimeError(f"install: PyTorch refused the allocator ({exc}); another "
                            f"allocator is already in use") from None
     _installed = alloc
-    _torch_settings.guard_torch(torch, _core._torch_registered_pools)
+    _torch_settings.guard_torch(torch, _core._torch_registered_pools, switch_kind=False)
     return alloc
 
 

@@ -40,6 +40,53 @@ with torch.cuda.graph(g, pool=graph_pool):
 """
 
 
+# A pluggable allocator as NCCL's buffer registration brings one: the driver's own cuMemAlloc
+# and cuMemFree, counted (loaded with dlopen, so that it builds with no CUDA headers).
+COUNTING_ALLOCATOR = r"""
+#include <dlfcn.h>
+#include <stddef.h>
+typedef int (*mem_alloc_t)(unsigned long long *, size_t);
+typedef int (*mem_free_t)(unsigned long long);
+static mem_alloc_t mem_alloc;
+static mem_free_t mem_free;
+static int allocs, frees;
+static void load(void) {
+    if (mem_alloc) return;
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW);
+    mem_alloc = (mem_alloc_t)dlsym(lib, "cuMemAlloc_v2");
+    mem_free = (mem_free_t)dlsym(lib, "cuMemFree_v2");
+}
+void *counting_alloc(size_t size, int device, void *stream) {
+    unsigned long long p = 0;
+    load();
+    if (mem_alloc(&p, size)) return 0;
+    allocs++;
+    return (void *)p;
+}
+void counting_free(void *ptr, size_t size, int device, void *stream) {
+    load();
+    mem_free((unsigned long long)ptr);
+    frees++;
+}
+int counting_allocs(void) { return allocs; }
+int counting_frees(void) { return frees; }
+"""
+
+
+def counting_allocator(tmp_path):
+    """COUNTING_ALLOCATOR built as tmp_path/counting.so (skips without a C compiler)."""
+    import shutil
+    import pytest
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler to build the pluggable allocator")
+    source, lib = tmp_path / "counting.c", tmp_path / "counting.so"
+    source.write_text(COUNTING_ALLOCATOR)
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(source), "-ldl"],
+                   check=True)
+    return lib
+
+
 def run(body, timeout=300, prelude=PRELUDE):
     code = prelude + textwrap.dedent(body)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -19,7 +19,9 @@ from _torch_scripts import NATIVE_PRELUDE, PRELUDE, run  # noqa: E402
 
 # A parent and a child, each on its own pool made to share (ipc=True): the parent sends a
 # tensor through a torch.multiprocessing queue, the child checks it and sends back one of
-# its own. argv: the start method, 1 for expandable segments.
+# its own. argv: the start method, 1 for expandable segments (0 for fixed ones, "switched"
+# for fixed ones with PyTorch's expandable_segments turned on at run time in the parent, so
+# that its tensor is a companion pool's: Note [Segment kind at run time]).
 BOTH_WAYS = """
 import sys
 import torch
@@ -52,9 +54,11 @@ def child(inq, outq, expandable):
 
 
 if __name__ == "__main__":
-    method, expandable = sys.argv[1], sys.argv[2] == "1"
+    method, expandable, switched = sys.argv[1], sys.argv[2] == "1", sys.argv[2] == "switched"
     mp.set_start_method(method)
     pool = install(expandable)
+    if switched:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     inq, outq = mp.Queue(), mp.Queue()
     p = mp.Process(target=child, args=(inq, outq, expandable))
     p.start()
@@ -68,7 +72,11 @@ if __name__ == "__main__":
         assert first[2], "the child's tensor is not its pool's"
         y = outq.get(timeout=120)               # the parent opens the child's tensor
         assert torch.equal(y, x * 2), "the parent read other values than the child sent"
-        assert torch.cuda.memory_allocated() == pool.stats()["allocated_bytes.all.current"]
+        if switched:   # x and y are the companion's, which the device's figures count
+            assert pool.used_bytes() == 0
+            assert any(seg["is_expandable"] for seg in torch.cuda.memory_snapshot())
+        else:
+            assert torch.cuda.memory_allocated() == pool.stats()["allocated_bytes.all.current"]
         del y
         inq.put(None)
         print("BOTH WAYS")
@@ -77,10 +85,11 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
+@pytest.mark.parametrize("expandable", ["0", "1", "switched"],
+                         ids=["segments", "expandable", "switched-at-run-time"])
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_a_tensor_goes_both_ways_between_two_processes(tmp_path, method, expandable):
-    out = run_script(tmp_path, BOTH_WAYS, method, int(expandable))
+    out = run_script(tmp_path, BOTH_WAYS, method, expandable)
     # Under Yama's ptrace_scope=1 too: the child takes its parent's descriptors from the
     # parent's descriptor server.
     assert "BOTH WAYS" in out, out

@@ -3,8 +3,6 @@ pools and unknown ids.
 
 The scripts use PyTorch's own API only, as a training or inference script would, and check
 that the answers are the pool's (each in a fresh interpreter: tests/_torch_scripts.py)."""
-import shutil
-import subprocess
 
 import pytest
 
@@ -12,53 +10,16 @@ pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
-from _torch_scripts import run  # noqa: E402
+from _torch_scripts import counting_allocator, run  # noqa: E402
 
 
-# A pluggable allocator as NCCL's buffer registration brings one: the driver's own cuMemAlloc
-# and cuMemFree, counted (loaded with dlopen, so that it builds with no CUDA headers).
-COUNTING_ALLOCATOR = r"""
-#include <dlfcn.h>
-#include <stddef.h>
-typedef int (*mem_alloc_t)(unsigned long long *, size_t);
-typedef int (*mem_free_t)(unsigned long long);
-static mem_alloc_t mem_alloc;
-static mem_free_t mem_free;
-static int allocs, frees;
-static void load(void) {
-    if (mem_alloc) return;
-    void *lib = dlopen("libcuda.so.1", RTLD_NOW);
-    mem_alloc = (mem_alloc_t)dlsym(lib, "cuMemAlloc_v2");
-    mem_free = (mem_free_t)dlsym(lib, "cuMemFree_v2");
-}
-void *counting_alloc(size_t size, int device, void *stream) {
-    unsigned long long p = 0;
-    load();
-    if (mem_alloc(&p, size)) return 0;
-    allocs++;
-    return (void *)p;
-}
-void counting_free(void *ptr, size_t size, int device, void *stream) {
-    load();
-    mem_free((unsigned long long)ptr);
-    frees++;
-}
-int counting_allocs(void) { return allocs; }
-int counting_frees(void) { return frees; }
-"""
 
 
 def test_a_mempool_with_its_own_allocator_caches_its_segments(tmp_path):
     # Note [Custom segment sources]: as PyTorch's allocator, the MemPool keeps what its
     # allocator gave: a freed tensor's memory serves the next request there, and the
     # allocator's free comes only when the MemPool is gone and the cache emptied.
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("needs a C compiler to build the pluggable allocator")
-    source, lib = tmp_path / "counting.c", tmp_path / "counting.so"
-    source.write_text(COUNTING_ALLOCATOR)
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(source), "-ldl"],
-                   check=True)
+    lib = counting_allocator(tmp_path)
     out = run(f"""
         import ctypes, gc
         counts = ctypes.CDLL({str(lib)!r})

@@ -140,16 +140,27 @@ SHARE_FIELDS = [("share", F(i32, i32, u, Bytes, sz, ctypes.POINTER(sz), ctypes.P
                 ("share_close", F(i32, i32, u))]
 
 
+# Note [Segment kind at run time] (mp_torch_private.c): tested in
+# test_torch_api_segment_kind.py.
+SEGMENT_KIND_FIELDS = [
+    ("kind_switched", ctypes.POINTER(i32)),
+    ("companion_pool_create", F(i32, i32, ctypes.POINTER(vp))),
+    ("pool_share", F(i32, vp, u, Bytes, sz, ctypes.POINTER(sz), ctypes.POINTER(sz))),
+    ("pool_capture_begin", F(i32, vp)),
+    ("pool_capture_end", F(i32, vp)),
+]
+
+
 class Api(ctypes.Structure):
     _fields_ = (FIELDS + [(f"pool_fn_{i}", vp) for i in range(N_POOL_FUNCTIONS)]
                 + DEVICE_PEAK_FIELDS + OBSERVER_FIELDS + CONFIG_FIELDS + CUSTOM_FIELDS
-                + RELEASE_FIELDS + OOM_FIELDS + SHARE_FIELDS)
+                + RELEASE_FIELDS + OOM_FIELDS + SHARE_FIELDS + SEGMENT_KIND_FIELDS)
 
 
 @pytest.fixture
 def api():
     table = Api.from_address(_core._torch_api_address())
-    assert table.version == 11
+    assert table.version == 12
     assert table.struct_size == ctypes.sizeof(Api), "the table's layout changed: update Api"
     yield table
 

@@ -166,19 +166,67 @@ def test_pytorchs_refusal_changes_nothing_and_warns_nothing(memory):
     assert calls == [] and pool.options["roundup_power2_divisions"] == [4] * 16
 
 
-def test_expandable_segments_cannot_switch_a_pool_and_say_so_once(memory):
+def test_expandable_segments_switch_the_devices_segment_kind_silently(memory):
+    # Note [Segment kind at run time]: under mempool's full allocator the device's later
+    # allocations go to a companion pool of the asked kind while it differs from the pool's.
+    from mempool import _core
     settings, calls, pools = memory
+    device = 11   # a slot no other test routes
+    fixed = mempool.Pool(backend="sim", capacity="1GiB", device=device)
+    pools.append(fixed)
+    _core._torch_register(device, fixed)
+    try:
+        assert said(settings, "expandable_segments:True") == []
+        assert _core._torch_kind_switched(device)
+        assert fixed.options["expandable_segments"] is False      # the pool itself stays
+        assert said(settings, "expandable_segments:False") == []
+        assert not _core._torch_kind_switched(device)
+        settings("expandable_segments:True")
+        _core._torch_unregister(device)
+        assert not _core._torch_kind_switched(device)              # nothing routed there
+        expandable = mempool.Pool(backend="sim", capacity="1GiB", device=device,
+                                  expandable_segments=True)
+        _core._torch_register(device, expandable)                  # already that kind
+        assert not _core._torch_kind_switched(device)
+        settings("expandable_segments:False")
+        assert _core._torch_kind_switched(device)
+    finally:
+        _core._torch_set_expandable(device, False)
+        _core._torch_unregister(device)
+    assert calls == ["expandable_segments:True", "expandable_segments:False",
+                     "expandable_segments:True", "expandable_segments:False"]
+
+
+def test_expandable_segments_under_the_pluggable_allocator_warn_once(monkeypatch):
+    # PyTorch's pluggable allocator forwards allocation and free only: it cannot switch.
+    monkeypatch.setattr(_torch_settings, "_warned", set())
+    calls, pools = [], []
+    module = types.SimpleNamespace(_set_allocator_settings=calls.append)
+    _torch_settings.guard(module, lambda: pools, switch_kind=False)
+    settings = module._set_allocator_settings
     fixed, expandable = sim(), sim(expandable_segments=True)
     pools.extend([fixed, expandable])
     msgs = said(settings, "expandable_segments:True")
-    assert len(msgs) == 1 and "cannot switch the pool on device 0, whose segments are " \
-        "fixed" in msgs[0], msgs
+    assert len(msgs) == 1 and "cannot switch the pool on device 0 under PyTorch's pluggable " \
+        "allocator, whose segments are fixed" in msgs[0], msgs
+    assert "allocator='full'" in msgs[0]
     assert said(settings, "expandable_segments:True") == []          # once
     msgs = said(settings, "expandable_segments:False")
     assert len(msgs) == 1 and "whose segments are expandable" in msgs[0], msgs
     assert fixed.options["expandable_segments"] is False
     assert expandable.options["expandable_segments"] is True
     assert calls == ["expandable_segments:True"] * 2 + ["expandable_segments:False"]
+
+
+def test_set_expandable_refuses_odd_values_and_devices():
+    from mempool import _core
+    for bad in (1, None, "yes"):
+        with pytest.raises(TypeError, match="expandable: expected a bool"):
+            _core._torch_set_expandable(11, bad)
+    for device, err in ((-1, ValueError), (64, ValueError), ("0", TypeError)):
+        with pytest.raises(err, match="device"):
+            _core._torch_set_expandable(device, True)
+    assert not _core._torch_kind_switched(11)
 
 
 def test_an_expandable_pool_ignores_the_split_limit_as_pytorch_does(memory):

@@ -68,6 +68,22 @@ static mp_torch_entry *entries;   /* atomic; newest first (mp_alloc_torch's look
 
 #define valid_device mp_torch_valid_device
 
+/* Note [Segment kind at run time] (mp_torch_private.c): PyTorch's expandable_segments
+ * setting per device (0: never set at run time, 1: off, 2: on), and whether it asks for the
+ * other kind than the registered pool's (what the glue reads at each allocation). Written
+ * under table_lock. */
+static int kind_wanted[MP_TORCH_MAX_DEVICES];
+int mp_torch_kind_switched_by_device[MP_TORCH_MAX_DEVICES];
+#define kind_switched mp_torch_kind_switched_by_device
+
+static void update_kind_switched_locked(int device) {
+    mp_torch_entry *e = LOAD(slots[device].entry);
+    int wanted = kind_wanted[device];
+    int switched = e && wanted &&
+                   (wanted == 2) != (mp_pool_config(e->pool)->expandable_segments != 0);
+    STORE(kind_switched[device], switched);
+}
+
 /* Enter a slot for a rare entry point: its pool, usable until slot_exit, or NULL (and
  * nothing to exit). The order is announce, then read `closing`; a change writes `closing`,
  * then reads `active`: one of the two sees the other. */
@@ -131,6 +147,7 @@ int mp_torch_register(int device, mp_pool *p) {
     mp_pool *old = NULL;
     int rc = slot_change_locked(s, p, &old);
     if (rc == MP_OK && device > LOAD(max_device)) STORE(max_device, device);
+    if (rc == MP_OK) update_kind_switched_locked(device);
     pthread_mutex_unlock(&table_lock);
     if (rc != MP_OK) mp_pool_release(p);
     else if (old) mp_pool_release(old);
@@ -143,9 +160,23 @@ int mp_torch_unregister(int device) {
     pthread_mutex_lock(&table_lock);
     mp_pool *old = NULL;
     int rc = slot_change_locked(s, NULL, &old);
+    if (rc == MP_OK) update_kind_switched_locked(device);
     pthread_mutex_unlock(&table_lock);
     if (rc == MP_OK && old) mp_pool_release(old);
     return rc;
+}
+
+int mp_torch_set_expandable(int device, int expandable) {
+    if (!valid_device(device)) return MP_EINVAL;
+    pthread_mutex_lock(&table_lock);
+    kind_wanted[device] = expandable ? 2 : 1;
+    update_kind_switched_locked(device);
+    pthread_mutex_unlock(&table_lock);
+    return MP_OK;
+}
+
+int mp_torch_kind_switched(int device) {
+    return valid_device(device) ? LOAD(kind_switched[device]) : 0;
 }
 
 mp_pool *mp_torch_registered(int device) {

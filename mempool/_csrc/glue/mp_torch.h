@@ -47,6 +47,12 @@ void mp_torch_private_config(const mp_config *device_cfg, mp_config *out);
  * list as the table's private_pool_create does (tests give it a sim pool); the table's
  * pool_release takes it out. */
 int mp_torch_follow_size_policy(int device);
+/* Note [Segment kind at run time] (mp_torch_private.c): PyTorch's expandable_segments
+ * setting for `device` is now `expandable` (0 or 1): the table's kind_switched says whether
+ * it differs from the registered pool's kind, now and after a later registration. MP_EINVAL
+ * for a device outside the table. */
+int mp_torch_set_expandable(int device, int expandable);
+int mp_torch_kind_switched(int device);
 int mp_torch_private_track(int device, mp_pool *p);
 void mp_torch_private_release(mp_pool *p);
 
@@ -147,7 +153,7 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
  *   - Refused with a message naming the feature: sharing a block of a private pool (a CUDA
  *     graph's, a MemPool's) or of the driver's own memory (caching off), which the device's
  *     pool did not hand out, and opening PyTorch's expandable segments' handles. */
-#define MP_TORCH_API_VERSION 11  /* 2: mp_layout lists each segment's physical allocations;
+#define MP_TORCH_API_VERSION 12  /* 2: mp_layout lists each segment's physical allocations;
                                     3: the device's peaks with its private pools;
                                     4: the segment observer;
                                     5: the device pool's options;
@@ -156,7 +162,8 @@ MP_TORCH_API void *mempool_torch_base_alloc(void *ptr, size_t *size);
                                     8: pool_set_no_split, block_info;
                                     9: the release observer;
                                     10: mp_torch_figures, oom_message;
-                                    11: share, share_open, share_close */
+                                    11: share, share_open, share_close;
+                                    12: the segment kind at run time */
 
 /* A device pool's figures for PyTorch's reports (cacheInfo, the memory fraction, the
  * profiler, max_split_size in the statistics). */
@@ -272,6 +279,17 @@ typedef struct mp_torch_api {
     int (*share_open)(int device, const unsigned char *buf, size_t len, uintptr_t *base,
                       size_t *nbytes);
     int (*share_close)(int device, uintptr_t base);
+    /* Note [Segment kind at run time] (mp_torch_private.c): per device, non-zero while
+     * PyTorch's expandable_segments setting asks for the other kind of segment than the
+     * device's pool makes (read with a relaxed atomic load at each allocation); the device's
+     * companion pool of that kind (the caller owns the reference); a pool's mp_share and its
+     * capture begin and end, for the companion's blocks and captures. */
+    const int *kind_switched;
+    int (*companion_pool_create)(int device, mp_pool **out);
+    int (*pool_share)(mp_pool *p, uintptr_t ptr, unsigned char *buf, size_t cap, size_t *len,
+                      size_t *offset);
+    int (*pool_capture_begin)(mp_pool *p);
+    int (*pool_capture_end)(mp_pool *p);
 } mp_torch_api;
 
 /* The table (static storage, never freed). */

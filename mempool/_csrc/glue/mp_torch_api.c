@@ -211,6 +211,11 @@ static const mp_torch_api api = {
     .share = api_share,
     .share_open = api_share_open,
     .share_close = api_share_close,
+    .kind_switched = mp_torch_kind_switched_by_device,
+    .companion_pool_create = mp_torch_companion_pool_create,
+    .pool_share = mp_share,
+    .pool_capture_begin = mp_capture_begin,
+    .pool_capture_end = mp_capture_end,
 };
 
 const mp_torch_api *mp_torch_api_table(void) { return &api; }

@@ -21,6 +21,8 @@ int mp_torch_table_alloc(int device, size_t nbytes, uintptr_t stream, uintptr_t 
 void mp_torch_table_free(int device, uintptr_t ptr);
 int mp_torch_find_device(uintptr_t ptr);
 int mp_torch_pool_device(const mp_pool *p);
+/* The table's kind_switched: one flag per device (Note [Segment kind at run time]). */
+extern int mp_torch_kind_switched_by_device[MP_TORCH_MAX_DEVICES];
 
 /* Run the body (the arguments after the device: a block with commas is several) with the
  * device's pool `p` entered; MP_EINVAL from the enclosing function when there is none. */
@@ -35,6 +37,7 @@ int mp_torch_pool_device(const mp_pool *p);
 /* ---- mp_torch_private.c: private pools (fields private_pool_create, custom_pool_create) ---- */
 int mp_torch_private_pool_create(int device, mp_pool **out);
 int mp_torch_custom_pool_create(int device, const mp_segment_source *src, mp_pool **out);
+int mp_torch_companion_pool_create(int device, mp_pool **out);
 
 /* ---- mp_torch_peaks.c: Note [Device peaks] (fields private_event, device_stats,
  * device_reset_peak_stats) ---- */

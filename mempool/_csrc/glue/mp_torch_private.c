@@ -85,7 +85,10 @@ int mp_torch_follow_size_policy(int device) {
         if (e->device != device) continue;
         /* The device pool's split limit is unlimited when its segments are expandable (as
          * PyTorch ignores the limit there), so its private pools get none then either. */
-        int r = mp_set_size_policy(e->pool, cfg.roundup_divisions, cfg.max_split_size, 0.0);
+        int expandable = mp_pool_config(e->pool)->expandable_segments;
+        int r = mp_set_size_policy(e->pool, cfg.roundup_divisions,
+                                   expandable ? MP_UNLIMITED : cfg.max_split_size,
+                                   expandable ? cfg.gc_threshold : 0.0);
         if (r != MP_OK) rc = r;
         mp_set_capture_reuse(e->pool, cfg.capture_reuse);   /* Note [Capture reuse] */
     }
@@ -120,6 +123,54 @@ int mp_torch_private_pool_create(int device, mp_pool **out) {
         mp_upstream up;
         rc = mp_pool_plain_upstream(p, &up);
         if (rc == MP_OK) rc = private_pool_over(device, p, &up, out);
+    });
+    return rc;
+}
+
+/* Note [Segment kind at run time]
+ * torch.cuda.memory._set_allocator_settings("expandable_segments:True") switches PyTorch's
+ * own allocator while a program runs: every later segment is of the new kind, and the
+ * blocks already made stay where they are until freed (serving engines switch around
+ * their weight loading; PyTorch's TestMemPool.test_mempool_expandable checks that one
+ * snapshot then holds both kinds). A pool's kind is fixed when it is made: its segments are
+ * a cudaMemPool's allocations or pages of reserved ranges. So while the setting asks for
+ * the other kind (mp_torch_set_expandable; the table's kind_switched flag), the glue sends
+ * the device's allocations to a companion pool of that kind, made on first use by
+ * mp_torch_companion_pool_create: the device pool's configuration with the other kind (an
+ * expandable companion takes no split limit, as PyTorch ignores it there), its limit
+ * shared with the device pool's (Note [Shared limit]: the memory fraction caps both), its
+ * size policy followed as a private pool's is (Note [Private pools follow the size policy];
+ * an expandable one keeps the collection threshold too, since it gives memory back as the
+ * device pool does), and its segments from the device pool's upstream, borrowed: the
+ * companion holds a reference to the device pool, which so outlives it. Switching back
+ * routes new allocations to the device pool again; the companion's blocks are found at
+ * free as a private pool's are (torch_data_path.cpp), its statistics count in the device's,
+ * its segments show in snapshots as the device's own, empty_cache empties it, and an
+ * allocation one pool refuses for want of memory first empties the other's cache. */
+static void borrowed_upstream_destroy(void *ctx) { (void)ctx; }
+
+int mp_torch_companion_pool_create(int device, mp_pool **out) {
+    if (!out) return MP_EINVAL;
+    int rc;
+    WITH_SLOT(device, {
+        mp_config cfg = *mp_pool_config(p);
+        cfg.expandable_segments = !cfg.expandable_segments;
+        if (cfg.expandable_segments) {
+            cfg.max_split_size = MP_UNLIMITED;
+            cfg.segment_round = 0;
+        }
+        cfg.initial_pool_size = 0;
+        cfg.limit = MP_UNLIMITED;   /* the device pool's limit caps both */
+        mp_upstream up = *mp_pool_upstream(p);
+        up.destroy = borrowed_upstream_destroy;
+        rc = mp_pool_create(&cfg, &up, out);
+        if (rc == MP_OK) {
+            if ((rc = mp_share_limit(*out, p)) == MP_OK) rc = mp_torch_private_track(device, *out);
+            if (rc != MP_OK) {
+                mp_pool_release(*out);
+                *out = NULL;
+            }
+        }
     });
     return rc;
 }

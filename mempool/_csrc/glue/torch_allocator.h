@@ -58,6 +58,18 @@ constexpr uintptr_t kTagMask = 511;
 constexpr uint8_t kRegistryPriority = 1;
 constexpr uintptr_t kTagPrivate = 256;   // a private pool's block: look it up in the map
 
+// Note [Segment kind at run time] (mp_torch_private.c): the device's companion pool of the
+// other segment kind is kept among the private pools under an id of its own (PyTorch's are
+// {graph, 0} and {0, MemPool}); traces and snapshots show its memory as the device pool's.
+constexpr c10::CaptureId_t kCompanionMark = ~c10::CaptureId_t{0};
+inline MempoolId_t companion_id(int device) {
+  return {kCompanionMark, static_cast<c10::CaptureId_t>(device)};
+}
+inline bool is_companion(MempoolId_t id) { return id.first == kCompanionMark; }
+inline MempoolId_t reported_id(MempoolId_t id) {
+  return is_companion(id) ? MempoolId_t{0, 0} : id;
+}
+
 std::string fmt_size(size_t n) {
   // PyTorch's format_size style: "20.00 MiB".
   char buf[64];
@@ -439,6 +451,16 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
 
   void* alloc_use_on_oom(int device, size_t nbytes, cudaStream_t stream);
 
+  // Note [Segment kind at run time] (mp_torch_private.c).
+  bool kind_switched(int device) const {
+    return __atomic_load_n(&api->kind_switched[device_slot(device)], __ATOMIC_RELAXED) != 0;
+  }
+  PrivatePool* companion_for_block_locked(int device);
+  void* alloc_companion(int device, size_t nbytes, cudaStream_t stream, uintptr_t* tag);
+  bool empty_companions(int device);
+  bool empty_device_pool_for_oom(int device);
+  mp_pool* companion_pool_of_block(uintptr_t ptr);
+
   bool free_private(uintptr_t ptr);
 
   void drop_live_block(PrivatePool* pp);
@@ -602,6 +624,9 @@ class MempoolAllocator final : public WithOomRejection<CUDAAllocator> {
   std::unordered_map<MempoolId_t, std::unique_ptr<PrivatePool>, IdHash> private_;
   std::vector<Route> routes_[MP_TORCH_MAX_DEVICES];
   std::unordered_map<uintptr_t, PrivatePool*> private_blocks_;
+  // Note [Segment kind at run time]: each device's companion pool, once made (also in
+  // private_, never destroyed while the allocator lives).
+  PrivatePool* companions_[MP_TORCH_MAX_DEVICES] = {};
   std::atomic<int> captures_{0};
   // Per device: refusals followed by another try, and the OOM retries (note_another_try).
   std::atomic<int64_t> oom_tried_again_[MP_TORCH_MAX_DEVICES] = {};

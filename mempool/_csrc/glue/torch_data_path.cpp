@@ -156,6 +156,7 @@ inline void* MempoolAllocator::alloc_on(int device, size_t nbytes, cudaStream_t 
       return alloc_private(pp, nbytes, stream);
     }
   }
+  if (C10_UNLIKELY(kind_switched(device))) return alloc_companion(device, nbytes, stream, tag);
   uintptr_t out = 0;
   int rc = api->alloc(device, nbytes, reinterpret_cast<uintptr_t>(stream), &out);
   if (rc == MP_OK) return served(device, out, nbytes, stream, tag);
@@ -165,6 +166,8 @@ inline void* MempoolAllocator::alloc_on(int device, size_t nbytes, cudaStream_t 
   if (out_of_memory(rc) && run_free_memory_callbacks())
     rc = try_again(device, nbytes, stream, &out, /*retry=*/false);
   if (out_of_memory(rc) && release_unused_pools_for_oom(device))
+    rc = try_again(device, nbytes, stream, &out, /*retry=*/true);
+  if (out_of_memory(rc) && empty_companions(device))   // Note [Segment kind at run time]
     rc = try_again(device, nbytes, stream, &out, /*retry=*/true);
   if (rc == MP_OK) return served(device, out, nbytes, stream, tag);
   if (out_of_memory(rc)) {
@@ -268,6 +271,108 @@ inline void* MempoolAllocator::alloc_use_on_oom(int device, size_t nbytes, cudaS
     if (void* p = try_alloc_private(pp, nbytes, stream, &rc)) return p;
   }
   return nullptr;
+}
+
+// Note [Segment kind at run time] (mp_torch_private.c): the device's companion pool of the
+// other segment kind, made on first use (its captures begun once for each capture or
+// MemPool context open on the device, as the device pool's were), with the block to come
+// counted in its live_blocks (try_alloc_private's precondition). pools_mu_ held.
+inline PrivatePool* MempoolAllocator::companion_for_block_locked(int device) {
+  size_t slot = device_slot(device);
+  if (!companions_[slot]) {
+    auto pp = std::make_unique<PrivatePool>();
+    pp->id = companion_id(device);
+    pp->device = device;
+    int rc = api->companion_pool_create(device, &pp->pool);
+    TORCH_CHECK(rc == MP_OK,
+                cat("mempool: expandable_segments was switched at run time, and the pool of "
+                    "the other segment kind could not be made on device ", device, " (code ",
+                    rc, rc == MP_EINVAL ? ": no mempool pool is registered for this device"
+                                        : "", ")"));
+    for (size_t i = 0; i < routes_[slot].size(); i++) (void)api->pool_capture_begin(pp->pool);
+    try {
+      std::lock_guard<std::mutex> lock(segment_mu_);   // taken last, as always
+      private_owner_[pp->pool] = {device, pp->id};
+    } catch (...) {
+      api->pool_release(pp->pool);   // new and empty: no segment to free under pools_mu_
+      throw;
+    }
+    companions_[slot] = pp.get();
+    MempoolId_t id = pp->id;
+    private_.emplace(id, std::move(pp));
+  }
+  companions_[slot]->live_blocks++;
+  return companions_[slot];
+}
+
+// A request of the device while PyTorch's setting asks for the other segment kind. When
+// the companion refuses for want of memory, what others hold is given back as for the
+// device pool's requests, then the device pool's own cache (its segments are of the other
+// kind: the companion cannot reuse them), and the request tried again after each.
+inline void* MempoolAllocator::alloc_companion(int device, size_t nbytes, cudaStream_t stream,
+                                               uintptr_t* tag) {
+  int rc = MP_OK;
+  auto attempt = [&]() -> void* {
+    PrivatePool* pp;
+    {
+      std::lock_guard<std::mutex> lock(pools_mu_);
+      pp = companion_for_block_locked(device);
+    }
+    return try_alloc_private(pp, nbytes, stream, &rc);
+  };
+  void* ptr = attempt();
+  if (!ptr && out_of_memory(rc) && run_free_memory_callbacks()) {
+    note_another_try(device, /*retry=*/false);
+    ptr = attempt();
+  }
+  if (!ptr && out_of_memory(rc) &&
+      (release_unused_pools_for_oom(device) | empty_device_pool_for_oom(device))) {
+    note_another_try(device, /*retry=*/true);
+    ptr = attempt();
+  }
+  if (!ptr) {
+    MempoolId_t id = companion_id(device);
+    throw_oom(device, nbytes, stream, rc, &id);
+  }
+  *tag = kTagPrivate;
+  return ptr;
+}
+
+// The caches of the device's companion pools (of every device for -1) emptied; whether
+// any of them held one. Not during a capture (nothing is released then).
+inline bool MempoolAllocator::empty_companions(int device) {
+  if (capturing()) return false;
+  std::vector<mp_pool*> pools;
+  {
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    for (int d = 0; d < MP_TORCH_MAX_DEVICES; d++)
+      if (companions_[d] && (device < 0 || d == device)) pools.push_back(companions_[d]->pool);
+  }
+  bool emptied = false;
+  for (mp_pool* p : pools) {   // never destroyed while the allocator lives: no pin needed
+    size_t before = api->pool_reserved_bytes(p);
+    api->pool_empty_cache(p);
+    emptied |= api->pool_reserved_bytes(p) < before;
+  }
+  if (emptied) note_private_change_everywhere();
+  return emptied;
+}
+
+// The device pool's cache emptied for a companion's request; whether it held one.
+inline bool MempoolAllocator::empty_device_pool_for_oom(int device) {
+  if (capturing()) return false;
+  mp_torch_figures before, after;
+  if (api->memory_figures(device, &before) != MP_OK) return false;
+  (void)api->empty_cache(device);
+  return api->memory_figures(device, &after) == MP_OK && after.reserved < before.reserved;
+}
+
+// The companion pool whose live block starts at ptr, or nullptr.
+inline mp_pool* MempoolAllocator::companion_pool_of_block(uintptr_t ptr) {
+  std::lock_guard<std::mutex> lock(pools_mu_);
+  auto it = private_blocks_.find(ptr);
+  return it != private_blocks_.end() && is_companion(it->second->id) ? it->second->pool
+                                                                     : nullptr;
 }
 
 // True when ptr was a private pool's block (now freed).

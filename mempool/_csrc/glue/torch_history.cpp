@@ -168,7 +168,8 @@ inline TraceEntry MempoolAllocator::entry_locked(TraceEntry::Action action, int 
            void* stream, MempoolId_t pool, c10::approx_time_t time,
            std::shared_ptr<c10::GatheredContext> ctx) {
   if (record_when_ < RecordContext::ALLOC) ctx = nullptr;
-  return TraceEntry(action, static_cast<c10::DeviceIndex>(device), addr, size, stream, pool,
+  return TraceEntry(action, static_cast<c10::DeviceIndex>(device), addr, size, stream,
+                    reported_id(pool),
                     time, std::move(ctx),
                     compile_contexts_.empty() ? std::string("N/A") : compile_contexts_.back(),
                     user_metadata_);

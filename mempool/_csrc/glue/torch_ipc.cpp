@@ -42,8 +42,11 @@ inline c10::cuda::CUDACachingAllocator::ShareableHandle MempoolAllocator::shareI
   // did not hand out (DLPack's, another allocator's) is an invalid device pointer.
   void* base = getBaseAllocation(ptr, nullptr);
   uintptr_t p = reinterpret_cast<uintptr_t>(base);
-  int device = api->find_device(p);
-  TORCH_CHECK(device >= 0,
+  // Note [Segment kind at run time]: a block of the device's companion pool shares as the
+  // device pool's do.
+  mp_pool* companion = companion_pool_of_block(p);
+  int device = companion ? -1 : api->find_device(p);
+  TORCH_CHECK(companion || device >= 0,
               cat("mempool: sharing a CUDA tensor with another process (torch.multiprocessing, "
                   "reduce_tensor) is supported for the device's pool; this one (", ptr,
                   ") belongs to a CUDA graph's or a MemPool's private pool, or was allocated "
@@ -51,8 +54,9 @@ inline c10::cuda::CUDACachingAllocator::ShareableHandle MempoolAllocator::shareI
   std::string bytes(512, '\0');
   size_t len = 0, offset = 0;
   auto share = [&] {
-    return api->share(device, p, reinterpret_cast<unsigned char*>(&bytes[0]), bytes.size(),
-                      &len, &offset);
+    auto* buf = reinterpret_cast<unsigned char*>(&bytes[0]);
+    return companion ? api->pool_share(companion, p, buf, bytes.size(), &len, &offset)
+                     : api->share(device, p, buf, bytes.size(), &len, &offset);
   };
   int rc = share();
   if (rc == MP_EINVAL && len > bytes.size() && len <= MP_SHARE_HANDLE_MAX) {

@@ -111,7 +111,8 @@ inline void MempoolAllocator::throw_oom(int device, size_t nbytes, cudaStream_t 
   // only with throw_on_cudamalloc_oom set, whose observers hear of it.
   if (rc == MP_ELIMIT) notify_oom_rejection(device, nbytes, fig.reserved, total);
   TORCH_CHECK_WITH(OutOfMemoryError, false,
-                   oom_message(device, nbytes, free_bytes, total, fig, private_id != nullptr,
+                   oom_message(device, nbytes, free_bytes, total, fig,
+                               private_id != nullptr && !is_companion(*private_id),
                                explanation));
 }
 

@@ -19,12 +19,15 @@ inline void MempoolAllocator::beginAllocateToPool(c10::DeviceIndex device, Mempo
   // pool makes no call a global-mode capture refuses. A MemPool context routes the same
   // way; for it this only defers the pool's releases until the context ends.
   (void)api->capture_begin(device);
+  if (PrivatePool* c = companions_[device_slot(device)]) (void)api->pool_capture_begin(c->pool);
 }
 
 inline void MempoolAllocator::endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) {
   bool found = false;
+  PrivatePool* companion = nullptr;   // its captures were begun with this route's
   {
     std::lock_guard<std::mutex> lock(pools_mu_);
+    companion = companions_[device_slot(device)];
     auto& routes = routes_[device_slot(device)];
     for (auto it = routes.begin(); it != routes.end(); ++it) {
       if (it->id == mempool_id) {
@@ -39,6 +42,7 @@ inline void MempoolAllocator::endAllocateToPool(c10::DeviceIndex device, Mempool
   TORCH_CHECK(found, "endAllocateToPool: not currently recording to mempool_id");
   // The pool may now make the releases it deferred: without our lock, it may synchronize.
   (void)api->capture_end(device);
+  if (companion) (void)api->pool_capture_end(companion->pool);
 }
 
 inline void MempoolAllocator::releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) {

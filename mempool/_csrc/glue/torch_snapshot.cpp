@@ -43,7 +43,7 @@ inline c10::cuda::CUDACachingAllocator::SnapshotInfo MempoolAllocator::snapshot(
   for (PrivatePool* pp : pinned) {
     mp_layout l;
     if (api->pool_layout(pp->pool, &l) != MP_OK) continue;
-    add_segments(info, l, pp->device, pp->id, contexts, segment_contexts);
+    add_segments(info, l, pp->device, reported_id(pp->id), contexts, segment_contexts);
     api->layout_free(&l);
   }
   unpin(pinned);

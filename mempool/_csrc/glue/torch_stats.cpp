@@ -30,6 +30,7 @@ inline void MempoolAllocator::emptyCache(MempoolId_t mempool_id) {
   empty_unused_pools(mempool_id, -1);   // and destroys those that hold no live block
   if (mempool_id == MempoolId_t{0, 0}) {
     for (int d = 0; d < api->max_devices && d < device_limit(); d++) api->empty_cache(d);
+    empty_companions(-1);   // Note [Segment kind at run time]: the device's memory too
   }
   // A tracker that threw as the segments went (Note [Release observer]) fails this call
   // after the trace has them, as PyTorch's empty_cache lets its trackers' errors through.
