@@ -2,6 +2,7 @@
 
     python bench/torch_workloads.py OUTDIR [--steps 30] [--reps 2] [--workloads gpt,gpt-bucketed,resnet,infer,batch,empty]
     python bench/torch_workloads.py OUTDIR --workloads resnet --allocators torch --reps 1 --snapshot
+    python bench/torch_workloads.py OUTDIR --workloads batch,batch-resnet,batch-llama [--batch-cap-gib 24]
 
 Workloads (model code from Hugging Face ``transformers`` and ``torchvision``, random
 weights, built from a config; nothing here defines a model):
@@ -15,7 +16,11 @@ weights, built from a config; nothing here defines a model):
   lightning  the same ResNet-50 trained by Lightning's ``Trainer`` (bf16 mixed precision,
           ``benchmark=True``, ``DeviceStatsMonitor``): a loop nobody here wrote;
   infer   the GPT model's forward under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs);
-  batch   the largest batch of the GPT step (length 512) that fits under a fixed cap;
+  batch   the largest batch of the GPT step (length 512) that fits under a fixed cap
+          (``--batch-cap-gib``, 24 by default), found in one process (batch_workloads.py);
+  batch-resnet, batch-llama  the same for the ResNet-50 step (224x224 images) and the Llama
+          step (length 512); the three print side by side, one row per model (not in the
+          default list);
   empty   ``torch.empty`` + drop, six pairs of processes (one per allocator, side by side
           on one CPU, their rounds interleaved: empty_pairs.py); ``--empty-control
           caching`` adds as many pairs of PyTorch's allocator against itself, the spread
@@ -24,7 +29,8 @@ Allocators: PyTorch's default, PyTorch with ``expandable_segments:True``, mempoo
 and mempool with expandable segments (``mempool.torch.install``). For each: ms per step
 (median over the timed steps, after warm-up), peak reserved, and the losses or outputs, so
 that mempool's can be compared with PyTorch's own spread between two runs. Writes
-OUTDIR/workloads.json and prints a table. A benchmark, not a test: it asserts nothing.
+OUTDIR/workloads.json and prints a table (and the largest batches, model by allocator).
+A benchmark, not a test: it asserts nothing.
 """
 import argparse
 import json
@@ -33,6 +39,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import batch_workloads   # this folder's; stdlib only at import
 
 ALLOCATORS = ("torch", "torch-expandable", "mempool", "mempool-expandable")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -157,21 +165,32 @@ def llama_model(torch):
 ORDER_SEED = 1   # --order-seed: the bucketed steps' order (gpt_lengths)
 
 
-def run_gpt(torch, steps, bucketed=False, make_model=gpt_model):
+def lm_trainer(torch, make_model=gpt_model):
+    """(step, opt): a causal LM's training step, step(ids) -> loss (AdamW, bf16 autocast),
+    the one that the GPT, Llama and largest-batch workloads run."""
     model = make_model(torch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(ids):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step, opt
+
+
+def run_gpt(torch, steps, bucketed=False, make_model=gpt_model):
+    train, _ = lm_trainer(torch, make_model)
     warmup = 2 * len(GPT_BUCKETS) if bucketed else 10
     lengths = gpt_lengths(steps, warmup, bucketed, seed=ORDER_SEED)
     g = torch.Generator(device="cuda").manual_seed(2)
 
     def step(i):
         ids = torch.randint(0, 32000, (8, lengths[i]), device="cuda", generator=g)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(ids, labels=ids).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.item()
+        return train(ids).item()
 
     ms, losses = timed(torch, steps, warmup, step)
     return {"ms_per_step": ms, "values": losses}
@@ -185,22 +204,33 @@ def run_llama_bucketed(torch, steps):
     return run_gpt(torch, steps, bucketed=True, make_model=llama_model)
 
 
-def run_resnet(torch, steps):
+def resnet_trainer(torch):
+    """(step, opt): torchvision's ResNet-50 training step, step(x, y) -> loss (SGD, cuDNN
+    benchmark), the one that the resnet and batch-resnet workloads run."""
     import torchvision
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
     model = torchvision.models.resnet50(weights=None).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step, opt
+
+
+def run_resnet(torch, steps):
+    train, _ = resnet_trainer(torch)
     g = torch.Generator(device="cuda").manual_seed(2)
 
     def step(i):
         x = torch.randn(64, 3, 224, 224, device="cuda", generator=g)
         y = torch.randint(0, 1000, (64,), device="cuda", generator=g)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.item()
+        return train(x, y).item()
 
     ms, losses = timed(torch, steps, 5, step)
     return {"ms_per_step": ms, "values": losses}
@@ -221,36 +251,23 @@ def run_infer(torch, steps):
     return {"ms_per_step": ms, "values": outs}
 
 
-def run_batch(torch, steps, cap_gib=24):
-    """Largest GPT batch (length 512) whose step fits under cap_gib of memory."""
-    frac = cap_gib * (1 << 30) / torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(frac, 0)
-    model = gpt_model(torch)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+BATCH_CAP_GIB = batch_workloads.DEFAULT_CAP_GIB   # --batch-cap-gib
 
-    def fits(batch):
-        try:
-            ids = torch.randint(0, 32000, (batch, 512), device="cuda")
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(ids, labels=ids).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            torch.cuda.synchronize()
-            return True
-        except torch.OutOfMemoryError:
-            return False
-        finally:
-            ids = loss = None
-            opt.zero_grad(set_to_none=True)
 
-    lo, hi = 0, 4
-    while fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return {"largest_batch": lo, "cap_gib": cap_gib, "ms_per_step": None, "values": []}
+def run_batch(torch, steps):
+    return batch_workloads.largest_batch(torch, BATCH_CAP_GIB, lambda: lm_trainer(torch),
+                                         batch_workloads.tokens)
+
+
+def run_batch_llama(torch, steps):
+    return batch_workloads.largest_batch(torch, BATCH_CAP_GIB,
+                                         lambda: lm_trainer(torch, llama_model),
+                                         batch_workloads.tokens)
+
+
+def run_batch_resnet(torch, steps):
+    return batch_workloads.largest_batch(torch, BATCH_CAP_GIB, lambda: resnet_trainer(torch),
+                                         batch_workloads.images)
 
 
 def run_lightning(torch, steps, warmup=5):
@@ -317,7 +334,8 @@ def run_lightning(torch, steps, warmup=5):
 
 WORKLOADS = {"gpt": run_gpt, "gpt-bucketed": run_gpt_bucketed,
              "llama-bucketed": run_llama_bucketed, "resnet": run_resnet,
-             "infer": run_infer, "batch": run_batch, "lightning": run_lightning}
+             "infer": run_infer, "batch": run_batch, "batch-llama": run_batch_llama,
+             "batch-resnet": run_batch_resnet, "lightning": run_lightning}
 
 
 def child(workload, allocator, steps, snapshot=None):
@@ -680,9 +698,16 @@ def main(argv=None):
                          "what this version derives from its rounds), and run nothing")
     ap.add_argument("--order-seed", type=int, default=1,
                     help="seed of the bucketed workloads' order of timed steps (1)")
+    ap.add_argument("--batch-cap-gib", type=float, default=batch_workloads.DEFAULT_CAP_GIB,
+                    metavar="GIB",
+                    help="the memory cap of the largest-batch workloads (" +
+                         ", ".join(batch_workloads.WORKLOADS) +
+                         f"), in GiB (default {batch_workloads.DEFAULT_CAP_GIB:g})")
     args = ap.parse_args(argv)
-    global ORDER_SEED
-    ORDER_SEED = args.order_seed
+    if not args.batch_cap_gib > 0:
+        ap.error(f"--batch-cap-gib: takes a size in GiB above 0; got {args.batch_cap_gib:g}")
+    global ORDER_SEED, BATCH_CAP_GIB
+    ORDER_SEED, BATCH_CAP_GIB = args.order_seed, args.batch_cap_gib
     if args.child:
         return child(args.child[0], args.child[1], args.steps, args.snapshot_path)
     if args.empty_summary:
@@ -690,14 +715,20 @@ def main(argv=None):
     controls = [c for c in args.empty_control.split(",") if c]
     if set(controls) - {"caching", "mempool"}:
         ap.error(f"--empty-control: takes caching and/or mempool; got {args.empty_control!r}")
-    os.makedirs(args.outdir, exist_ok=True)
     workloads = args.workloads.split(",")
+    unknown = [w for w in workloads if w not in WORKLOADS and w != "empty"]
+    if unknown:   # an unknown name would otherwise fail in each child, one after the other
+        ap.error(f"--workloads: unknown {', '.join(unknown)}; known: "
+                 f"{', '.join(sorted([*WORKLOADS, 'empty']))}")
+    if not args.outdir:
+        ap.error("OUTDIR is needed to run workloads")
     allocators = args.allocators.split(",")
     known = set(ALLOCATORS) | set(TORCH_CONFS) | set(MEMPOOL_OPTIONS)
     unknown = [a for a in allocators if a not in known]
     if unknown:   # an unknown name would otherwise run PyTorch's own allocator under it
         ap.error(f"--allocators: unknown {', '.join(unknown)}; known: "
                  f"{', '.join(sorted(known))}")
+    os.makedirs(args.outdir, exist_ok=True)
     rows, extra = [], {}
 
     def save():
@@ -712,7 +743,7 @@ def main(argv=None):
                 save()
             keep_empty(run_empty(args.outdir, controls=controls, on_pair=keep_empty))
             continue
-        reps = 1 if w in ("batch", "infer") else args.reps
+        reps = 1 if w in batch_workloads.WORKLOADS or w == "infer" else args.reps
         for rep in range(reps):
             for a in allocators:     # alternating: rep 1 of each, then rep 2 of each
                 cpus, paces = (fastest_cpus(WORKLOAD_CPUS) if w in PINNED_WORKLOADS
@@ -721,7 +752,8 @@ def main(argv=None):
                 snap = ["--snapshot-path", os.path.join(
                     args.outdir, f"snapshot-{w}{seed}-{a}-{rep + 1}.pickle.gz")] if args.snapshot else []
                 r = spawn([__file__, "--child", w, a, "--steps", str(args.steps),
-                           "--order-seed", str(args.order_seed), *snap],
+                           "--order-seed", str(args.order_seed),
+                           "--batch-cap-gib", repr(args.batch_cap_gib), *snap],
                           allocator_env(a), cpus=cpus)
                 if cpus:
                     r["cpus"] = sorted(cpus)
@@ -737,6 +769,9 @@ def main(argv=None):
     save()
     print(summarize([r for r in rows if "error" not in r]))
     print(compare_values([r for r in rows if "error" not in r]))
+    batches = batch_workloads.side_by_side(rows, allocators)
+    if batches:
+        print(batches)
     for r in rows:
         if r.get("timed_steps_counters"):
             print(f"{r['workload']} {r['allocator']}: steps {r['ms_min']:.2f}-{r['ms_max']:.2f} ms; "
