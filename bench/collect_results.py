@@ -5,7 +5,8 @@ documents the schema), so that they can replace bench/results/<card>.json.
 
 Reads what the run's stages wrote, each where present: versions.txt (date, commit, device),
 junit-gpu-*.xml (the GPU tier), bench/bench.json (the latency suite), fragmentation_gpu.json
-(trace replays), torch/workloads.json (torch.empty pairs), allocator_pairs.json (the
+(trace replays), torch/workloads.json (torch.empty pairs, and the largest batch of each
+model under a fixed cap, model by allocator), allocator_pairs.json (the
 allocators timed from C++), numba-own/numba-own-tests.json (Numba's own tests) and
 own-tests/*/own-tests.json (PyTorch's own tests, one table per pair of bench/torch_own_tests_pairs.py,
 with the tests that passed under PyTorch's allocator only). A stage that did not run adds nothing. The median and worst are over processes (rounds where one process
@@ -21,6 +22,9 @@ import re
 import statistics
 import sys
 import xml.etree.ElementTree as ET
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import batch_workloads  # noqa: E402  (this folder's; stdlib only at import)
 
 SIZES = {"0": "0 B", "512": "512 B", "65536": "64 KiB", "1048576": "1 MiB",
          "67108864": "64 MiB"}
@@ -162,6 +166,47 @@ def from_torch_empty(run: dict, path: str) -> list:
     return figs
 
 
+BATCH_TABLE = "Largest training batch under a fixed cap"
+# The columns of the largest-batch table, in this order; any other allocator follows by name.
+BATCH_ALLOCATORS = {"torch": "PyTorch", "torch-expandable": "PyTorch expandable_segments",
+                    "mempool": "mempool", "mempool-expandable": "mempool expandable_segments"}
+
+
+def from_largest_batches(run: dict, path: str) -> list:
+    """The largest-batch workloads of bench/torch_workloads.py: one table per cap, a row per
+    model and a column per allocator, each cell the largest batch of one process."""
+    with open(path, encoding="utf-8") as f:
+        rows = [r for r in json.load(f).get("rows", [])
+                if r.get("workload") in batch_workloads.MODELS and "largest_batch" in r]
+    figs = []
+    for cap in sorted({r["cap_gib"] for r in rows}):
+        table = f"{BATCH_TABLE}: {cap:g} GiB"
+        command = ("python bench/torch_workloads.py OUT --workloads "
+                   + ",".join(batch_workloads.WORKLOADS) + " --reps 1"
+                   + (f" --batch-cap-gib {cap:g}" if cap != batch_workloads.DEFAULT_CAP_GIB
+                      else ""))
+        mine = [r for r in rows if r["cap_gib"] == cap]
+        seen = {r["allocator"] for r in mine}
+        order = [a for a in BATCH_ALLOCATORS if a in seen] + sorted(seen - set(BATCH_ALLOCATORS))
+        for w in batch_workloads.WORKLOADS:
+            for a in order:
+                values = [r["largest_batch"] for r in mine
+                          if r["workload"] == w and r["allocator"] == a]
+                figs.append(_fig(run, table, batch_workloads.MODELS[w],
+                                 BATCH_ALLOCATORS.get(a, a), "largest batch", values, command))
+    return figs
+
+
+def batch_notes(figs: list) -> dict:
+    """The note under each largest-batch table: what a cell is, and the search's limit."""
+    return {f["table"]: (
+        "A cell is the largest batch whose training step ran with no out-of-memory error "
+        "under the cap (torch.cuda.set_per_process_memory_fraction), found in one process by "
+        "galloping up from batch 4 and bisecting (bench/batch_workloads.py); a cell of "
+        f"{batch_workloads.MAX_BATCH:,} is the search's limit, so at least that.")
+        for f in figs if f["table"].startswith(BATCH_TABLE)}
+
+
 def from_allocator_pairs(run: dict, path: str) -> list:
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
@@ -267,6 +312,7 @@ def from_corpus(run: dict, path: str) -> list:
 SOURCES = (("bench/bench.json", from_latency),
            ("fragmentation_gpu.json", from_fragmentation),
            ("torch/workloads.json", from_torch_empty),
+           ("torch/workloads.json", from_largest_batches),
            ("allocator_pairs.json", from_allocator_pairs),
            ("numba-own/numba-own-tests.json", from_numba_own),
            ("before_after.json", from_before_after),
@@ -292,8 +338,10 @@ def collect(outdir: str) -> dict:
             continue
         figs += pair_figs
         lists.update(pair_lists)
-    out = {"card": run["card"], "environment": run["environment"],
-           "figures": [f for f in figs if f is not None]}
+    figs = [f for f in figs if f is not None]
+    out = {"card": run["card"], "environment": run["environment"], "figures": figs}
+    if batch_notes(figs):
+        out["notes"] = batch_notes(figs)
     if lists:
         out["test_lists"] = lists
     return out

@@ -100,3 +100,63 @@ def test_before_after_and_corpus_outputs_merge_into_a_card_file(tmp_path):
     assert ("Trace corpus on the device: peak reserved / peak live", "gone (tuning)",
             "mempool") not in figs
     assert figs[("Numba's own cudadrv tests", "under mempool", "passed")]["date"] == "2029-01-01"
+
+
+def test_the_largest_batches_become_one_table_of_models_by_allocator(tmp_path):
+    (tmp_path / "versions.txt").write_text(
+        "date: 2030-01-02T03:04:05Z\ncommit: 0123456789abcdef\n"
+        "NVIDIA H100 80GB HBM3, 580.1, 81559 MiB\n")
+    batches = {"batch": 56, "batch-llama": 48, "batch-resnet": 180}
+    bonus = {"torch": 0, "torch-expandable": 2, "mempool": 3, "mempool-expandable": 4}
+    rows = [{"workload": w, "allocator": a, "largest_batch": n + bonus[a], "cap_gib": 24.0,
+             "ms_per_step": None, "values": []}
+            for a in ("mempool-expandable", "torch", "mempool", "torch-expandable")
+            for w, n in batches.items()]
+    rows += [{"workload": "batch-llama", "allocator": "torch-async", "error": "boom"},
+             {"workload": "gpt", "allocator": "torch", "ms_per_step": 80.0, "values": [1.0]}]
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "workloads.json").write_text(json.dumps({"rows": rows}))
+    assert collect_results.main([str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "h100.json").read_text())
+    table = "Largest training batch under a fixed cap: 24 GiB"
+    figs = [f for f in data["figures"] if f["table"] == table]
+    assert len(figs) == 12 and len(data["figures"]) == 12
+    cell = {(f["row"], f["column"]): f for f in figs}
+    assert cell[("Llama-style decoder, length 512", "mempool expandable_segments")]["median"] == 52
+    assert cell[("ResNet-50, 224x224 images", "PyTorch")]["n_processes"] == 1
+    assert all(f["unit"] == "largest batch" and f["worst"] is None for f in figs)
+    assert figs[0]["command"] == ("python bench/torch_workloads.py OUT --workloads "
+                                  "batch,batch-llama,batch-resnet --reps 1")
+    assert "bench/batch_workloads.py" in data["notes"][table]
+    # Rendered: a row per model, in the workloads' order; a column per allocator, PyTorch's
+    # two before mempool's two.
+    text = render_benchmarks.render(str(tmp_path))
+    lines = text[text.index(f"### {table}"):].splitlines()
+    head = lines.index("|  | PyTorch | PyTorch expandable_segments | mempool | "
+                       "mempool expandable_segments |")
+    assert lines[head + 2:head + 5] == [
+        "| GPT-2 style decoder, length 512 | 56 | 58 | 59 | 60 |",
+        "| Llama-style decoder, length 512 | 48 | 50 | 51 | 52 |",
+        "| ResNet-50, 224x224 images | 180 | 182 | 183 | 184 |"]
+    assert lines[head + 6] == data["notes"][table]
+
+
+def test_a_cap_other_than_the_default_names_its_own_table_and_command(tmp_path):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "workloads.json").write_text(json.dumps({"rows": [
+        {"workload": "batch-resnet", "allocator": "mempool", "largest_batch": 90,
+         "cap_gib": 12.0}]}))
+    card = tmp_path / "card.json"
+    kept = {"table": "GPU tier", "row": "tests/gpu", "column": "passed", "unit": "tests",
+            "median": 5, "worst": None, "n_processes": 1, "date": "2029-01-01",
+            "commit": "1111111", "command": "x"}
+    card.write_text(json.dumps({"card": "NVIDIA H100 80GB HBM3", "environment": "",
+                                "figures": [kept], "notes": {"GPU tier": "kept"}}))
+    assert collect_results.main([str(tmp_path), "--into", str(card)]) == 0
+    data = json.loads(card.read_text())
+    (fig,) = [f for f in data["figures"] if f["table"] != "GPU tier"]
+    assert fig["table"] == "Largest training batch under a fixed cap: 12 GiB"
+    assert fig["command"].endswith("--reps 1 --batch-cap-gib 12")
+    assert (fig["row"], fig["column"], fig["median"]) == (
+        "ResNet-50, 224x224 images", "mempool", 90)
+    assert set(data["notes"]) == {"GPU tier", fig["table"]}
