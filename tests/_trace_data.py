@@ -1,5 +1,12 @@
 """Traces in the formats mempool imports: a PyTorch memory snapshot and an RMM log, as
-those libraries write them, for the trace, CLI and plot tests."""
+those libraries write them, for the trace, CLI and plot tests; and a small corpus of
+training traces for the corpus's tests."""
+import json
+
+from mempool.tools import corpus
+from mempool.tools import trace as mtrace
+
+MiB = 1 << 20
 
 FRAMES = [{"filename": "train.py", "line": 12, "name": "forward"}]
 
@@ -63,3 +70,48 @@ RMM_LOG = """Thread,Time,Action,Pointer,Size,Stream
 140573312345857,00:00:00.001000,allocate failure,0x0,1099511627776,0x0
 140573312345856,00:00:00.002000,free,0x7f8a40000400,2048,0x7f8a38001020
 """
+
+
+def training_trace(seed, steps=4):
+    """Parameters, then per step activations of a size that changes with the step."""
+    ev, ident, starts = [], 0, []
+
+    def alloc(n):
+        nonlocal ident
+        ident += 1
+        ev.append(mtrace.Event("alloc", ident, n, 0, len(ev) * 1000))
+        return ident
+
+    def free(i, n):
+        ev.append(mtrace.Event("free", i, n, 0, len(ev) * 1000))
+
+    for _ in range(4):
+        alloc(3 * MiB)
+    for s in range(steps):
+        starts.append(len(ev))
+        sizes = [(seed + s + k) % 5 * MiB + 4096 * (k + 1) for k in range(12)]
+        ids = [alloc(n) for n in sizes]
+        for i, n in reversed(list(zip(ids, sizes))):
+            free(i, n)
+    return mtrace.Trace(ev, {"step_starts": starts})
+
+
+CORPUS = (("a", "tuning"), ("b", "tuning"), ("c", "held-out"), ("d", "held-out"))
+
+
+def make_corpus(tmp_path, absent=("later",), traces=CORPUS):
+    """A corpus in `tmp_path`: a training trace per (name, half) of `traces`, and entries
+    for the names in `absent` whose files are not there."""
+    entries = []
+    for k, (name, half) in enumerate(traces):
+        mtrace.save(training_trace(k), tmp_path / f"{name}.jsonl.gz")
+        entries.append({"name": name, "half": half, "file": f"{name}.jsonl.gz",
+                        "script": "tests"})
+    for name in absent:
+        entries.append({"name": name, "half": "held-out", "file": f"{name}.jsonl.gz"})
+    write(tmp_path, {"format": corpus.FORMAT, "version": corpus.VERSION, "traces": entries})
+    return tmp_path
+
+
+def write(folder, manifest):
+    (folder / corpus.MANIFEST).write_text(json.dumps(manifest))

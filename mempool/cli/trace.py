@@ -2,6 +2,7 @@
 
     python -m mempool replay [TRACE] [--conf CONF] [--backend sim|cuda|host] [--limit N]
                              [--plot FILE] [--json] [--compare] [--corpus [DIR]]
+                             [--processes N]
     python -m mempool tune   [TRACE] [--limit N] [--top N] [--quiet] [--segment-rounding SIZE]
     python -m mempool plot   [SNAPSHOT_OR_TRACE] [--out FILE.png] [--conf CONF] [--segments]
 
@@ -60,6 +61,16 @@ def _size_arg(text: str):
     return value
 
 
+def _processes_arg(text: str) -> int:
+    """--processes: a whole number of processes per cell, from 1 to the cap."""
+    from mempool.tools import corpus_processes
+
+    try:
+        return corpus_processes.parse_processes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _replay(argv) -> int:
     from mempool.tools import replay as rp
 
@@ -92,9 +103,17 @@ def _replay(argv) -> int:
                          "default: the shipped mempool/traces/corpus) under both modes, and "
                          "on --backend cuda PyTorch's, its tuning and held-out halves side "
                          "by side")
+    ap.add_argument("--processes", type=_processes_arg, default=None, metavar="N",
+                    help="with --corpus: replay each cell (trace and column) in N fresh "
+                         "processes, each pinned to one CPU, the columns' processes taking "
+                         "turns; ns/event is their median, and the worst is shown beside it "
+                         "(default 1: one replay per cell)")
     args = ap.parse_args(argv)
     if args.corpus is not None:
         return _corpus(ap, args)
+    if args.processes is not None:
+        ap.error("--processes times the cells of a corpus: give it with --corpus (a single "
+                 "trace's replay is one process)")
     if args.compare and args.plot:
         ap.error("--compare draws no plot: give --plot without --compare")
     path = args.trace or default_trace()
@@ -180,30 +199,12 @@ def calls_per_step_text(calls) -> str:
     return f"{' '.join(map(str, calls[:3]))}, then at most {max(calls[3:], default=0)}"
 
 
-def _torch_row(path: str, torch_conf: str) -> dict:
+def _torch_row(path: str, torch_conf: str, cpu=None) -> dict:
     """One replay through PyTorch's caching allocator in a fresh process (PyTorch reads its
-    configuration once, when CUDA starts)."""
-    import subprocess
+    configuration once, when CUDA starts), pinned to `cpu` where it is not None."""
+    from mempool.tools import corpus_processes
 
-    env = dict(os.environ)
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    if torch_conf:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = torch_conf
-    # The child imports this package from wherever this process did.
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(
-        os.pathsep) if p])
-    try:
-        done = subprocess.run([sys.executable, "-m", "mempool.tools.torch_replay", path],
-                              env=env, capture_output=True, text=True, timeout=1800)
-    except subprocess.TimeoutExpired:
-        return {"error": "the PyTorch replay ran over 30 minutes"}
-    lines = done.stdout.strip().splitlines()
-    try:
-        return json.loads(lines[-1])
-    except (ValueError, IndexError):
-        return {"error": (done.stderr or done.stdout).strip()[-500:] or
-                f"the PyTorch replay exited with status {done.returncode} and printed nothing"}
+    return corpus_processes.run_cell(corpus_processes.torch_cell(torch_conf), path, cpu)
 
 
 def _torch_left_out(args, what: str):
@@ -299,14 +300,16 @@ def _corpus(ap, args) -> int:
     modes = [(label, {**(plain if kw.get("expandable_segments") else conf), **kw})
              for label, kw in corpus.DEFAULT_MODES]
     note = _torch_left_out(args, "columns")
-    torch_rows = [] if note else [(label, lambda path, c=torch_conf: _torch_row(path, c))
-                                  for label, torch_conf in TORCH_COMPARED]
+    torch_rows = [] if note else [
+        (label, lambda path, cpu=None, c=torch_conf: _torch_row(path, c, cpu))
+        for label, torch_conf in TORCH_COMPARED]
     capacity = args.capacity
     if capacity is None and args.backend == "host":
         capacity = SIM_CAPACITY
     extra = {} if capacity is None else {"capacity": capacity}
     report = corpus.replay_corpus(args.corpus or None, modes=modes, backend=args.backend,
-                                  limit=args.limit, torch_rows=torch_rows, **extra)
+                                  limit=args.limit, torch_rows=torch_rows,
+                                  processes=args.processes or 1, **extra)
     report["note"] = note
     if args.json:
         print(json.dumps(report, indent=2, default=str))

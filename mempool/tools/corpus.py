@@ -235,7 +235,7 @@ def replay_on_driver_pool(prep, api) -> dict:
 
 
 def replay_corpus(directory=None, modes=DEFAULT_MODES, backend: str = "sim", limit=None,
-                  torch_rows=(), driver_pool=None, **options) -> dict:
+                  torch_rows=(), driver_pool=None, processes: int = 1, **options) -> dict:
     """Replay every recorded trace of the corpus in `directory` under each of `modes`.
 
     Parameters
@@ -254,6 +254,16 @@ def replay_corpus(directory=None, modes=DEFAULT_MODES, backend: str = "sim", lim
         (:func:`replay_on_driver_pool`), its high watermark over peak live. None: as
         :func:`driver_pool_for` says (on cuda where it can run; where it cannot, left out
         with a line in ``notes``); False: left out; else the object to replay on.
+    processes : int
+        1: each cell is one replay, the pool's and the driver pool's in this process.
+        More (at most :data:`mempool.tools.corpus_processes.MAX_PROCESSES`): each cell is
+        replayed in that many fresh processes, each pinned to one CPU, the columns'
+        processes in rounds (:mod:`mempool.tools.corpus_processes`); the cell's memory
+        figures are its first process's, ``ns_per_event`` is the median over its processes
+        and ``ns_per_event_worst`` the slowest, with ``n_processes``, ``ns_per_event_each``,
+        ``children_agree`` and ``pinned``. `torch_rows`' callables are then called as
+        ``callable(path, cpu=CPU)`` once per process, and `driver_pool` must be None,
+        False or a :class:`CudaDriverPool` (its device is replayed on in the processes).
 
     Returns
     -------
@@ -262,21 +272,32 @@ def replay_corpus(directory=None, modes=DEFAULT_MODES, backend: str = "sim", lim
         ``half``, and for a recorded trace ``events``, ``peak_live_bytes``, ``steps`` and
         ``cells``, a dict of label -> the column's figures or ``error``; for a trace not
         recorded, ``missing``), ``summary``: per half, per column, the geometric mean
-        and the worst of peak reserved / peak live, the OOMs and the mean ns per event,
-        and ``notes``: lines on columns left out.
+        and the worst of peak reserved / peak live, the OOMs and the mean ns per event
+        (with more than one process, of the medians, and ``ns_per_event_worst`` the mean
+        of the slowest), and ``notes``: lines on columns left out and on processes that
+        could not be pinned. With more than one process also ``processes`` and
+        ``pinned`` (whether every process of every cell ran on its CPU alone).
     """
+    from mempool.tools import corpus_processes as cp
     from mempool.tools import replay as rp
     from mempool.tools import trace as mtrace
 
+    error = cp.processes_error(processes)
+    if error:
+        raise ValueError(f"processes: {error}")
     entries = load_manifest(directory)
     notes = []
     if driver_pool is None:
         driver_pool, note = driver_pool_for(backend, options.get("device", 0))
         notes += [note] if note else []
+    if processes > 1 and driver_pool and not isinstance(driver_pool, CudaDriverPool):
+        raise ValueError("processes > 1 replays the driver pool column in processes of its "
+                         "own, each on a fresh CudaDriverPool: pass driver_pool as None, "
+                         "False or a CudaDriverPool")
     columns = [label for label, _ in modes] + [label for label, _ in torch_rows]
     if driver_pool:
         columns.append(DRIVER_POOL)
-    rows = []
+    rows, unpinned = [], False
     for entry in entries:
         row = {"name": entry["name"], "half": entry["half"]}
         rows.append(row)
@@ -287,6 +308,14 @@ def replay_corpus(directory=None, modes=DEFAULT_MODES, backend: str = "sim", lim
         prep = rp.prepare(events)
         row.update(events=prep.events, peak_live_bytes=prep.peak_live_bytes,
                    steps=len(prep.step_ops) if prep.step_ops else 0, cells={})
+        if processes > 1:
+            row["cells"], pin_note = cp.run_rounds(
+                _runners(entry.path, modes, torch_rows, driver_pool, backend, limit,
+                         options), processes)
+            if pin_note and pin_note not in notes:
+                notes.append(pin_note)
+            unpinned = unpinned or bool(pin_note)
+            continue
         for label, kwargs in modes:
             result = rp.replay(prep, backend=backend, limit=limit, **{**options, **kwargs})
             row["cells"][label] = _mode_cell(result)
@@ -297,9 +326,31 @@ def replay_corpus(directory=None, modes=DEFAULT_MODES, backend: str = "sim", lim
                 row["cells"][DRIVER_POOL] = replay_on_driver_pool(prep, driver_pool)
             except Exception as e:   # one trace's failure is its cell's, not the table's
                 row["cells"][DRIVER_POOL] = {"error": f"{type(e).__name__}: {e}"}
-    return {"directory": DEFAULT_DIR if directory is None else os.fspath(directory),
-            "backend": backend, "limit": limit, "columns": columns, "rows": rows,
-            "summary": _summary(rows, columns), "notes": notes}
+    report = {"directory": DEFAULT_DIR if directory is None else os.fspath(directory),
+              "backend": backend, "limit": limit, "columns": columns, "rows": rows,
+              "summary": _summary(rows, columns), "notes": notes}
+    if processes > 1:
+        report.update(processes=processes, pinned=not unpinned and all(
+            c.get("pinned", False) for r in rows for c in r.get("cells", {}).values()
+            if "error" not in c))
+    return report
+
+
+def _runners(path, modes, torch_rows, driver_pool, backend, limit, options) -> dict:
+    """Each column's ``runner(cpu)``: one process of its cell of the trace at `path`
+    (:func:`mempool.tools.corpus_processes.run_rounds`)."""
+    from mempool.tools import corpus_processes as cp
+
+    def child(cell):
+        return lambda cpu: cp.run_cell(cell, path, cpu)
+
+    runners = {label: child(cp.pool_cell(backend, limit, **{**options, **kwargs}))
+               for label, kwargs in modes}
+    for label, run in torch_rows:
+        runners[label] = lambda cpu, run=run: run(path, cpu=cpu)
+    if driver_pool:
+        runners[DRIVER_POOL] = child(cp.driver_pool_cell(driver_pool.device))
+    return runners
 
 
 def _summary(rows, columns) -> dict:
@@ -319,6 +370,9 @@ def _summary(rows, columns) -> dict:
                 "num_ooms": sum(c.get("num_ooms", 0) for c in cells),
                 "ns_per_event": (sum(c["ns_per_event"] for c in cells) / len(cells)
                                  if cells else None)}
+            if cells and all("ns_per_event_worst" in c for c in cells):
+                out[half][label]["ns_per_event_worst"] = (
+                    sum(c["ns_per_event_worst"] for c in cells) / len(cells))
     return out
 
 
@@ -326,14 +380,17 @@ def _summary(rows, columns) -> dict:
 # the table
 
 CELL = 22                     # width of one column's cell: ratio, OOMs, ns/event
+WORST = 7                     # and with several processes per cell, the slowest's ns/event
 
 
-def _cell(c) -> str:
+def _cell(c, worst: bool = False) -> str:
+    width = CELL + WORST * worst
     if c is None:
-        return f"{'-':>{CELL}}"
+        return f"{'-':>{width}}"
     if "error" in c:
-        return f"{'error':>{CELL}}"
-    return f"{c['ratio']:>9.3f} {c.get('num_ooms', 0):>5} {c['ns_per_event']:>6,.0f}"
+        return f"{'error':>{width}}"
+    return (f"{c['ratio']:>9.3f} {c.get('num_ooms', 0):>5} {c['ns_per_event']:>6,.0f}"
+            + (f" {c['ns_per_event_worst']:>6,.0f}" if worst else ""))
 
 
 def format_report(report: dict) -> str:
@@ -345,16 +402,24 @@ def format_report(report: dict) -> str:
     rows = report["rows"]
     counts = {h: sum(r["half"] == h for r in rows) for h in HALVES}
     missing = sum("missing" in r for r in rows)
+    n = report.get("processes", 1)
+    worst = n > 1                     # each cell's median and slowest process
+    width = CELL + WORST * worst
     out = [f"corpus {report['directory']}: {len(rows)} traces ("
            + ", ".join(f"{counts[h]} {h}" for h in HALVES)
            + (f"; {missing} not recorded" if missing else "")
            + f"), replayed on {report['backend']}"
-           + (f", limit {report['limit']}" if report.get("limit") is not None else ""),
-           "each column: peak reserved / peak live (lower is better), OOMs, ns per event"]
+           + (f", limit {report['limit']}" if report.get("limit") is not None else "")
+           + (f", each cell in {n} processes "
+              + ("pinned to one CPU each" if report.get("pinned") else "(not all pinned)")
+              if worst else ""),
+           "each column: peak reserved / peak live (lower is better), OOMs, ns per event"
+           + (f" (the median of the {n} processes) and the worst process's" if worst else "")]
     names = max([len(r["name"]) for r in rows] + [5])
     lead = f"{'half':<9} {'trace':<{names}} {'events':>8} {'peak live':>10}"
-    out.append(" " * len(lead) + "".join(f"  {c[:CELL]:>{CELL}}" for c in cols))
-    out.append(lead + f"  {'res/live  OOMs  ns/ev':>{CELL}}" * len(cols))
+    out.append(" " * len(lead) + "".join(f"  {c[:width]:>{width}}" for c in cols))
+    heading = "res/live  OOMs  ns/ev" + "  worst" * worst
+    out.append(lead + f"  {heading:>{width}}" * len(cols))
     errors = []
     for half in HALVES:
         for r in (r for r in rows if r["half"] == half):
@@ -363,17 +428,18 @@ def format_report(report: dict) -> str:
                 continue
             out.append(f"{half:<9} {r['name']:<{names}} {r['events']:>8,} "
                        f"{fb(r['peak_live_bytes']):>10}"
-                       + "".join(f"  {_cell(r['cells'].get(c))}" for c in cols))
+                       + "".join(f"  {_cell(r['cells'].get(c), worst)}" for c in cols))
             errors += [f"{r['name']}, {c}: {r['cells'][c]['error']}" for c in cols
                        if "error" in r["cells"].get(c, {})]
     out.append("")
     out.append("summary: geometric mean and worst of peak reserved / peak live, OOMs, mean "
-               "ns per event, each half side by side")
-    width = 8 + 8 + 6 + 8
+               "ns per event" + (" of the medians and of the worst processes" if worst else "")
+               + ", each half side by side")
+    width = 8 + 8 + 6 + 8 + 8 * worst
     titles = [f"{h} ({report['summary'][h]['traces']} traces)" for h in HALVES]
     out.append((f"{'':<34}" + "".join(f"  {t:<{width}}" for t in titles)).rstrip())
-    out.append((f"{'column':<34}" + f"  {'geomean   worst  OOMs   ns/ev':<{width}}"
-                * len(HALVES)).rstrip())
+    heading = "geomean   worst  OOMs   ns/ev" + "   worst" * worst
+    out.append((f"{'column':<34}" + f"  {heading:<{width}}" * len(HALVES)).rstrip())
     for c in cols:
         line = f"{c[:34]:<34}"
         for h in HALVES:
@@ -382,7 +448,8 @@ def format_report(report: dict) -> str:
                 line += f"  {'(no trace)':<{width}}"
             else:
                 line += (f"  {s['geomean_ratio']:>7.3f} {s['worst_ratio']:>7.3f} "
-                         f"{s['num_ooms']:>5} {s['ns_per_event']:>7,.0f}")
+                         f"{s['num_ooms']:>5} {s['ns_per_event']:>7,.0f}"
+                         + (f" {s['ns_per_event_worst']:>7,.0f}" if worst else ""))
         out.append(line.rstrip())
     out += [f"error: {e}" for e in errors]
     if DRIVER_POOL in cols:

@@ -1,10 +1,9 @@
 """Replay a trace through PyTorch's caching allocator, in this process.
 
-    python -m mempool.tools.torch_replay TRACE      (prints one JSON object)
-
 PyTorch reads ``PYTORCH_CUDA_ALLOC_CONF`` once, when CUDA starts, so each of its settings is
-replayed in a process of its own: ``python -m mempool replay --compare`` and
-bench/fragmentation_gpu.py start this module with the variable set. Every alloc and free of
+replayed in a process of its own: ``python -m mempool replay --compare`` and ``--corpus``
+run :func:`replay` in a child of mempool.tools.corpus_processes with the variable set, and
+bench/fragmentation_gpu.py in a worker of its own. Every alloc and free of
 the trace goes through ``torch.cuda.caching_allocator_alloc``/``_delete`` against device
 memory (no kernels), on one CUDA stream per stream of the trace, and the result has the
 figures ``mempool.tools.replay`` reports for mempool's own replays: peak reserved / peak live,
@@ -17,8 +16,6 @@ keeps some is skipped, and the result counts it in ``trims_skipped``.
 """
 from __future__ import annotations
 
-import json
-import sys
 import time
 
 from mempool.tools import replay as rp
@@ -89,19 +86,3 @@ def replay(trace) -> dict:
             "calls_per_step": [b - a for a, b in zip(marks, marks[1:])] if starts else None,
             "trims_skipped": rp.partial_trims(prep)}
 
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m mempool.tools.torch_replay TRACE", file=sys.stderr)
-        return 2
-    try:
-        row = replay(mtrace.load_any(argv[0]))
-    except Exception as e:  # noqa: BLE001 - the parent reports a failed row and goes on
-        row = {"error": f"{type(e).__name__}: {e}"}
-    print(json.dumps(row))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

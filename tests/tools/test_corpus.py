@@ -14,7 +14,7 @@ from mempool.tools import corpus
 from mempool.tools import replay as rp
 from mempool.tools import trace as mtrace
 
-from _trace_data import trace_entry
+from _trace_data import make_corpus, trace_entry, training_trace
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "bench", "corpus"))
@@ -23,47 +23,6 @@ import record  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 MiB = 1 << 20
-
-
-def training_trace(seed, steps=4):
-    """Parameters, then per step activations of a size that changes with the step."""
-    ev, ident, starts = [], 0, []
-
-    def alloc(n):
-        nonlocal ident
-        ident += 1
-        ev.append(mtrace.Event("alloc", ident, n, 0, len(ev) * 1000))
-        return ident
-
-    def free(i, n):
-        ev.append(mtrace.Event("free", i, n, 0, len(ev) * 1000))
-
-    for _ in range(4):
-        alloc(3 * MiB)
-    for s in range(steps):
-        starts.append(len(ev))
-        sizes = [(seed + s + k) % 5 * MiB + 4096 * (k + 1) for k in range(12)]
-        ids = [alloc(n) for n in sizes]
-        for i, n in reversed(list(zip(ids, sizes))):
-            free(i, n)
-    return mtrace.Trace(ev, {"step_starts": starts})
-
-
-def make_corpus(tmp_path, absent=("later",)):
-    entries = []
-    for k, (name, half) in enumerate((("a", "tuning"), ("b", "tuning"), ("c", "held-out"),
-                                      ("d", "held-out"))):
-        mtrace.save(training_trace(k), tmp_path / f"{name}.jsonl.gz")
-        entries.append({"name": name, "half": half, "file": f"{name}.jsonl.gz",
-                        "script": "tests"})
-    for name in absent:
-        entries.append({"name": name, "half": "held-out", "file": f"{name}.jsonl.gz"})
-    write(tmp_path, {"format": corpus.FORMAT, "version": corpus.VERSION, "traces": entries})
-    return tmp_path
-
-
-def write(folder, manifest):
-    (folder / corpus.MANIFEST).write_text(json.dumps(manifest))
 
 
 # ------------------------------------------------------------------------------------------
