@@ -293,19 +293,33 @@ def from_before_after(run: dict, path: str) -> list:
     return figs
 
 
+CORPUS_RATIO_TABLE = "Trace corpus on the device: peak reserved / peak live"
+CORPUS_TIME_TABLE = "Trace corpus on the device: ns per event"
+
+
 def from_corpus(run: dict, path: str) -> list:
-    """`python -m mempool replay --corpus --backend cuda --json`: one process replays every
-    trace of the corpus under each column."""
+    """`python -m mempool replay --corpus --backend cuda [--processes N] --json`: every
+    trace of the corpus under each column. The ratios are the same in every process; with
+    --processes each cell's ns per event is the median of its processes, the worst stated
+    (from one process it is one replay's, and no time is published)."""
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
-    command = "python -m mempool replay --corpus --backend cuda --json"
+    processes = data.get("processes") or 1
+    command = ("python -m mempool replay --corpus --backend cuda"
+               + (f" --processes {processes}" if processes > 1 else "") + " --json")
     figs = []
     for row in data["rows"]:
         label = f"{row['name']} ({row['half']})"
         for column, cell in (row.get("cells") or {}).items():
-            if isinstance(cell, dict) and cell.get("ratio") is not None:
-                figs.append(_fig(run, "Trace corpus on the device: peak reserved / peak live",
-                                 label, column, "ratio", [round(cell["ratio"], 4)], command))
+            if not isinstance(cell, dict) or cell.get("ratio") is None:
+                continue
+            figs.append(_fig(run, CORPUS_RATIO_TABLE, label, column, "ratio",
+                             [round(cell["ratio"], 4)], command,
+                             n_processes=cell.get("n_processes")))
+            each = cell.get("ns_per_event_each")
+            if processes > 1 and each:
+                figs.append(_fig(run, CORPUS_TIME_TABLE, label, column, "ns",
+                                 [round(v, 1) for v in each], command))
     return figs
 
 

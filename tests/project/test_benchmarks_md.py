@@ -100,6 +100,27 @@ def test_before_after_and_corpus_outputs_merge_into_a_card_file(tmp_path):
     assert ("Trace corpus on the device: peak reserved / peak live", "gone (tuning)",
             "mempool") not in figs
     assert figs[("Numba's own cudadrv tests", "under mempool", "passed")]["date"] == "2029-01-01"
+    # One process's replay times are not published.
+    assert not any(k[0] == "Trace corpus on the device: ns per event" for k in figs)
+
+
+def test_corpus_times_of_several_processes_are_their_median_and_worst(tmp_path):
+    (tmp_path / "versions.txt").write_text(
+        "date: 2030-01-02T03:04:05Z\ncommit: 0123456789abcdef\n"
+        "NVIDIA H100 80GB HBM3, 580.1, 81559 MiB\n")
+    cell = {"ratio": 1.02, "ns_per_event": 520.0, "ns_per_event_worst": 700.0,
+            "ns_per_event_each": [500.0, 700.0, 520.0, 510.0, 530.0, 540.0], "n_processes": 6}
+    (tmp_path / "corpus.json").write_text(json.dumps({"processes": 6, "rows": [
+        {"name": "moe_train", "half": "held-out", "cells": {"expandable": cell}}]}))
+    card = tmp_path / "card.json"
+    assert collect_results.main([str(tmp_path), "--into", str(card)]) == 0
+    figs = {(f["table"], f["row"], f["column"]): f for f in json.loads(card.read_text())["figures"]}
+    t = figs[("Trace corpus on the device: ns per event", "moe_train (held-out)", "expandable")]
+    assert (t["median"], t["worst"], t["n_processes"]) == (525.0, 700.0, 6)
+    assert "--processes 6" in t["command"]
+    r = figs[("Trace corpus on the device: peak reserved / peak live", "moe_train (held-out)",
+              "expandable")]
+    assert (r["median"], r["worst"], r["n_processes"]) == (1.02, None, 6)
 
 
 def test_the_largest_batches_become_one_table_of_models_by_allocator(tmp_path):
