@@ -402,23 +402,9 @@ def allocator_env(name):
 
 
 def cpu_paces(loops=1_000_000, probes=3):
-    """ns per iteration of an empty Python loop on each CPU this process may use (the median
-    of `probes`), measured by moving this process there."""
-    home = os.sched_getaffinity(0)
-    paces = {}
-    try:
-        for cpu in sorted(home):
-            os.sched_setaffinity(0, {cpu})
-            runs = []
-            for _ in range(probes):
-                t0 = time.perf_counter_ns()
-                for _ in range(loops):
-                    pass
-                runs.append((time.perf_counter_ns() - t0) / loops)
-            paces[cpu] = statistics.median(runs)
-    finally:
-        os.sched_setaffinity(0, home)
-    return paces
+    """ns per iteration of an empty Python loop on each CPU this process may use."""
+    from mempool.tools.corpus_processes import cpu_paces as paces
+    return paces(loops, probes)
 
 
 # The workloads' children run on the CPUs of the fastest pace just before they start. Their

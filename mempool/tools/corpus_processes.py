@@ -78,21 +78,22 @@ def schedule(columns, n: int) -> list:
     return [(r, c) for r in range(n) for c in columns]
 
 
-def _paces(loops: int = 200_000) -> dict:
-    """ns per iteration of an empty Python loop on each CPU this process may use (the best
-    of three, measured by moving this process there)."""
+def cpu_paces(loops: int = 200_000, probes: int = 3) -> dict:
+    """ns per iteration of an empty Python loop on each CPU this process may use (the median
+    of `probes`), measured by moving this process there: the hosts these runs use have had
+    cores of two speeds, and a process's time follows its core's."""
     home = os.sched_getaffinity(0)
     paces = {}
     try:
         for cpu in sorted(home):
             os.sched_setaffinity(0, {cpu})
             runs = []
-            for _ in range(3):
+            for _ in range(probes):
                 t0 = time.perf_counter_ns()
                 for _ in range(loops):
                     pass
                 runs.append((time.perf_counter_ns() - t0) / loops)
-            paces[cpu] = min(runs)
+            paces[cpu] = statistics.median(runs)
     finally:
         os.sched_setaffinity(0, home)
     return paces
@@ -107,7 +108,7 @@ def pick_cpu() -> tuple:
         return None, ("not pinned: this platform has no os.sched_setaffinity; each process "
                       "ran where the scheduler put it")
     try:
-        paces = _paces()
+        paces = cpu_paces()
     except OSError as e:
         return None, f"not pinned: os.sched_setaffinity failed here ({e})"
     return min(paces, key=paces.get), None
