@@ -409,8 +409,9 @@ def _read_snapshot(path_or_dict):
     try:
         snap = _SnapshotUnpickler(raw).load()
     except Exception as e:  # noqa: BLE001 - any unpickling failure means "not a snapshot"
+        why = " ".join(str(e).split())   # pickle's own messages run over several lines
         raise ValueError(f"{path}: not a readable torch memory snapshot pickle "
-                         f"({type(e).__name__}: {str(e):.200})") from None
+                         f"({type(e).__name__}: {why:.200})") from None
     if not isinstance(snap, dict):
         raise ValueError(f"{path}: a torch memory snapshot is a dict; got "
                          f"{type(snap).__name__}")

@@ -223,6 +223,12 @@ def test_from_torch_snapshot_reads_pickles_and_refuses_code(tmp_path):
     evil.write_bytes(pickle.dumps({"segments": [], "device_traces": [[]], "x": os.getcwd}))
     with pytest.raises(ValueError, match=r"not a readable torch memory snapshot.*posix.getcwd"):
         mt.from_torch_snapshot(evil)
+    # pickle's persistent-id refusal runs over two lines: the message is still one.
+    persistent = tmp_path / "persistent.pickle"
+    persistent.write_bytes(b"\x80\x02X\x01\x00\x00\x00aQ.")   # BINPERSID of "a"
+    with pytest.raises(ValueError, match="persistent") as refused:
+        mt.from_torch_snapshot(persistent)
+    assert "\n" not in str(refused.value)
 
 
 def test_from_torch_snapshot_needs_a_device_when_several_have_traces():
