@@ -1,6 +1,7 @@
 """PyTorch's own CUDA tests, run under PyTorch's allocator and under mempool, side by side.
 
-    python bench/torch_own_tests.py TEST_FILE OUTDIR [--select EXPR] [--timeout S] [--baseline JSON] [-- PYTEST_ARGS]
+    python bench/torch_own_tests.py TEST_FILE OUTDIR [--select EXPR] [--timeout S | --budget S]
+                                    [--baseline JSON] [-- PYTEST_ARGS]
 
 TEST_FILE is a test file of PyTorch's repository (test/test_cuda.py; PyTorch's wheels do
 not ship their tests), of the version installed or near it. It runs twice in pytest, each
@@ -77,7 +78,10 @@ def outcomes_from_log(log_path):
     return out
 
 
-def run(name, test_file, outdir, select, timeout, extra):
+def run(name, test_file, outdir, select, timeout, extra, rerun_budget=None):
+    """One run of the file under allocator `name`, within `timeout` seconds; the tests that
+    failed after a sticky CUDA error then run again alone within rerun_budget() seconds
+    (default: `timeout` again)."""
     junit = os.path.join(outdir, f"own-tests-{name}.junit.xml")
     log = os.path.join(outdir, f"own-tests-{name}.log")
     # -v: a run that crashes or is cut at its limit writes no JUnit file; its log still
@@ -124,8 +128,20 @@ def run(name, test_file, outdir, select, timeout, extra):
         stand_ins = None
     result = {"cmd": cmd, "rc": rc, "tests": tests, "stand_ins": stand_ins,
               "collected": collected(tests, log)}
-    rerun_after_sticky_error(result, name, test_file, outdir, env, timeout, cut)
+    budget = rerun_budget() if rerun_budget else timeout
+    rerun_after_sticky_error(result, name, test_file, outdir, env, budget, cut)
     return result
+
+
+def run_limits(name, left):
+    """Under --budget, (the run's limit, the share of what is then left for its reruns) when
+    the run of `name` starts with `left` seconds of the budget to go. PyTorch's run comes
+    first and takes at most half, so a slow first run cannot starve the pool's; its reruns
+    take at most a third of what it leaves. The pool's run comes last and may take all but a
+    fifth, which its reruns keep: time a quick run leaves goes to the next one."""
+    if name == "pytorch":
+        return left / 2, 1 / 3
+    return left * 4 / 5, 1.0
 
 
 # A failed kernel launch that leaves the process's CUDA context unusable: every test after
@@ -236,6 +252,10 @@ def main(argv=None):
     ap.add_argument("outdir")
     ap.add_argument("--select", default="")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds for each of the two runs")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="seconds for the whole comparison instead: each run's limit is set "
+                         "when it starts (run_limits), so time a quick run leaves goes to "
+                         "the next")
     ap.add_argument("--baseline", metavar="OWN_TESTS_JSON",
                     help="take the run under PyTorch's allocator from this earlier "
                          "own-tests.json (same file, selection and machine) instead of "
@@ -256,10 +276,23 @@ def main(argv=None):
             ap.error(f"--baseline: {args.baseline!r} is not an own-tests.json with a "
                      f"run under PyTorch's allocator ({e})")
         baseline["from"] = os.path.abspath(args.baseline)
+    if args.budget is not None and args.budget <= 0:
+        ap.error(f"--budget: {args.budget} is not a positive number of seconds")
     os.makedirs(args.outdir, exist_ok=True)
-    runs = {name: baseline if (name == "pytorch" and baseline) else
-            run(name, os.path.abspath(args.test_file), args.outdir, args.select,
-                args.timeout, extra) for name in RUNS}
+    deadline = time.monotonic() + args.budget if args.budget is not None else None
+    runs = {}
+    for name in RUNS:
+        if name == "pytorch" and baseline:
+            runs[name] = baseline
+            continue
+        timeout, rerun_budget = args.timeout, None
+        if deadline is not None:
+            limit, rerun_share = run_limits(name, deadline - time.monotonic())
+            timeout = max(1, int(limit))
+            rerun_budget = (lambda share=rerun_share:
+                            max(0, int((deadline - time.monotonic()) * share)))
+        runs[name] = run(name, os.path.abspath(args.test_file), args.outdir, args.select,
+                         timeout, extra, rerun_budget)
     module = os.path.splitext(os.path.basename(args.test_file))[0]
     result = {"file": os.path.basename(args.test_file), "select": args.select, "runs": runs,
               **compare(runs, module)}

@@ -10,11 +10,12 @@ under --tests (default .external/pytorch, where bench/gpu_run.sh expects them); 
 file is missing is reported and skipped.
 
 The budget is shared as the pairs run: each gets what is left divided by the pairs still to
-run, so time a quick pair leaves goes to the ones after it. Within a pair, the run under
-PyTorch's allocator, the run under mempool and the tests run again alone after a CUDA error
-that stays with the process each get a third of it (a half each without the first, when
---baselines holds DIR/NAME/own-tests.json from an earlier run of the same pair and machine:
-that run does not depend on mempool's code).
+run, so time a quick pair leaves goes to the ones after it. Within a pair, torch_own_tests.py
+shares it as its runs go (its --budget): the run under PyTorch's allocator takes at most half,
+the run under mempool most of what is left, and the tests run again alone after a CUDA error
+that stays with the process the rest. With --baselines holding DIR/NAME/own-tests.json from an
+earlier run of the same pair and machine, the run under PyTorch's allocator is taken from
+there (it does not depend on mempool's code) and the pair's time goes to mempool's.
 
 Writes OUTDIR/own-tests-pairs.json: for each pair its name, file, selection, seconds given
 and exit status (bench/collect_results.py reads it with each pair's own-tests.json).
@@ -50,22 +51,22 @@ PAIRS = (
 MIN_SHARE = 60
 
 
-def plan(pairs, budget, started, now, baselines):
-    """Seconds for the next pair and for each run of it: (share, per_run)."""
+def plan(pairs, budget, started, now):
+    """Seconds for the next pair: what is left of the budget over the pairs still to run.
+    torch_own_tests.py shares a pair's seconds between its runs as they go (--budget)."""
     left = budget - (now - started)
-    share = left / max(1, len(pairs))
-    phases = 2 if baselines else 3
-    return share, int(share / phases) - 5
+    return left / max(1, len(pairs))
 
 
-def run_pair(name, test_file, select, outdir, per_run, baseline, share):
+def run_pair(name, test_file, select, outdir, baseline, share):
     folder = os.path.join(outdir, name)
+    # The slack below is for writing and comparing after the runs.
     cmd = [sys.executable, os.path.join(HERE, "torch_own_tests.py"), test_file, folder,
-           "--select", select, "--timeout", str(per_run)]
+           "--select", select, "--budget", str(max(1, int(share) - 10))]
     if baseline:
         cmd += ["--baseline", baseline]
-    print(f"=== {name}: {os.path.basename(test_file)} -k {select!r} "
-          f"({int(share)} s, {per_run} s a run)", flush=True)
+    print(f"=== {name}: {os.path.basename(test_file)} -k {select!r} ({int(share)} s)",
+          flush=True)
     # The child starts from bench/: it imports the mempool this script would (an installed
     # one, or the tree this script is in).
     spec = importlib.util.find_spec("mempool")
@@ -73,8 +74,6 @@ def run_pair(name, test_file, select, outdir, per_run, baseline, share):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [found] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     try:
-        # torch_own_tests.py keeps each of its runs within per_run; the slack is for
-        # writing and comparing.
         rc = subprocess.run(cmd, timeout=share + 30, env=env).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
@@ -126,7 +125,7 @@ def main(argv=None):
         if args.baselines:
             candidate = os.path.join(args.baselines, name, "own-tests.json")
             baseline = candidate if os.path.isfile(candidate) else None
-        share, per_run = plan(todo, args.budget, started, time.monotonic(), baseline)
+        share = plan(todo, args.budget, started, time.monotonic())
         if not os.path.isfile(test_file):
             print(f"=== {name}: no file {test_file}: skipped", flush=True)
             entry.update(rc="no file", seconds=0)
@@ -137,7 +136,7 @@ def main(argv=None):
         else:
             entry.update(seconds=int(share), baseline=baseline)
             entry["rc"] = run_pair(name, os.path.abspath(test_file), select, args.outdir,
-                                   per_run, baseline, share)
+                                   baseline, share)
         done.append(entry)
         todo.pop(0)
     with open(os.path.join(args.outdir, "own-tests-pairs.json"), "w") as f:

@@ -117,11 +117,10 @@ def test_an_unreadable_pair_is_named_and_the_others_are_kept(tmp_path, capsys):
 
 def test_the_budget_is_shared_as_the_pairs_run():
     todo = [("a", "f", ""), ("b", "f", ""), ("c", "f", "")]
-    assert pairs.plan(todo, 900, 0, 0, None) == (300, 95)
+    assert pairs.plan(todo, 900, 0, 0) == 300
     # The first pair took 100 s of its 300: the two after it share what is left.
-    assert pairs.plan(todo[1:], 900, 0, 100, None) == (400, 128)
-    # With a baseline there are two runs to a pair, not three.
-    assert pairs.plan(todo[2:], 900, 0, 500, "base.json") == (400, 195)
+    assert pairs.plan(todo[1:], 900, 0, 100) == 400
+    assert pairs.plan(todo[2:], 900, 0, 500) == 400
 
 
 def test_a_pair_without_its_file_is_skipped_and_said(tmp_path, capsys):

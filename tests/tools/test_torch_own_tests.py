@@ -278,3 +278,38 @@ def test_a_cut_runs_log_is_compared_with_a_junit_baseline_by_the_same_names():
     assert torch_own_tests.short_id("a.test_cuda.b.test_cuda.C::t", "test_cuda") == \
         "test_cuda.C::t"
     assert torch_own_tests.short_id("other.C::t", "test_cuda") == "other.C::t"
+
+
+def test_under_a_budget_each_run_takes_what_the_one_before_left():
+    # PyTorch's run first, at most half; the pool's takes four fifths of what is left then,
+    # its reruns keeping the rest.
+    assert torch_own_tests.run_limits("pytorch", 300) == (150, 1 / 3)
+    assert torch_own_tests.run_limits("mempool", 250) == (200, 1.0)
+
+
+def test_a_budget_sets_each_runs_limit_as_it_starts(tmp_path, monkeypatch, capsys):
+    (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")
+    seen = []
+
+    def fake_run(name, test_file, outdir, select, timeout, extra, rerun_budget=None):
+        seen.append((name, timeout, rerun_budget() if rerun_budget else None))
+        return {"cmd": [], "rc": 0, "tests": {"test_x::test_x": ("passed", "")},
+                "stand_ins": None, "collected": True}
+    monkeypatch.setattr(torch_own_tests, "run", fake_run)
+    clock = iter([0.0, 0.0, 0.0, 100.0, 100.0, 100.0, 100.0])
+    monkeypatch.setattr(torch_own_tests.time, "monotonic", lambda: next(clock, 100.0))
+    assert torch_own_tests.main([str(tmp_path / "test_x.py"), str(tmp_path / "out"),
+                                 "--budget", "300"]) == 0
+    # PyTorch's run starts with 300 s to go: 150, its reruns a third of what is left; it
+    # took 100 s, so the pool's run starts with 200 to go: 160, its reruns the rest.
+    assert seen == [("pytorch", 150, 100), ("mempool", 160, 200)]
+
+
+@pytest.mark.parametrize("budget", ["0", "-5"])
+def test_a_budget_that_is_not_positive_is_refused(tmp_path, budget, capsys):
+    (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")
+    with pytest.raises(SystemExit):
+        torch_own_tests.main([str(tmp_path / "test_x.py"), str(tmp_path / "out"),
+                              "--budget", budget])
+    assert "--budget: " in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
