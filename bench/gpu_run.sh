@@ -41,6 +41,7 @@ T_OWNTESTS=${T_OWNTESTS:-540}   # every pair of PyTorch's own tests, each under 
 T_ALLOCPAIRS=${T_ALLOCPAIRS:-150}   # twelve processes of 6-8 s each, and the probe's build
 T_COLDPAIRS=${T_COLDPAIRS:-90}   # eight processes of a few seconds each, and the build
 T_NUMBAOWN=${T_NUMBAOWN:-240}   # both runs of numba-cuda's cudadrv tests (13-15 s each on an H100)
+T_CORPUS=${T_CORPUS:-560}   # 5 columns x 11 traces x CORPUS_PROCESSES processes, most of it start-up
 STAGES=" ${STAGES:-build tests sanitizer bench churn vmm fragmentation torch allocpairs coldpairs snapshot owntests numbaown} "
 # SANITIZER_GROUPS: a file with one line of pytest arguments per memcheck process (default:
 # one process per file of tests/gpu, and one for the upstream contract's cuda cases; not
@@ -223,6 +224,15 @@ stage fragmentation "$OUT/fragmentation.log" timeout "$T_FRAG" bash -c "$(declar
 stage torch "$OUT/torch-workloads.log" timeout "$T_TORCH" "$PY" bench/torch_workloads.py \
     "$OUT/torch" ${TORCH_ARGS:-}
 
+# ---- the trace corpus on the device (mempool/traces/corpus, its tuning and held-out halves):
+# peak reserved over peak live and ns per event of the pool's two modes, PyTorch's two and the
+# driver's own cudaMemPool, each cell replayed in CORPUS_PROCESSES processes of its own
+# (pinned, interleaved; the time is their median, the worst stated). Not in the default
+# stages: with six processes it takes about as long as a call allows, so it runs alone
+# (STAGES="build corpus").
+stage corpus "$OUT/corpus.log" bash -c "timeout $T_CORPUS $PY -m mempool replay --corpus \
+    --backend cuda --processes ${CORPUS_PROCESSES:-6} --json > '$OUT/corpus.json'"
+
 # ---- the allocators alone: PyTorch's and mempool's allocate + free timed from C++, and the
 # calls any allocator behind PyTorch's interface makes (bench/torch_allocator_pairs.py): the
 # part of torch.empty's time an allocator can change.
@@ -282,7 +292,7 @@ stage numbaown "$OUT/numba-own.log" timeout "$T_NUMBAOWN" "$PY" bench/numba_own_
 {
     cat "$OUT/versions.txt"
     echo
-    for name in build tests sanitizer bench churn vmm fragmentation torch allocpairs coldpairs snapshot owntests numbaown; do
+    for name in build tests sanitizer bench churn vmm fragmentation torch corpus allocpairs coldpairs snapshot owntests numbaown; do
         echo "stage $name: ${STATUS[$name]:-not run} (0 = passed; 124 = over its time limit)"
     done
     echo
