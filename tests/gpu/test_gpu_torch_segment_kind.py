@@ -106,6 +106,7 @@ def test_one_kinds_cache_makes_room_for_the_other_under_a_fraction():
         v = torch.empty(200 * MiB, dtype=torch.uint8, device="cuda")
         assert torch.cuda.memory_stats()["num_alloc_retries"] >= 2
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        w = torch.empty(20 * MiB, dtype=torch.uint8, device="cuda")   # the companion's
         try:
             torch.empty(400 * MiB, dtype=torch.uint8, device="cuda")
         except torch.OutOfMemoryError as exc:
@@ -114,6 +115,10 @@ def test_one_kinds_cache_makes_room_for_the_other_under_a_fraction():
             raise AssertionError("400 MiB under a 256 MiB fraction was served")
         assert message.startswith("CUDA out of memory. Tried to allocate 400.00 MiB"), message
         assert "private pool" not in message, message
+        # PyTorch's figures are the device's, both kinds together: v's and w's.
+        allocated = torch.cuda.memory_allocated()
+        assert allocated == 220 * MiB, allocated
+        assert "Of the allocated memory 220.00 MiB is allocated by PyTorch" in message, message
         assert torch.cuda.memory_stats()["num_ooms"] == 1
         print("room made")
     """)

@@ -80,6 +80,17 @@ inline void MempoolAllocator::throw_oom(int device, size_t nbytes, cudaStream_t 
   std::string explanation = explain_oom(device, nbytes, stream, rc, private_id);
   mp_torch_figures fig{0, 0, 0, 0, SIZE_MAX, 0, SIZE_MAX};
   (void)api->memory_figures(device, &fig);
+  // PyTorch's figures are the device's: its graphs', MemPools' and companion pool's memory
+  // counts too, as in memory_allocated() and memory_reserved().
+  {
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    std::vector<mp_pool*> pools = private_pools_locked(device);
+    mp_stats s;
+    if (api->device_stats(device, pools.data(), pools.size(), &s) == MP_OK) {
+      fig.used = static_cast<size_t>(s.allocated_bytes[MP_STAT_ALL].current);
+      fig.reserved = static_cast<size_t>(s.reserved_bytes[MP_STAT_ALL].current);
+    }
+  }
   size_t free_bytes = 0, total = 0;
   (void)api->mem_info(device, &free_bytes, &total);
   std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> observers;
