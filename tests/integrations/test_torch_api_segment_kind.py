@@ -15,7 +15,7 @@ from test_torch_api_table import api  # noqa: F401  (fixture)
 
 
 
-def types_of(api):
+def pool_functions(api):
     """pool_alloc, pool_free, pool_empty_cache, pool_reserved_bytes, pool_layout,
     layout_free and pool_release of the table, by name."""
     return dict(
@@ -75,7 +75,7 @@ def test_the_flag_follows_the_setting_and_the_registered_pools_kind(api, device_
 def test_the_companion_is_the_other_kind_with_the_devices_options(api, device_pool,
                                                                   expandable):
     pool = device_pool(expandable_segments=expandable, roundup_power2_divisions=4)
-    fn = types_of(api)
+    fn = pool_functions(api)
     companion = vp()
     assert api.companion_pool_create(DEVICE, ctypes.byref(companion)) == MP_OK
     try:
@@ -103,7 +103,7 @@ def test_the_companion_shares_the_device_pools_limit(api, device_pool):
     # Note [Shared limit]: the memory fraction caps the device, whichever pool holds it.
     pool = device_pool()
     pool.set_limit(64 * MiB)
-    fn = types_of(api)
+    fn = pool_functions(api)
     companion = vp()
     assert api.companion_pool_create(DEVICE, ctypes.byref(companion)) == MP_OK
     try:
@@ -124,7 +124,7 @@ def test_the_companion_outlives_the_device_pools_registration(api, device_pool):
     # Its segments come from the device pool's upstream, borrowed: the companion holds the
     # device pool, so the upstream is there for every segment it frees.
     device_pool()
-    fn = types_of(api)
+    fn = pool_functions(api)
     companion = vp()
     assert api.companion_pool_create(DEVICE, ctypes.byref(companion)) == MP_OK
     out = u()
@@ -141,7 +141,7 @@ def test_the_companion_follows_the_device_pools_size_policy(api, device_pool):
     # Note [Private pools follow the size policy]; an expandable companion takes no split
     # limit (PyTorch ignores it for expandable segments) but the collection threshold.
     pool = device_pool()
-    fn = types_of(api)
+    fn = pool_functions(api)
     companion = vp()
     assert api.companion_pool_create(DEVICE, ctypes.byref(companion)) == MP_OK
     try:
@@ -170,7 +170,7 @@ def test_companion_refusals_are_codes(api):
 
 def test_a_companions_block_shares_and_its_captures_count(api, device_pool):
     device_pool()
-    fn = types_of(api)
+    fn = pool_functions(api)
     companion = vp()
     assert api.companion_pool_create(DEVICE, ctypes.byref(companion)) == MP_OK
     try:
