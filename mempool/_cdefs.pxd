@@ -114,6 +114,7 @@ cdef extern from "mp_core.h" nogil:
         size_t max_map_size
         size_t min_map_size
         int capture_reuse
+        size_t map_ahead
 
     void mp_config_default(mp_config *cfg)
 
@@ -145,6 +146,8 @@ cdef extern from "mp_core.h" nogil:
         uint64_t num_stream_syncs
         uint64_t num_event_records
         uint64_t num_stream_queries
+        uint64_t num_ahead_maps
+        uint64_t num_behind_unmaps
 
     ctypedef struct mp_pool:
         pass
@@ -172,6 +175,7 @@ cdef extern from "mp_core.h" nogil:
     int mp_empty_cache(mp_pool *p)
     int mp_trim(mp_pool *p, size_t keep)
     int mp_give_back(mp_pool *p, size_t keep)
+    int mp_mapper_wait_idle(mp_pool *p)
     size_t mp_round_size(const mp_config *cfg, size_t nbytes)
     size_t mp_segment_size(size_t rounded)
     unsigned int mp_size_class(size_t nbytes)
@@ -307,6 +311,7 @@ cdef extern from "mp_sim.h" nogil:
     unsigned mp_sim_held(mp_sim *sim)
     void mp_sim_release_held(mp_sim *sim)
     uint64_t mp_sim_hold_timeouts(mp_sim *sim)
+    void mp_sim_set_call_delays(mp_sim *sim, uint64_t map_ns, uint64_t unmap_ns)
     int mp_sim_destroy_stream(mp_sim *sim, uintptr_t stream)
     size_t mp_sim_num_streams(mp_sim *sim)
     void mp_sim_fail_events(mp_sim *sim, unsigned n)

@@ -13,7 +13,8 @@ from typing import Any, Callable, Mapping, NamedTuple
 from mempool._conf_parse import (
     BACKENDS, DEFAULT_MAX_MAP, GiB, MIN_MAX_SPLIT_SIZE, MiB, POOL_HANDLES, ROUNDUP_INTERVALS,
     _mib, _parse_backend, _parse_bool, _parse_capacity, _parse_device, _parse_gc_threshold,
-    _parse_limit, _parse_max_map_size, _parse_max_split_size, _parse_min_map_size,
+    _parse_limit, _parse_map_ahead, _parse_max_map_size, _parse_max_split_size,
+    _parse_min_map_size,
     _parse_nonnegative_size, _parse_optional_bool, _parse_optional_size, _parse_pool_handle,
     _parse_segment_rounding,
     _warn_once, format_bytes, format_size, parse_roundup_divisions)
@@ -138,6 +139,14 @@ OPTIONS: dict[str, Option] = {
         "ignores it, and it never takes a pool past garbage_collection_threshold (None = "
         "what the request needs)",
         _parse_min_map_size, "64MiB", sized=True),
+    "map_ahead": Option(
+        None, "size or None",
+        "expandable segments: a thread of the pool keeps this many free bytes mapped at the "
+        "end of each growing range, ahead of its growth, and does the release_threshold's "
+        "unmapping behind it, so that allocations and frees make fewer driver calls; the "
+        "stock counts as reserved and never passes limit, garbage_collection_threshold or "
+        "release_threshold (None = no thread; Note [Mapper])",
+        _parse_map_ahead, "64MiB", sized=True),
     "graph_capture_record_stream_reuse": Option(
         False, "bool",
         "during a CUDA graph capture, a block freed with recorded streams (record_stream) is "
@@ -255,6 +264,12 @@ def normalize(options: Mapping[str, Any]) -> dict[str, Any]:
                    f"rounded segment's tail would count against the limit and refuse requests "
                    f"plain segments fit (Note [Segment rounding]); it applies again after "
                    f"set_limit(None)")
+    if out["map_ahead"] is not None and not out["expandable_segments"]:
+        # Kept, as the rounding above: the core reads it on expandable pools only.
+        _warn_once(("map_ahead without expandable segments",),
+                   f"option 'map_ahead' ({format_size(out['map_ahead'])}) is ignored: it "
+                   "applies to expandable segments only (set 'expandable_segments'), fixed "
+                   "segments have no range to map ahead of")
     return out
 
 

@@ -256,6 +256,16 @@ def _parse_min_map_size(value: Any, key: str) -> int | None:
     return n or None
 
 
+def _parse_map_ahead(value: Any, key: str) -> int | None:
+    accepted = ("a size above 0: an int (bytes) or a string such as '64MiB'; or None / 'none' "
+                "(the default: no mapper thread)")
+    n = _size_or_none(value, key, accepted)
+    if n == 0:
+        raise _error(key, value, accepted, "a mapper keeping 0 bytes ahead would map nothing: "
+                     "write None to turn it off")
+    return n
+
+
 def _parse_max_split_size(value: Any, key: str) -> int | None:
     accepted = (f"a size of at least {_mib(MIN_MAX_SPLIT_SIZE)}, or {_NONE_ACCEPTED} "
                 "(split every block)")

@@ -166,6 +166,15 @@ cdef class SimDevice(_DeviceBase):
         self._ready()
         mp_sim_release_held(self._sim)
 
+    def set_call_delays(self, map_ns=0, unmap_ns=0):
+        """Make every page map and unmap from now on take ``map_ns`` / ``unmap_ns``
+        nanoseconds (0: none), slept outside the device's lock, as a driver's call takes its
+        time whatever its size; the counters are unchanged. For measuring where that time
+        falls (the mapper, ``map_ahead``; ``python -m mempool replay --sim-delays``)."""
+        self._ready()
+        cdef uint64_t m = _as_nbytes(map_ns, "map_ns"), u = _as_nbytes(unmap_ns, "unmap_ns")
+        mp_sim_set_call_delays(self._sim, m, u)
+
     # ---- graph capture (docs/architecture.md, Note [Graph capture]) ----
     def begin_capture(self, stream):
         """Make ``stream`` capture a CUDA graph, as ``cuStreamBeginCapture`` in the driver's

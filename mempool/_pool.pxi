@@ -5,8 +5,7 @@
 # _share, _pool_retention, _pool_observe, _peers, _buffer (before this part) and _cupy_hook
 # (after it: its owner object holds a Pool). A cdef class is written in one place, so the
 # methods and their docstrings are all here. Everything here holds the GIL; the core below
-# it never needs it
-# (docs/architecture.md, "Note [Lock order]").
+# it never needs it (docs/architecture.md, "Note [Lock order]").
 #
 # Uses every part included before it (_core.pyx), and _cupy_malloc of _cupy_hook.pxi.
 from libc.stdint cimport uintptr_t
@@ -30,15 +29,14 @@ cdef object _unusable(Pool pool):
 
 # Note [Closing a pool]
 #
-# close() drops the Pool's reference on its C pool and leaves the Pool with none, so every
-# method meets a NULL pool in its first check and raises PoolClosedError (the check every
-# method makes already, for a Pool whose __init__ never ran: nothing is added to the hot
-# path for it). The C pool is reference-counted: when the Pool held the last reference the
-# core frees every segment, live blocks included, at once; Buffers, their DLPack tensors
-# and device controls the caller kept hold their own references, so their memory stays
-# valid (a consumer may still read it) and their deleters free into a pool that is still
-# there, and the C pool goes with the last of them. CuPy's memory objects hold the Pool,
-# not the C pool: their owner sees the NULL and frees nothing.
+# close() drops the Pool's reference on its C pool and leaves the Pool with none, so every method
+# meets a NULL pool in its first check and raises PoolClosedError (the check every method makes
+# already, for a Pool whose __init__ never ran: nothing is added to the hot path for it). The C
+# pool is reference-counted: when the Pool held the last reference the core frees every segment,
+# live blocks included, at once; Buffers, their DLPack tensors and device controls the caller kept
+# hold their own references, so their memory stays valid (a consumer may still read it) and their
+# deleters free into a pool that is still there, and the C pool goes with the last of them. CuPy's
+# memory objects hold the Pool, not the C pool: their owner sees the NULL and frees nothing.
 #
 # A call that lets the GIL go inside the core (Note [Blocking upstream calls], and those in
 # `with nogil`) is counted in `_in_core` while it is there, and close() refuses while the
@@ -47,16 +45,15 @@ cdef object _unusable(Pool pool):
 
 # Note [Hot address]
 #
-# A hot block comes back at the same address, and from Python an address is an int object:
-# making one for each `alloc` and converting it back in `free` cost an allocation and a
-# deallocation of the object each time. The Pool remembers
-# the int object it returned from `alloc` or was given to `free` last, with its value
-# (`_hot_address`). `alloc` returns that object again when the core hands out that address, and
-# `free` of that very object skips the conversion. Exact ints only (`type(ptr) is int`), which
-# are immutable, so the memo is never wrong, whatever happened to the block meanwhile; anything
-# else takes the usual path and its checks. The memo starts as the int 0 (with value 0), never
-# as None, so that `free(None)` is refused as a bad type like any other non-integer. The Pool's
-# fields are touched only with the GIL held.
+# A hot block comes back at the same address, and from Python an address is an int object: making
+# one for each `alloc` and converting it back in `free` cost an allocation and a deallocation of
+# the object each time. The Pool remembers the int object it returned from `alloc` or was given to
+# `free` last, with its value (`_hot_address`). `alloc` returns that object again when the core
+# hands out that address, and `free` of that very object skips the conversion. Exact ints only
+# (`type(ptr) is int`), which are immutable, so the memo is never wrong, whatever happened to the
+# block meanwhile; anything else takes the usual path and its checks. The memo starts as the int 0
+# (with value 0), never as None, so that `free(None)` is refused as a bad type like any other
+# non-integer. The Pool's fields are touched only with the GIL held.
 
 cdef class Pool:
     """Pool(backend='cuda', device=0, capacity=None, **options)
@@ -663,7 +660,8 @@ A stream-ordered device memory pool.
         ``num_device_alloc``, ``num_device_free``, ``max_split_size``; and mempool's own
         ``mapped_bytes``, ``va_reserved_bytes``, ``num_cross_stream_reuse``,
         ``num_event_waits``, ``num_streams`` (streams the pool keeps state for now),
-        ``num_stream_syncs``, ``num_event_records``, ``num_stream_queries`` (upstream calls).
+        ``num_stream_syncs``, ``num_event_records``, ``num_stream_queries`` (upstream calls),
+        ``num_ahead_maps``, ``num_behind_unmaps`` (the mapper's, docs/expandable.md).
         """
         self._ready()
         return _pool_stats(self._pool, self._kind, self._cuda_handle)
@@ -675,6 +673,11 @@ A stream-ordered device memory pool.
     def reset_accumulated_stats(self):
         self._ready()
         mp_reset_accumulated_stats(self._pool)
+
+    def _mapper_wait_idle(self):
+        """For tests and benchmarks: wait until the mapper (map_ahead) is idle (Note [Mapper])."""
+        self._ready()
+        _mapper_wait_idle(self._pool)
 
     def check_invariants(self):
         """Raise :class:`InvariantError` on any breach of the pool's structural invariants.

@@ -120,6 +120,7 @@ cdef tuple _pool_build(dict opts, mp_pool **out):
         cfg.expandable_segments = 1 if opts["expandable_segments"] else 0
         cfg.max_map_size = opts["max_map_size"] or 0
         cfg.min_map_size = opts["min_map_size"] or 0
+        cfg.map_ahead = opts["map_ahead"] or 0
         cfg.capture_reuse = 1 if opts["graph_capture_record_stream_reuse"] else 0
         if cfg.expandable_segments and up.map == NULL:
             raise ValueError(f"expandable_segments is not supported by the {backend_name} "

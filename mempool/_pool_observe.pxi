@@ -67,6 +67,8 @@ cdef dict _pool_stats(mp_pool *pool, int kind, object cuda_handle):
     out["num_stream_syncs"] = st.num_stream_syncs
     out["num_event_records"] = st.num_event_records
     out["num_stream_queries"] = st.num_stream_queries
+    out["num_ahead_maps"] = st.num_ahead_maps
+    out["num_behind_unmaps"] = st.num_behind_unmaps
     # The core's own: a policy set from C (a private pool following its device's, Note
     # [Private pools follow the size policy]) reaches it and not the Pool's options.
     cdef size_t mss = mp_pool_config(pool).max_split_size
@@ -81,6 +83,16 @@ cdef _put_stat(dict out, str prefix, mp_stat s):
     out[prefix + ".peak"] = s.peak
     out[prefix + ".allocated"] = s.allocated
     out[prefix + ".freed"] = s.freed
+
+
+cdef int _mapper_wait_idle(mp_pool *pool) except -1:
+    """Pool._mapper_wait_idle: the mapper's work done (Note [Mapper]), without the GIL."""
+    cdef int rc
+    with nogil:
+        rc = mp_mapper_wait_idle(pool)
+    if rc == MP_EFORKED:
+        raise _forked_error(pool)
+    return 0
 
 
 cdef int _check_invariants(mp_pool *pool) except -1:

@@ -15,4 +15,5 @@ class Config(ctypes.Structure):
                 ("limit", sz), ("initial_pool_size", sz),
                 ("gc_threshold", ctypes.c_double), ("expandable_segments", i32),
                 ("expandable_reserve", sz), ("max_map_size", sz), ("min_map_size", sz),
-                ("capture_reuse", i32), ("keep_idle", i32), ("no_split", i32)]
+                ("capture_reuse", i32), ("keep_idle", i32), ("no_split", i32),
+                ("map_ahead", sz)]

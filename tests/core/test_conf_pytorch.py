@@ -103,7 +103,7 @@ def test_every_size_option_takes_its_mb_spelling(name):
 def test_the_sized_options_are_the_byte_counts():
     assert SIZED == ["capacity", "max_split_size", "segment_rounding", "release_threshold",
                      "limit", "initial_pool_size", "granularity", "max_map_size",
-                     "min_map_size"]
+                     "min_map_size", "map_ahead"]
 
 
 @pytest.mark.parametrize("name", [n for n in SIZED if n not in ("capacity", "initial_pool_size")])

@@ -36,6 +36,7 @@ DEFAULTS = {
     "granularity": None,
     "max_map_size": None,
     "min_map_size": None,
+    "map_ahead": None,
     "graph_capture_record_stream_reuse": False,
     "ipc": None,
     "pool_handle": "create",

@@ -123,6 +123,7 @@ int mp_pool_create(const mp_config *cfg, const mp_upstream *up, mp_pool **out) {
 void mp_pool_destroy(mp_pool *p) {
     mp_fork_unregister(p);
     if (p->inherited) return;   /* Note [Pools across fork]: the parent's; nothing is ours */
+    mp_mapper_stop(p);   /* Note [Mapper]: before anything it may touch goes */
     mp_lock_acquire(&p->lock);
     mp_hot_flush_locked(p);
     /* Every block is dropped with its segment: nothing may use the pool's memory now.
@@ -602,6 +603,7 @@ __attribute__((noinline)) static int alloc_from_lists_locked(mp_pool *p, mp_stre
     }
     if (rc != MP_OK) return rc;
     b = mp_carve_locked(p, b, size, nbytes, s);
+    mp_mapper_after_alloc_locked(p, b);   /* Note [Mapper] */
     b->tally = tally;
     mp_trace_locked(p, MP_TRACE_ALLOC, b->ptr, b->requested, s->handle);
     *out = b->ptr;

@@ -51,6 +51,9 @@ typedef struct mp_config {
                                     release (Note [Keep idle], mp_core.c) */
     int no_split;                /* hand out free blocks whole, never split (Note [No split],
                                     mp_core.c); set with mp_set_no_split */
+    size_t map_ahead;            /* expandable: the free bytes a mapper thread keeps mapped at
+                                    the end of each growing range; 0 = no mapper (Note
+                                    [Mapper] in mp_expand_mapper.c) */
 } mp_config;
 
 /* Expandable segments: the most bytes one physical allocation of a growth holds unless
@@ -93,6 +96,11 @@ typedef struct mp_stats {
     uint64_t num_stream_syncs;
     uint64_t num_event_records;
     uint64_t num_stream_queries;
+    /* Note [Mapper] (mp_expand_mapper.c): physical allocations the mapper thread mapped
+     * ahead of growth and unmapped behind the release threshold (num_device_alloc and
+     * num_device_free count them too). */
+    uint64_t num_ahead_maps;
+    uint64_t num_behind_unmaps;
 } mp_stats;
 
 typedef struct mp_pool mp_pool;
@@ -234,6 +242,10 @@ int mp_trim(mp_pool *p, size_t keep);
  * segments beyond `keep` bytes, so the device shows them free (Note [Giving back to the
  * device], mp_release.c). MP_EBUSY, nothing done, while a capture is known. */
 int mp_give_back(mp_pool *p, size_t keep);
+/* Note [Mapper] (mp_expand_mapper.c): return once the pool's mapper thread has no work
+ * flagged and no map or unmap in flight (at once when it has none), so that a test or a
+ * benchmark reads a settled pool. */
+int mp_mapper_wait_idle(mp_pool *p);
 
 /* mp_size.h's rounding under a pool's config (inline: every allocation rounds). */
 static inline size_t mp_round_size(const mp_config *cfg, size_t nbytes) {

@@ -173,7 +173,7 @@ static int map_locked(mp_pool *p, mp_segment *seg, mp_stream *s, const grow_plan
         ex_merge_unmapped_locked(p, m);
         if (rc == MP_ENOMEM && plan->nbytes == plan->need &&   /* Note [Edge growth] */
             !mp_capture_stream_locked(p, s) &&                  /* Note [Graph capture] */
-            ex_release_pages_locked(p, plan->nbytes, plan->lo, plan->hi, 1, NULL)) {
+            ex_release_pages_locked(p, plan->nbytes, plan->lo, plan->hi, 1, NULL, NULL)) {
             p->stats.num_alloc_retries++;
             return MP_OK;
         }
@@ -270,14 +270,51 @@ static int grow_locked(mp_pool *p, mp_stream *s, int kind, size_t size, int exac
             layout_mark = 0;
     }
     if (excess && !mp_capture_stream_locked(p, s) &&   /* Note [Graph capture] */
-        ex_release_pages_locked(p, excess, plan.lo, plan.hi, 1, NULL)) {
+        ex_release_pages_locked(p, excess, plan.lo, plan.hi, 1, NULL, NULL)) {
         if (layout_mark) p->layout_release_mark = layout_mark;
         return MP_OK;   /* re-plan */
     }
     if (mp_limit_excess_locked(p, plan.nbytes)) return MP_ELIMIT;
+    int edge = !plan.u->next && plan.at == plan.u->ptr;   /* into the unmapped tail */
     int rc = map_locked(p, seg, s, &plan, size, out);
     *rounded = rc == MP_ENOMEM && plan.nbytes > plan.need;
+    if (rc == MP_OK && edge && p->cfg.map_ahead) mp_mapper_want_ahead_locked(p, seg);
     return rc;
+}
+
+/* Note [Mapper]: the bytes stock may add to the pool without passing the limit, the garbage
+ * collection threshold or the release threshold (SIZE_MAX: no bound). */
+static size_t stock_room_locked(mp_pool *p, size_t want) {
+    size_t excess = mp_limit_excess_locked(p, want);   /* Note [Shared limit] */
+    size_t room = excess < want ? want - excess : 0;
+    size_t reserved = mp_reserved_now_locked(p);
+    size_t gc = mp_gc_threshold_bytes(p);
+    if (gc != SIZE_MAX && reserved + room > gc) room = gc > reserved ? gc - reserved : 0;
+    size_t rt = p->cfg.release_threshold;
+    size_t cached = reserved - (size_t)mp_hot_current(p, MP_HOT_ACTIVE_BYTES);
+    if (rt != MP_UNLIMITED && cached + room > rt) room = rt > cached ? rt - cached : 0;
+    return room;
+}
+
+size_t mp_expand_stock_edge_locked(mp_pool *p, mp_segment *seg) {
+    mp_stream *s = seg->stream;
+    if (!seg->growing || s->expandable[seg->kind] != seg || !seg->first) return 0;
+    if (mp_capture_stream_locked(p, s)) return 0;   /* Note [Graph capture] */
+    mp_block *u = seg->first;
+    while (u->next) u = u->next;
+    if (u->state != MP_BLOCK_UNMAPPED || u->busy) return 0;   /* no tail, or one in flight */
+    mp_block *e = free_of(u->prev, s) ? u->prev : NULL;   /* the free block at the edge */
+    size_t g = p->up.granularity, have = e ? e->nbytes : 0;
+    if (have >= p->cfg.map_ahead) return 0;
+    size_t want = mp_round_up(p->cfg.map_ahead - have, g);
+    if (want > u->nbytes) want = u->nbytes;
+    want = round_down(stock_room_locked(p, want), g);
+    if (!want) return 0;
+    /* need 0: a refused map makes no release (map_locked), and no request waits on it. */
+    grow_plan plan = {u, u->ptr, want, 0, e ? e->ptr : u->ptr, u->ptr + u->nbytes};
+    size_t pieces = cut_growth(p, want).n;
+    mp_block *none = NULL;
+    return map_locked(p, seg, s, &plan, SIZE_MAX, &none) == MP_OK ? pieces : 0;
 }
 
 int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,

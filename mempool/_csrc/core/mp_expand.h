@@ -5,6 +5,7 @@
 #ifndef MP_EXPAND_H
 #define MP_EXPAND_H
 
+#include "mp_expand_mapper.h"
 #include "mp_internal.h"
 
 /* Find or make a free block of at least `size` for stream s: the free lists first, then
@@ -18,8 +19,9 @@ int mp_expand_alloc_locked(mp_pool *p, mp_stream *s, int kind, size_t size,
  * Drops and retakes the lock. Returns the bytes unmapped. */
 size_t mp_expand_release_locked(mp_pool *p, size_t target);
 /* The same without waiting: only pages whose owner streams have no work left now (a
- * stream_query each); *busy is set when pages stayed for a busy stream. */
-size_t mp_expand_release_idle_locked(mp_pool *p, size_t target, int *busy);
+ * stream_query each); *busy is set when pages stayed for a busy stream, and *unmaps (may be
+ * NULL) counts the physical allocations unmapped. */
+size_t mp_expand_release_idle_locked(mp_pool *p, size_t target, int *busy, uint64_t *unmaps);
 /* initial_pool_size for an expandable pool: map that much (rounded up to pages) at the start
  * of stream 0's large segment and pin it there. Takes the lock. */
 int mp_expand_reserve_initial(mp_pool *p, size_t nbytes);

@@ -103,6 +103,7 @@ MP_EXPAND_PRIVATE mp_segment *ex_segment_of_locked(mp_pool *p, mp_stream *s, int
 MP_EXPAND_PRIVATE size_t ex_idle_bytes_locked(const mp_pool *p, uintptr_t keep_lo,
                                               uintptr_t keep_hi);
 MP_EXPAND_PRIVATE size_t ex_release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo,
-                                                 uintptr_t keep_hi, int wait, int *busy);
+                                                 uintptr_t keep_hi, int wait, int *busy,
+                                                 uint64_t *unmaps);
 
 #endif

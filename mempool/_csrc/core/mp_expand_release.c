@@ -247,10 +247,10 @@ static int run_idle_locked(mp_pool *p, mp_block *first, uintptr_t lo, uintptr_t 
 /* Unmap whole free pages outside [keep_lo, keep_hi) until `target` bytes are released (or
  * nothing releasable is left), after synchronizing their owner streams; or, when `wait` is 0,
  * only pages whose owner streams have no work left now (Note [Threshold releases without a
- * sync]), setting *busy when some page stayed for a busy stream. Drops and retakes the lock.
- * Returns the bytes released. */
+ * sync]), setting *busy when some page stayed for a busy stream. *unmaps (may be NULL) counts
+ * the physical allocations unmapped (one unmap call, num_device_free, may cover several). Drops and retakes the lock. Returns the bytes released. */
 size_t ex_release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo, uintptr_t keep_hi,
-                               int wait, int *busy) {
+                               int wait, int *busy, uint64_t *unmaps) {
     /* Less than a page free in all: no whole page to find (the common case under a
      * release_threshold, checked on every free), so skip the walk over the blocks. */
     int64_t free_bytes = mp_stat3_current(p->stats.reserved_bytes) -
@@ -352,6 +352,8 @@ size_t ex_release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo, uin
         mp_block *u = jobs[i].u;
         if (jobs[i].ok) {
             u->busy = 0;
+            if (unmaps)   /* physical allocations, several to a call */
+                *unmaps += extent_at(u->seg, u->ptr + u->nbytes) - extent_at(u->seg, u->ptr);
             extents_remove(u->seg, u->ptr, u->ptr + u->nbytes);
             p->stats.num_device_free++;
             mp_trace_segment_locked(p, MP_TRACE_SEGMENT_UNMAP, u->ptr, u->nbytes,
@@ -371,9 +373,9 @@ size_t ex_release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo, uin
 }
 
 size_t mp_expand_release_locked(mp_pool *p, size_t target) {
-    return ex_release_pages_locked(p, target, 0, 0, 1, NULL);
+    return ex_release_pages_locked(p, target, 0, 0, 1, NULL, NULL);
 }
 
-size_t mp_expand_release_idle_locked(mp_pool *p, size_t target, int *busy) {
-    return ex_release_pages_locked(p, target, 0, 0, 0, busy);
+size_t mp_expand_release_idle_locked(mp_pool *p, size_t target, int *busy, uint64_t *unmaps) {
+    return ex_release_pages_locked(p, target, 0, 0, 0, busy, unmaps);
 }

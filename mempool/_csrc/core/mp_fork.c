@@ -50,6 +50,7 @@ static void after_fork_child(void) {
     for (mp_pool *p = registry; p; p = p->reg_next) {
         p->inherited = 1;
         mp_lock_init(&p->lock);   /* its holder is the forking thread: the child's own */
+        p->mapper = NULL;   /* Note [Mapper]: its thread is the parent's; left, not freed */
     }
     pthread_mutex_unlock(&registry_lock);
 }

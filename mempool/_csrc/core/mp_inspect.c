@@ -130,6 +130,7 @@ void mp_reset_accumulated_stats(mp_pool *p) {
     }
     p->stats.num_alloc_retries = p->stats.num_ooms = p->stats.num_sync_all_streams = 0;
     p->stats.num_device_alloc = p->stats.num_device_free = 0;
+    p->stats.num_ahead_maps = p->stats.num_behind_unmaps = 0;
     p->stats.num_cross_stream_reuse = p->stats.num_event_waits = 0;
     p->stats.num_stream_syncs = p->stats.num_event_records = p->stats.num_stream_queries = 0;
     mp_lock_release(&p->lock);

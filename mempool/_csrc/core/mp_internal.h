@@ -94,6 +94,8 @@ struct mp_segment {
     int pinned;                  /* initial_pool_size: never released automatically */
     int expandable;
     int growing;                 /* expandable: some stream's growing range (expandable[kind]) */
+    int ahead;                   /* Note [Mapper]: its edge wants stock (set by allocating
+                                    threads, cleared by the mapper thread) */
     int oversize;                /* counted in oversize_segments (Note [Size policy at run
                                     time], mp_core.c) */
     mp_block *first;
@@ -264,6 +266,10 @@ struct mp_pool {
     mp_stats stats;              /* the other counters (Note [Hot counters]) */
     int64_t closed_peak[MP_NSTATS];   /* Note [Peak windows]: peaks of closed windows */
 
+    /* Note [Mapper] (mp_expand_mapper.c): the thread that maps ahead of growth and unmaps
+     * behind the release threshold, made at its first use (the pointer is set under the
+     * lock; NULL without one). */
+    struct mp_mapper *mapper;
     uint8_t keep_struct;         /* mp_pool_keep_struct: destroy leaves the struct */
     /* Note [Pools across fork] (mp_fork.c): the process that made the pool, and its links
      * in the registry of live pools (guarded by the registry's mutex). */

@@ -249,24 +249,15 @@ static size_t cached_locked(const mp_pool *p) {
                     mp_hot_current(p, MP_HOT_ACTIVE_BYTES));
 }
 
-void mp_apply_release_threshold_slow_locked(mp_pool *p, mp_release_list *out) {
-    size_t threshold = p->cfg.release_threshold;
-    size_t cached = cached_locked(p);
-    if (cached <= threshold) return;
-    if (!p->cfg.expandable_segments) {
-        mp_release_idle_locked(p, cached - threshold, out);   /* stream-ordered frees */
-        return;
-    }
-    /* Note [Threshold releases without a sync]: pages of idle streams only, and after an
-     * attempt that found only busy ones, fewer attempts until one releases again. None
-     * during a capture (Note [Graph capture]), which the next check after it makes up for. */
-    if (mp_capture_call_locked(p, out)) return;
-    if (p->threshold_skip) {
-        p->threshold_skip--;
-        return;
-    }
+/* Note [Threshold releases without a sync]: pages of idle streams only, down to the
+ * threshold, and after an attempt that found only busy ones, fewer attempts until one
+ * releases again. Where a mapper runs (Note [Mapper]), on its thread. */
+uint64_t mp_release_threshold_pages_locked(mp_pool *p) {
+    size_t threshold = p->cfg.release_threshold, cached = cached_locked(p);
+    if (threshold == MP_UNLIMITED || cached <= threshold) return 0;
     int busy = 0;
-    size_t released = mp_expand_release_idle_locked(p, cached - threshold, &busy);
+    uint64_t unmaps = 0;
+    size_t released = mp_expand_release_idle_locked(p, cached - threshold, &busy, &unmaps);
     if (released || !busy) {
         p->threshold_backoff = 0;
     } else {
@@ -275,6 +266,26 @@ void mp_apply_release_threshold_slow_locked(mp_pool *p, mp_release_list *out) {
             p->threshold_backoff = MP_THRESHOLD_BACKOFF_MAX;
         p->threshold_skip = p->threshold_backoff;
     }
+    return unmaps;
+}
+
+void mp_apply_release_threshold_slow_locked(mp_pool *p, mp_release_list *out) {
+    size_t threshold = p->cfg.release_threshold;
+    size_t cached = cached_locked(p);
+    if (cached <= threshold) return;
+    if (!p->cfg.expandable_segments) {
+        mp_release_idle_locked(p, cached - threshold, out);   /* stream-ordered frees */
+        return;
+    }
+    /* None during a capture (Note [Graph capture]), which the next check after it makes up
+     * for. */
+    if (mp_capture_call_locked(p, out)) return;
+    if (p->threshold_skip) {
+        p->threshold_skip--;
+        return;
+    }
+    if (p->cfg.map_ahead && mp_mapper_want_behind_locked(p)) return;   /* Note [Mapper] */
+    mp_release_threshold_pages_locked(p);
 }
 
 int mp_trim(mp_pool *p, size_t keep) {

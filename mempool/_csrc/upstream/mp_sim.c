@@ -448,6 +448,7 @@ static void unmap_pages(mp_sim *s, uintptr_t va, size_t npages) {
 static int sim_map(void *ctx, uintptr_t va, size_t nbytes) {
     mp_sim *s = ctx;
     size_t g = s->granularity;
+    sim_call_delay(&s->map_delay_ns);
     pthread_mutex_lock(&s->mu);
     if (va % g || nbytes % g || !nbytes) {
         s->num_errors++;
@@ -506,6 +507,7 @@ static int sim_map(void *ctx, uintptr_t va, size_t nbytes) {
  * streams synchronized first): refused. */
 static int sim_unmap(void *ctx, uintptr_t va, size_t nbytes) {
     mp_sim *s = ctx;
+    sim_call_delay(&s->unmap_delay_ns);
     pthread_mutex_lock(&s->mu);
     if (s->ncapturing) {
         int rc = sim_capture_violation(s);

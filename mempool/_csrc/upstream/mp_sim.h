@@ -42,6 +42,11 @@ void mp_sim_hold_va_reserves(mp_sim *sim, unsigned n, unsigned timeout_ms);
 unsigned mp_sim_held(mp_sim *sim);         /* calls waiting now */
 void mp_sim_release_held(mp_sim *sim);     /* let every waiting one go */
 uint64_t mp_sim_hold_timeouts(mp_sim *sim);
+/* Every page map and unmap from now on sleeps map_ns / unmap_ns before it runs, outside the
+ * sim's mutex, as a driver's call takes its time (0: none, the default). The counters are
+ * unchanged by it; replays and the mapper's tests (Note [Mapper]) see time move between
+ * threads with it. */
+void mp_sim_set_call_delays(mp_sim *sim, uint64_t map_ns, uint64_t unmap_ns);
 /* A stream goes away, as with cudaStreamDestroy: its queued work completes, and its id may
  * name a new stream later. MP_EINVAL for a stream the sim never saw. */
 int mp_sim_destroy_stream(mp_sim *sim, uintptr_t stream);

@@ -107,3 +107,15 @@ size_t mp_sim_held_bytes(mp_sim *s) {
     pthread_mutex_unlock(&s->mu);
     return held;
 }
+
+void mp_sim_set_call_delays(mp_sim *s, uint64_t map_ns, uint64_t unmap_ns) {
+    __atomic_store_n(&s->map_delay_ns, map_ns, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->unmap_delay_ns, unmap_ns, __ATOMIC_RELAXED);
+}
+
+void sim_call_delay(const uint64_t *delay_ns) {
+    uint64_t ns = __atomic_load_n(delay_ns, __ATOMIC_RELAXED);
+    if (!ns) return;
+    struct timespec t = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
+    while (nanosleep(&t, &t) == -1 && errno == EINTR) {}
+}

@@ -80,6 +80,8 @@ struct mp_sim {
     /* mp_sim_hold_allocs: segment allocations still to hold, those waiting now, the
      * release generation they wait for a change of, and those that gave up waiting. */
     unsigned hold_next, held, hold_timeout_ms;
+    /* mp_sim_set_call_delays: each map and unmap sleeps this long, outside mu (atomic). */
+    uint64_t map_delay_ns, unmap_delay_ns;
     unsigned hold_syncs_next;     /* mp_sim_hold_syncs: stream syncs still to hold */
     unsigned hold_events_next;    /* mp_sim_hold_event_creates: event creations to hold */
     unsigned hold_va_next;        /* mp_sim_hold_va_reserves: address reservations to hold */
@@ -142,5 +144,8 @@ MP_SIM_PRIVATE int sim_capture_follows(void *ctx, uintptr_t stream, const uintpt
 /* Fill the sharing members of `up` and the sim's state for them; and free that state. */
 MP_SIM_PRIVATE int sim_share_init(mp_sim *s, mp_upstream *up);
 MP_SIM_PRIVATE void sim_share_destroy(mp_sim *s);
+
+/* mp_sim_faults.c: sleep for *delay_ns (read atomically), without the sim's mutex. */
+void sim_call_delay(const uint64_t *delay_ns);
 
 #endif
