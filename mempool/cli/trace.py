@@ -71,6 +71,20 @@ def _processes_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _delays_arg(text: str) -> tuple:
+    """--sim-delays: MAP,UNMAP in whole microseconds, each from 0 to 1 s; in nanoseconds."""
+    parts = text.split(",")
+    try:
+        us = [int(p) for p in parts]
+    except ValueError:
+        us = []
+    if len(us) != 2 or not all(0 <= u <= 1_000_000 for u in us):
+        raise argparse.ArgumentTypeError(
+            f"expected MAP,UNMAP in whole microseconds from 0 to 1000000 (such as 55,45); "
+            f"got {text!r}")
+    return us[0] * 1000, us[1] * 1000
+
+
 def _replay(argv) -> int:
     from mempool.tools import replay as rp
 
@@ -108,7 +122,14 @@ def _replay(argv) -> int:
                          "processes, each pinned to one CPU, the columns' processes taking "
                          "turns; ns/event is their median, and the worst is shown beside it "
                          "(default 1: one replay per cell)")
+    ap.add_argument("--sim-delays", type=_delays_arg, default=None, metavar="MAP,UNMAP",
+                    help="on sim, every page map and unmap sleeps this many microseconds "
+                         "(55,45 models a driver's), so that ns per event shows the driver's "
+                         "time on the replaying thread, or on the mapper's with map_ahead")
     args = ap.parse_args(argv)
+    if args.sim_delays is not None and (args.backend != "sim" or args.corpus is not None
+                                        or args.compare):
+        ap.error("--sim-delays applies to a single replay on --backend sim")
     if args.corpus is not None:
         return _corpus(ap, args)
     if args.processes is not None:
@@ -125,7 +146,7 @@ def _replay(argv) -> int:
     if args.compare:
         return _compare(path, events, args, extra)
     result = rp.replay(events, conf=args.conf, backend=args.backend, limit=args.limit,
-                       timeseries=bool(args.plot), **extra)
+                       timeseries=bool(args.plot), sim_delays_ns=args.sim_delays, **extra)
     if args.json:
         d = result.to_dict()
         d.pop("timeseries", None)
@@ -163,6 +184,10 @@ def _replay(argv) -> int:
         print(f"upstream calls {result.num_device_alloc:,} segment allocs, "
               f"{result.num_device_free:,} frees (each a cudaMalloc/cudaFree-class call on a "
               "GPU; fewer is better)")
+        if result.options.get("map_ahead") and result.options.get("expandable_segments"):
+            print(f"mapper         {result.stats['num_ahead_maps']:,} of the maps ahead of "
+                  f"growth, {result.stats['num_behind_unmaps']:,} allocations unmapped behind "
+                  "the release threshold, off the replaying thread")
         if result.steps:
             calls = result.calls_per_step
             syncs = max(step["stream_syncs"] for step in result.steps)

@@ -409,7 +409,8 @@ def _stat(stats: dict, key: str, default=0) -> int:
 
 
 def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool = False,
-           check: bool = False, sync_steps: bool = False, **options) -> ReplayResult:
+           check: bool = False, sync_steps: bool = False, sim_delays_ns=None,
+           **options) -> ReplayResult:
     """Replay a trace through a fresh Pool and measure it.
 
     Parameters
@@ -438,6 +439,10 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
         its steps (outside the timing; not with `timeseries`), as a training loop that reads
         its loss each step does; the cudaMemPool under the default path releases what the pool gave back at a
         synchronization (Note [The driver keeps nothing given back], mempool/_cuda.py).
+    sim_delays_ns : (int, int), optional
+        On sim, every page map and unmap takes this many nanoseconds (map, unmap), as a
+        driver's does (``SimDevice.set_call_delays``), so that ``ns_per_event`` shows where
+        that time falls (on the replaying thread, or on the mapper's with ``map_ahead``).
     **options
         Further ``Pool`` keywords (``capacity``, ``device``, any option); they override
         `conf`.
@@ -449,6 +454,11 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
     """
     prep = prepare(events)
     pool = _make_pool(conf, backend, limit, options)
+    if sim_delays_ns is not None:
+        if backend != "sim":
+            raise ValueError(f"replay: sim_delays_ns models the driver on backend 'sim' only, "
+                             f"not {backend!r}")
+        pool.device.set_call_delays(*sim_delays_ns)
     import mempool
 
     oom_error = mempool.OutOfMemoryError
@@ -487,6 +497,7 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
         series = (np.asarray(ends, dtype=np.int64), np.asarray(reserved, dtype=np.int64))
         peak_reserved = int(series[1].max(initial=0))
     elapsed = time.perf_counter_ns() - t0
+    pool._mapper_wait_idle()   # Note [Mapper]: its counts settled, outside the timing
 
     stats = dict(pool.stats())
     total = _upstream(stats)
