@@ -188,6 +188,21 @@ def test_forget_stream_while_a_map_is_in_flight(sim):
     assert pool.reserved_bytes() == 0
 
 
+def test_views_and_releases_work_while_the_mapper_maps(sim):
+    pool = sim(capacity=GiB, map_ahead=64 * MiB, release_threshold=32 * MiB, **FINE)
+    pool.device.set_call_delays(map_ns=200_000, unmap_ns=200_000)
+    for i in range(20):
+        a = pool.alloc((i % 5 + 1) * MiB, stream=i % 2)
+        pool.check_invariants()                 # a map of the mapper's may be in flight
+        pool.layout()
+        pool.snapshot()
+        pool.trim(8 * MiB) if i % 3 else pool.empty_cache()
+        pool.free(a)
+    settled(pool)
+    pool.empty_cache()
+    assert pool.reserved_bytes() == 0 and pool.device.counters()["live_maps"] == 0
+
+
 def test_a_forked_child_refuses_the_inherited_pool_and_stocks_its_own():
     pool = mempool.Pool(backend="sim", capacity=GiB, map_ahead=16 * MiB, **FINE)
     a = pool.alloc(3 * MiB)
@@ -261,11 +276,15 @@ def test_threads_allocating_on_several_streams_with_the_mapper(sim, threshold):
     st = settled(pool)
     pool.check_invariants()
     assert st["allocated_bytes.all.current"] == 0
-    assert st["num_ahead_maps"] > 0
+    if threshold is None:   # under the threshold the stock may find no room
+        assert st["num_ahead_maps"] > 0
     assert dev.counters()["mapped_bytes"] == pool.reserved_bytes()
     assert dev.counters()["maps"] == st["num_device_alloc"]
     assert dev.counters()["unmaps"] == st["num_device_free"]
     if threshold is not None:
+        # A check that met pages in flight leaves them for the next one: one more free.
+        pool.free(pool.alloc(512))
+        settled(pool)
         assert pool.reserved_bytes() <= threshold and st["num_behind_unmaps"] > 0
     pool.empty_cache()
     assert pool.reserved_bytes() == 0 and dev.counters()["live_maps"] == 0

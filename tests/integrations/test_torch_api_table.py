@@ -39,7 +39,8 @@ class Stats(ctypes.Structure):
                                     "num_device_alloc", "num_device_free",
                                     "num_cross_stream_reuse", "num_event_waits",
                                     "num_streams", "num_stream_syncs", "num_event_records",
-                                    "num_stream_queries")])
+                                    "num_stream_queries", "num_ahead_maps",
+                                    "num_behind_unmaps")])
 
 
 class BlockView(ctypes.Structure):
