@@ -21,8 +21,9 @@
  * Protocol: the flags (seg->ahead, behind) are guarded by the pool lock; `pending`, `busy`
  * and `stop` by the mapper's mutex, which is taken after the pool lock or alone, never the
  * other way round: an allocating thread signals with the pool lock held, and the mapper
- * waits for work and reports idle holding only its mutex. The mapper holds the pool lock
- * only between driver calls, as any thread does, so fork's prepare handler (Note [Pools
+ * waits for work and reports idle holding only its mutex. The mapper never holds the pool
+ * lock across a map, an unmap or a sync (stream queries and capture checks, which do not
+ * block, are made under it, as on any thread), so fork's prepare handler (Note [Pools
  * across fork]) waits at most for one of its critical sections. The thread starts at the
  * first flag of a pool with map_ahead and stops at destroy, after the map or unmap it has
  * in flight. A forked child's inherited pool has no mapper (after_fork_child forgets it,
