@@ -309,6 +309,14 @@ cdef object _share_import(mp_pool *pool, str backend, int device_id, object hand
     cdef mp_pool *ipool = NULL
     cdef mp_dl_block *block = NULL
     cdef int rc = mp_ledger_attach(name, &ledger)
+    if rc == MP_ENOTFOUND:
+        raise ValueError(f"import_: the producer is gone: the process that exported "
+                         f"'handle' (ledger {handle.ledger!r}) was killed before its pool "
+                         f"closed, and its memory with it")
+    if rc == MP_EUNSUPPORTED:
+        raise ValueError(f"import_: the producer's ledger {handle.ledger!r} was made by "
+                         f"another version of mempool; producer and consumer must run the "
+                         f"same version")
     if rc != MP_OK:
         raise ValueError(f"import_: the producer's ledger {handle.ledger!r} is gone (its pool "
                          f"closed or its process exited) or is not a ledger")

@@ -154,3 +154,37 @@ def offer_and_wait(conn):
     assert lib.mp_fd_offer(fd) == 0
     conn.send((os.getpid(), fd, os.fstat(fd).st_ino, other, lib.mp_fd_secret()))
     conn.recv()
+
+
+def ledger_library():
+    """core_library with the ledger's and process identity's symbols (Note [The consumers'
+    ledger] in core/mp_share_ledger.c, Note [Process identity] in common/mp_proc.c)."""
+    import ctypes
+    lib = core_library()
+    lib.mp_ledger_attach.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+    lib.mp_ledger_detach.argtypes = [ctypes.c_void_p]
+    lib.mp_ledger_join.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64,
+                                   ctypes.c_uint64]
+    lib.mp_ledger_join_as.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64,
+                                      ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint64]
+    lib.mp_ledger_leave.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]
+    lib.mp_ledger_lock_as.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32,
+                                      ctypes.c_uint64]
+    lib.mp_ledger_lock_as.restype = None
+    lib.mp_proc_start.argtypes = [ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64)]
+    lib.mp_proc_self_start.argtypes = []
+    lib.mp_proc_self_start.restype = ctypes.c_uint64
+    lib.mp_proc_alive.argtypes = [ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint]
+    lib.mp_proc_parse_stat.argtypes = [ctypes.c_char_p, ctypes.c_size_t,
+                                       ctypes.POINTER(ctypes.c_uint64), ctypes.c_char_p]
+    return lib
+
+
+def produce_and_wait(backend, nbytes, conn):
+    """A producer that exports a block and sends (pid, handle bytes), then waits to be
+    killed."""
+    pool = mempool.Pool(backend, capacity="64MiB", ipc=(backend == "host") or None)
+    buf = pool.empty(nbytes, "uint8")
+    handle = pool.export(buf)
+    conn.send((os.getpid(), bytes(handle)))
+    conn.recv()
