@@ -119,24 +119,41 @@ def test_a_live_holder_keeps_its_hold_and_a_reused_pid_cannot_give_it_back(lib, 
     assert producer.collect_shared() == 1
 
 
-def test_a_slot_lock_left_by_a_reused_pid_is_taken_over(lib, exported):
-    # Without the start time the lock's holder looks alive (its pid runs) and a waiter
-    # spins forever, so the waiter runs in a child that is killed past the deadline.
-    producer, handle, ledger = exported
-    lib.mp_ledger_lock_as(ledger, handle.slot, os.getpid(), lib.mp_proc_self_start() + 1)
+def test_a_slot_lock_left_by_a_reused_pid_is_taken_over(lib):
+    # Without the start time the lock's holder looks alive (its pid runs) and a waiter spins
+    # forever; so the whole exchange runs in a fork child, killed past the deadline. The
+    # child's own start time is read afresh (its pid is not its parent's).
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        os._exit(lib.mp_ledger_join(ledger, handle.slot, handle.generation, handle.ticket))
+        code = 1
+        try:
+            producer = mempool.Pool("sim", capacity="64MiB")
+            handle = producer.export(producer.alloc(4096))
+            os.write(w, handle.ledger.encode())
+            ledger = ctypes.c_void_p()
+            assert lib.mp_ledger_attach(handle.ledger.encode(), ctypes.byref(ledger)) == OK
+            me, start = os.getpid(), lib.mp_proc_self_start()
+            lib.mp_ledger_lock_as(ledger, handle.slot, me, start + 1)
+            code = lib.mp_ledger_join(ledger, handle.slot, handle.generation, handle.ticket)
+            if code == OK:   # the lock was taken over and given back; the hold is this one's
+                assert lib.mp_ledger_leave(ledger, handle.slot, handle.generation) == OK
+        finally:
+            os._exit(code)
+    os.close(w)
+    name = os.read(r, 200).decode()
+    os.close(r)
     deadline, status = time.monotonic() + 30, None
     while status is None and time.monotonic() < deadline:
         done, code = os.waitpid(pid, os.WNOHANG)
-        status = code if done else None
+        status = os.waitstatus_to_exitcode(code) if done else None
         time.sleep(0.01)
     if status is None:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+    if name and os.path.exists("/dev/shm" + name):
+        os.unlink("/dev/shm" + name)              # the child exited without closing its pool
     assert status == 0, "the waiter did not take the lock over"
-    assert producer.collect_shared() == 1                 # the child's hold: gone with it
 
 
 @pytest.mark.parametrize("kind", ["version", "size"])
