@@ -28,9 +28,13 @@ def _region_fields(bytes region):
     cdef char name[MP_SHARE_NAME_MAX + 1]
     cdef uint64_t nbytes = 0
     cdef const unsigned char *buf = region
-    if mp_share_region(buf, len(region), name, sizeof(name), &nbytes) != MP_OK:
+    cdef int rc = mp_share_region(buf, len(region), name, sizeof(name), &nbytes)
+    if rc == MP_EUNSUPPORTED:
+        raise ValueError("handle: the region's description was made by another version of "
+                         "mempool; producer and consumer must run the same version")
+    if rc != MP_OK:
         raise ValueError("handle: the region's description is not one mempool made "
-                         "(bad magic, version, length or sizes)")
+                         "(bad magic, length or sizes)")
     upstream = name.decode("ascii", "replace")
     backend = _UPSTREAM_BACKENDS.get(upstream)
     if backend is None:

@@ -55,10 +55,8 @@ def core_library():
     lib = ctypes.CDLL(_core.__file__)
     lib.mp_fd_take.argtypes = [ctypes.c_uint32, ctypes.c_int, ctypes.c_uint64,
                                ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
-    lib.mp_fd_secret.argtypes = []
-    lib.mp_fd_secret.restype = ctypes.c_uint64
     lib.mp_fd_force_socket.argtypes = [ctypes.c_int]
-    lib.mp_fd_offer.argtypes = [ctypes.c_int]
+    lib.mp_fd_offer.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
     lib.mp_fd_withdraw.argtypes = [ctypes.c_int]
     return lib
 
@@ -145,14 +143,23 @@ def consume_without_ptrace(handle_bytes, backend, value, answer, pid, conn):
                                                                 answer)))
 
 
+def offer(fd):
+    """mp_fd_offer(fd) in this process: the descriptor's secret."""
+    import ctypes
+    secret = ctypes.c_uint64(0)
+    assert core_library().mp_fd_offer(fd, ctypes.byref(secret)) == 0
+    return secret.value
+
+
 def offer_and_wait(conn):
-    """A process that offers one memfd and says (pid, fd, inode, a fd it did not offer, its
-    descriptor secret)."""
-    lib = core_library()
+    """A process that offers two memfds and says (pid, fd, inode, a fd it did not offer, the
+    first one's secret, (the second one, its inode, its secret))."""
     fd = os.memfd_create("mempool-test")
+    second = os.memfd_create("mempool-test-second")
     other = os.memfd_create("mempool-test-unoffered")
-    assert lib.mp_fd_offer(fd) == 0
-    conn.send((os.getpid(), fd, os.fstat(fd).st_ino, other, lib.mp_fd_secret()))
+    secret, second_secret = offer(fd), offer(second)
+    conn.send((os.getpid(), fd, os.fstat(fd).st_ino, other, secret,
+               (second, os.fstat(second).st_ino, second_secret)))
     conn.recv()
 
 

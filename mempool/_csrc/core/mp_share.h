@@ -59,7 +59,8 @@ void mp_ledger_lock_as(mp_ledger *l, uint32_t slot, uint32_t pid, uint64_t start
 
 /* The upstream's name (NUL-terminated, at most namecap bytes with the NUL) and the region's
  * size of a handle mp_share made, checked as mp_share_open checks it, whatever the upstream:
- * MP_EINVAL for bytes mp_share did not make. For a caller that must know which backend a
+ * MP_EINVAL for bytes mp_share did not make, MP_EUNSUPPORTED for a handle of another
+ * version of the format (another version of mempool made it). For a caller that must know which backend a
  * handle is for before it opens anything. */
 #define MP_SHARE_NAME_MAX 32
 int mp_share_region(const unsigned char *buf, size_t len, char *name, size_t namecap,
