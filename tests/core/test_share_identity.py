@@ -73,6 +73,17 @@ def test_this_process_start_time_is_its_proc_stat_field_22(lib):
     assert start.value == expected == lib.mp_proc_self_start()
 
 
+def test_a_fork_child_reads_its_own_start_time(lib):
+    parent = lib.mp_proc_self_start()
+    pid = os.fork()
+    if pid == 0:
+        start = ctypes.c_uint64(0)
+        ok = lib.mp_proc_start(os.getpid(), ctypes.byref(start)) == OK
+        os._exit(0 if ok and lib.mp_proc_self_start() == start.value != parent else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert lib.mp_proc_self_start() == parent
+
+
 def test_a_pid_running_another_start_time_or_a_zombie_is_not_alive(lib):
     me, start = os.getpid(), lib.mp_proc_self_start()
     assert lib.mp_proc_alive(me, start, 64) == 1
