@@ -28,9 +28,13 @@ def _region_fields(bytes region):
     cdef char name[MP_SHARE_NAME_MAX + 1]
     cdef uint64_t nbytes = 0
     cdef const unsigned char *buf = region
-    if mp_share_region(buf, len(region), name, sizeof(name), &nbytes) != MP_OK:
+    cdef int rc = mp_share_region(buf, len(region), name, sizeof(name), &nbytes)
+    if rc == MP_EUNSUPPORTED:
+        raise ValueError("handle: the region's description was made by another version of "
+                         "mempool; producer and consumer must run the same version")
+    if rc != MP_OK:
         raise ValueError("handle: the region's description is not one mempool made "
-                         "(bad magic, version, length or sizes)")
+                         "(bad magic, length or sizes)")
     upstream = name.decode("ascii", "replace")
     backend = _UPSTREAM_BACKENDS.get(upstream)
     if backend is None:
@@ -309,6 +313,14 @@ cdef object _share_import(mp_pool *pool, str backend, int device_id, object hand
     cdef mp_pool *ipool = NULL
     cdef mp_dl_block *block = NULL
     cdef int rc = mp_ledger_attach(name, &ledger)
+    if rc == MP_ENOTFOUND:
+        raise ValueError(f"import_: the producer is gone: the process that exported "
+                         f"'handle' (ledger {handle.ledger!r}) was killed before its pool "
+                         f"closed, and its memory with it")
+    if rc == MP_EUNSUPPORTED:
+        raise ValueError(f"import_: the producer's ledger {handle.ledger!r} was made by "
+                         f"another version of mempool; producer and consumer must run the "
+                         f"same version")
     if rc != MP_OK:
         raise ValueError(f"import_: the producer's ledger {handle.ledger!r} is gone (its pool "
                          f"closed or its process exited) or is not a ledger")

@@ -55,10 +55,8 @@ def core_library():
     lib = ctypes.CDLL(_core.__file__)
     lib.mp_fd_take.argtypes = [ctypes.c_uint32, ctypes.c_int, ctypes.c_uint64,
                                ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
-    lib.mp_fd_secret.argtypes = []
-    lib.mp_fd_secret.restype = ctypes.c_uint64
     lib.mp_fd_force_socket.argtypes = [ctypes.c_int]
-    lib.mp_fd_offer.argtypes = [ctypes.c_int]
+    lib.mp_fd_offer.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
     lib.mp_fd_withdraw.argtypes = [ctypes.c_int]
     return lib
 
@@ -145,12 +143,55 @@ def consume_without_ptrace(handle_bytes, backend, value, answer, pid, conn):
                                                                 answer)))
 
 
+def offer(fd):
+    """mp_fd_offer(fd) in this process: the descriptor's secret."""
+    import ctypes
+    secret = ctypes.c_uint64(0)
+    assert core_library().mp_fd_offer(fd, ctypes.byref(secret)) == 0
+    return secret.value
+
+
 def offer_and_wait(conn):
-    """A process that offers one memfd and says (pid, fd, inode, a fd it did not offer, its
-    descriptor secret)."""
-    lib = core_library()
+    """A process that offers two memfds and says (pid, fd, inode, a fd it did not offer, the
+    first one's secret, (the second one, its inode, its secret))."""
     fd = os.memfd_create("mempool-test")
+    second = os.memfd_create("mempool-test-second")
     other = os.memfd_create("mempool-test-unoffered")
-    assert lib.mp_fd_offer(fd) == 0
-    conn.send((os.getpid(), fd, os.fstat(fd).st_ino, other, lib.mp_fd_secret()))
+    secret, second_secret = offer(fd), offer(second)
+    conn.send((os.getpid(), fd, os.fstat(fd).st_ino, other, secret,
+               (second, os.fstat(second).st_ino, second_secret)))
+    conn.recv()
+
+
+def ledger_library():
+    """core_library with the ledger's and process identity's symbols (Note [The consumers'
+    ledger] in core/mp_share_ledger.c, Note [Process identity] in common/mp_proc.c)."""
+    import ctypes
+    lib = core_library()
+    lib.mp_ledger_attach.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+    lib.mp_ledger_detach.argtypes = [ctypes.c_void_p]
+    lib.mp_ledger_join.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64,
+                                   ctypes.c_uint64]
+    lib.mp_ledger_join_as.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64,
+                                      ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint64]
+    lib.mp_ledger_leave.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]
+    lib.mp_ledger_lock_as.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32,
+                                      ctypes.c_uint64]
+    lib.mp_ledger_lock_as.restype = None
+    lib.mp_proc_start.argtypes = [ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64)]
+    lib.mp_proc_self_start.argtypes = []
+    lib.mp_proc_self_start.restype = ctypes.c_uint64
+    lib.mp_proc_alive.argtypes = [ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint]
+    lib.mp_proc_parse_stat.argtypes = [ctypes.c_char_p, ctypes.c_size_t,
+                                       ctypes.POINTER(ctypes.c_uint64), ctypes.c_char_p]
+    return lib
+
+
+def produce_and_wait(backend, nbytes, conn):
+    """A producer that exports a block and sends (pid, handle bytes), then waits to be
+    killed."""
+    pool = mempool.Pool(backend, capacity="64MiB", ipc=(backend == "host") or None)
+    buf = pool.empty(nbytes, "uint8")
+    handle = pool.export(buf)
+    conn.send((os.getpid(), bytes(handle)))
     conn.recv()

@@ -154,3 +154,37 @@ def test_random_bytes_never_crash():
             pass
     assert consumer.device.counters()["open_imports"] == 0
     consumer.check_invariants()
+
+
+def test_a_region_of_another_format_version_is_refused_naming_it(pair):
+    producer, consumer, handle = pair
+    region = bytearray(handle.region)
+    region[4] ^= 3                            # the format's version byte, after "MPSH"
+    data = bytes(handle)
+    data = data[:len(data) - len(region)] + bytes(region)
+    with pytest.raises(ValueError, match="another version of mempool"):
+        mempool.SharedHandle.from_bytes(data)
+
+
+def test_a_host_payload_of_the_former_layout_is_refused():
+    # The former host payload (one descriptor secret for the whole process, in the head) is
+    # refused, never read as the current one (Note [Host sharing], upstream/mp_host.c).
+    producer, consumer = make("host"), make("host")
+    ptr = producer.alloc(MiB)
+    handle = producer.export(ptr)
+    region = handle.region
+    head = 6 + region[5] + 4 + 4 + 8 + 8 + 1 + 4
+    payload = region[head:]
+    pid, k, version = struct.unpack_from("<III", payload)
+    assert (k, len(payload)) == (1, 16 + 36)
+    fd, secret, inode, nbytes, serial = struct.unpack_from("<IQQQQ", payload, 16)
+    former = struct.pack("<IIQ", pid, k, secret) + struct.pack("<IQQQ", fd, inode, nbytes, serial)
+    region = region[:head - 4] + struct.pack("<I", len(former)) + former
+    data = bytes(handle)[:len(bytes(handle)) - len(handle.region)] + region
+    before = state(producer, consumer)
+    with pytest.raises(ValueError):
+        consumer.import_(mempool.SharedHandle.from_bytes(_with_fields(data,
+                                                                      region_len=len(region))))
+    assert state(producer, consumer) == before
+    consumer.import_(producer.export(ptr)).close()   # the current layout opens
+    producer.free(ptr)

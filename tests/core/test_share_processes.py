@@ -4,6 +4,7 @@ write back (host), follow the protocol (sim), die without releasing (the produce
 collect_shared drops their hold), or meet a stale handle. The consumers' code is in
 tests/_share_children.py."""
 import multiprocessing
+import os
 
 import numpy
 import pytest
@@ -110,7 +111,6 @@ def test_a_closed_producers_handle_is_refused_in_another_process(spawn):
 
 def test_a_forked_childs_copy_leaves_the_producers_ledger():
     import gc
-    import os
     producer = make("sim")
     ptr = producer.alloc(4096)
     handle = producer.export(ptr)
@@ -123,3 +123,59 @@ def test_a_forked_childs_copy_leaves_the_producers_ledger():
     make("sim").import_(handle).close()       # the ledger is still there
     producer.free(ptr)
     assert producer.collect_shared() == 1
+
+
+def killed_producer(ctx, backend):
+    """A spawned producer that exported a block: (process, handle)."""
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=children.produce_and_wait, args=(backend, MiB, there))
+    child.start()
+    assert here.poll(TIMEOUT), "the producer did not export"
+    _, data = here.recv()
+    return child, mempool.SharedHandle.from_bytes(data)
+
+
+def kill(child):
+    child.kill()
+    child.join(TIMEOUT)
+    assert child.exitcode == -9
+
+
+@pytest.mark.parametrize("backend", ["sim", "host"])
+def test_the_last_consumer_of_a_killed_producer_removes_its_ledger(spawn, backend):
+    # SIGKILL leaves the producer's ledger file in /dev/shm; its consumers clean up.
+    ctx, _ = spawn
+    child, handle = killed_producer(ctx, backend)
+    path = "/dev/shm" + handle.ledger
+    consumer = make(backend)
+    try:
+        try:
+            first = consumer.import_(handle)
+        except RuntimeError as exc:
+            pytest.skip(f"the consumer could not import: {exc}")
+        second = consumer.import_(handle)
+        kill(child)
+        assert os.path.exists(path)
+        first.close()
+        assert os.path.exists(path)               # this process still holds the ledger
+        second.close()
+        assert not os.path.exists(path)
+    finally:
+        if child.is_alive():
+            kill(child)
+        consumer.close(force=True)
+
+
+def test_a_killed_producers_handle_is_refused_naming_it_and_its_ledger_removed(spawn):
+    ctx, _ = spawn
+    child, handle = killed_producer(ctx, "sim")
+    path = "/dev/shm" + handle.ledger
+    kill(child)
+    assert os.path.exists(path)
+    consumer = make("sim")
+    with pytest.raises(ValueError, match="producer is gone"):
+        consumer.import_(handle)
+    assert not os.path.exists(path)
+    with pytest.raises(ValueError, match="ledger"):   # gone now, as a closed pool's is
+        consumer.import_(handle)
+    assert consumer.used_bytes() == 0 and consumer.device.counters().get("open_imports") == 0

@@ -34,7 +34,7 @@ BELOW = {
 }
 # The headers another layer (or the Cython layer) may include.
 PUBLIC = {
-    "common": {"mp_errors.h", "mp_ptrmap.h", "mp_assert.h", "mp_fdpass.h"},
+    "common": {"mp_errors.h", "mp_ptrmap.h", "mp_assert.h", "mp_fdpass.h", "mp_proc.h"},
     "core": {"mp_core.h", "mp_size.h", "mp_share.h"},
     "upstream": {"mp_upstream.h", "mp_sim.h", "mp_cuda.h", "mp_budget.h"},
     "glue": {"mp_torch.h", "mp_dlpack.h", "torch_current_device.h"},

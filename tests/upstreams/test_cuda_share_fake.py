@@ -120,7 +120,7 @@ def test_expandable_pages_open_mapped_end_to_end(fake_driver):
             assert c.share(va + g, 2 * g, 1)[0] == EINVAL   # part of an allocation
             assert c.share(va, 4 * g, 1)[0] == EINVAL       # runs past the mapped pages
             # the descriptors stay open while mapped and close at unmap
-            fds = [int.from_bytes(data[40 + 24 * i:44 + 24 * i], "little") for i in range(2)]
+            fds = [int.from_bytes(data[40 + 32 * i:44 + 32 * i], "little") for i in range(2)]
             for fd in fds:
                 os.fstat(fd)
             assert c.unmap(va + 2 * g, g) == OK
@@ -191,7 +191,9 @@ def test_bytes_no_share_made_are_refused_and_nothing_is_imported(fake_driver):
                pages[:24] + (0).to_bytes(4, "little") + pages[28:],
                pages[:24] + (5).to_bytes(4, "little") + pages[28:],
                pages[:48] + (3).to_bytes(8, "little") + pages[56:],
-               pages[:40] + (2**32 - 1).to_bytes(4, "little") + pages[44:]]
+               pages[:40] + (2**32 - 1).to_bytes(4, "little") + pages[44:],
+               pages[:32] + (1).to_bytes(8, "little") + pages[40:],   # pages: no head secret
+               seg[:1] + bytes([2]) + seg[2:], pages[:1] + bytes([2]) + pages[2:]]   # old layout
         import random
         rnd = random.Random(5)
         bad += [bytes(rnd.randrange(256) for _ in range(n)) for n in (40, 64, 104, 200)]
@@ -283,11 +285,19 @@ def test_descriptors_come_through_the_producers_server_too(fake_driver):
         wrong = seg[:24] + (1).to_bytes(4, "little") + seg[28:]
         rc, msg = c.open(wrong, 1 << 20)
         assert rc == EINVAL and "no shared descriptor 1" in msg, msg
-        # offered numbers, asked without the producer's secret (bytes 32-39): refused too
-        for data, n in ((seg, 1 << 20), (pages, 2 * g)):
-            hostile = data[:32] + bytes([data[32] ^ 1]) + data[33:]
+        # offered numbers, asked without their own secrets (the pool descriptor's at bytes
+        # 32-39, each allocation's at bytes 24-31 of its piece): refused too
+        for data, n, at in ((seg, 1 << 20, 32), (pages, 2 * g, 40 + 24)):
+            hostile = data[:at] + bytes([data[at] ^ 1]) + data[at + 1:]
             rc, msg = c.open(hostile, n)
             assert rc == EINVAL and "secret" in msg, msg
+        # one handle's secret opens no other descriptor: the segment's handle carrying the
+        # pages' secret, and the pages' handle carrying the segment's, are refused
+        assert pages[32:40] == bytes(8) and seg[32:40] != pages[64:72]
+        rc, msg = c.open(seg[:32] + pages[64:72] + seg[40:], 1 << 20)
+        assert rc == EINVAL and "secret" in msg, msg
+        rc, msg = c.open(pages[:64] + seg[32:40] + pages[72:], 2 * g)
+        assert rc == EINVAL and "secret" in msg, msg
         assert fake.fake_share_count(2) == 1 and fake.fake_share_count(5) == 1
         release()
         rc, msg = c.open(seg, 1 << 20)                 # the producer has exited

@@ -7,29 +7,34 @@
  *     Ubuntu default, only an ancestor may: a worker child cannot take its parent's);
  *   - the producer's descriptor server: a detached thread of the producer, started by its
  *     first mp_fd_offer, listening on the abstract Unix socket "\0mempool-fd-<pid>"
- *     (SOCK_SEQPACKET). A request is a magic, a descriptor number and the producer's secret;
- *     the answer is an errno (0 for yes) and, for yes, the descriptor itself (SCM_RIGHTS).
+ *     (SOCK_SEQPACKET). A request is a magic, a descriptor number and that descriptor's
+ *     secret; the answer is an errno (0 for yes) and, for yes, the descriptor itself
+ *     (SCM_RIGHTS).
  * pidfd_getfd is tried first; where it is refused (EPERM, EACCES) or missing (ENOSYS) the
  * server is asked. The server answers only for descriptors offered (mp_fd_offer, until
  * mp_fd_withdraw: the owner withdraws before it closes, so a number reused for another file
  * is never sent), only to a peer of its own user (SO_PEERCRED), and only to a request that
- * carries the producer's secret: a random 64-bit number the process draws once (getrandom,
- * else /dev/urandom) and its upstreams write into every handle payload (mp_fd_secret). So a
- * process of the same user takes nothing from the server by guessing a descriptor's number:
- * it must hold a handle of that producer, as Yama means only an allowed process to reach its
- * memory (one secret per process: a holder of one handle may ask for any offered number).
- * The secret is compared in constant time and a wrong one answered as an unoffered number is
- * (EBADF); pidfd_getfd does not look at it, ptrace permission being its own proof. A process
- * that could draw no secret answers no request. The consumer checks that the server
- * listening on the name is the process `pid` itself (SO_PEERCRED), as anyone may bind an
- * abstract name. Offered descriptors are a bitmap by number, under one lock; the server
- * duplicates an offered one under that lock and sends the duplicate, so a withdraw and close
- * racing the answer cannot send another file. Each connection is served in turn, with
- * timeouts on both ends, so a peer that never writes or reads holds the server only so long.
- * After fork the child has no server thread, offers nothing and draws a secret of its own
- * (pthread_atfork), so handles of its parent's open nothing of its: its own first offer
- * starts its own server under its own pid. Abstract sockets belong to a network namespace:
- * processes in different ones reach each other only with pidfd_getfd.
+ * carries THAT descriptor's secret: a random 64-bit number drawn when the descriptor is
+ * offered (getrandom, else /dev/urandom), given to the offering upstream, which writes it
+ * into the handle payload beside the descriptor's number, and forgotten at withdraw. So a
+ * process of the same user takes nothing from the server by guessing a descriptor's number,
+ * and a holder of one handle takes only the descriptors that handle names, not every one the
+ * producer offered: as Yama means only an allowed process to reach a producer's memory, a
+ * handle is the permission for its own memory alone. Offering a descriptor already offered
+ * gives its secret again, so every handle of one memory carries equal bytes. The secret is
+ * compared in constant time and a wrong one answered as an unoffered number is (EBADF);
+ * pidfd_getfd does not look at it, ptrace permission being its own proof. A descriptor for
+ * which no secret could be drawn is offered to pidfd_getfd only: the server refuses it. The
+ * consumer checks that the server listening on the name is the process `pid` itself
+ * (SO_PEERCRED), as anyone may bind an abstract name. Offered descriptors are a table by
+ * number (each entry its secret), under one lock; the server duplicates an offered one under
+ * that lock and sends the duplicate, so a withdraw and close racing the answer cannot send
+ * another file. Each connection is served in turn, with timeouts on both ends, so a peer that
+ * never writes or reads holds the server only so long. After fork the child has no server
+ * thread and offers nothing (pthread_atfork), so handles of its parent's open nothing of its:
+ * its own first offer starts its own server under its own pid, with secrets of its own.
+ * Abstract sockets belong to a network namespace: processes in different ones reach each
+ * other only with pidfd_getfd.
  */
 #define _GNU_SOURCE
 #include "mp_fdpass.h"
@@ -59,7 +64,8 @@
 #define SYS_pidfd_getfd 438
 #endif
 
-#define FD_MAGIC 0x3266706du   /* "mpf2", little-endian: requests that carry the secret */
+#define FD_MAGIC 0x3366706du   /* "mpf3", little-endian: requests that carry the
+                                  descriptor's own secret */
 #define SERVE_TIMEOUT_S 2      /* how long the server waits on one peer */
 #define TAKE_TIMEOUT_S 10      /* how long a consumer waits for the server's answer */
 
@@ -69,20 +75,25 @@ struct fd_request {
     uint64_t secret;
 };
 
+/* One descriptor number's entry: whether it is offered, and its secret. */
+typedef struct fd_offer {
+    uint64_t secret;
+    uint8_t offered;
+    uint8_t drawn;     /* a secret came: the server may give it */
+} fd_offer;
+
 static pthread_mutex_t fd_mu = PTHREAD_MUTEX_INITIALIZER;
-static uint64_t *fd_bits;      /* offered descriptors, bit fd */
-static size_t fd_nwords;
+static fd_offer *fd_offers;    /* by descriptor number */
+static size_t fd_noffers;
 static int fd_server = -1;     /* the listening socket, once started */
 static int fd_forced;          /* mp_fd_force_socket */
-static uint64_t fd_secret;     /* what a request must carry, once drawn */
-static int fd_secret_drawn;
 static pthread_once_t fd_once = PTHREAD_ONCE_INIT;
 
-/* ---- the secret ---- */
+/* ---- secrets ---- */
 
-/* Draw this process's secret (getrandom, else /dev/urandom); fd_secret_drawn says whether
- * one came. Caller holds fd_mu, or is a fork child before it runs anything else. */
-static void fd_draw_secret(void) {
+/* Draw a secret for entry o (getrandom, else /dev/urandom); o->drawn says whether one
+ * came. */
+static void fd_draw_secret(fd_offer *o) {
     int saved = errno;
     uint64_t s = 0;
     ssize_t n;
@@ -97,29 +108,28 @@ static void fd_draw_secret(void) {
             close(f);
         }
     }
-    fd_secret = n == (ssize_t)sizeof s ? s : 0;
-    fd_secret_drawn = n == (ssize_t)sizeof s;
+    o->secret = n == (ssize_t)sizeof s ? s : 0;
+    o->drawn = n == (ssize_t)sizeof s;
     errno = saved;
 }
 
-/* Whether a request's secret is this process's, in time that does not depend on where
- * they differ. Caller holds fd_mu. */
-static int fd_secret_matches(uint64_t asked) {
-    uint64_t diff = asked ^ fd_secret;
+/* Whether a request's secret is offered descriptor o's, in time that does not depend on
+ * where they differ. Caller holds fd_mu. */
+static int fd_secret_matches(const fd_offer *o, uint64_t asked) {
+    uint64_t diff = asked ^ o->secret;
     unsigned acc = 0;
     for (int i = 0; i < 8; i++) acc |= (unsigned)(diff >> (8 * i)) & 0xffu;
-    return fd_secret_drawn & (acc == 0);
+    return o->drawn & (acc == 0);
 }
 
-/* ---- fork: the child starts with nothing offered, no server and a secret of its own ---- */
+/* ---- fork: the child starts with nothing offered and no server ---- */
 
 static void fd_prepare(void) { pthread_mutex_lock(&fd_mu); }
 static void fd_parent(void) { pthread_mutex_unlock(&fd_mu); }
 static void fd_child(void) {
     if (fd_server >= 0) close(fd_server);   /* the parent's: the parent's thread serves it */
     fd_server = -1;
-    if (fd_bits) memset(fd_bits, 0, fd_nwords * sizeof *fd_bits);
-    if (fd_secret_drawn) fd_draw_secret();   /* the parent's handles carry the parent's */
+    if (fd_offers) memset(fd_offers, 0, fd_noffers * sizeof *fd_offers);
     pthread_mutex_init(&fd_mu, NULL);
 }
 static void fd_register_fork(void) { pthread_atfork(fd_prepare, fd_parent, fd_child); }
@@ -137,10 +147,10 @@ static void fd_timeouts(int s, int seconds) {
     setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &t, sizeof t);
 }
 
-/* Caller holds fd_mu. */
-static int fd_is_offered(int fd) {
-    size_t w = (size_t)fd / 64;
-    return fd >= 0 && w < fd_nwords && (fd_bits[w] >> (fd % 64) & 1);
+/* The entry of offered descriptor fd, or NULL. Caller holds fd_mu. */
+static fd_offer *fd_offered(int fd) {
+    if (fd < 0 || (size_t)fd >= fd_noffers || !fd_offers[fd].offered) return NULL;
+    return &fd_offers[fd];
 }
 
 /* ---- the server ---- */
@@ -157,9 +167,10 @@ static void fd_serve_peer(int c) {
         ssize_t n = recv(c, &req, sizeof req, 0);
         if (n != (ssize_t)sizeof req || req.magic != FD_MAGIC) return;
         int dup = -1;
-        int32_t status = EBADF;   /* not offered, or not asked with the secret */
+        int32_t status = EBADF;   /* not offered, or not asked with its secret */
         pthread_mutex_lock(&fd_mu);
-        if (fd_secret_matches(req.secret) && fd_is_offered(req.fd)) {
+        const fd_offer *o = fd_offered(req.fd);
+        if (o && fd_secret_matches(o, req.secret)) {
             dup = fcntl(req.fd, F_DUPFD_CLOEXEC, 0);
             status = dup >= 0 ? 0 : errno;
         }
@@ -232,25 +243,28 @@ static int fd_start_locked(void) {
     return MP_OK;
 }
 
-int mp_fd_offer(int fd) {
-    if (fd < 0) return MP_EINVAL;
+int mp_fd_offer(int fd, uint64_t *secret) {
+    if (fd < 0 || !secret) return MP_EINVAL;
     pthread_once(&fd_once, fd_register_fork);
     pthread_mutex_lock(&fd_mu);
-    size_t w = (size_t)fd / 64;
-    if (w >= fd_nwords) {
-        size_t n = fd_nwords ? fd_nwords : 16;
-        while (n <= w) n *= 2;
-        uint64_t *bits = realloc(fd_bits, n * sizeof *bits);
-        if (!bits) {
+    if ((size_t)fd >= fd_noffers) {
+        size_t n = fd_noffers ? fd_noffers : 64;
+        while (n <= (size_t)fd) n *= 2;
+        fd_offer *grown = realloc(fd_offers, n * sizeof *grown);
+        if (!grown) {
             pthread_mutex_unlock(&fd_mu);
             return MP_ENOMEM;
         }
-        memset(bits + fd_nwords, 0, (n - fd_nwords) * sizeof *bits);
-        fd_bits = bits;
-        fd_nwords = n;
+        memset(grown + fd_noffers, 0, (n - fd_noffers) * sizeof *grown);
+        fd_offers = grown;
+        fd_noffers = n;
     }
-    fd_bits[w] |= (uint64_t)1 << (fd % 64);
-    if (!fd_secret_drawn) fd_draw_secret();
+    fd_offer *o = &fd_offers[fd];
+    if (!o->offered) {
+        fd_draw_secret(o);
+        o->offered = 1;
+    }
+    *secret = o->secret;
     /* A server that cannot start leaves pidfd_getfd; the next offer tries again. */
     if (fd_server < 0) (void)fd_start_locked();
     pthread_mutex_unlock(&fd_mu);
@@ -259,17 +273,9 @@ int mp_fd_offer(int fd) {
 
 void mp_fd_withdraw(int fd) {
     pthread_mutex_lock(&fd_mu);
-    if (fd_is_offered(fd)) fd_bits[fd / 64] &= ~((uint64_t)1 << (fd % 64));
+    fd_offer *o = fd_offered(fd);
+    if (o) memset(o, 0, sizeof *o);
     pthread_mutex_unlock(&fd_mu);
-}
-
-uint64_t mp_fd_secret(void) {
-    pthread_once(&fd_once, fd_register_fork);
-    pthread_mutex_lock(&fd_mu);
-    if (!fd_secret_drawn) fd_draw_secret();
-    uint64_t s = fd_secret;
-    pthread_mutex_unlock(&fd_mu);
-    return s;
 }
 
 void mp_fd_force_socket(int on) { __atomic_store_n(&fd_forced, on ? 1 : 0, __ATOMIC_RELAXED); }

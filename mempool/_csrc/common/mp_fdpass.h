@@ -7,26 +7,26 @@
 
 #include <stdint.h>
 
-/* Make `fd` takeable by other processes of this user (mp_fd_take), until mp_fd_withdraw.
- * The first offer of a process starts its descriptor server. MP_OK, or MP_ENOMEM when the
- * offer could not be recorded (the descriptor is then takeable only with pidfd_getfd). */
-int mp_fd_offer(int fd);
+/* Make `fd` takeable by other processes of this user (mp_fd_take), until mp_fd_withdraw,
+ * and give its secret (*secret): a random number drawn for this descriptor, which the
+ * caller writes into the handle beside the descriptor's number and without which the
+ * server gives it to no one; 0 where none could be drawn (the server then refuses it).
+ * Offering a descriptor already offered gives the same secret. The first offer of a process
+ * starts its descriptor server. MP_OK, or MP_ENOMEM when the offer could not be recorded
+ * (the descriptor is then takeable only with pidfd_getfd). */
+int mp_fd_offer(int fd, uint64_t *secret);
 
-/* `fd` is no longer takeable: call it before closing fd, so that a number reused for
- * another file is never handed out. Unknown descriptors are ignored. */
+/* `fd` is no longer takeable and its secret is forgotten: call it before closing fd, so
+ * that a number reused for another file is never handed out. Unknown descriptors are
+ * ignored. */
 void mp_fd_withdraw(int fd);
 
-/* This process's secret: a random number drawn once per process (a fork child draws its
- * own), which its upstreams write into their handle payloads and without which its server
- * gives nothing; 0 where none could be drawn (its server then answers no request). */
-uint64_t mp_fd_secret(void);
-
 /* Descriptor `fd` of process `pid`, duplicated into this process (close-on-exec) at *out.
- * `secret` is what pid's mp_fd_secret gave (from the handle's payload): its server asks for
- * it; pidfd_getfd does not.
+ * `secret` is what pid's mp_fd_offer gave for fd (from the handle's payload): its server
+ * asks for it; pidfd_getfd does not.
  *   MP_OK;
  *   MP_EINVAL: the process is gone (*why_errno = ESRCH), or it has no such descriptor or does
- *     not offer it, or the server was asked with another secret (EBADF);
+ *     not offer it, or the server was asked with another secret than fd's (EBADF);
  *   MP_EUNSUPPORTED: neither pidfd_getfd nor the producer's server may give it: *why_errno is
  *     pidfd_getfd's refusal (EPERM or EACCES: ptrace permission; ENOSYS: the kernel lacks it),
  *     or the socket's error where pidfd_getfd was not tried (mp_fd_force_socket);

@@ -39,7 +39,7 @@
 #include "mp_share.h"
 
 #define MP_SHARE_MAGIC "MPSH"
-#define MP_SHARE_VERSION 1
+#define MP_SHARE_VERSION 2   /* the upstreams' payloads carry a secret per descriptor */
 
 struct mp_share_open {
     unsigned char *bytes;   /* the handle, as opened */
@@ -77,11 +77,13 @@ typedef struct share_header {
 } share_header;
 
 /* Parse and check the header of `len` bytes at buf, whatever upstream wrote it: MP_EINVAL
- * for anything mp_share would not have written. out->name is the upstream's name, not
- * NUL-terminated (out->namelen bytes). */
+ * for anything mp_share would not have written, MP_EUNSUPPORTED for a handle of another
+ * version of this format. out->name is the upstream's name, not NUL-terminated
+ * (out->namelen bytes). */
 static int parse_any_header(const unsigned char *buf, size_t len, share_header *out) {
     if (!buf || len < header_len(0) || len > MP_SHARE_HANDLE_MAX) return MP_EINVAL;
-    if (memcmp(buf, MP_SHARE_MAGIC, 4) || buf[4] != MP_SHARE_VERSION) return MP_EINVAL;
+    if (memcmp(buf, MP_SHARE_MAGIC, 4)) return MP_EINVAL;
+    if (buf[4] != MP_SHARE_VERSION) return MP_EUNSUPPORTED;
     size_t namelen = buf[5];
     if (namelen > MP_SHARE_NAME_MAX || len < header_len(namelen)) return MP_EINVAL;
     out->name = (const char *)buf + 6;
@@ -115,7 +117,9 @@ static int parse_header(const char *name, const unsigned char *buf, size_t len,
 int mp_share_region(const unsigned char *buf, size_t len, char *name, size_t namecap,
                     uint64_t *nbytes) {
     share_header h;
-    if (!name || !nbytes || parse_any_header(buf, len, &h) != MP_OK) return MP_EINVAL;
+    if (!name || !nbytes) return MP_EINVAL;
+    int rc = parse_any_header(buf, len, &h);
+    if (rc != MP_OK) return rc;
     if (namecap <= h.namelen) return MP_EINVAL;
     memcpy(name, h.name, h.namelen);
     name[h.namelen] = '\0';

@@ -29,14 +29,17 @@ void mp_ledger_destroy(mp_ledger *l);
 int mp_ledger_take(mp_ledger *l, uint32_t *slot, uint64_t *gen);
 /* One handle sent: a hold in flight until a consumer claims it (*ticket names it). */
 int mp_ledger_send(mp_ledger *l, uint32_t slot, uint64_t gen, uint64_t *ticket);
-/* The holds on a slot, after dropping those of consumers that are gone (kill(pid, 0) says
- * ESRCH); with retire and no hold left, the slot is given back (the block may be reused):
+/* The holds on a slot, after dropping those of consumers that are gone (Note [Process
+ * identity] in common/mp_proc.c); with retire and no hold left, the slot is given back (the block may be reused):
  * *retired = 1. MP_EINVAL for a slot of another generation. */
 int mp_ledger_collect(mp_ledger *l, uint32_t slot, uint64_t gen, int retire, size_t *holds,
                       int *retired);
 
 /* The consumer's: attach to a producer's ledger by name (counted per process: one mapping),
- * and let go. MP_EINVAL for a name no ledger has, or a file that is not one. */
+ * and let go. MP_EINVAL for a name no ledger has, or a file that is not one;
+ * MP_EUNSUPPORTED for a ledger of another version of this layout; MP_ENOTFOUND when the
+ * process that made it is gone (killed before its pool closed: the name is unlinked). The
+ * last detach of a ledger whose maker is gone unlinks its name. */
 int mp_ledger_attach(const char *name, mp_ledger **out);
 void mp_ledger_detach(mp_ledger *l);
 /* Take a hold on a slot for this process: the hold in flight that `ticket` names becomes
@@ -47,9 +50,17 @@ int mp_ledger_join(mp_ledger *l, uint32_t slot, uint64_t gen, uint64_t ticket);
 /* Give back one hold of this process's (MP_ENOTFOUND when it has none). */
 int mp_ledger_leave(mp_ledger *l, uint32_t slot, uint64_t gen);
 
+/* Test controls: mp_ledger_join for process (pid, start), and the slot's lock taken as that
+ * process (left held), so that tests can plant a holder or a lock of a process whose pid
+ * runs under another start time, as a reused pid does. */
+int mp_ledger_join_as(mp_ledger *l, uint32_t slot, uint64_t gen, uint64_t ticket,
+                      uint32_t pid, uint64_t start);
+void mp_ledger_lock_as(mp_ledger *l, uint32_t slot, uint32_t pid, uint64_t start);
+
 /* The upstream's name (NUL-terminated, at most namecap bytes with the NUL) and the region's
  * size of a handle mp_share made, checked as mp_share_open checks it, whatever the upstream:
- * MP_EINVAL for bytes mp_share did not make. For a caller that must know which backend a
+ * MP_EINVAL for bytes mp_share did not make, MP_EUNSUPPORTED for a handle of another
+ * version of the format (another version of mempool made it). For a caller that must know which backend a
  * handle is for before it opens anything. */
 #define MP_SHARE_NAME_MAX 32
 int mp_share_region(const unsigned char *buf, size_t len, char *name, size_t namecap,

@@ -7,19 +7,34 @@
  * closes), which consumers attach to by the name in the handle: fixed slots, one per
  * exported block, each with a generation (a slot given back and taken again gets a new
  * one, so a stale handle is refused, never mistaken for the new block) and a small table of
- * holders (a pid and a count). Every export adds a hold IN FLIGHT (pid 0, a ticket the
+ * holders (a process and a count). Every export adds a hold IN FLIGHT (pid 0, a ticket the
  * handle carries): the block stays pinned while the handle travels, even if the producer
  * frees it at once, as PyTorch's CUDA IPC keeps a block its sender freed. The first import
  * of that handle claims the hold for its process; later imports of the same bytes add holds
  * of their own while the slot is live. A consumer's release gives its hold back. When the
- * producer collects, it first drops the holds of processes that are gone (kill(pid, 0)
- * answers ESRCH): a consumer killed without releasing does not pin the block forever. A
- * hold never claimed (a handle that never reached anyone) pins its block until the pool
- * closes, as in PyTorch.
+ * producer collects, it first drops the holds of processes that are gone: a consumer
+ * killed without releasing does not pin the block forever. A process is its pid and its
+ * start time (Note [Process identity] in common/mp_proc.c): a pid reused by a new process
+ * neither keeps a dead consumer's hold alive nor adds to it or gives it back. A hold never
+ * claimed (a handle that never reached anyone) pins its block until the pool closes, as in
+ * PyTorch.
  *
- * Each slot has a lock word: the pid of the process holding it, taken with a compare and
- * swap and held only for a few loads and stores; a waiter that finds the holder dead takes
- * it over, so a consumer killed inside one cannot wedge the producer.
+ * Each slot has a lock word: the holding process's pid and the low 32 bits of its start
+ * time, one 64-bit word so that a compare and swap takes it whole, held only for a few
+ * loads and stores; a waiter that finds the holder dead takes it over, so a consumer killed
+ * inside one cannot wedge the producer. (A reused pid whose start time agrees in those 32
+ * bits, 2^32 ticks apart, is beyond what a lock held this briefly needs.)
+ *
+ * The ledger's file outlives a producer killed before its pool closed. The header names its
+ * creator (pid and start time), so consumers clean up after it: one that attaches to the
+ * ledger of a creator that is gone refuses the import (the producer's memory went with it,
+ * or is no longer its to give) and unlinks the name; one whose last attachment goes while
+ * the creator is gone unlinks it too. Another consumer that won the race finds the name
+ * unlinked already (ENOENT), which is fine. A producer killed with no consumer attached
+ * then or later leaves the file behind (docs/sharing.md says so).
+ *
+ * The header carries a version: a ledger of another layout is refused whole (attach answers
+ * MP_EUNSUPPORTED), never read with this one's.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -35,20 +50,24 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "mp_proc.h"
 #include "mp_share.h"
 
 #define LEDGER_MAGIC 0x52454744454c504dull   /* "MPLEDGER", little-endian */
-#define LEDGER_VERSION 1
+#define LEDGER_VERSION 2
+#define LOCK_START_BITS 32                   /* of the holder's start time in a lock word */
 
 typedef struct ledger_holder {
     uint32_t pid;      /* 0: in flight (ticket) or empty (count 0) */
     uint32_t count;
     uint64_t ticket;
+    uint64_t start;    /* the pid's start time (Note [Process identity]) */
 } ledger_holder;
 
 typedef struct ledger_slot {
-    uint32_t lock;     /* the holder's pid, 0 when free */
+    uint64_t lock;     /* the holder's pid | its start time's low bits << 32; 0 when free */
     uint32_t live;     /* taken by an export, not given back */
+    uint32_t pad;
     uint64_t gen;
     uint64_t next_ticket;
     ledger_holder holders[MP_LEDGER_HOLDERS];
@@ -59,7 +78,11 @@ typedef struct ledger_header {
     uint32_t version, nslots;
     uint32_t creator;
     uint32_t pad;
+    uint64_t creator_start;
 } ledger_header;
+
+_Static_assert(__atomic_always_lock_free(sizeof(uint64_t), 0),
+               "the lock word is shared between processes: it must be lock-free");
 
 #define LEDGER_BYTES (sizeof(ledger_header) + MP_LEDGER_SLOTS * sizeof(ledger_slot))
 
@@ -76,25 +99,39 @@ struct mp_ledger {
 static pthread_mutex_t attached_mu = PTHREAD_MUTEX_INITIALIZER;
 static mp_ledger *attached;
 
-static int alive(uint32_t pid) {
-    return !(kill((pid_t)pid, 0) != 0 && errno == ESRCH);
+/* This process, as a holder records it. */
+typedef struct ledger_id {
+    uint32_t pid;
+    uint64_t start;
+} ledger_id;
+
+static ledger_id self_id(void) {
+    return (ledger_id){(uint32_t)getpid(), mp_proc_self_start()};
 }
 
-static void slot_lock(ledger_slot *s) {
-    uint32_t me = (uint32_t)getpid();
+static uint64_t lock_word(ledger_id id) {
+    return (uint64_t)id.pid | (id.start << 32);
+}
+
+static int holder_alive(const ledger_holder *h) { return mp_proc_alive(h->pid, h->start, 64); }
+
+static void slot_lock_as(ledger_slot *s, uint64_t me) {
     for (unsigned spins = 0;; spins++) {
-        uint32_t seen = 0;
+        uint64_t seen = 0;
         if (__atomic_compare_exchange_n(&s->lock, &seen, me, 0, __ATOMIC_ACQUIRE,
                                         __ATOMIC_RELAXED))
             return;
         /* A holder that died inside: take the lock over. */
-        if (spins % 1024 == 1023 && seen && !alive(seen) &&
+        if (spins % 1024 == 1023 && seen &&
+            !mp_proc_alive((uint32_t)seen, seen >> 32, LOCK_START_BITS) &&
             __atomic_compare_exchange_n(&s->lock, &seen, me, 0, __ATOMIC_ACQUIRE,
                                         __ATOMIC_RELAXED))
             return;
         sched_yield();
     }
 }
+
+static void slot_lock(ledger_slot *s) { slot_lock_as(s, lock_word(self_id())); }
 
 static void slot_unlock(ledger_slot *s) { __atomic_store_n(&s->lock, 0, __ATOMIC_RELEASE); }
 
@@ -134,6 +171,7 @@ int mp_ledger_create(mp_ledger **out, char *name) {
     l->head->version = LEDGER_VERSION;
     l->head->nslots = MP_LEDGER_SLOTS;
     l->head->creator = (uint32_t)getpid();
+    l->head->creator_start = mp_proc_self_start();
     __atomic_store_n(&l->head->magic, LEDGER_MAGIC, __ATOMIC_RELEASE);
     l->owner = 1;
     memcpy(name, l->name, MP_LEDGER_NAME_MAX);
@@ -203,7 +241,7 @@ int mp_ledger_collect(mp_ledger *l, uint32_t slot, uint64_t gen, int retire, siz
     size_t n = 0;
     for (int i = 0; i < MP_LEDGER_HOLDERS; i++) {
         ledger_holder *h = &s->holders[i];
-        if (h->count && h->pid && !alive(h->pid)) *h = (ledger_holder){0, 0, 0};
+        if (h->count && h->pid && !holder_alive(h)) *h = (ledger_holder){0, 0, 0, 0};
         n += h->count;
     }
     *retired = retire && !n;
@@ -213,48 +251,63 @@ int mp_ledger_collect(mp_ledger *l, uint32_t slot, uint64_t gen, int retire, siz
     return MP_OK;
 }
 
-int mp_ledger_join(mp_ledger *l, uint32_t slot, uint64_t gen, uint64_t ticket) {
+static int is(const ledger_holder *h, ledger_id id) {
+    return h->pid == id.pid && h->start == id.start;
+}
+
+int mp_ledger_join_as(mp_ledger *l, uint32_t slot, uint64_t gen, uint64_t ticket,
+                      uint32_t pid, uint64_t start) {
+    if (!pid) return MP_EINVAL;
     ledger_slot *s = live_slot(l, slot, gen);
     if (!s) return MP_EINVAL;
-    uint32_t me = (uint32_t)getpid();
+    ledger_id me = {pid, start};
     ledger_holder *mine = NULL, *flight = NULL;
     for (int i = 0; i < MP_LEDGER_HOLDERS; i++) {
         ledger_holder *h = &s->holders[i];
         if (!h->count) continue;
-        if (h->pid == me) mine = h;
+        if (is(h, me)) mine = h;
         else if (!h->pid && h->ticket == ticket) flight = h;
     }
     int rc = MP_OK;
     if (flight && mine) {   /* the ticket's hold becomes one more of this process's */
-        *flight = (ledger_holder){0, 0, 0};
+        *flight = (ledger_holder){0, 0, 0, 0};
         mine->count++;
     } else if (flight) {
-        *flight = (ledger_holder){me, 1, 0};
+        *flight = (ledger_holder){me.pid, 1, 0, me.start};
     } else if (mine) {
         mine->count++;
     } else {
         ledger_holder *h = free_holder(s);
-        if (h) *h = (ledger_holder){me, 1, 0};
+        if (h) *h = (ledger_holder){me.pid, 1, 0, me.start};
         else rc = MP_EBUSY;
     }
     slot_unlock(s);
     return rc;
 }
 
+int mp_ledger_join(mp_ledger *l, uint32_t slot, uint64_t gen, uint64_t ticket) {
+    ledger_id me = self_id();
+    return mp_ledger_join_as(l, slot, gen, ticket, me.pid, me.start);
+}
+
 int mp_ledger_leave(mp_ledger *l, uint32_t slot, uint64_t gen) {
     ledger_slot *s = live_slot(l, slot, gen);
     if (!s) return MP_ENOTFOUND;
-    uint32_t me = (uint32_t)getpid();
+    ledger_id me = self_id();
     int rc = MP_ENOTFOUND;
     for (int i = 0; i < MP_LEDGER_HOLDERS && rc != MP_OK; i++) {
         ledger_holder *h = &s->holders[i];
-        if (h->count && h->pid == me) {
-            if (!--h->count) *h = (ledger_holder){0, 0, 0};
+        if (h->count && is(h, me)) {
+            if (!--h->count) *h = (ledger_holder){0, 0, 0, 0};
             rc = MP_OK;
         }
     }
     slot_unlock(s);
     return rc;
+}
+
+void mp_ledger_lock_as(mp_ledger *l, uint32_t slot, uint32_t pid, uint64_t start) {
+    if (l && slot < MP_LEDGER_SLOTS) slot_lock_as(&l->slots[slot], lock_word((ledger_id){pid, start}));
 }
 
 /* A name mp_ledger_create makes: "/mempool-<digits>-<16 hex digits>". */
@@ -267,32 +320,53 @@ static int well_formed(const char *name) {
     return strspn(at, "0123456789abcdef") == 16 && at[16] == 0;
 }
 
+/* Whether the process that made the ledger still runs. */
+static int creator_alive(const mp_ledger *l) {
+    return mp_proc_alive(l->head->creator, l->head->creator_start, 64);
+}
+
+/* What the file behind fd holds: MP_OK for a ledger of this layout, MP_EUNSUPPORTED for one
+ * of another version, MP_EINVAL for anything else. Only its header is read. */
+static int check_file(int fd) {
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (size_t)st.st_size < sizeof(ledger_header)) return MP_EINVAL;
+    ledger_header *h = mmap(NULL, sizeof *h, PROT_READ, MAP_SHARED, fd, 0);
+    if (h == MAP_FAILED) return MP_EINVAL;
+    int rc = MP_OK;
+    if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != LEDGER_MAGIC) rc = MP_EINVAL;
+    else if (h->version != LEDGER_VERSION || h->nslots != MP_LEDGER_SLOTS ||
+             (size_t)st.st_size != LEDGER_BYTES)
+        rc = MP_EUNSUPPORTED;
+    munmap(h, sizeof *h);
+    return rc;
+}
+
 int mp_ledger_attach(const char *name, mp_ledger **out) {
     if (!well_formed(name)) return MP_EINVAL;
     pthread_mutex_lock(&attached_mu);
     for (mp_ledger *l = attached; l; l = l->next) {
         if (!strcmp(l->name, name)) {
-            l->refs++;
-            *out = l;
+            int rc = creator_alive(l) ? MP_OK : MP_ENOTFOUND;
+            if (rc == MP_OK) {
+                l->refs++;
+                *out = l;
+            }
             pthread_mutex_unlock(&attached_mu);
-            return MP_OK;
+            return rc;
         }
     }
-    int rc = MP_EINVAL;
     mp_ledger *l = calloc(1, sizeof *l);
     int fd = l ? shm_open(name, O_RDWR, 0) : -1;
-    struct stat st;
-    if (!l) rc = MP_ENOMEM;
-    else if (fd >= 0 && fstat(fd, &st) == 0 && (size_t)st.st_size == LEDGER_BYTES &&
-             map_ledger(fd, l) == MP_OK) {
-        if (__atomic_load_n(&l->head->magic, __ATOMIC_ACQUIRE) == LEDGER_MAGIC &&
-            l->head->version == LEDGER_VERSION && l->head->nslots == MP_LEDGER_SLOTS) {
-            rc = MP_OK;
-        } else {
-            munmap(l->head, LEDGER_BYTES);
-        }
-    }
+    int rc = !l ? MP_ENOMEM : fd < 0 ? MP_EINVAL : check_file(fd);
+    if (rc == MP_OK) rc = map_ledger(fd, l);
     if (fd >= 0) close(fd);
+    if (rc == MP_OK && !creator_alive(l)) {
+        /* The producer was killed before its pool closed: nothing of it can be opened, and
+         * its file is left for whoever finds it so. */
+        shm_unlink(name);
+        munmap(l->head, LEDGER_BYTES);
+        rc = MP_ENOTFOUND;
+    }
     if (rc == MP_OK) {
         snprintf(l->name, sizeof l->name, "%s", name);
         l->refs = 1;
@@ -316,6 +390,9 @@ void mp_ledger_detach(mp_ledger *l) {
                 break;
             }
         }
+        /* The last of this process's holds on a producer killed before its pool closed:
+         * its file goes (ENOENT when another consumer's did already). */
+        if (!creator_alive(l)) shm_unlink(l->name);
         munmap(l->head, LEDGER_BYTES);
         free(l);
     }

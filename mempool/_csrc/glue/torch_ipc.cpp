@@ -10,7 +10,7 @@ namespace {
 // cudaIpcMemHandle; none of the core's handles is 62 or 64 bytes long (its header alone
 // outgrows them), so the lengths tell the two apart whatever the bytes.
 constexpr char kPoolHandleTag = 'M';
-constexpr char kPoolHandleVersion = 1;
+constexpr char kPoolHandleVersion = 2;   // moves with the core handle's MP_SHARE_VERSION (core/mp_share.c)
 
 bool is_pool_handle(const std::string& handle) {
   return handle.size() > 2 && handle.size() != CUDA_IPC_HANDLE_SIZE &&

@@ -24,9 +24,10 @@
  *     serial; the consumer imports each (cuMemImportFromShareableHandle), reserves address
  *     space for the run, maps them end to end, and grants its device access; close unmaps
  *     them and frees the address space.
- * The payload holds the producer's pid, the upstream's random token, the producer's
- * descriptor secret (mp_fd_secret: its server gives a descriptor only to a request that
- * carries it) and, for pages, each allocation's serial, so bytes differ whenever the memory
+ * The payload holds the producer's pid, the upstream's random token, beside each descriptor
+ * its own secret (what mp_fd_offer gave for it: the producer's server gives a descriptor only
+ * to a request that carries that descriptor's secret, so a handle opens only the descriptors
+ * it names) and, for pages, each allocation's serial, so bytes differ whenever the memory
  * differs even where a descriptor number or an address is reused; the driver's export data
  * names one allocation of the pool. The driver maps an allocation once per process, so the opens of one memory in a
  * process share one mapping, counted (two pools opening it get the same address), and a
@@ -52,12 +53,13 @@
 
 /* ---- The payload (native byte order: both processes are on one machine). ---- */
 enum { KIND_SEGMENT = 1, KIND_PAGES = 2 };
-#define PAYLOAD_VERSION 2
+#define PAYLOAD_VERSION 3  /* another layout's payload is refused, never misread */
 #define HEAD_BYTES 40      /* kind u8, version u8, pad u16, pid u32, token u64, base u64,
                               then u32 (segment: the pool's descriptor; pages: how many),
-                              u32 pad, u64 the producer's descriptor secret */
+                              u32 pad, u64 (segment: the pool descriptor's secret; pages: 0) */
 #define SEGMENT_BYTES (HEAD_BYTES + 64)   /* + cuMemPoolExportPointer's data */
-#define PIECE_BYTES 24     /* per allocation: descriptor i32, pad u32, size u64, serial u64 */
+#define PIECE_BYTES 32     /* per allocation: descriptor i32, pad u32, size u64, serial u64,
+                              the descriptor's secret u64 */
 /* Allocations one handle may list: a handle stays within the core's bound on its bytes. */
 #define MAX_PIECES 2048
 
@@ -73,7 +75,8 @@ static void put64(unsigned char *b, uint64_t v) { memcpy(b, &v, 8); }
 static uint32_t get32(const unsigned char *b) { uint32_t v; memcpy(&v, b, 4); return v; }
 static uint64_t get64(const unsigned char *b) { uint64_t v; memcpy(&v, b, 8); return v; }
 
-static void put_head(unsigned char *b, int kind, const mp_cuda *c, uintptr_t base, uint32_t n) {
+static void put_head(unsigned char *b, int kind, const mp_cuda *c, uintptr_t base, uint32_t n,
+                     uint64_t secret) {
     memset(b, 0, HEAD_BYTES);
     b[0] = (unsigned char)kind;
     b[1] = PAYLOAD_VERSION;
@@ -81,7 +84,7 @@ static void put_head(unsigned char *b, int kind, const mp_cuda *c, uintptr_t bas
     put64(b + 8, c->token);
     put64(b + 16, base);
     put32(b + 24, n);
-    put64(b + 32, mp_fd_secret());
+    put64(b + 32, secret);
 }
 
 /* ---- Messages (per thread: the contract's calls carry only a code). ---- */
@@ -218,8 +221,8 @@ int mp_cuda_set_shareable(mp_upstream *up, int on) {
 
 /* ---- share ---- */
 
-/* The cudaMemPool's descriptor, exported on first use. */
-static int pool_fd(mp_cuda *c, int *fd) {
+/* The cudaMemPool's descriptor, exported and offered on first use, and its secret. */
+static int pool_fd(mp_cuda *c, int *fd, uint64_t *secret) {
     int rc = MP_OK;
     pthread_mutex_lock(&c->share_lock);
     if (c->pool_fd < 0) {
@@ -231,7 +234,7 @@ static int pool_fd(mp_cuda *c, int *fd) {
             CUresult r;
             CU_CALL(c, r, mp_cu.MemPoolExportToShareableHandle(
                               &out, c->pool, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
-            if (r == CUDA_SUCCESS && out >= 0 && mp_fd_offer(out) != MP_OK) {
+            if (r == CUDA_SUCCESS && out >= 0 && mp_fd_offer(out, secret) != MP_OK) {
                 close(out);
                 rc = say(MP_ENOMEM, "out of host memory");
             } else if (r == CUDA_SUCCESS && out >= 0) {
@@ -244,6 +247,8 @@ static int pool_fd(mp_cuda *c, int *fd) {
                          "with the POSIX file-descriptor handle type" CANNOT_SHARE, text);
             }
         }
+    } else if (mp_fd_offer(c->pool_fd, secret) != MP_OK) {   /* offered: its secret again */
+        rc = say(MP_ENOMEM, "out of host memory");
     }
     *fd = c->pool_fd;
     pthread_mutex_unlock(&c->share_lock);
@@ -255,7 +260,8 @@ static int share_segment(mp_cuda *c, uintptr_t base, unsigned char *buf, size_t 
     *len = SEGMENT_BYTES;
     if (cap < SEGMENT_BYTES) return MP_EINVAL;
     int fd;
-    int rc = pool_fd(c, &fd);
+    uint64_t secret = 0;
+    int rc = pool_fd(c, &fd, &secret);
     if (rc != MP_OK) return rc;
     CUmemPoolPtrExportData data;
     memset(&data, 0, sizeof data);
@@ -270,7 +276,7 @@ static int share_segment(mp_cuda *c, uintptr_t base, unsigned char *buf, size_t 
                    "%s); segments made while a CUDA graph is captured are outside the "
                    "cudaMemPool", text);
     }
-    put_head(buf, KIND_SEGMENT, c, base, (uint32_t)fd);
+    put_head(buf, KIND_SEGMENT, c, base, (uint32_t)fd, secret);
     memcpy(buf + HEAD_BYTES, &data, sizeof data);
     return MP_OK;
 }
@@ -299,7 +305,7 @@ static int share_pages(mp_cuda *c, uintptr_t base, size_t nbytes, unsigned char 
         rc = MP_EINVAL;
         goto out;
     }
-    put_head(buf, KIND_PAGES, c, base, (uint32_t)count);
+    put_head(buf, KIND_PAGES, c, base, (uint32_t)count, 0);
     unsigned char *p = buf + HEAD_BYTES;
     for (size_t i = first; i < first + n; i++) {
         if (r->mapped[i] != PAGE_HEAD) continue;
@@ -322,17 +328,18 @@ static int share_pages(mp_cuda *c, uintptr_t base, size_t nbytes, unsigned char 
                 rc = say_driver(c, e, "cuMemExportToShareableHandle");
                 goto out;
             }
-            if (mp_fd_offer(fd) != MP_OK) {
-                close(fd);
-                rc = say(MP_ENOMEM, "out of host memory");
-                goto out;
-            }
-            r->fds[i] = fd + 1;
+            r->fds[i] = fd + 1;   /* kept (and closed at unmap) even if the offer fails */
+        }
+        uint64_t secret = 0;   /* the first offer draws it; later ones give it again */
+        if (mp_fd_offer(r->fds[i] - 1, &secret) != MP_OK) {
+            rc = say(MP_ENOMEM, "out of host memory");
+            goto out;
         }
         memset(p, 0, PIECE_BYTES);
         put32(p, (uint32_t)(r->fds[i] - 1));
         put64(p + 8, (uint64_t)(k * g));
         put64(p + 16, r->serials[i]);
+        put64(p + 24, secret);
         p += PIECE_BYTES;
     }
 out:
@@ -355,11 +362,12 @@ static int cu_share(void *ctx, uintptr_t base, size_t nbytes, int expandable,
 
 /* ---- open ---- */
 
-/* Descriptor `fd` of process `pid`, duplicated into this one (mp_fd_take), or why not. */
-static int take_fd(const head *h, int32_t fd, int *out) {
+/* Descriptor `fd` of process `pid`, asked for with its `secret`, duplicated into this one
+ * (mp_fd_take), or why not. */
+static int take_fd(const head *h, int32_t fd, uint64_t secret, int *out) {
     uint32_t pid = h->pid;
     int why = 0;
-    int rc = mp_fd_take(pid, fd, h->secret, out, &why);
+    int rc = mp_fd_take(pid, fd, secret, out, &why);
     if (rc == MP_OK) return MP_OK;
     if (rc == MP_ENOMEM)
         return say(MP_ENOMEM, "this process cannot take process %u's shared descriptor: %s",
@@ -461,7 +469,7 @@ static int import_pool(mp_cuda *c, const head *h, sh_pool **out) {
         return say(MP_ENOMEM, "out of host memory");
     }
     int fd = -1;
-    int rc = take_fd(h, h->fd, &fd);
+    int rc = take_fd(h, h->fd, h->secret, &fd);
     if (rc == MP_OK) {
         CUresult r;
         CU_CALL(c, r, mp_cu.MemPoolImportFromShareableHandle(
@@ -529,7 +537,7 @@ static int open_pages(mp_cuda *c, const head *h, const unsigned char *buf, sh_im
         const unsigned char *piece = buf + HEAD_BYTES + imported * PIECE_BYTES;
         im->sizes[imported] = (size_t)get64(piece + 8);
         int fd = -1;
-        rc = take_fd(h, (int32_t)get32(piece), &fd);
+        rc = take_fd(h, (int32_t)get32(piece), get64(piece + 24), &fd);
         if (rc != MP_OK) goto fail;
         CU_CALL(c, r, mp_cu.MemImportFromShareableHandle(
                           &hs[imported], (void *)(uintptr_t)fd,
@@ -588,7 +596,8 @@ static int parse(mp_cuda *c, const unsigned char *buf, size_t len, size_t nbytes
     if (h->kind == KIND_SEGMENT)
         return len == SEGMENT_BYTES && h->fd >= 0
                    ? MP_OK : say(MP_EINVAL, "a malformed handle of a cudaMemPool segment");
-    if (h->count == 0 || h->count > MAX_PIECES || len != HEAD_BYTES + h->count * PIECE_BYTES)
+    if (h->count == 0 || h->count > MAX_PIECES || len != HEAD_BYTES + h->count * PIECE_BYTES ||
+        h->secret)
         return say(MP_EINVAL, "a malformed handle of expandable-segment pages");
     size_t total = 0, g = c->driver_granularity ? c->driver_granularity : 1;
     for (uint32_t i = 0; i < h->count; i++) {

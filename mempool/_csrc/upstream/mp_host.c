@@ -214,19 +214,21 @@ static int host_va_release(void *ctx, uintptr_t va, size_t nbytes) {
 /* Note [Host sharing]
  * A host pool made to share (mp_host_set_shareable, before its first allocation) backs each
  * segment and each map call with a memfd of its own, mapped MAP_SHARED: memory another
- * process can map. The payload of a region is the producer's pid, its descriptor secret
- * (mp_fd_secret) and, for each memfd in it, the fd number, its inode, its size and a
- * serial; share offers each memfd (withdrawn before it is closed), and a consumer takes
- * the fds across with mp_fd_take (pidfd_getfd, or the producer's descriptor server, which
- * asks for the secret, where ptrace permission is refused: Note [Passing
+ * process can map. The payload of a region is the producer's pid, the payload's version
+ * and, for each memfd in it, the fd number, its secret (what mp_fd_offer gave for it), its
+ * inode, its size and a serial; share offers each memfd (withdrawn before it is closed), and
+ * a consumer takes the fds across with mp_fd_take (pidfd_getfd, or the producer's
+ * descriptor server, which asks for each fd's own secret, where ptrace permission is
+ * refused: Note [Passing
  * descriptors] in common/mp_fdpass.c; neither allowed, open answers MP_EUNSUPPORTED), checks
  * each one's inode and size (an fd number freed and reused names other memory: MP_EINVAL),
  * maps them side by side in a reservation of its own and closes them. The mapping keeps the
  * memory alive whatever the producer does next; close unmaps it. Pools that do not share
  * keep malloc'd segments and mprotect'ed pages: no fd per segment.
  */
-#define HOST_HEAD_LEN 16    /* u32 pid, u32 entries, u64 the descriptor secret */
-#define HOST_ENTRY_LEN 28   /* u32 fd, u64 inode, u64 bytes, u64 serial */
+#define HOST_HEAD_LEN 16    /* u32 pid, u32 entries, u32 HOST_PAYLOAD_VERSION, u32 pad */
+#define HOST_ENTRY_LEN 36   /* u32 fd, u64 its secret, u64 inode, u64 bytes, u64 serial */
+#define HOST_PAYLOAD_VERSION 2   /* another layout's payload is refused, never misread */
 #define HOST_MAX_ENTRIES 65536
 
 static void hput(unsigned char *at, uint64_t v, int n) {
@@ -313,20 +315,23 @@ static int host_share(void *ctx, uintptr_t base, size_t nbytes, int expandable,
         pthread_mutex_unlock(&h->mu);
         return MP_EINVAL;
     }
+    memset(buf, 0, HOST_HEAD_LEN);
     hput(buf, (uint64_t)getpid(), 4);
     hput(buf + 4, k, 4);
-    hput(buf + 8, mp_fd_secret(), 8);
+    hput(buf + 8, HOST_PAYLOAD_VERSION, 4);
     unsigned char *at = buf + HOST_HEAD_LEN;
     for (a = base; a < base + nbytes; at += HOST_ENTRY_LEN) {
         struct host_fd *f = mp_ptrmap_get(&h->fds, a);
-        if (mp_fd_offer(f->fd) != MP_OK) {
+        uint64_t secret = 0;
+        if (mp_fd_offer(f->fd, &secret) != MP_OK) {
             pthread_mutex_unlock(&h->mu);
             return MP_ENOMEM;
         }
         hput(at, (uint64_t)f->fd, 4);
-        hput(at + 4, f->ino, 8);
-        hput(at + 12, f->nbytes, 8);
-        hput(at + 20, f->serial, 8);
+        hput(at + 4, secret, 8);
+        hput(at + 12, f->ino, 8);
+        hput(at + 20, f->nbytes, 8);
+        hput(at + 28, f->serial, 8);
         a += f->nbytes;
     }
     pthread_mutex_unlock(&h->mu);
@@ -338,14 +343,14 @@ static int host_open(void *ctx, const unsigned char *buf, size_t len, size_t nby
     (void)ctx;
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
     if (!buf || len < HOST_HEAD_LEN || !out || !nbytes || nbytes % page) return MP_EINVAL;
-    uint64_t pid = hget(buf, 4), k = hget(buf + 4, 4), secret = hget(buf + 8, 8);
-    if (!pid || pid > INT32_MAX || !k || k > HOST_MAX_ENTRIES ||
-        len != HOST_HEAD_LEN + k * HOST_ENTRY_LEN)
+    uint64_t pid = hget(buf, 4), k = hget(buf + 4, 4);
+    if (hget(buf + 8, 4) != HOST_PAYLOAD_VERSION || hget(buf + 12, 4) || !pid ||
+        pid > INT32_MAX || !k || k > HOST_MAX_ENTRIES || len != HOST_HEAD_LEN + k * HOST_ENTRY_LEN)
         return MP_EINVAL;
     uint64_t total = 0;
     for (uint64_t i = 0; i < k; i++) {
         const unsigned char *e = buf + HOST_HEAD_LEN + i * HOST_ENTRY_LEN;
-        uint64_t n = hget(e + 12, 8);
+        uint64_t n = hget(e + 20, 8);
         if (!n || n % page || n > nbytes || total + n > nbytes) return MP_EINVAL;
         if (hget(e, 4) > INT32_MAX) return MP_EINVAL;
         total += n;
@@ -357,12 +362,12 @@ static int host_open(void *ctx, const unsigned char *buf, size_t len, size_t nby
     size_t off = 0;
     for (uint64_t i = 0; i < k && rc == MP_OK; i++) {
         const unsigned char *e = buf + HOST_HEAD_LEN + i * HOST_ENTRY_LEN;
-        size_t n = (size_t)hget(e + 12, 8);
+        size_t n = (size_t)hget(e + 20, 8);
         int fd = -1, why = 0;
-        rc = mp_fd_take((uint32_t)pid, (int)hget(e, 4), secret, &fd, &why);
+        rc = mp_fd_take((uint32_t)pid, (int)hget(e, 4), hget(e + 4, 8), &fd, &why);
         if (rc != MP_OK) break;   /* gone, not offered, or neither way allowed */
         struct stat st;
-        if (fstat(fd, &st) != 0 || (uint64_t)st.st_ino != hget(e + 4, 8) ||
+        if (fstat(fd, &st) != 0 || (uint64_t)st.st_ino != hget(e + 12, 8) ||
             !S_ISREG(st.st_mode) || (uint64_t)st.st_size != n)
             rc = MP_EINVAL;   /* another file under that number: not the memory named */
         else if (mmap((char *)region + off, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
