@@ -126,13 +126,14 @@ def test_a_forked_childs_copy_leaves_the_producers_ledger():
 
 
 def killed_producer(ctx, backend):
-    """A spawned producer that exported a block: (process, handle)."""
+    """A spawned producer that exported a block: (process, handle, connection). The caller
+    keeps the connection: closing it ends the producer, which then closes its pool."""
     here, there = ctx.Pipe()
     child = ctx.Process(target=children.produce_and_wait, args=(backend, MiB, there))
     child.start()
     assert here.poll(TIMEOUT), "the producer did not export"
     _, data = here.recv()
-    return child, mempool.SharedHandle.from_bytes(data)
+    return child, mempool.SharedHandle.from_bytes(data), here
 
 
 def kill(child):
@@ -145,7 +146,7 @@ def kill(child):
 def test_the_last_consumer_of_a_killed_producer_removes_its_ledger(spawn, backend):
     # SIGKILL leaves the producer's ledger file in /dev/shm; its consumers clean up.
     ctx, _ = spawn
-    child, handle = killed_producer(ctx, backend)
+    child, handle, _conn = killed_producer(ctx, backend)
     path = "/dev/shm" + handle.ledger
     consumer = make(backend)
     try:
@@ -168,7 +169,7 @@ def test_the_last_consumer_of_a_killed_producer_removes_its_ledger(spawn, backen
 
 def test_a_killed_producers_handle_is_refused_naming_it_and_its_ledger_removed(spawn):
     ctx, _ = spawn
-    child, handle = killed_producer(ctx, "sim")
+    child, handle, _conn = killed_producer(ctx, "sim")
     path = "/dev/shm" + handle.ledger
     kill(child)
     assert os.path.exists(path)
