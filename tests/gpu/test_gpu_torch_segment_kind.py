@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
-from _torch_scripts import FRACTION_256_MIB_ABOVE_NOW, counting_allocator, run  # noqa: E402
+from _torch_scripts import PRELUDE, FRACTION_256_MIB_ABOVE_NOW, counting_allocator, run  # noqa: E402
 
 
 def test_pytorchs_mempool_expandable_case(tmp_path):
@@ -94,7 +94,7 @@ def test_switching_both_ways_keeps_the_devices_figures():
 def test_one_kinds_cache_makes_room_for_the_other_under_a_fraction():
     # The companion cannot reuse the device pool's segments: before a request fails, the
     # other kind's cache goes back, as PyTorch's allocator frees all its cached segments.
-    out = run(FRACTION_256_MIB_ABOVE_NOW + """
+    out = run("""
         MiB = 1 << 20
         t = torch.empty(200 * MiB, dtype=torch.uint8, device="cuda")
         del t                                              # cached in the fixed segments
@@ -121,5 +121,5 @@ def test_one_kinds_cache_makes_room_for_the_other_under_a_fraction():
         assert "Of the allocated memory 220.00 MiB is allocated by PyTorch" in message, message
         assert torch.cuda.memory_stats()["num_ooms"] == 1
         print("room made")
-    """)
+    """, prelude=PRELUDE + FRACTION_256_MIB_ABOVE_NOW)
     assert "room made" in out
