@@ -674,8 +674,7 @@ A stream-ordered device memory pool.
         self._ready()
         mp_reset_accumulated_stats(self._pool)
 
-    def _mapper_wait_idle(self):
-        """For tests and benchmarks: wait until the mapper (map_ahead) is idle (Note [Mapper])."""
+    def _mapper_wait_idle(self):   # for tests and benchmarks (Note [Mapper])
         self._ready()
         _mapper_wait_idle(self._pool)
 
