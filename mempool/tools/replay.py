@@ -452,12 +452,16 @@ def replay(events, conf=None, backend: str = "sim", limit=None, timeseries: bool
     ReplayResult
         Deterministic on sim except ``ns_per_event``.
     """
-    prep = prepare(events)
-    pool = _make_pool(conf, backend, limit, options)
     if sim_delays_ns is not None:
         if backend != "sim":
             raise ValueError(f"replay: sim_delays_ns models the driver on backend 'sim' only, "
                              f"not {backend!r}")
+        if not isinstance(sim_delays_ns, (tuple, list)) or len(sim_delays_ns) != 2:
+            raise ValueError(f"replay: sim_delays_ns is (map_ns, unmap_ns), two ints of "
+                             f"nanoseconds; got {sim_delays_ns!r}")
+    prep = prepare(events)
+    pool = _make_pool(conf, backend, limit, options)
+    if sim_delays_ns is not None:
         pool.device.set_call_delays(*sim_delays_ns)
     import mempool
 

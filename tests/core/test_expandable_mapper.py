@@ -334,3 +334,6 @@ def test_replay_takes_map_ahead_and_the_sim_delays():
     assert result.stats["num_device_alloc"] == result.upstream["device_alloc"]
     with pytest.raises(ValueError, match="sim_delays_ns"):
         rp.replay(trace, backend="host", sim_delays_ns=(1, 1))
+    for bad in (5, (1,), (1, 2, 3), "1,2"):
+        with pytest.raises(ValueError, match=r"sim_delays_ns is \(map_ns, unmap_ns\)"):
+            rp.replay(trace, sim_delays_ns=bad)

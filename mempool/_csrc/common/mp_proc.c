@@ -13,7 +13,7 @@
  * A process reads its own start time once and keeps it beside its pid, so a fork child,
  * whose pid differs, reads its own. Where /proc does not say (not mounted, or hidepid hides
  * other users' processes) a recorded start time of 0, or an unreadable line, leaves the
- * answer to kill(pid, 0) alone: pid reuse is then not seen, as before this identity.
+ * answer to kill(pid, 0) alone: pid reuse is then not seen.
  * A pidfd would name a process exactly, but it cannot be written into shared memory for
  * other processes to test, and a pid namespace or an old kernel may lack it: the start time
  * is what any process that can see the pid can check (docs/decisions.md).

@@ -248,7 +248,8 @@ static int run_idle_locked(mp_pool *p, mp_block *first, uintptr_t lo, uintptr_t 
  * nothing releasable is left), after synchronizing their owner streams; or, when `wait` is 0,
  * only pages whose owner streams have no work left now (Note [Threshold releases without a
  * sync]), setting *busy when some page stayed for a busy stream. *unmaps (may be NULL) counts
- * the physical allocations unmapped (one unmap call, num_device_free, may cover several). Drops and retakes the lock. Returns the bytes released. */
+ * the physical allocations unmapped (one unmap call, num_device_free, may cover several).
+ * Drops and retakes the lock. Returns the bytes released. */
 size_t ex_release_pages_locked(mp_pool *p, size_t target, uintptr_t keep_lo, uintptr_t keep_hi,
                                int wait, int *busy, uint64_t *unmaps) {
     /* Less than a page free in all: no whole page to find (the common case under a

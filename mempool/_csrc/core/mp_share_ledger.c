@@ -307,7 +307,8 @@ int mp_ledger_leave(mp_ledger *l, uint32_t slot, uint64_t gen) {
 }
 
 void mp_ledger_lock_as(mp_ledger *l, uint32_t slot, uint32_t pid, uint64_t start) {
-    if (l && slot < MP_LEDGER_SLOTS) slot_lock_as(&l->slots[slot], lock_word((ledger_id){pid, start}));
+    if (l && slot < MP_LEDGER_SLOTS)
+        slot_lock_as(&l->slots[slot], lock_word((ledger_id){pid, start}));
 }
 
 /* A name mp_ledger_create makes: "/mempool-<digits>-<16 hex digits>". */
