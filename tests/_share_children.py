@@ -1,5 +1,7 @@
-"""What the consumer processes of tests/core/test_share_processes.py run (started with
-multiprocessing's "spawn": a function of an importable module, beside _support.py)."""
+"""What the consumer and producer processes of tests/core/test_share_*.py run (started with
+multiprocessing's "spawn": a function of an importable module, beside _support.py), and the
+helpers that start them or reach the ledger's C symbols."""
+import contextlib
 import os
 import signal
 
@@ -184,14 +186,76 @@ def ledger_library():
     lib.mp_proc_alive.argtypes = [ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint]
     lib.mp_proc_parse_stat.argtypes = [ctypes.c_char_p, ctypes.c_size_t,
                                        ctypes.POINTER(ctypes.c_uint64), ctypes.c_char_p]
+    lib.mp_proc_self_pidns.argtypes = []
+    lib.mp_proc_self_pidns.restype = ctypes.c_uint64
+    lib.mp_proc_self_pidns_as.argtypes = [ctypes.c_uint64]
+    lib.mp_proc_self_pidns_as.restype = None
     return lib
 
 
-def produce_and_wait(backend, nbytes, conn):
+def fake_pidns():
+    """A pid namespace no process has (real ones are 32-bit inodes), for processes that take
+    themselves for one with mp_proc_self_pidns_as: only processes that pretend the same judge
+    its ledgers' creators, so no other test's ledger sweep removes them meanwhile."""
+    import secrets
+    return (1 << 40) + secrets.randbits(32)
+
+
+@contextlib.contextmanager
+def pretend_pidns(ns=None):
+    """This process takes itself for one of pid namespace `ns` (a fake_pidns() when None)
+    for the block; yields the namespace."""
+    lib = ledger_library()
+    ns = fake_pidns() if ns is None else ns
+    lib.mp_proc_self_pidns_as(ns)
+    try:
+        yield ns
+    finally:
+        lib.mp_proc_self_pidns_as(0)
+
+
+def export_once(backend, pidns=0):
+    """Make a pool that exports one block (making its ledger, which first sweeps /dev/shm),
+    as a process of pid namespace `pidns` (0: its own); returns the ledger's name."""
+    lib = ledger_library()
+    lib.mp_proc_self_pidns_as(pidns)
+    pool = mempool.Pool(backend, capacity="64MiB", ipc=(backend == "host") or None)
+    try:
+        return pool.export(pool.alloc(4096)).ledger
+    finally:
+        pool.close(force=True)
+        lib.mp_proc_self_pidns_as(0)
+
+
+def produce_and_wait(backend, nbytes, conn, pidns=0):
     """A producer that exports a block and sends (pid, handle bytes), then waits to be
-    killed."""
+    killed; as a process of pid namespace `pidns` when it is not 0."""
+    if pidns:
+        ledger_library().mp_proc_self_pidns_as(pidns)
     pool = mempool.Pool(backend, capacity="64MiB", ipc=(backend == "host") or None)
     buf = pool.empty(nbytes, "uint8")
     handle = pool.export(buf)
     conn.send((os.getpid(), bytes(handle)))
     conn.recv()
+
+
+TIMEOUT = 60
+
+
+def killed_producer(ctx, backend, nbytes, pidns=0):
+    """A spawned produce_and_wait, of pid namespace `pidns` (0: its own), that exported a
+    block of nbytes: (process, handle, connection). The caller keeps the connection: closing
+    it ends the producer, which then closes its pool."""
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=produce_and_wait, args=(backend, nbytes, there, pidns))
+    child.start()
+    assert here.poll(TIMEOUT), "the producer did not export"
+    _, data = here.recv()
+    return child, mempool.SharedHandle.from_bytes(data), here
+
+
+def kill(child):
+    """SIGKILL a spawned process and reap it."""
+    child.kill()
+    child.join(TIMEOUT)
+    assert child.exitcode == -9

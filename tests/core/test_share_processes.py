@@ -125,28 +125,20 @@ def test_a_forked_childs_copy_leaves_the_producers_ledger():
     assert producer.collect_shared() == 1
 
 
-def killed_producer(ctx, backend):
-    """A spawned producer that exported a block: (process, handle, connection). The caller
-    keeps the connection: closing it ends the producer, which then closes its pool."""
-    here, there = ctx.Pipe()
-    child = ctx.Process(target=children.produce_and_wait, args=(backend, MiB, there))
-    child.start()
-    assert here.poll(TIMEOUT), "the producer did not export"
-    _, data = here.recv()
-    return child, mempool.SharedHandle.from_bytes(data), here
-
-
-def kill(child):
-    child.kill()
-    child.join(TIMEOUT)
-    assert child.exitcode == -9
+@pytest.fixture
+def pidns():
+    """A pid namespace of the test's own that this process takes itself for (as does the
+    producer it kills): the ledger sweep of any other process, another test's, leaves that
+    producer's file to the consumers here (Note [The consumers' ledger])."""
+    with children.pretend_pidns() as ns:
+        yield ns
 
 
 @pytest.mark.parametrize("backend", ["sim", "host"])
-def test_the_last_consumer_of_a_killed_producer_removes_its_ledger(spawn, backend):
+def test_the_last_consumer_of_a_killed_producer_removes_its_ledger(spawn, backend, pidns):
     # SIGKILL leaves the producer's ledger file in /dev/shm; its consumers clean up.
     ctx, _ = spawn
-    child, handle, _conn = killed_producer(ctx, backend)
+    child, handle, _conn = children.killed_producer(ctx, backend, MiB, pidns)
     path = "/dev/shm" + handle.ledger
     consumer = make(backend)
     try:
@@ -155,7 +147,7 @@ def test_the_last_consumer_of_a_killed_producer_removes_its_ledger(spawn, backen
         except RuntimeError as exc:
             pytest.skip(f"the consumer could not import: {exc}")
         second = consumer.import_(handle)
-        kill(child)
+        children.kill(child)
         assert os.path.exists(path)
         first.close()
         assert os.path.exists(path)               # this process still holds the ledger
@@ -163,15 +155,15 @@ def test_the_last_consumer_of_a_killed_producer_removes_its_ledger(spawn, backen
         assert not os.path.exists(path)
     finally:
         if child.is_alive():
-            kill(child)
+            children.kill(child)
         consumer.close(force=True)
 
 
-def test_a_killed_producers_handle_is_refused_naming_it_and_its_ledger_removed(spawn):
+def test_a_killed_producers_handle_is_refused_naming_it_and_its_ledger_removed(spawn, pidns):
     ctx, _ = spawn
-    child, handle, _conn = killed_producer(ctx, "sim")
+    child, handle, _conn = children.killed_producer(ctx, "sim", MiB, pidns)
     path = "/dev/shm" + handle.ledger
-    kill(child)
+    children.kill(child)
     assert os.path.exists(path)
     consumer = make("sim")
     with pytest.raises(ValueError, match="producer is gone"):

@@ -14,6 +14,13 @@
  * whose pid differs, reads its own. Where /proc does not say (not mounted, or hidepid hides
  * other users' processes) a recorded start time of 0, or an unreadable line, leaves the
  * answer to kill(pid, 0) alone: pid reuse is then not seen.
+ * A pid is a number of one pid namespace, and processes of different ones may share
+ * /dev/shm (containers run with a shared IPC namespace, docker's --ipc=host): there a
+ * recorded pid names nothing, or another process. So a record that any process may judge
+ * (the ledger's creator) carries the recorder's namespace too, the inode of
+ * /proc/self/ns/pid (read once per process, with its start time; 0 where /proc does not
+ * say), and only a process of that same namespace, its own known, judges the pid: to any
+ * other the recorder counts as alive.
  * A pidfd would name a process exactly, but it cannot be written into shared memory for
  * other processes to test, and a pid namespace or an old kernel may lack it: the start time
  * is what any process that can see the pid can check (docs/decisions.md).
@@ -26,6 +33,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "mp_errors.h"
@@ -96,21 +104,44 @@ int mp_proc_start(uint32_t pid, uint64_t *start) {
     return start ? read_stat(pid, start, &state) : MP_EINVAL;
 }
 
-/* This process's pid and start time, stored start first and read pid first, so that a
- * thread that sees its pid sees its start; threads that race store equal values. */
+/* This process's pid, start time and pid namespace, stored pid last and read pid first, so
+ * that a thread that sees its pid sees the rest; threads that race store equal values. A
+ * process's pid namespace is fixed for its life (unshare and setns move only its children),
+ * so a fork child, whose pid differs, reads both afresh. */
 static uint32_t self_pid;
-static uint64_t self_start;
+static uint64_t self_start, self_pidns;
+static uint64_t pidns_as;   /* mp_proc_self_pidns_as's: 0, or the namespace pretended */
+
+static void read_self(uint64_t *start, uint64_t *pidns) {
+    uint32_t me = (uint32_t)getpid();
+    if (__atomic_load_n(&self_pid, __ATOMIC_ACQUIRE) != me) {
+        int saved = errno;
+        uint64_t s = 0;
+        struct stat st;
+        if (mp_proc_start(me, &s) != MP_OK) s = 0;
+        __atomic_store_n(&self_start, s, __ATOMIC_RELAXED);
+        __atomic_store_n(&self_pidns, stat("/proc/self/ns/pid", &st) == 0 ?
+                                      (uint64_t)st.st_ino : 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&self_pid, me, __ATOMIC_RELEASE);
+        errno = saved;
+    }
+    if (start) *start = __atomic_load_n(&self_start, __ATOMIC_RELAXED);
+    if (pidns) *pidns = __atomic_load_n(&self_pidns, __ATOMIC_RELAXED);
+}
 
 uint64_t mp_proc_self_start(void) {
-    uint32_t me = (uint32_t)getpid();
-    if (__atomic_load_n(&self_pid, __ATOMIC_ACQUIRE) == me)
-        return __atomic_load_n(&self_start, __ATOMIC_RELAXED);
-    uint64_t s = 0;
-    if (mp_proc_start(me, &s) != MP_OK) s = 0;
-    __atomic_store_n(&self_start, s, __ATOMIC_RELAXED);
-    __atomic_store_n(&self_pid, me, __ATOMIC_RELEASE);
+    uint64_t s;
+    read_self(&s, NULL);
     return s;
 }
+
+uint64_t mp_proc_self_pidns(void) {
+    uint64_t ns = __atomic_load_n(&pidns_as, __ATOMIC_RELAXED);
+    if (!ns) read_self(NULL, &ns);
+    return ns;
+}
+
+void mp_proc_self_pidns_as(uint64_t ns) { __atomic_store_n(&pidns_as, ns, __ATOMIC_RELAXED); }
 
 int mp_proc_alive(uint32_t pid, uint64_t start, unsigned bits) {
     if (!pid || pid > INT32_MAX) return 0;

@@ -17,6 +17,15 @@ int mp_proc_start(uint32_t pid, uint64_t *start);
  * /proc does not say. */
 uint64_t mp_proc_self_start(void);
 
+/* This process's pid namespace: the inode of /proc/self/ns/pid, read once per process (a
+ * fork child reads its own); 0 where /proc does not say. Pids recorded by a process of
+ * another namespace are not this one's to judge (Note [Process identity]). */
+uint64_t mp_proc_self_pidns(void);
+
+/* Test control: this process takes itself for one of pid namespace `ns` (a fork child
+ * too), so that tests can make processes of "other" namespaces; 0 reads its own again. */
+void mp_proc_self_pidns_as(uint64_t ns);
+
 /* Whether process (pid, start) still runs: kill(pid, 0) finds a process (or is refused
  * with EPERM), it is no zombie, and its start time is `start`. Only the low `bits` bits of
  * the start times are compared (a caller that stores fewer keeps the low ones); a start of 0

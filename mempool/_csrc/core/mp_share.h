@@ -19,8 +19,9 @@
 typedef struct mp_ledger mp_ledger;
 
 /* The producer's: make a ledger (shm_open of a new "/mempool-<pid>-<token>"; its name into
- * name[MP_LEDGER_NAME_MAX]), and destroy it (unmapped and unlinked: consumers that attached
- * keep their mapping; none can attach after). */
+ * name[MP_LEDGER_NAME_MAX]), after unlinking the ledgers of creators that are gone (Note [The
+ * consumers' ledger]), and destroy it (unmapped and unlinked: consumers that attached keep
+ * their mapping; none can attach after). */
 int mp_ledger_create(mp_ledger **out, char *name);
 void mp_ledger_destroy(mp_ledger *l);
 /* A free slot for a block being exported: *slot and its generation *gen (the handle carries
@@ -38,8 +39,9 @@ int mp_ledger_collect(mp_ledger *l, uint32_t slot, uint64_t gen, int retire, siz
 /* The consumer's: attach to a producer's ledger by name (counted per process: one mapping),
  * and let go. MP_EINVAL for a name no ledger has, or a file that is not one;
  * MP_EUNSUPPORTED for a ledger of another version of this layout; MP_ENOTFOUND when the
- * process that made it is gone (killed before its pool closed: the name is unlinked). The
- * last detach of a ledger whose maker is gone unlinks its name. */
+ * process that made it is gone (killed before its pool closed: the name is unlinked; only a
+ * maker of this process's pid namespace is judged). The last detach of a ledger whose maker
+ * is gone unlinks its name. */
 int mp_ledger_attach(const char *name, mp_ledger **out);
 void mp_ledger_detach(mp_ledger *l);
 /* Take a hold on a slot for this process: the hold in flight that `ticket` names becomes

@@ -26,17 +26,25 @@
  * bits, 2^32 ticks apart, is beyond what a lock held this briefly needs.)
  *
  * The ledger's file outlives a producer killed before its pool closed. The header names its
- * creator (pid and start time), so consumers clean up after it: one that attaches to the
- * ledger of a creator that is gone refuses the import (the producer's memory went with it,
- * or is no longer its to give) and unlinks the name; one whose last attachment goes while
- * the creator is gone unlinks it too. Another consumer that won the race finds the name
- * unlinked already (ENOENT), which is fine. A producer killed with no consumer attached
- * then or later leaves the file behind (docs/sharing.md says so).
+ * creator (pid, start time and pid namespace), so others clean up after it: a consumer that
+ * attaches to the ledger of a creator that is gone refuses the import (the producer's memory
+ * went with it, or is no longer its to give) and unlinks the name; one whose last attachment
+ * goes while the creator is gone unlinks it too; and every mp_ledger_create first sweeps
+ * /dev/shm (its first SWEEP_ENTRIES_MAX entries) and unlinks each ledger of this layout that
+ * it may open and whose creator is gone, so a file no consumer attached goes at the next
+ * export anywhere. Whoever loses a race finds the name unlinked already (ENOENT): fine. Only
+ * a process of the creator's pid namespace judges it (Note [Process identity]): to one of
+ * another namespace sharing /dev/shm (a container run with --ipc=host) the creator counts as
+ * alive, so its file waits for a process of its own namespace. Holders and lock words are
+ * judged by pid alone, in the judge's namespace: a consumer of another namespace cannot take
+ * a host or cuda handle's descriptors (they are fetched by the producer's pid), so only a sim
+ * handle opens there, and its holds count as gone to the producer.
  *
  * The header carries a version: a ledger of another layout is refused whole (attach answers
  * MP_EUNSUPPORTED), never read with this one's.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -54,8 +62,10 @@
 #include "mp_share.h"
 
 #define LEDGER_MAGIC 0x52454744454c504dull   /* "MPLEDGER", little-endian */
-#define LEDGER_VERSION 2
+#define LEDGER_VERSION 3
 #define LOCK_START_BITS 32                   /* of the holder's start time in a lock word */
+#define SHM_DIR "/dev/shm"                   /* where shm_open's names live (glibc, musl) */
+#define SWEEP_ENTRIES_MAX 4096               /* directory entries one sweep reads at most */
 
 typedef struct ledger_holder {
     uint32_t pid;      /* 0: in flight (ticket) or empty (count 0) */
@@ -79,6 +89,7 @@ typedef struct ledger_header {
     uint32_t creator;
     uint32_t pad;
     uint64_t creator_start;
+    uint64_t creator_pidns;   /* its pid namespace (mp_proc_self_pidns); 0 unknown */
 } ledger_header;
 
 _Static_assert(__atomic_always_lock_free(sizeof(uint64_t), 0),
@@ -143,7 +154,10 @@ static int map_ledger(int fd, mp_ledger *l) {
     return MP_OK;
 }
 
+static void sweep(void);
+
 int mp_ledger_create(mp_ledger **out, char *name) {
+    sweep();
     mp_ledger *l = calloc(1, sizeof *l);
     if (!l) return MP_ENOMEM;
     int fd = -1;
@@ -172,6 +186,7 @@ int mp_ledger_create(mp_ledger **out, char *name) {
     l->head->nslots = MP_LEDGER_SLOTS;
     l->head->creator = (uint32_t)getpid();
     l->head->creator_start = mp_proc_self_start();
+    l->head->creator_pidns = mp_proc_self_pidns();
     __atomic_store_n(&l->head->magic, LEDGER_MAGIC, __ATOMIC_RELEASE);
     l->owner = 1;
     memcpy(name, l->name, MP_LEDGER_NAME_MAX);
@@ -321,16 +336,23 @@ static int well_formed(const char *name) {
     return strspn(at, "0123456789abcdef") == 16 && at[16] == 0;
 }
 
-/* Whether the process that made the ledger still runs. */
-static int creator_alive(const mp_ledger *l) {
-    return mp_proc_alive(l->head->creator, l->head->creator_start, 64);
+/* Whether the process that made the ledger may still run: one recorded in another pid
+ * namespace than this process's, or where either is unknown, is not this process's to judge
+ * (Note [Process identity] in common/mp_proc.c), and counts as alive. */
+static int creator_alive(const ledger_header *h) {
+    uint64_t mine = mp_proc_self_pidns();
+    if (!mine || h->creator_pidns != mine) return 1;
+    return mp_proc_alive(h->creator, h->creator_start, 64);
 }
 
-/* What the file behind fd holds: MP_OK for a ledger of this layout, MP_EUNSUPPORTED for one
- * of another version, MP_EINVAL for anything else. Only its header is read. */
-static int check_file(int fd) {
+/* What the file behind fd holds: MP_OK for a ledger of this layout (*gone: whether its
+ * creator is gone), MP_EUNSUPPORTED for one of another version, MP_EINVAL for anything else.
+ * Only its header is read. */
+static int check_file(int fd, int *gone) {
     struct stat st;
-    if (fstat(fd, &st) != 0 || (size_t)st.st_size < sizeof(ledger_header)) return MP_EINVAL;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+        (size_t)st.st_size < sizeof(ledger_header))
+        return MP_EINVAL;
     ledger_header *h = mmap(NULL, sizeof *h, PROT_READ, MAP_SHARED, fd, 0);
     if (h == MAP_FAILED) return MP_EINVAL;
     int rc = MP_OK;
@@ -338,8 +360,34 @@ static int check_file(int fd) {
     else if (h->version != LEDGER_VERSION || h->nslots != MP_LEDGER_SLOTS ||
              (size_t)st.st_size != LEDGER_BYTES)
         rc = MP_EUNSUPPORTED;
+    else
+        *gone = !creator_alive(h);
     munmap(h, sizeof *h);
     return rc;
+}
+
+/* Unlink the ledgers whose creators are gone: each well-formed name among the first
+ * SWEEP_ENTRIES_MAX entries of SHM_DIR that this process may open for writing (not another
+ * user's) and that holds a ledger of this layout. Anything else is left; nothing fails. */
+static void sweep(void) {
+    int saved = errno;
+    DIR *dir = opendir(SHM_DIR);
+    struct dirent *e;
+    for (unsigned n = 0; dir && n < SWEEP_ENTRIES_MAX && (e = readdir(dir)); n++) {
+        char name[MP_LEDGER_NAME_MAX] = "/";
+        size_t len = strlen(e->d_name);
+        if (len + 2 > sizeof name) continue;
+        memcpy(name + 1, e->d_name, len + 1);
+        if (!well_formed(name)) continue;
+        int fd = openat(dirfd(dir), e->d_name,
+                        O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+        if (fd < 0) continue;
+        int gone = 0;
+        if (check_file(fd, &gone) == MP_OK && gone) unlinkat(dirfd(dir), e->d_name, 0);
+        close(fd);
+    }
+    if (dir) closedir(dir);
+    errno = saved;
 }
 
 int mp_ledger_attach(const char *name, mp_ledger **out) {
@@ -347,7 +395,7 @@ int mp_ledger_attach(const char *name, mp_ledger **out) {
     pthread_mutex_lock(&attached_mu);
     for (mp_ledger *l = attached; l; l = l->next) {
         if (!strcmp(l->name, name)) {
-            int rc = creator_alive(l) ? MP_OK : MP_ENOTFOUND;
+            int rc = creator_alive(l->head) ? MP_OK : MP_ENOTFOUND;
             if (rc == MP_OK) {
                 l->refs++;
                 *out = l;
@@ -358,16 +406,16 @@ int mp_ledger_attach(const char *name, mp_ledger **out) {
     }
     mp_ledger *l = calloc(1, sizeof *l);
     int fd = l ? shm_open(name, O_RDWR, 0) : -1;
-    int rc = !l ? MP_ENOMEM : fd < 0 ? MP_EINVAL : check_file(fd);
-    if (rc == MP_OK) rc = map_ledger(fd, l);
-    if (fd >= 0) close(fd);
-    if (rc == MP_OK && !creator_alive(l)) {
+    int gone = 0;
+    int rc = !l ? MP_ENOMEM : fd < 0 ? MP_EINVAL : check_file(fd, &gone);
+    if (rc == MP_OK && gone) {
         /* The producer was killed before its pool closed: nothing of it can be opened, and
          * its file is left for whoever finds it so. */
         shm_unlink(name);
-        munmap(l->head, LEDGER_BYTES);
         rc = MP_ENOTFOUND;
     }
+    if (rc == MP_OK) rc = map_ledger(fd, l);
+    if (fd >= 0) close(fd);
     if (rc == MP_OK) {
         snprintf(l->name, sizeof l->name, "%s", name);
         l->refs = 1;
@@ -393,7 +441,7 @@ void mp_ledger_detach(mp_ledger *l) {
         }
         /* The last of this process's holds on a producer killed before its pool closed:
          * its file goes (ENOENT when another consumer's did already). */
-        if (!creator_alive(l)) shm_unlink(l->name);
+        if (!creator_alive(l->head)) shm_unlink(l->name);
         munmap(l->head, LEDGER_BYTES);
         free(l);
     }
