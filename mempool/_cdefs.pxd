@@ -379,6 +379,7 @@ cdef extern from "mp_share.h" nogil:
                           size_t *holds, int *retired)
     int mp_ledger_attach(const char *name, mp_ledger **out)
     void mp_ledger_detach(mp_ledger *l)
+    int mp_ledger_foreign(const mp_ledger *l)
     int mp_ledger_join(mp_ledger *l, uint32_t slot, uint64_t gen, uint64_t ticket)
     int mp_ledger_leave(mp_ledger *l, uint32_t slot, uint64_t gen)
     enum: MP_SHARE_NAME_MAX

@@ -324,6 +324,14 @@ cdef object _share_import(mp_pool *pool, str backend, int device_id, object hand
     if rc != MP_OK:
         raise ValueError(f"import_: the producer's ledger {handle.ledger!r} is gone (its pool "
                          f"closed or its process exited) or is not a ledger")
+    if backend != "sim" and mp_ledger_foreign(ledger):
+        # Its descriptors are taken by the producer's pid, which names another process here.
+        mp_ledger_detach(ledger)
+        raise RuntimeError(f"import_: the producer of 'handle' runs in another pid namespace "
+                           f"(another container): a {backend!r} handle's memory is taken from "
+                           f"the producer by its pid, which names another process here; run "
+                           f"producer and consumer in one pid namespace (docker: --pid=host or "
+                           f"--pid=container:NAME)")
     rc = mp_ledger_join(ledger, slot, gen, ticket)
     if rc != MP_OK:
         mp_ledger_detach(ledger)

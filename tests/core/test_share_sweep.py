@@ -218,3 +218,30 @@ def test_a_live_producer_in_another_pid_namespace_keeps_its_ledger(spawn):
             producer.wait()
     assert producer.returncode == 0
     assert not os.path.exists(path)                 # its pool closed
+
+
+def test_a_host_handle_from_another_pid_namespace_is_refused(spawn, pidns):
+    # A host or cuda handle's descriptors are taken from the producer by its pid; across pid
+    # namespaces that pid names another process, whose descriptor would be mapped instead.
+    ctx, _ = spawn
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=children.produce_and_wait, args=("host", 4096, there, pidns + 1))
+    child.start()
+    consumer = mempool.Pool("host", capacity="64MiB")
+    try:
+        assert here.poll(children.TIMEOUT), "the producer did not export"
+        handle = mempool.SharedHandle.from_bytes(here.recv()[1])
+        with pytest.raises(RuntimeError, match="another pid namespace"):
+            consumer.import_(handle)
+        assert consumer.stats()["allocation.all.current"] == 0
+        with children.pretend_pidns(pidns + 1):     # the producer's own namespace
+            try:
+                consumer.import_(handle).close()
+            except RuntimeError as exc:
+                if "ptrace" in str(exc):
+                    pytest.skip(f"pidfd_getfd refused here: {exc}")
+                raise
+    finally:
+        consumer.close(force=True)
+        here.send(None)                             # the producer ends
+        child.join(children.TIMEOUT)

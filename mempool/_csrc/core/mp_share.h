@@ -44,6 +44,9 @@ int mp_ledger_collect(mp_ledger *l, uint32_t slot, uint64_t gen, int retire, siz
  * is gone unlinks its name. */
 int mp_ledger_attach(const char *name, mp_ledger **out);
 void mp_ledger_detach(mp_ledger *l);
+/* Whether the ledger's maker runs in another pid namespace than this process (both known):
+ * its pid then names another process here, so nothing may be fetched from it by pid. */
+int mp_ledger_foreign(const mp_ledger *l);
 /* Take a hold on a slot for this process: the hold in flight that `ticket` names becomes
  * this process's, or (claimed already: the same handle opened again, or sent to several
  * processes) one more of its own. MP_EINVAL when the slot was given back or holds another

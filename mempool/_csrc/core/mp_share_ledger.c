@@ -37,7 +37,8 @@
  * another namespace sharing /dev/shm (a container run with --ipc=host) the creator counts as
  * alive, so its file waits for a process of its own namespace. Holders and lock words are
  * judged by pid alone, in the judge's namespace: a consumer of another namespace cannot take
- * a host or cuda handle's descriptors (they are fetched by the producer's pid), so only a sim
+ * a host or cuda handle's descriptors (they are fetched by the producer's pid, which names
+ * another process there: import_ refuses such a handle, mp_ledger_foreign), so only a sim
  * handle opens there, and its holds count as gone to the producer.
  *
  * The header carries a version: a ledger of another layout is refused whole (attach answers
@@ -427,6 +428,11 @@ int mp_ledger_attach(const char *name, mp_ledger **out) {
     }
     pthread_mutex_unlock(&attached_mu);
     return rc;
+}
+
+int mp_ledger_foreign(const mp_ledger *l) {
+    uint64_t mine = mp_proc_self_pidns();
+    return l && mine && l->head->creator_pidns && l->head->creator_pidns != mine;
 }
 
 void mp_ledger_detach(mp_ledger *l) {
