@@ -152,6 +152,8 @@ def test_a_trace_tracker_sees_segments_with_history_off(expandable):
     """, prelude=(prelude if expandable else PRELUDE) + build)
 
 
+# Compares the device's free bytes at two moments: another test on the device moves them.
+@pytest.mark.gpu_exclusive
 @pytest.mark.parametrize("allocator", ["pytorch", "mempool"])
 def test_a_trace_tracker_hears_of_a_segment_free_while_its_memory_is_still_held(allocator):
     # PyTorch hands its trackers a segment_free before its cudaFree: ProcessGroupNCCL's

@@ -161,6 +161,8 @@ def test_the_fraction_refuses_what_pytorchs_does_after_runtime_settings():
     """)
 
 
+# Compares the device's free bytes at two moments: another test on the device moves them.
+@pytest.mark.gpu_exclusive
 def test_caching_off_allocates_from_the_driver_outside_the_pool():
     """torch.cuda.caching_allocator_enable(False), as on PyTorch's allocator: each request is
     the driver's cudaMalloc, outside the pool and its statistics, freed by cudaFree whenever
@@ -347,6 +349,8 @@ def test_raw_delete_refuses_a_pointer_no_block_starts_at():
         assert "refused, nothing freed" in out, out
 
 
+# Compares the device's free bytes at two moments: another test on the device moves them.
+@pytest.mark.gpu_exclusive
 def test_empty_cache_gives_the_memory_back_to_the_device():
     # Note [Giving back to the device]: torch.cuda.empty_cache() promises the released memory
     # to other applications and to nvidia-smi. The pool freed its segments into its
