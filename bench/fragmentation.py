@@ -9,12 +9,14 @@ users reach for. The figure of merit is peak reserved bytes over peak live (requ
 bytes: 1.0 means the pool held nothing beyond what the program used at its peak.
 
 Targets: at most 1.02 with expandable segments and 1.10 without. PyTorch's and CuPy's
-figures for these traces, measured on a GPU by bench/fragmentation_gpu.py, are in
-bench/results/h200.json (BENCHMARKS.md); the table's footer quotes them.
+figures for these traces, replayed on a GPU with the trace corpus (`python -m mempool replay
+--corpus --backend cuda`), are in bench/results/<card>.json (BENCHMARKS.md); the table's footer
+quotes them.
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import platform
@@ -114,19 +116,22 @@ def table(rows: list) -> str:
 
 
 def _gpu_results() -> list:
-    """The device's trace replays kept in bench/results/h200.json (bench/render_benchmarks.py),
-    as rows of trace, allocator and peak reserved / peak live."""
-    from bench.collect_results import TRACES
-    path = os.path.join(HERE, "results", "h200.json")
-    try:
-        with open(path) as f:
-            figures = json.load(f).get("figures", [])
-    except (OSError, ValueError):
-        return []
-    names = {short: name for name, short in TRACES.items()}
-    return [{"trace": names.get(f["column"].split()[0]), "allocator": f["row"],
-             "ratio": f["median"]} for f in figures
-            if f.get("unit") == "ratio" and f.get("column", "").endswith("reserved / live")]
+    """The device's replays of these traces in the corpus table of each card's
+    bench/results/<card>.json (bench/render_benchmarks.py), as rows of trace, allocator and
+    peak reserved / peak live."""
+    from bench.collect_results import CORPUS_RATIO_TABLE
+    rows = []
+    for path in sorted(glob.glob(os.path.join(HERE, "results", "*.json"))):
+        try:
+            with open(path) as f:
+                figures = json.load(f).get("figures", [])
+        except (OSError, ValueError):
+            continue
+        for fig in figures:
+            trace = fig.get("row", "").split(" (")[0] + ".jsonl.gz"
+            if fig.get("table") == CORPUS_RATIO_TABLE and trace in TRACES:
+                rows.append({"trace": trace, "allocator": fig["column"], "ratio": fig["median"]})
+    return rows
 
 
 def main(argv=None) -> int:

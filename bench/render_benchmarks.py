@@ -3,7 +3,7 @@
     python bench/render_benchmarks.py            # rewrite BENCHMARKS.md
     python bench/render_benchmarks.py --check    # exit 1 if BENCHMARKS.md is not what it makes
 
-Inputs: bench/results/<card>.json, one per card (h200.json, h100.json), each the figures of
+Inputs: bench/results/<card>.json, one per card (h100.json, h200.json), each the figures of
 that card's latest run of each benchmark. bench/collect_results.py writes such a file from a
 run of bench/gpu_run.sh, so a run's figures replace the card's file whole. Schema:
 
