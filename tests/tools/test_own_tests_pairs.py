@@ -125,13 +125,13 @@ def test_the_budget_is_shared_as_the_pairs_run():
 
 def test_a_pair_without_its_file_is_skipped_and_said(tmp_path, capsys):
     out = tmp_path / "out"
-    assert pairs.main([str(out), "--tests", str(tmp_path), "--only", "cuda-ipc"]) == 1
+    assert pairs.main([str(out), "--tests", str(tmp_path), "--only", "cuda-graphs"]) == 1
     printed = capsys.readouterr().out
-    assert f"cuda-ipc: no file {tmp_path / 'test_cuda.py'}: skipped" in printed
-    assert "own tests: 0 of 1 pairs ran (cuda-ipc: no file)" in printed
+    assert f"cuda-graphs: no file {tmp_path / 'test_cuda.py'}: skipped" in printed
+    assert "own tests: 0 of 1 pairs ran (cuda-graphs: no file)" in printed
     done = json.loads((out / "own-tests-pairs.json").read_text())["pairs"]
-    assert done == [{"name": "cuda-ipc", "file": "test_cuda.py",
-                     "select": dict((n, s) for n, _, s in pairs.PAIRS)["cuda-ipc"],
+    assert done == [{"name": "cuda-graphs", "file": "test_cuda.py",
+                     "select": dict((n, s) for n, _, s in pairs.PAIRS)["cuda-graphs"],
                      "rc": "no file", "seconds": 0}]
 
 
