@@ -305,8 +305,12 @@ def from_corpus(run: dict, path: str) -> list:
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     processes = data.get("processes") or 1
-    command = ("python -m mempool replay --corpus --backend cuda"
-               + (f" --processes {processes}" if processes > 1 else "") + " --json")
+    if data.get("lanes"):   # bench/corpus_lanes.py
+        command = (f"python bench/corpus_lanes.py FILE --lanes {len(data['lanes'])} "
+                   f"--processes {processes}")
+    else:
+        command = ("python -m mempool replay --corpus --backend cuda"
+                   + (f" --processes {processes}" if processes > 1 else "") + " --json")
     figs = []
     for row in data["rows"]:
         label = f"{row['name']} ({row['half']})"

@@ -41,7 +41,7 @@ T_OWNTESTS=${T_OWNTESTS:-540}   # every pair of PyTorch's own tests, each under 
 T_ALLOCPAIRS=${T_ALLOCPAIRS:-150}   # twelve processes of 6-8 s each, and the probe's build
 T_COLDPAIRS=${T_COLDPAIRS:-90}   # eight processes of a few seconds each, and the build
 T_NUMBAOWN=${T_NUMBAOWN:-240}   # both runs of numba-cuda's cudadrv tests (13-15 s each on an H100)
-T_CORPUS=${T_CORPUS:-560}   # 5 columns x 11 traces x CORPUS_PROCESSES processes, most of it start-up
+T_CORPUS=${T_CORPUS:-560}   # 5 columns x 11 traces x CORPUS_PROCESSES processes in CORPUS_LANES lanes, most of it start-up
 STAGES=" ${STAGES:-build tests sanitizer bench churn vmm fragmentation torch allocpairs coldpairs snapshot owntests numbaown} "
 # SANITIZER_GROUPS: a file with one line of pytest arguments per memcheck process (default:
 # one process per file of tests/gpu, and one for the upstream contract's cuda cases; not
@@ -227,11 +227,13 @@ stage torch "$OUT/torch-workloads.log" timeout "$T_TORCH" "$PY" bench/torch_work
 # ---- the trace corpus on the device (mempool/traces/corpus, its tuning and held-out halves):
 # peak reserved over peak live and ns per event of the pool's two modes, PyTorch's two and the
 # driver's own cudaMemPool, each cell replayed in CORPUS_PROCESSES processes of its own
-# (pinned, interleaved; the time is their median, the worst stated). Not in the default
-# stages: with six processes it takes about as long as a call allows, so it runs alone
-# (STAGES="build corpus").
-stage corpus "$OUT/corpus.log" bash -c "timeout $T_CORPUS $PY -m mempool replay --corpus \
-    --backend cuda --processes ${CORPUS_PROCESSES:-6} --json > '$OUT/corpus.json'"
+# (pinned, interleaved; the time is their median, the worst stated), the traces in
+# CORPUS_LANES lanes side by side on CPUs of their own (bench/corpus_lanes.py: one after
+# another, six processes a cell take about 20 minutes; in four lanes on an H100, about 5).
+# Not in the default stages: it runs alone (STAGES="build corpus").
+stage corpus "$OUT/corpus.log" timeout "$T_CORPUS" "$PY" bench/corpus_lanes.py \
+    "$OUT/corpus.json" --lanes "${CORPUS_LANES:-4}" --processes "${CORPUS_PROCESSES:-6}" \
+    --timeout $((T_CORPUS - 20))
 
 # ---- the allocators alone: PyTorch's and mempool's allocate + free timed from C++, and the
 # calls any allocator behind PyTorch's interface makes (bench/torch_allocator_pairs.py): the
