@@ -147,10 +147,17 @@ def _replay(argv) -> int:
         return _compare(path, events, args, extra)
     result = rp.replay(events, conf=args.conf, backend=args.backend, limit=args.limit,
                        timeseries=bool(args.plot), sim_delays_ns=args.sim_delays, **extra)
+    # Where the bytes beyond live ones lay at the peak (sim and host: the pool is read part
+    # way through a replay of its own).
+    at_peak = (rp.peak_excess(events, conf=args.conf, backend=args.backend, limit=args.limit,
+                              **extra)
+               if args.backend != "cuda" and result.peak_reserved_bytes else None)
     if args.json:
         d = result.to_dict()
         d.pop("timeseries", None)
         d["trace"] = path
+        if at_peak:
+            d["at_peak"] = at_peak
         print(json.dumps(d, indent=2, default=str))
     else:
         import mempool
@@ -177,6 +184,12 @@ def _replay(argv) -> int:
         print(f"peak reserved  {fb(result.peak_reserved_bytes, exact=True)}: the most the pool "
               "held from the device (lower is better)")
         print(f"reserved/live  {result.ratio:.3f} (1.000 = no overhead; lower is better)")
+        if at_peak:
+            print(f"at the peak    {fb(at_peak['free_bytes'])} lay free in "
+                  f"{at_peak['free_blocks']:,} cached blocks (the largest "
+                  f"{fb(at_peak['largest_free_bytes'])}) when a "
+                  f"{fb(at_peak['request_bytes'])} request grew the pool, and rounding added "
+                  f"{fb(at_peak['rounding_bytes'])} to live blocks: the excess over live")
         if result.driver_reserved_peak_bytes is not None:
             print(f"driver pool    {fb(result.driver_reserved_peak_bytes, exact=True)} at its "
                   f"peak, {result.driver_reserved_peak_bytes / result.peak_live_bytes:.3f} of "

@@ -22,7 +22,7 @@ import numpy as np
 from mempool._config import BACKENDS
 from mempool.tools import trace as mtrace
 
-__all__ = ["Prepared", "ReplayResult", "prepare", "replay", "pool_at", "stretches",
+__all__ = ["Prepared", "ReplayResult", "prepare", "replay", "pool_at", "peak_excess", "stretches",
            "emptying_ops", "partial_trims", "BACKENDS"]
 
 TIMESERIES_POINTS = 2000
@@ -569,6 +569,56 @@ def _release(pool, ptrs, keep_streams) -> None:
         empty()
 
 
+def _to_peak_reserved(prep: Prepared, conf, backend: str, limit, options) -> tuple:
+    """(pool, live pointers, op index): the replay stopped just after the allocation that
+    takes reserved bytes to their peak (None for the index where none does)."""
+    import mempool
+
+    target = replay(prep, conf=conf, backend=backend, limit=limit,
+                    **options).peak_reserved_bytes
+    handles, _ = _device_streams(prep, backend)
+    ops = prep.ops
+    ptrs = [0] * prep.nslots
+    pool = _make_pool(conf, backend, limit, options)
+    reserved = pool.reserved_bytes
+    for i in range(len(ops)):
+        _run(pool, ops[i:i + 1], handles, ptrs, mempool.OutOfMemoryError, [], i,
+             prep.empty_cache_ops, prep.trim_ops)
+        if ops[i][1] and reserved() >= target:
+            return pool, [p for p in ptrs if p], i
+    return pool, [p for p in ptrs if p], None
+
+
+def peak_excess(events, conf=None, backend: str = "sim", limit=None, **options) -> dict:
+    """Where the bytes the pool holds beyond the live ones lie at the moment reserved bytes
+    reach their peak: just after the request that took them there (the cached blocks then
+    free could not serve it, or the pool would not have grown).
+
+    Returns a dict: ``request_bytes`` (that request; 0 where nothing was reserved),
+    ``reserved_bytes``, ``live_bytes`` (the requested sizes of the blocks then live),
+    ``rounding_bytes`` (what the pool's rounding added to them), ``free_bytes`` in
+    ``free_blocks`` cached blocks, the largest of them ``largest_free_bytes``, and
+    ``segments``. backend is 'sim' or 'host', as for :func:`pool_at`."""
+    if backend == "cuda":
+        raise ValueError("peak_excess: backend must be 'sim' or 'host' (the pool is read "
+                         "part way through the replay)")
+    prep = prepare(events)
+    pool, ptrs, at = _to_peak_reserved(prep, conf, backend, limit, options)
+    try:
+        segments = pool.snapshot()["segments"]
+    finally:
+        for p in ptrs:
+            pool.free(p)
+    free = [b["size"] for seg in segments for b in seg["blocks"] if b["state"] == "inactive"]
+    allocated = sum(seg["allocated_size"] for seg in segments)
+    live = sum(seg["requested_size"] for seg in segments)
+    return {"request_bytes": int(prep.ops[at][1]) if at is not None else 0,
+            "reserved_bytes": sum(seg["total_size"] for seg in segments),
+            "live_bytes": live, "rounding_bytes": allocated - live,
+            "free_bytes": sum(free), "free_blocks": len(free),
+            "largest_free_bytes": max(free, default=0), "segments": len(segments)}
+
+
 def pool_at(events, stop="peak_reserved", conf=None, backend: str = "sim", limit=None,
             **options):
     """The pool as it stands part way through a replay, for a snapshot or a segment map.
@@ -600,16 +650,8 @@ def pool_at(events, stop="peak_reserved", conf=None, backend: str = "sim", limit
         live = np.cumsum(prep.deltas)
         stop = int(live.argmax()) + 1 if len(live) else 0
     if stop == "peak_reserved":
-        target = replay(prep, conf=conf, backend=backend, limit=limit,
-                        **options).peak_reserved_bytes
-        pool = _make_pool(conf, backend, limit, options)
-        reserved = pool.reserved_bytes
-        for i in range(len(ops)):
-            _run(pool, ops[i:i + 1], handles, ptrs, oom_error, [], i, prep.empty_cache_ops,
-                 prep.trim_ops)
-            if ops[i][1] and reserved() >= target:
-                break
-        return pool, [p for p in ptrs if p]
+        pool, ptrs, _ = _to_peak_reserved(prep, conf, backend, limit, options)
+        return pool, ptrs
     if isinstance(stop, bool) or not isinstance(stop, int) or not 0 <= stop <= len(ops):
         raise ValueError(f"pool_at: stop must be an int in [0, {len(ops)}], 'peak_reserved' "
                          f"or 'peak_live'; got {stop!r}")

@@ -224,6 +224,31 @@ def test_pool_at(small):
         rp.pool_at(small, stop=-1)
 
 
+@pytest.mark.parametrize("conf", [None, "expandable_segments:True"])
+def test_peak_excess_names_the_hole_the_growing_request_did_not_fit(conf):
+    # A 20 MiB hole between two live blocks, then a 30 MiB request: the pool grows, and at
+    # that peak the hole is the excess over live.
+    MiB = 1 << 20
+    events = [Event("alloc", 1, 20 * MiB, 0, 0), Event("alloc", 2, 20 * MiB, 0, 1),
+              Event("alloc", 3, 20 * MiB, 0, 2), Event("free", 2, 0, 0, 3),
+              Event("alloc", 4, 30 * MiB, 0, 4)]
+    at = rp.peak_excess(events, conf=conf)
+    assert at["request_bytes"] == 30 * MiB
+    assert at["free_bytes"] == at["largest_free_bytes"] == 20 * MiB and at["free_blocks"] == 1
+    assert at["live_bytes"] == 70 * MiB
+    assert at["reserved_bytes"] == rp.replay(events, conf=conf).peak_reserved_bytes
+
+
+def test_peak_excess_adds_up_to_the_peak(small):
+    at = rp.peak_excess(small)
+    assert at["reserved_bytes"] == rp.replay(small).peak_reserved_bytes
+    assert at["reserved_bytes"] == at["live_bytes"] + at["rounding_bytes"] + at["free_bytes"]
+    assert at["request_bytes"] in {op[1] for op in rp.prepare(small).ops if op[1]}
+    with pytest.raises(ValueError, match="backend must be 'sim' or 'host'"):
+        rp.peak_excess(small, backend="cuda")
+    assert rp.peak_excess([])["request_bytes"] == 0
+
+
 def test_replay_100k_events(benchmark):
     """The speed bar: 100,000 events in well under a second on sim (a benchmark, reported)."""
     tr = mt.load(os.path.join(TRACES, "transformer_train.jsonl.gz"))

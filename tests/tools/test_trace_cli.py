@@ -31,6 +31,15 @@ def test_replay_json_and_conf(capsys):
     assert d["num_ooms"] == 0 and d["ratio"] >= 1.0
 
 
+def test_replay_says_where_the_excess_lay_at_the_peak(capsys):
+    assert cli_trace.main("replay", [SMALL]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("at the peak")]
+    assert len(line) == 1 and "cached blocks (the largest" in line[0], line
+    assert cli_trace.main("replay", [SMALL, "--json"]) == 0
+    at = json.loads(capsys.readouterr().out)["at_peak"]
+    assert at["reserved_bytes"] == at["live_bytes"] + at["rounding_bytes"] + at["free_bytes"]
+
+
 def test_replay_under_a_limit_reports_ooms(capsys):
     assert cli_trace.main("replay", [SMALL, "--limit", "20MB"]) == 0
     out = capsys.readouterr().out
