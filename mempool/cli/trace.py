@@ -185,11 +185,14 @@ def _replay(argv) -> int:
               "held from the device (lower is better)")
         print(f"reserved/live  {result.ratio:.3f} (1.000 = no overhead; lower is better)")
         if at_peak:
-            print(f"at the peak    {fb(at_peak['free_bytes'])} lay free in "
-                  f"{at_peak['free_blocks']:,} cached blocks (the largest "
-                  f"{fb(at_peak['largest_free_bytes'])}) when a "
-                  f"{fb(at_peak['request_bytes'])} request grew the pool, and rounding added "
-                  f"{fb(at_peak['rounding_bytes'])} to live blocks: the excess over live")
+            print(f"at the peak    a {fb(at_peak['request_bytes'])} request grew the pool; "
+                  f"just before it, {fb(at_peak['free_before_its_kind'])} lay free in "
+                  f"{at_peak['request_kind'] or 'no'} segments of its stream, where it was "
+                  f"looked for (the largest "
+                  f"{fb(at_peak['largest_free_before_its_kind'])}); then "
+                  f"{fb(at_peak['free_bytes'])} lay free in {at_peak['free_blocks']:,} cached "
+                  f"blocks (the largest {fb(at_peak['largest_free_bytes'])}) and rounding had "
+                  f"added {fb(at_peak['rounding_bytes'])} to live blocks")
         if result.driver_reserved_peak_bytes is not None:
             print(f"driver pool    {fb(result.driver_reserved_peak_bytes, exact=True)} at its "
                   f"peak, {result.driver_reserved_peak_bytes / result.peak_live_bytes:.3f} of "

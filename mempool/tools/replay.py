@@ -570,8 +570,9 @@ def _release(pool, ptrs, keep_streams) -> None:
 
 
 def _to_peak_reserved(prep: Prepared, conf, backend: str, limit, options) -> tuple:
-    """(pool, live pointers, op index): the replay stopped just after the allocation that
-    takes reserved bytes to their peak (None for the index where none does)."""
+    """(pool, live pointers, op index, that allocation's pointer): the replay stopped just
+    after the allocation that takes reserved bytes to their peak (None for the index, and 0
+    for the pointer, where none does)."""
     import mempool
 
     target = replay(prep, conf=conf, backend=backend, limit=limit,
@@ -585,38 +586,57 @@ def _to_peak_reserved(prep: Prepared, conf, backend: str, limit, options) -> tup
         _run(pool, ops[i:i + 1], handles, ptrs, mempool.OutOfMemoryError, [], i,
              prep.empty_cache_ops, prep.trim_ops)
         if ops[i][1] and reserved() >= target:
-            return pool, [p for p in ptrs if p], i
-    return pool, [p for p in ptrs if p], None
+            return pool, [p for p in ptrs if p], i, ptrs[ops[i][0]]
+    return pool, [p for p in ptrs if p], None, 0
 
 
 def peak_excess(events, conf=None, backend: str = "sim", limit=None, **options) -> dict:
     """Where the bytes the pool holds beyond the live ones lie at the moment reserved bytes
-    reach their peak: just after the request that took them there (the cached blocks then
-    free could not serve it, or the pool would not have grown).
+    reach their peak, just after the request that took them there, and what that request
+    found free just before it.
 
-    Returns a dict: ``request_bytes`` (that request; 0 where nothing was reserved),
-    ``reserved_bytes``, ``live_bytes`` (the requested sizes of the blocks then live),
+    Returns a dict: ``request_bytes`` (that request; 0 where nothing was reserved) and at the
+    peak ``reserved_bytes``, ``live_bytes`` (the requested sizes of the blocks then live),
     ``rounding_bytes`` (what the pool's rounding added to them), ``free_bytes`` in
     ``free_blocks`` cached blocks, the largest of them ``largest_free_bytes``, and
-    ``segments``. backend is 'sim' or 'host', as for :func:`pool_at`."""
+    ``segments``; then ``request_kind`` (the segments it went to: "small" or "large") and,
+    just before it, the bytes free in segments of that kind on its stream, where it was
+    looked for (``free_before_its_kind``, the largest ``largest_free_before_its_kind``).
+    backend is 'sim' or 'host', as for :func:`pool_at`."""
     if backend == "cuda":
         raise ValueError("peak_excess: backend must be 'sim' or 'host' (the pool is read "
                          "part way through the replay)")
     prep = prepare(events)
-    pool, ptrs, at = _to_peak_reserved(prep, conf, backend, limit, options)
-    try:
-        segments = pool.snapshot()["segments"]
-    finally:
-        for p in ptrs:
-            pool.free(p)
-    free = [b["size"] for seg in segments for b in seg["blocks"] if b["state"] == "inactive"]
+
+    def read(pool, ptrs):
+        try:
+            return pool.snapshot()["segments"]
+        finally:
+            for p in ptrs:
+                pool.free(p)
+
+    def free_in(segments):
+        return [b["size"] for seg in segments for b in seg["blocks"] if b["state"] == "inactive"]
+
+    pool, ptrs, at, ptr = _to_peak_reserved(prep, conf, backend, limit, options)
+    segments = read(pool, ptrs)
+    mine = next((seg for seg in segments
+                 if ptr and seg["address"] <= ptr < seg["address"] + seg["total_size"]), None)
+    kin = []
+    if mine is not None:
+        before = read(*pool_at(prep, at, conf, backend, limit, **options))
+        kin = free_in([seg for seg in before if (seg["segment_type"], seg["stream"]) ==
+                       (mine["segment_type"], mine["stream"])])
+    free = free_in(segments)
     allocated = sum(seg["allocated_size"] for seg in segments)
     live = sum(seg["requested_size"] for seg in segments)
     return {"request_bytes": int(prep.ops[at][1]) if at is not None else 0,
             "reserved_bytes": sum(seg["total_size"] for seg in segments),
             "live_bytes": live, "rounding_bytes": allocated - live,
             "free_bytes": sum(free), "free_blocks": len(free),
-            "largest_free_bytes": max(free, default=0), "segments": len(segments)}
+            "largest_free_bytes": max(free, default=0), "segments": len(segments),
+            "request_kind": mine["segment_type"] if mine else None,
+            "free_before_its_kind": sum(kin), "largest_free_before_its_kind": max(kin, default=0)}
 
 
 def pool_at(events, stop="peak_reserved", conf=None, backend: str = "sim", limit=None,
@@ -650,7 +670,7 @@ def pool_at(events, stop="peak_reserved", conf=None, backend: str = "sim", limit
         live = np.cumsum(prep.deltas)
         stop = int(live.argmax()) + 1 if len(live) else 0
     if stop == "peak_reserved":
-        pool, ptrs, _ = _to_peak_reserved(prep, conf, backend, limit, options)
+        pool, ptrs, _, _ = _to_peak_reserved(prep, conf, backend, limit, options)
         return pool, ptrs
     if isinstance(stop, bool) or not isinstance(stop, int) or not 0 <= stop <= len(ops):
         raise ValueError(f"pool_at: stop must be an int in [0, {len(ops)}], 'peak_reserved' "

@@ -237,6 +237,21 @@ def test_peak_excess_names_the_hole_the_growing_request_did_not_fit(conf):
     assert at["free_bytes"] == at["largest_free_bytes"] == 20 * MiB and at["free_blocks"] == 1
     assert at["live_bytes"] == 70 * MiB
     assert at["reserved_bytes"] == rp.replay(events, conf=conf).peak_reserved_bytes
+    assert at["request_kind"] == "large"
+    assert at["free_before_its_kind"] == at["largest_free_before_its_kind"] == 20 * MiB
+
+
+def test_peak_excess_counts_apart_what_the_other_kind_holds():
+    # Large free blocks cannot serve a small request: a 512 KiB request that grows the pool
+    # while 40 MiB lies free in large segments finds none of it in its own kind.
+    MiB = 1 << 20
+    events = [Event("alloc", 1, 20 * MiB, 0, 0), Event("alloc", 2, 20 * MiB, 0, 1),
+              Event("alloc", 3, 20 * MiB, 0, 2), Event("free", 2, 0, 0, 3),
+              Event("alloc", 4, 512 << 10, 0, 4)]
+    at = rp.peak_excess(events)
+    assert at["request_bytes"] == 512 << 10 and at["request_kind"] == "small"
+    assert at["free_bytes"] >= 20 * MiB
+    assert at["free_before_its_kind"] == 0
 
 
 def test_peak_excess_adds_up_to_the_peak(small):
