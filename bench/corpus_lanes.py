@@ -4,8 +4,8 @@
                                  [--corpus DIR] [--timeout S]
 
 With six processes a cell, the corpus replays 5 columns x 11 traces x 6 processes, most of
-it each process's start (a PyTorch, a CUDA context): about 20 minutes one after another,
-longer than a call on the device allows. Here the traces are dealt round-robin into lanes,
+it each process's start (a PyTorch, a CUDA context): one after another, longer than a call on
+the device allows (docs/decisions.md). Here the traces are dealt round-robin into lanes,
 each lane a ``python -m mempool replay --corpus LANE --processes N --json`` of its own,
 pinned to its own CPUs (this process's set cut in equal parts), the lanes running at once;
 within a lane each cell's processes still take turns with the other columns'
@@ -34,6 +34,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from mempool.tools.corpus import _summary  # noqa: E402
+from mempool.tools.corpus_processes import processes_error  # noqa: E402
 
 DEFAULT_CORPUS = os.path.join(ROOT, "mempool", "traces", "corpus")
 
@@ -82,6 +83,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not 1 <= args.lanes <= 64:
         ap.error(f"--lanes: expected a whole number from 1 to 64; got {args.lanes}")
+    error = processes_error(args.processes)
+    if error:
+        ap.error(f"--processes: {error}")
     with open(os.path.join(args.corpus, "manifest.json"), encoding="utf-8") as f:
         manifest = json.load(f)
     dealt = deal(manifest, args.lanes)

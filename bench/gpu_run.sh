@@ -229,7 +229,7 @@ stage torch "$OUT/torch-workloads.log" timeout "$T_TORCH" "$PY" bench/torch_work
 # driver's own cudaMemPool, each cell replayed in CORPUS_PROCESSES processes of its own
 # (pinned, interleaved; the time is their median, the worst stated), the traces in
 # CORPUS_LANES lanes side by side on CPUs of their own (bench/corpus_lanes.py: one after
-# another, six processes a cell take about 20 minutes; in four lanes on an H100, about 5).
+# another, six processes a cell outlast a call; docs/decisions.md).
 # Not in the default stages: it runs alone (STAGES="build corpus").
 stage corpus "$OUT/corpus.log" timeout "$T_CORPUS" "$PY" bench/corpus_lanes.py \
     "$OUT/corpus.json" --lanes "${CORPUS_LANES:-4}" --processes "${CORPUS_PROCESSES:-6}" \

@@ -309,12 +309,18 @@ def _run(pool, ops, handles, ptrs, oom_error, ooms, start=0, empties=(), trims=(
     if empties or trims:
         for at, keep in _cache_calls(empties, trims, start, start + len(ops)):
             _run_ops(pool, ops[:at - start], handles, ptrs, oom_error, ooms, start)
-            if keep is None:
-                pool.empty_cache()
-            else:
-                pool.trim(keep)
+            _cache_call(pool, keep)
             ops, start = ops[at - start:], at
     _run_ops(pool, ops, handles, ptrs, oom_error, ooms, start)
+
+
+def _cache_call(pool, keep) -> None:
+    """One of the program's cache calls (:func:`_cache_calls`): empty_cache() for keep None,
+    else trim(keep)."""
+    if keep is None:
+        pool.empty_cache()
+    else:
+        pool.trim(keep)
 
 
 def _cache_calls(empties, trims, start, end) -> list:
@@ -624,7 +630,11 @@ def peak_excess(events, conf=None, backend: str = "sim", limit=None, **options) 
                  if ptr and seg["address"] <= ptr < seg["address"] + seg["total_size"]), None)
     kin = []
     if mine is not None:
-        before = read(*pool_at(prep, at, conf, backend, limit, **options))
+        # Before it: the ops ahead of it, then the program's cache calls just before it.
+        pool, ptrs = pool_at(prep, at, conf, backend, limit, **options)
+        for _, keep in _cache_calls(prep.empty_cache_ops, prep.trim_ops, at, at + 1):
+            _cache_call(pool, keep)
+        before = read(pool, ptrs)
         kin = free_in([seg for seg in before if (seg["segment_type"], seg["stream"]) ==
                        (mine["segment_type"], mine["stream"])])
     free = free_in(segments)
@@ -660,18 +670,18 @@ def pool_at(events, stop="peak_reserved", conf=None, backend: str = "sim", limit
     if backend == "cuda":
         raise ValueError("pool_at: backend must be 'sim' or 'host' (the pool is handed back "
                          "live, and a cuda replay's streams would not outlive this call)")
+    if isinstance(stop, str) and stop == "peak_reserved":
+        pool, ptrs, _, _ = _to_peak_reserved(prep, conf, backend, limit, options)
+        return pool, ptrs
     import mempool
 
     oom_error = mempool.OutOfMemoryError
     handles, _ = _device_streams(prep, backend)
     ops = prep.ops
     ptrs = [0] * prep.nslots
-    if stop == "peak_live":
+    if isinstance(stop, str) and stop == "peak_live":
         live = np.cumsum(prep.deltas)
         stop = int(live.argmax()) + 1 if len(live) else 0
-    if stop == "peak_reserved":
-        pool, ptrs, _, _ = _to_peak_reserved(prep, conf, backend, limit, options)
-        return pool, ptrs
     if isinstance(stop, bool) or not isinstance(stop, int) or not 0 <= stop <= len(ops):
         raise ValueError(f"pool_at: stop must be an int in [0, {len(ops)}], 'peak_reserved' "
                          f"or 'peak_live'; got {stop!r}")

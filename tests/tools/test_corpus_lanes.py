@@ -85,3 +85,11 @@ def test_the_published_table_names_the_lanes_command(tmp_path):
     figures = collect_results.from_corpus(run, str(out))
     assert figures and {f["command"] for f in figures} == {
         "python bench/corpus_lanes.py FILE --lanes 2 --processes 2"}
+
+
+def test_a_process_count_out_of_range_is_refused_before_any_lane_starts(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        corpus_lanes.main([str(tmp_path / "x.json"), "--processes", "0", "--backend", "sim"])
+    assert exc.value.code == 2
+    assert "--processes: expected a whole number from 1 to 64" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

@@ -254,6 +254,18 @@ def test_peak_excess_counts_apart_what_the_other_kind_holds():
     assert at["free_before_its_kind"] == 0
 
 
+def test_peak_excess_sees_the_program_empty_the_cache_just_before_the_request():
+    # The free 20 MiB segment went back at the program's empty_cache, before the request
+    # that set the peak: the request found nothing free.
+    MiB = 1 << 20
+    events = [Event("alloc", 1, 20 * MiB, 0, 0), Event("alloc", 2, 20 * MiB, 0, 1),
+              Event("free", 2, 0, 0, 2), Event("empty_cache", 0, 0, 0, 3),
+              Event("alloc", 3, 30 * MiB, 0, 4)]
+    at = rp.peak_excess(events)
+    assert at["request_bytes"] == 30 * MiB and at["reserved_bytes"] == 50 * MiB
+    assert at["free_before_its_kind"] == 0
+
+
 def test_peak_excess_adds_up_to_the_peak(small):
     at = rp.peak_excess(small)
     assert at["reserved_bytes"] == rp.replay(small).peak_reserved_bytes
